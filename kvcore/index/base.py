@@ -1,0 +1,91 @@
+"""The cluster index interface: which worker holds which block keys, in which tier.
+
+Contract (every backend):
+
+- Keys are our block keys (:mod:`kvcore.block_keys`), unsigned 64-bit ints; a worker is its id
+  string; a tier is one of :data:`TIERS` (``gpu`` = vLLM's prefix cache, ``cpu``/``ssd`` = the
+  offload agent's tiers).
+- Stores are reference-counted per (key, worker, tier): vLLM may store the same block twice and
+  later remove it twice; a block stays present until its last copy is removed. Removing a key that
+  is not present is a no-op (counted by the caller if it cares).
+- :meth:`KVIndex.match` returns, for every worker that holds block 0 of the prompt, the longest
+  run of consecutive keys from block 0 that the worker holds in some tier, split by the best tier
+  (gpu > cpu > ssd) as :class:`TierMatch`: ``gpu`` = length of the consecutive gpu run from block
+  0 (what vLLM's own prefix cache can hit), ``cpu`` = blocks after that run that are in gpu or cpu,
+  ``ssd`` = the rest of the run. Workers holding nothing are absent from the result.
+- Speculative entries (:meth:`KVIndex.store_speculative`) count as ``gpu`` until their TTL passes.
+  The gateway writes them for the prompt it just routed: the only knowledge in approximate mode
+  (workers without KV events) and a bridge until the worker's events confirm the blocks.
+- All methods are coroutines; the in-memory backend never suspends. Safe for one event loop.
+"""
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+TIERS: tuple[str, ...] = ("gpu", "cpu", "ssd")
+TIER_GPU, TIER_CPU, TIER_SSD = TIERS
+
+
+def check_tier(tier: str) -> int:
+    """Index of ``tier`` in :data:`TIERS`. Raises ValueError for an unknown tier name."""
+    try:
+        return TIERS.index(tier)
+    except ValueError:
+        raise ValueError(f"unknown tier {tier!r}; expected one of {TIERS}") from None
+
+
+@dataclass
+class TierMatch:
+    """One worker's match for a prompt, in blocks: consecutive from block 0, split by tier."""
+
+    gpu: int = 0
+    cpu: int = 0
+    ssd: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.gpu + self.cpu + self.ssd
+
+    def as_dict(self) -> dict[str, int]:
+        return {"gpu": self.gpu, "cpu": self.cpu, "ssd": self.ssd}
+
+
+@dataclass
+class WorkerIndexStats:
+    """Blocks a worker holds per tier (confirmed entries) plus live speculative entries."""
+
+    blocks: dict[str, int] = field(default_factory=lambda: {t: 0 for t in TIERS})
+    speculative_blocks: int = 0
+
+
+class KVIndex(abc.ABC):
+    """Abstract index backend; see the module docstring for the contract."""
+
+    @abc.abstractmethod
+    async def store(self, worker: str, tier: str, keys: Sequence[int]) -> None:
+        """Add one reference to each (key, worker, tier). Raises ValueError on an unknown tier."""
+
+    @abc.abstractmethod
+    async def remove(self, worker: str, tier: str, keys: Sequence[int]) -> int:
+        """Drop one reference to each (key, worker, tier); returns how many keys were not present."""
+
+    @abc.abstractmethod
+    async def clear_worker(self, worker: str, tier: str | None = None) -> None:
+        """Forget everything ``worker`` holds (in ``tier`` only, when given), speculative included."""
+
+    @abc.abstractmethod
+    async def store_speculative(self, worker: str, keys: Sequence[int], ttl_s: float) -> None:
+        """Mark ``keys`` as held on ``worker``'s gpu tier for ``ttl_s`` seconds (refreshes TTL)."""
+
+    @abc.abstractmethod
+    async def match(self, keys: Sequence[int]) -> dict[str, TierMatch]:
+        """Per worker, the longest consecutive run of ``keys`` from block 0, split by tier."""
+
+    @abc.abstractmethod
+    async def stats(self) -> dict[str, WorkerIndexStats]:
+        """Per worker block counts by tier."""
+
+    async def close(self) -> None:
+        """Release connections (no-op for in-memory)."""

@@ -1,0 +1,219 @@
+"""Prompt token ids exactly as vLLM makes them, from an OpenAI request body.
+
+vLLM 0.32's path (``renderers/online_renderer.py`` -> ``renderers/hf.py``, ``chat_utils.py``):
+
+- chat: messages are parsed (text parts of a multi-part content joined with "\\n" when the
+  template takes string content; kept as ``[{"type": "text", "text": ...}]`` parts when it loops
+  over content), assistant ``tool_calls`` arguments turned from JSON strings into dicts, then
+  rendered with the model's chat template (``tokenize=False``) with ``tools``, ``documents``,
+  ``add_generation_prompt`` (default True), ``continue_final_message``, ``reasoning_effort`` and
+  the request's ``chat_template_kwargs``; the text is encoded with
+  ``add_special_tokens`` (default **False** for chat: the template supplies BOS itself).
+- completions: ``prompt`` is a string, a list of strings, a list of token ids or a list of lists
+  of token ids; strings are encoded with ``add_special_tokens`` (default **True**).
+
+Inputs we cannot reproduce exactly (images, audio, video, files, prompt embeddings) raise
+:class:`UnsupportedPrompt`; the gateway then routes by load and counts a fallback.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+
+class UnsupportedPrompt(Exception):
+    """The request's token ids cannot be made exactly (e.g. it carries an image)."""
+
+
+class BadPrompt(ValueError):
+    """The request body is malformed (missing or ill-typed prompt/messages): a client error."""
+
+
+_TEXT_PART_TYPES = {"text", "input_text"}
+_OPENAI_CONTENT_RE = re.compile(r"for\s+\w+\s+in\s+\w+(\[['\"]content['\"]\]|\.content)")
+
+
+class PromptTokenizer:
+    """Renders and tokenizes request bodies for one model directory (HF tokenizer + template).
+
+    ``model_dir``: a directory holding ``tokenizer.json``/``tokenizer_config.json`` and a chat
+    template (``chat_template.jinja`` or in the tokenizer config). Construction loads the tokenizer
+    (tens of ms); the methods are thread-safe for concurrent reads (HF fast tokenizers are), so the
+    gateway runs them in a thread pool off its event loop.
+    """
+
+    def __init__(self, model_dir: str | Path) -> None:
+        from transformers import AutoTokenizer  # heavy import: only when a tokenizer is made
+
+        self.model_dir = str(model_dir)
+        self._tok = AutoTokenizer.from_pretrained(self.model_dir)
+        template = getattr(self._tok, "chat_template", None)
+        if isinstance(template, dict):
+            template = template.get("default") or next(iter(template.values()), None)
+        self._template: str | None = template
+        self.content_format = "openai" if template and _OPENAI_CONTENT_RE.search(template) else "string"
+
+    # ---- chat ---------------------------------------------------------------------------------
+    def render_chat(self, body: dict[str, Any]) -> str:
+        """The chat template's output text for a chat-completions body (vLLM's kwargs)."""
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadPrompt("'messages' must be a non-empty list")
+        conversation = [self._parse_message(m, i) for i, m in enumerate(messages)]
+        kwargs: dict[str, Any] = {}
+        extra = body.get("chat_template_kwargs")
+        if extra is not None:
+            if not isinstance(extra, dict):
+                raise BadPrompt("'chat_template_kwargs' must be an object")
+            kwargs.update(extra)
+        kwargs["add_generation_prompt"] = bool(body.get("add_generation_prompt", True))
+        kwargs["continue_final_message"] = bool(body.get("continue_final_message", False))
+        if kwargs["add_generation_prompt"] and kwargs["continue_final_message"]:
+            raise BadPrompt("'add_generation_prompt' and 'continue_final_message' are exclusive")
+        if body.get("reasoning_effort") is not None:
+            kwargs["reasoning_effort"] = body["reasoning_effort"]
+            kwargs["enable_thinking"] = body["reasoning_effort"] != "none"
+        tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise BadPrompt("'tools' must be a list")
+        template = body.get("chat_template") or self._template
+        if template is None:
+            raise UnsupportedPrompt("model has no chat template")
+        try:
+            return self._tok.apply_chat_template(
+                conversation, tools=_normalize_tools(tools), documents=body.get("documents"),
+                chat_template=template, tokenize=False, **kwargs)
+        except (BadPrompt, UnsupportedPrompt):
+            raise
+        except Exception as exc:  # jinja raise_exception, template errors
+            raise BadPrompt(f"chat template failed: {exc}") from None
+
+    def encode_chat(self, body: dict[str, Any]) -> list[int]:
+        """Prompt token ids of a chat-completions body. Raises BadPrompt / UnsupportedPrompt."""
+        text = self.render_chat(body)
+        return self.encode_text(text, bool(body.get("add_special_tokens", False)))
+
+    def _parse_message(self, msg: Any, index: int) -> dict[str, Any]:
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+            raise BadPrompt(f"messages[{index}] must be an object with a string 'role'")
+        role = msg["role"]
+        content = msg.get("content")
+        if content is None:
+            parts: list[str] = []
+        elif isinstance(content, str):
+            parts = [content]
+        elif isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if isinstance(part, str):
+                    parts.append(part)
+                    continue
+                if not isinstance(part, dict):
+                    raise BadPrompt(f"messages[{index}].content[{j}] must be an object")
+                kind = part.get("type")
+                if kind in _TEXT_PART_TYPES or (kind is None and "text" in part):
+                    parts.append(str(part.get("text", "")))
+                elif kind == "refusal":
+                    parts.append(str(part.get("refusal", "")))
+                else:
+                    raise UnsupportedPrompt(f"content part of type {kind!r}")
+        else:
+            raise BadPrompt(f"messages[{index}].content must be a string or a list")
+        if self.content_format == "openai":
+            out: dict[str, Any] = {"role": role, "content": [{"type": "text", "text": p} for p in parts]}
+        else:
+            out = {"role": role, "content": "\n".join(parts)}
+        if role == "assistant":
+            calls = msg.get("tool_calls")
+            if calls is not None:
+                out["tool_calls"] = _normalize_tool_calls(calls, index)
+            reasoning = msg.get("reasoning") or msg.get("reasoning_content")
+            if reasoning is not None:
+                out["reasoning"] = reasoning
+                out["reasoning_content"] = reasoning
+        elif role == "tool" and "tool_call_id" in msg:
+            out["tool_call_id"] = msg["tool_call_id"]
+        if isinstance(msg.get("name"), str):
+            out["name"] = msg["name"]
+        return out
+
+    # ---- completions --------------------------------------------------------------------------
+    def encode_completion(self, body: dict[str, Any]) -> list[list[int]]:
+        """Token ids of each prompt in a completions body (vLLM makes one request per prompt).
+
+        Raises BadPrompt when ``prompt`` is missing or ill-typed.
+        """
+        prompt = body.get("prompt")
+        add_special = bool(body.get("add_special_tokens", True))
+        if isinstance(prompt, str):
+            return [self.encode_text(prompt, add_special)]
+        if isinstance(prompt, list) and prompt:
+            if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                return [list(prompt)]
+            if all(isinstance(p, str) for p in prompt):
+                return [self.encode_text(p, add_special) for p in prompt]
+            if all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompt):
+                return [list(p) for p in prompt]
+        if body.get("prompt_embeds") is not None:
+            raise UnsupportedPrompt("prompt_embeds")
+        raise BadPrompt("'prompt' must be a string, a list of strings, or token ids")
+
+    def encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
+        """``tokenizer(text, add_special_tokens=...)['input_ids']``, as vLLM encodes."""
+        return list(self._tok(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids`` (special tokens kept)."""
+        return self._tok.decode(list(token_ids))
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._tok.eos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tok)
+
+
+def _normalize_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
+    """Tools as vLLM hands them to the template: each ``ChatCompletionToolsParam.model_dump()``,
+    i.e. ``{"type": "function", "function": {"name", "description", "parameters", ...}}`` with
+    absent optional fields present as None."""
+    if tools is None:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or not isinstance(tool.get("function"), dict):
+            raise BadPrompt(f"tools[{i}] must be an object with a 'function' object")
+        fn = dict(tool["function"])
+        if not isinstance(fn.get("name"), str):
+            raise BadPrompt(f"tools[{i}].function.name must be a string")
+        fn.setdefault("description", None)
+        fn.setdefault("parameters", None)
+        out.append({"type": tool.get("type", "function"), "function": fn})
+    return out
+
+
+def _normalize_tool_calls(calls: Any, index: int) -> list[dict[str, Any]]:
+    """vLLM's ``_postprocess_messages``: tool-call arguments become dicts (JSON parsed)."""
+    if not isinstance(calls, list):
+        raise BadPrompt(f"messages[{index}].tool_calls must be a list")
+    out = []
+    for call in calls:
+        if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+            raise BadPrompt(f"messages[{index}].tool_calls entries need a 'function' object")
+        call = copy.deepcopy(call)
+        args = call["function"].get("arguments")
+        if not args:
+            call["function"]["arguments"] = {}
+        elif not isinstance(args, dict):
+            try:
+                call["function"]["arguments"] = json.loads(args)
+            except (TypeError, ValueError):
+                raise BadPrompt(f"messages[{index}].tool_calls arguments are not JSON") from None
+        out.append(call)
+    return out

@@ -1,0 +1,101 @@
+"""The routing policy interface: candidates in, a decision with its reasons out. Pure: no I/O, no
+clock reads except through the request, so ``/admin/explain`` and tests call exactly what routing
+calls.
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcore.index.base import TierMatch
+
+
+@dataclass
+class WorkerLoad:
+    """A worker's load as the gateway sees it at decision time.
+
+    ``in_flight``: requests the gateway sent and that have not finished;
+    ``prefill_tokens``: uncached prompt tokens of in-flight requests that have not produced their
+    first byte yet (predicted at routing time); ``decoding``: in-flight requests past their first
+    byte; ``engine_running`` / ``engine_waiting`` / ``kv_usage`` (0..1): last scrape of the worker's
+    ``/metrics`` (``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+    ``vllm:kv_cache_usage_perc``), None before the first scrape.
+    """
+
+    in_flight: int = 0
+    prefill_tokens: int = 0
+    decoding: int = 0
+    engine_running: int | None = None
+    engine_waiting: int | None = None
+    kv_usage: float | None = None
+
+
+@dataclass
+class Candidate:
+    """One healthy, non-draining worker serving the request's model."""
+
+    worker_id: str
+    load: WorkerLoad
+    matched: TierMatch = field(default_factory=TierMatch)
+
+
+@dataclass
+class RouteRequest:
+    """What a policy may know of the request.
+
+    ``prompt_tokens``: None when exact tokens could not be made (route by load);
+    ``num_blocks``: full blocks of the prompt; ``session_key``: the sticky-session key (header or
+    body ``user``), None when absent; ``rand``: a uniform [0, 1) draw supplied by the caller (used
+    only by a softmax temperature > 0), so a decision is reproducible from its inputs.
+    """
+
+    model: str
+    prompt_tokens: int | None
+    block_size: int
+    num_blocks: int = 0
+    session_key: str | None = None
+    rand: float = 0.0
+
+
+@dataclass
+class CandidateScore:
+    """How a policy scored one candidate: ``cost`` (lower wins; None when not scored) and
+    ``load`` (the policy's load figure), plus a note (e.g. "overloaded")."""
+
+    worker_id: str
+    matched: TierMatch
+    load: float
+    cost: float | None
+    note: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"worker": self.worker_id, "matched_blocks": self.matched.as_dict(),
+                "load": self.load, "cost": self.cost, "note": self.note}
+
+
+@dataclass
+class Decision:
+    """The chosen worker, the reason label (a Prometheus label value: e.g. ``prefix_hit``,
+    ``load``, ``round_robin``, ``session``, ``overload_guard``), and every candidate's score, the
+    best first."""
+
+    worker_id: str
+    reason: str
+    scores: list[CandidateScore]
+
+    def ranked_worker_ids(self) -> list[str]:
+        """Candidates best first (the gateway retries a connect failure on the second)."""
+        return [s.worker_id for s in self.scores]
+
+
+class Policy(abc.ABC):
+    """A routing policy. ``uses_index``: whether the gateway must look up prefix matches before
+    calling :meth:`choose` (False lets it skip tokenization's lookup cost)."""
+
+    name: str = ""
+    uses_index: bool = False
+
+    @abc.abstractmethod
+    def choose(self, request: RouteRequest, candidates: list[Candidate]) -> Decision:
+        """Pick one of ``candidates`` (non-empty). Must not raise for any non-empty input."""

@@ -1,0 +1,143 @@
+"""Shared test fixtures: the tiny model, the real-vLLM capture, free ports, and processes started
+on loopback that always stop (each has a hard deadline and is killed at teardown)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+TINY_MODEL = FIXTURES / "tiny-model"
+CAPTURE = FIXTURES / "vllm_0.32_cpu_capture.json"
+ADMIN_TOKEN = "test-admin-token"
+PROCESS_DEADLINE_S = 600  # no process a test starts outlives this
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (racy by nature; tests start servers right after)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    """A subprocess in its own session with a hard deadline; ``stop()`` kills the whole group."""
+
+    def __init__(self, name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None,
+                 deadline_s: float = PROCESS_DEADLINE_S) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        e = dict(os.environ)
+        e.setdefault("KVROUTE_ADMIN_TOKEN", ADMIN_TOKEN)
+        if env:
+            e.update(env)
+        # `timeout` makes the process stop by itself even if the test runner dies.
+        full = ["timeout", "-s", "KILL", str(int(deadline_s))] + argv
+        self._log = open(self.log_path, "w")
+        self.popen = subprocess.Popen(full, stdout=self._log, stderr=subprocess.STDOUT, env=e,
+                                      start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "".join(self.log_path.read_text(errors="replace").splitlines(True)[-n:])
+        except OSError:
+            return ""
+
+    def signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.popen.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self, timeout_s: float = 10) -> None:
+        if self.alive():
+            self.signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.signal(signal.SIGKILL)
+                self.popen.wait(5)
+        self._log.close()
+
+
+def wait_http(url: str, proc: Proc | None = None, timeout_s: float = 60) -> None:
+    """Poll ``url`` until it answers below 500; raise with the process log if it never does."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if proc is not None and not proc.alive():
+            raise RuntimeError(f"{proc.name} exited {proc.popen.returncode}:\n{proc.log_tail()}")
+        try:
+            if httpx.get(url, timeout=2).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not ready in {timeout_s}s:\n{proc.log_tail() if proc else ''}")
+
+
+def kvroute_argv(*args: str) -> list[str]:
+    """argv running the ``kvroute`` CLI with this interpreter."""
+    return [sys.executable, "-m", "kvroute", *args]
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    return TINY_MODEL
+
+
+@pytest.fixture(scope="session")
+def capture() -> dict:
+    """The real vLLM 0.32 CPU capture: steps (requests, /tokenize answers) and ZMQ frames."""
+    return json.loads(CAPTURE.read_text())
+
+
+@pytest.fixture
+def procs(tmp_path):
+    """Factory: ``procs(name, argv, env=None) -> Proc``; every process is stopped at teardown."""
+    started: list[Proc] = []
+
+    def start(name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
+        p = Proc(name, argv, tmp_path, env)
+        started.append(p)
+        return p
+
+    yield start
+    for p in reversed(started):
+        p.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """A real redis-server on loopback for the session (installed by .ci/run)."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.fail("redis-server not on PATH (.ci/run installs it)")
+    port = free_port()
+    p = Proc("redis", [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                       "--appendonly", "no"], tmp_path_factory.mktemp("redis"))
+    end = time.monotonic() + 10
+    while time.monotonic() < end:
+        try:
+            with socket.create_connection(("127.0.0.1", port), 0.5) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    break
+        except OSError:
+            time.sleep(0.1)
+    else:
+        p.stop()
+        pytest.fail("redis-server did not start")
+    yield f"redis://127.0.0.1:{port}/0"
+    p.stop()
