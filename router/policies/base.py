@@ -91,10 +91,13 @@ class Decision:
 
 class Policy(abc.ABC):
     """A routing policy. ``uses_index``: whether the gateway must look up prefix matches before
-    calling :meth:`choose` (False lets it skip tokenization's lookup cost)."""
+    calling :meth:`choose` (False lets it skip tokenization's lookup cost); ``session_header``:
+    the request header (lower case) whose value the gateway puts in ``RouteRequest.session_key``
+    (else the body's ``user``), None when the policy has no use for a session key."""
 
     name: str = ""
     uses_index: bool = False
+    session_header: str | None = None
 
     @abc.abstractmethod
     def choose(self, request: RouteRequest, candidates: list[Candidate]) -> Decision:

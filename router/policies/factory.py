@@ -1,0 +1,52 @@
+"""Policy config -> policy object, and back (for ``GET /admin/policy``).
+
+The config is the ``policy:`` mapping of DESIGN.md, the same for the YAML file and for
+``PUT /admin/policy``::
+
+    {name: kv_aware, tier_credit: {gpu: 1.0, cpu: 0.75, ssd: 0.25}, load_weight: 1.0,
+     temperature: 0.0, overload_guard: {enabled: true, excess_tokens: 8192, ratio: 1.5},
+     decode_tokens_per_request: 128, engine_waiting_prefill_tokens: 1024}
+    {name: session, session_header: x-session-id, ...load keys}
+    {name: round_robin | least_load, ...load keys}
+
+Each policy accepts only its own keys (listed in the error message); ``name`` defaults to
+``kv_aware``. Adding a policy: one module with a ``Policy`` subclass that has ``from_config`` and
+``config``, and one line in :data:`_POLICIES`.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from router.policies._config import mapping
+from router.policies.base import Policy
+from router.policies.kv_aware import KVAwarePolicy
+from router.policies.least_load import LeastLoadPolicy
+from router.policies.round_robin import RoundRobinPolicy
+from router.policies.session import SessionPolicy
+
+_POLICIES = {cls.name: cls for cls in (KVAwarePolicy, RoundRobinPolicy, LeastLoadPolicy, SessionPolicy)}
+POLICY_NAMES: tuple[str, ...] = tuple(_POLICIES)
+DEFAULT_POLICY = KVAwarePolicy.name
+
+
+def make_policy(cfg: Mapping[str, Any] | None) -> Policy:
+    """A fresh policy from its config (None or {} -> ``kv_aware`` with defaults).
+
+    Raises ValueError with a message fit for an HTTP 400 body: not a mapping, an unknown ``name``,
+    a key the named policy does not take, or a value out of range. Nothing is shared between two
+    calls, so a swap never disturbs the policy in use until the caller replaces it.
+    """
+    cfg = mapping({} if cfg is None else cfg, "policy")
+    name = cfg.get("name", DEFAULT_POLICY)
+    cls = _POLICIES.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise ValueError(f"unknown policy name {name!r}; expected one of {', '.join(POLICY_NAMES)}")
+    return cls.from_config({k: v for k, v in cfg.items() if k != "name"})
+
+
+def describe(policy: Policy) -> dict[str, Any]:
+    """The policy's effective config, defaults filled in: ``{"name": ..., **keys}``.
+    ``make_policy(describe(p))`` builds an equal policy."""
+    config = getattr(policy, "config", None)
+    return {"name": policy.name, **(config() if callable(config) else {})}

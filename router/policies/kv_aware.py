@@ -1,0 +1,202 @@
+"""``kv_aware``: send a request where its prefill is cheapest, counting both the cached prefix and
+the work already queued on the worker.
+
+Cost of a candidate, in blocks (lower wins)::
+
+    credit = min(num_blocks, gpu x tier_credit.gpu + cpu x tier_credit.cpu + ssd x tier_credit.ssd)
+    cost   = (num_blocks - credit) + load_weight x load
+
+``gpu``/``cpu``/``ssd`` are the candidate's matched blocks by tier (:class:`TierMatch`), ``load``
+the worker's outstanding work in blocks (:mod:`router.policies.load`: predicted prefill tokens
+in flight, in-flight requests x ``decode_tokens_per_request``, the engine's queue when scraped).
+Absolute blocks, not a match ratio, so a long prompt's hit outweighs a short one's (GIE #2561).
+The default tier credits (gpu 1.0, cpu 0.75, ssd 0.25) are Dynamo's device/host/disk weights.
+
+Selection, in order:
+
+1. ``prompt_tokens`` is None (no exact tokens): the least-loaded worker, reason ``no_tokens``.
+2. Overload guard (per candidate, so one hot shared prefix cannot pin all traffic on its holder):
+   a candidate is skipped when its load exceeds the least-loaded candidate's by more than
+   ``overload_guard.excess_tokens`` (in tokens) *and* is more than ``overload_guard.ratio`` times
+   it. The least-loaded candidate is never skipped. Reason ``overload_guard`` when the skipped
+   candidate would otherwise have won.
+3. Among the rest, lowest cost; ties (within 1e-9) to lower load; remaining ties in worker-id
+   order, ``request.rand`` picking one (so equal cold workers share traffic; rand 0 -> first).
+4. ``temperature`` > 0: instead sample with probability ~ exp(-normalised cost / temperature)
+   (:func:`router.policies.ranking.softmax_pick`, driven by ``request.rand``: reproducible).
+   Reason ``temperature`` when the sample is not a lowest-cost candidate.
+5. Otherwise the reason is ``prefix_hit`` when the winner's credit beats the smallest credit among
+   the candidates considered (its cache decided), else ``load``.
+
+Scores come back best first: the winner, then the unguarded candidates by (cost, load, id), then
+the guarded ones (note ``overloaded``).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvcore.index.base import TIERS, TierMatch
+from router.policies._config import boolean, check_keys, mapping, number
+from router.policies.base import Candidate, CandidateScore, Decision, Policy, RouteRequest
+from router.policies.load import LOAD_KEYS, LoadModel
+from router.policies.ranking import EPS, chosen_first, lowest, softmax_pick
+
+DEFAULT_TIER_CREDIT = {"gpu": 1.0, "cpu": 0.75, "ssd": 0.25}
+
+
+@dataclass(frozen=True)
+class OverloadGuard:
+    """Skip a candidate whose load is more than ``excess_tokens`` above the least-loaded one's and
+    more than ``ratio`` times it. Defaults: 8192 tokens (a few long prefills, or 64 decoding
+    requests at the default decode weight), ratio 1.5 (SMG's ``balance_rel_threshold``)."""
+
+    enabled: bool = True
+    excess_tokens: float = 8192.0
+    ratio: float = 1.5
+
+    @classmethod
+    def from_config(cls, value: Any) -> OverloadGuard:
+        """From ``policy.overload_guard`` (a mapping; missing keys take defaults; ``null`` or
+        ``false`` disables). Raises ValueError on unknown keys or bad values."""
+        if value is None or value is False:
+            return cls(enabled=False)
+        where = "policy.overload_guard"
+        cfg = mapping(value, where)
+        check_keys(cfg, ("enabled", "excess_tokens", "ratio"), where)
+        return cls(enabled=boolean(cfg, "enabled", cls.enabled, where),
+                   excess_tokens=number(cfg, "excess_tokens", cls.excess_tokens, where),
+                   ratio=number(cfg, "ratio", cls.ratio, where, lo=1.0))
+
+    def config(self) -> dict[str, Any]:
+        return {"enabled": self.enabled, "excess_tokens": self.excess_tokens, "ratio": self.ratio}
+
+    def overloaded(self, load: float, min_load: float, block_size: int) -> bool:
+        """Whether a candidate with ``load`` blocks is skipped, the least-loaded having ``min_load``."""
+        return (self.enabled and (load - min_load) * block_size > self.excess_tokens + EPS
+                and load > self.ratio * min_load + EPS)
+
+
+@dataclass
+class _Scored:
+    score: CandidateScore
+    credit: float
+    overloaded: bool = False
+
+    @property
+    def worker_id(self) -> str:
+        return self.score.worker_id
+
+    @property
+    def cost(self) -> float:
+        return self.score.cost if self.score.cost is not None else 0.0
+
+    @property
+    def load(self) -> float:
+        return self.score.load
+
+
+class KVAwarePolicy(Policy):
+    """Prefix credit by tier against load; see the module docstring for the cost and selection."""
+
+    name = "kv_aware"
+    uses_index = True
+    CONFIG_KEYS: tuple[str, ...] = ("tier_credit", "load_weight", "temperature",
+                                    "overload_guard") + LOAD_KEYS
+
+    def __init__(self, tier_credit: Mapping[str, float] | None = None, load_weight: float = 1.0,
+                 temperature: float = 0.0, overload_guard: OverloadGuard | None = None,
+                 load_model: LoadModel | None = None) -> None:
+        self.tier_credit = {**DEFAULT_TIER_CREDIT, **(tier_credit or {})}
+        self.load_weight = load_weight
+        self.temperature = temperature
+        self.overload_guard = overload_guard or OverloadGuard()
+        self.load_model = load_model or LoadModel()
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any]) -> KVAwarePolicy:
+        """Build from the policy config without ``name``. Raises ValueError on unknown keys, a tier
+        credit outside [0, 1] or for an unknown tier, or a negative weight or temperature."""
+        check_keys(cfg, cls.CONFIG_KEYS, f"policy {cls.name!r}")
+        credit_cfg = mapping(cfg.get("tier_credit", {}), "policy.tier_credit")
+        check_keys(credit_cfg, TIERS, "policy.tier_credit")
+        tier_credit = {t: number(credit_cfg, t, DEFAULT_TIER_CREDIT[t], "policy.tier_credit", hi=1.0)
+                       for t in TIERS}
+        return cls(tier_credit=tier_credit,
+                   load_weight=number(cfg, "load_weight", 1.0, "policy"),
+                   temperature=number(cfg, "temperature", 0.0, "policy"),
+                   overload_guard=OverloadGuard.from_config(cfg.get("overload_guard", {})),
+                   load_model=LoadModel.from_config(cfg, "policy"))
+
+    def config(self) -> dict[str, Any]:
+        """The effective config without ``name``."""
+        return {"tier_credit": dict(self.tier_credit), "load_weight": self.load_weight,
+                "temperature": self.temperature, "overload_guard": self.overload_guard.config(),
+                **self.load_model.config()}
+
+    def credit_blocks(self, matched: TierMatch, num_blocks: int) -> float:
+        """Prefill blocks the candidate's cache saves, weighted by tier, at most ``num_blocks``."""
+        w = self.tier_credit
+        credit = matched.gpu * w["gpu"] + matched.cpu * w["cpu"] + matched.ssd * w["ssd"]
+        return min(float(max(0, num_blocks)), credit)
+
+    def choose(self, request: RouteRequest, candidates: list[Candidate]) -> Decision:
+        bs = request.block_size
+        if request.prompt_tokens is None:
+            loads = [self.load_model.load_blocks(c.load, bs) for c in candidates]
+            scored = [_Scored(CandidateScore(c.worker_id, c.matched, x, x), 0.0)
+                      for c, x in zip(candidates, loads)]
+            best = lowest(scored, [_load], _worker, request.rand)
+            return _decision(best, "no_tokens", scored)
+
+        num_blocks = max(0, request.num_blocks)
+        scored = []
+        for c in candidates:
+            load = self.load_model.load_blocks(c.load, bs)
+            credit = self.credit_blocks(c.matched, num_blocks)
+            cost = (num_blocks - credit) + self.load_weight * load
+            scored.append(_Scored(CandidateScore(c.worker_id, c.matched, load, cost), credit))
+        min_load = min(s.load for s in scored)
+        for s in scored:
+            s.overloaded = self.overload_guard.overloaded(s.load, min_load, bs)
+            if s.overloaded:
+                s.score.note = "overloaded"
+        eligible = [s for s in scored if not s.overloaded] or scored
+
+        best = lowest(eligible, [_cost, _load], _worker, request.rand)
+        chosen = best
+        if self.temperature > 0 and len(eligible) > 1:
+            ordered = sorted(eligible, key=_order)
+            chosen = ordered[softmax_pick([s.cost for s in ordered], self.temperature, request.rand)]
+
+        if len(eligible) < len(scored) and lowest(scored, [_cost, _load], _worker, 0.0).overloaded:
+            reason = "overload_guard"
+        elif chosen.cost > best.cost + EPS:
+            reason = "temperature"
+        elif chosen.credit > min(s.credit for s in eligible) + EPS:
+            reason = "prefix_hit"
+        else:
+            reason = "load"
+        return _decision(chosen, reason, scored)
+
+
+def _decision(chosen: _Scored, reason: str, scored: list[_Scored]) -> Decision:
+    ranked = chosen_first(scored, chosen, _order)
+    return Decision(chosen.worker_id, reason, [s.score for s in ranked])
+
+
+def _order(s: _Scored) -> tuple[bool, float, float, str]:
+    return (s.overloaded, s.cost, s.load, s.worker_id)
+
+
+def _cost(s: _Scored) -> float:
+    return s.cost
+
+
+def _load(s: _Scored) -> float:
+    return s.load
+
+
+def _worker(s: _Scored) -> str:
+    return s.worker_id
