@@ -1,0 +1,383 @@
+"""The simulated vLLM server's HTTP API (FastAPI), vLLM 0.32's routes and shapes:
+
+- ``POST /v1/completions``, ``POST /v1/chat/completions``: stream or not, ``n``, ``max_tokens`` /
+  ``max_completion_tokens``, ``stream_options.include_usage``, ``cache_salt``, ``seed``,
+  ``ignore_eos``, ``vllm_xargs.kv_cache_report_mode``; unknown fields are accepted and ignored.
+- ``GET /v1/models``, ``POST /tokenize`` (``{count, max_model_len, tokens, token_strs}``),
+  ``POST /detokenize`` (``{prompt}``), ``GET /health``, ``POST /reset_prefix_cache``,
+  ``GET /metrics`` (vLLM's metric names, see :mod:`simulator.metrics`).
+- Simulator only (no vLLM counterpart): ``GET /sim/requests`` returns the last bodies and headers
+  received on the OpenAI routes, oldest first, as ``{"requests": [{"method", "path", "headers",
+  "body"}]}`` (``body`` is the parsed JSON, or the raw text when it was not JSON);
+  ``DELETE /sim/requests`` clears that record.
+
+Errors use vLLM's shape (:func:`simulator.openai_format.error_body`): malformed JSON or bad field
+400, unknown model 404, prompt (or prompt + max_tokens) over ``--max-model-len`` 400.
+A client that disconnects aborts its request, freeing its blocks.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import xxhash
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+
+from kvcore.tokenization import BadPrompt, PromptTokenizer, UnsupportedPrompt
+from simulator import openai_format as fmt
+from simulator.block_pool import BlockPool
+from simulator.config import SimConfig
+from simulator.engine import Engine, RequestTooLong, SimRequest
+from simulator.events import make_publisher
+from simulator.metrics import make_registry
+from simulator.outputs import OutputSampler, text_pieces
+
+JSON = "application/json"
+
+
+class ApiError(Exception):
+    """A client fault answered with ``status`` and vLLM's error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(obj), status_code=status, media_type=JSON)
+
+
+def _error(exc: ApiError) -> Response:
+    return _json(fmt.error_body(exc.status, exc.message, exc.param), exc.status)
+
+
+@dataclass
+class _Parsed:
+    """A generation request after validation: one entry in ``prompts`` per prompt."""
+
+    prompts: list[list[int]]
+    n: int
+    max_tokens: int | None
+    stream: bool
+    include_usage: bool
+    extra_keys: list[Any] | None
+    report_full: bool
+    seed: int | None
+    ignore_eos: bool
+
+
+class SimServer:
+    """State of one simulated server: tokenizer, block pool, engine, publisher, metrics, and the
+    record of received requests. ``app`` is the FastAPI application."""
+
+    def __init__(self, cfg: SimConfig) -> None:
+        self.cfg = cfg
+        self.model = cfg.model_name
+        self.max_model_len = cfg.resolved_max_model_len()
+        self.tokenizer = PromptTokenizer(cfg.model_dir)
+        self.sampler = OutputSampler(text_pieces(self.tokenizer.decode, self.tokenizer.vocab_size), cfg.seed)
+        self.pool = BlockPool(cfg.num_gpu_blocks, cfg.block_size, enable_events=cfg.kv_events.active)
+        self.publisher = None
+        self.engine = Engine(self.pool, cfg.timing, cfg.max_num_seqs, cfg.seed, publish=self._publish)
+        self.registry = make_registry(self)
+        self.created = int(time.time())  # one value per process, so identical requests give identical bytes
+        self.recorded: deque[dict[str, Any]] = deque(maxlen=cfg.recorded_requests)
+        self._counter = 0
+        self._engine_task: asyncio.Task | None = None
+        self.app = self._build_app()
+
+    def _publish(self, events: list) -> None:
+        if self.publisher is not None:
+            self.publisher.publish(events)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: FastAPI):
+        self.publisher = make_publisher(self.cfg.kv_events)
+        if self.publisher is not None:
+            self.publisher.start()
+        self._engine_task = asyncio.get_running_loop().create_task(self.engine.run())
+        try:
+            yield
+        finally:
+            self._engine_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._engine_task
+            if self.publisher is not None:
+                self.publisher.close()
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="kvroute sim", lifespan=self.lifespan, docs_url=None, redoc_url=None,
+                      openapi_url=None)
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
+        app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"])
+        app.add_api_route("/metrics", self.metrics, methods=["GET"])
+        app.add_api_route("/sim/requests", self.sim_requests, methods=["GET"])
+        app.add_api_route("/sim/requests", self.sim_requests_clear, methods=["DELETE"])
+        return app
+
+    # ---- helpers ------------------------------------------------------------------------------
+    async def _body(self, request: Request, record: bool = False) -> dict[str, Any]:
+        raw = await request.body()
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            if record:
+                self._record(request, raw.decode(errors="replace"))
+            raise ApiError(400, f"JSON decode error: {exc}") from None
+        if record:
+            self._record(request, body)
+        if not isinstance(body, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        return body
+
+    def _record(self, request: Request, body: Any) -> None:
+        self.recorded.append({"method": request.method, "path": request.url.path,
+                              "headers": dict(request.headers), "body": body})
+
+    def _check_model(self, body: dict[str, Any]) -> None:
+        model = body.get("model")
+        if model is not None and model != self.model:
+            raise ApiError(404, f"The model `{model}` does not exist.", "model")
+
+    def _request_id(self, request: Request, prefix: str) -> str:
+        """vLLM's id: the ``X-Request-Id`` header when given, else (here) a seeded counter hash."""
+        given = request.headers.get("x-request-id")
+        if given:
+            return f"{prefix}-{given}"
+        self._counter += 1
+        return f"{prefix}-{xxhash.xxh3_64_hexdigest(self._counter.to_bytes(8, 'big'), seed=self.cfg.seed)}"
+
+    def _parse(self, body: dict[str, Any], chat: bool) -> _Parsed:
+        self._check_model(body)
+        try:
+            prompts = [self.tokenizer.encode_chat(body)] if chat else self.tokenizer.encode_completion(body)
+        except (BadPrompt, UnsupportedPrompt) as exc:
+            raise ApiError(400, str(exc), "messages" if chat else "prompt") from None
+        n = _int_field(body, "n", 1, minimum=1)
+        if chat:
+            max_tokens = _int_field(body, "max_completion_tokens", None, minimum=1)
+            if max_tokens is None:
+                max_tokens = _int_field(body, "max_tokens", None, minimum=1)
+        else:
+            max_tokens = _int_field(body, "max_tokens", 16, minimum=1)
+        for p in prompts:
+            if len(p) > self.max_model_len:
+                raise ApiError(400, f"This model's maximum context length is {self.max_model_len} tokens. "
+                                    f"However, your request has {len(p)} input tokens. Please reduce the "
+                                    "length of the input messages.", "messages" if chat else "prompt")
+            if max_tokens is not None and len(p) + max_tokens > self.max_model_len:
+                raise ApiError(400, f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. "
+                                    f"This model's maximum context length is {self.max_model_len} tokens and "
+                                    f"your request has {len(p)} input tokens ({max_tokens} > "
+                                    f"{self.max_model_len} - {len(p)}).", "max_tokens")
+        salt = body.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ApiError(400, "Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt")
+        opts = body.get("stream_options")
+        xargs = body.get("vllm_xargs")
+        seed = body.get("seed")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise ApiError(400, "'seed' must be an integer", "seed")
+        return _Parsed(
+            prompts=prompts, n=n, max_tokens=max_tokens, stream=bool(body.get("stream", False)),
+            include_usage=isinstance(opts, dict) and bool(opts.get("include_usage")),
+            extra_keys=[[salt]] if salt else None,
+            report_full=isinstance(xargs, dict) and xargs.get("kv_cache_report_mode") == "full",
+            seed=seed, ignore_eos=bool(body.get("ignore_eos", False)))
+
+    def _submit(self, parsed: _Parsed, rid: str) -> tuple[list[SimRequest], asyncio.Queue]:
+        sink: asyncio.Queue = asyncio.Queue()
+        reqs = []
+        for pi, prompt in enumerate(parsed.prompts):
+            for j in range(parsed.n):
+                index = pi * parsed.n + j
+                cap = self.max_model_len - len(prompt)
+                limit = parsed.max_tokens if parsed.max_tokens is not None else None
+                out, reason = self.sampler.sample(prompt, j, limit, parsed.seed, parsed.ignore_eos)
+                if len(out) > cap:
+                    out, reason = out[:max(1, cap)], "length"
+                reqs.append(SimRequest(request_id=f"{rid}-{index}", prompt_token_ids=prompt,
+                                       output_token_ids=out, finish_reason=reason,
+                                       extra_keys=parsed.extra_keys, report_full=parsed.report_full,
+                                       index=index, sink=sink))
+        added = []
+        try:
+            for r in reqs:
+                self.engine.add(r)
+                added.append(r)
+        except RequestTooLong as exc:
+            for r in added:
+                self.engine.abort(r)
+            raise ApiError(400, str(exc), "prompt") from None
+        return reqs, sink
+
+    def _usage(self, parsed: _Parsed, reqs: list[SimRequest]) -> dict[str, Any]:
+        prompt_tokens = sum(len(p) for p in parsed.prompts)
+        completion_tokens = sum(r.num_output for r in reqs)
+        cached = None
+        if self.cfg.enable_prompt_tokens_details:
+            cached = sum(reqs[i * parsed.n].num_cached_tokens or 0 for i in range(len(parsed.prompts)))
+        return fmt.usage(prompt_tokens, completion_tokens, cached)
+
+    async def _watch_disconnect(self, request: Request, reqs: list[SimRequest]) -> None:
+        """Abort ``reqs`` when the client goes away (no-op for ones already finished)."""
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                for r in reqs:
+                    self.engine.abort(r)
+                return
+
+    # ---- generation routes --------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        try:
+            body = await self._body(request, record=True)
+            parsed = self._parse(body, chat)
+            rid = self._request_id(request, "chatcmpl" if chat else "cmpl")
+            reqs, sink = self._submit(parsed, rid)
+        except ApiError as exc:
+            return _error(exc)
+        watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(request, reqs))
+        if parsed.stream:
+            return StreamingResponse(self._stream(parsed, rid, chat, reqs, sink, watcher),
+                                     media_type="text/event-stream")
+        try:
+            await _drain(sink, len(reqs))
+        finally:
+            watcher.cancel()
+        texts = [self.sampler.text(r.output_token_ids[:r.num_output]) for r in reqs]
+        reasons = [r.finish_reason for r in reqs]
+        build = fmt.chat_completion if chat else fmt.completion
+        return _json(build(rid, self.created, self.model, texts, reasons, self._usage(parsed, reqs)))
+
+    async def _stream(self, parsed: _Parsed, rid: str, chat: bool, reqs: list[SimRequest],
+                      sink: asyncio.Queue, watcher: asyncio.Task):
+        model, created = self.model, self.created
+        try:
+            if chat:
+                for r in reqs:
+                    yield fmt.sse(fmt.chat_chunk(rid, created, model, r.index,
+                                                 {"role": "assistant", "content": ""}, None))
+            received = [0] * len(reqs)
+            open_choices = len(reqs)
+            while open_choices:
+                index, token = await sink.get()
+                r = reqs[index]
+                if token is None:
+                    open_choices -= 1
+                    if r.aborted:
+                        return
+                    continue
+                received[index] += 1
+                reason = r.finish_reason if received[index] == len(r.output_token_ids) else None
+                piece = self.sampler.pieces[token]
+                if chat:
+                    yield fmt.sse(fmt.chat_chunk(rid, created, model, index, {"content": piece}, reason))
+                else:
+                    yield fmt.sse(fmt.completion_chunk(rid, created, model, index, piece, reason))
+            if parsed.include_usage:
+                obj = "chat.completion.chunk" if chat else "text_completion"
+                yield fmt.sse(fmt.usage_chunk(rid, obj, created, model, self._usage(parsed, reqs)))
+            yield fmt.SSE_DONE
+        finally:
+            watcher.cancel()
+            for r in reqs:
+                self.engine.abort(r)
+
+    # ---- other routes -------------------------------------------------------------------------
+    async def models(self) -> Response:
+        return _json({"object": "list", "data": [{
+            "id": self.model, "object": "model", "created": self.created, "owned_by": "vllm",
+            "root": self.cfg.model_dir, "parent": None, "max_model_len": self.max_model_len}]})
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's ``/tokenize``: ``{"prompt": str}`` (add_special_tokens default true) or
+        ``{"messages": [...]}`` (chat template, add_special_tokens default false)."""
+        try:
+            body = await self._body(request)
+            self._check_model(body)
+            try:
+                if "messages" in body:
+                    tokens = self.tokenizer.encode_chat(body)
+                elif isinstance(body.get("prompt"), str):
+                    tokens = self.tokenizer.encode_text(body["prompt"], bool(body.get("add_special_tokens", True)))
+                else:
+                    raise ApiError(400, "'prompt' (a string) or 'messages' is required", "prompt")
+            except (BadPrompt, UnsupportedPrompt) as exc:
+                raise ApiError(400, str(exc)) from None
+        except ApiError as exc:
+            return _error(exc)
+        strs = [self.tokenizer.decode([t]) for t in tokens] if body.get("return_token_strs") else None
+        return _json({"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens,
+                      "token_strs": strs})
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's ``/detokenize``: ``{"tokens": [int]}`` -> ``{"prompt": str}``."""
+        try:
+            body = await self._body(request)
+            self._check_model(body)
+            tokens = body.get("tokens")
+            if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < self.tokenizer.vocab_size
+                                                       for t in tokens):
+                raise ApiError(400, "'tokens' must be a list of token ids", "tokens")
+        except ApiError as exc:
+            return _error(exc)
+        return _json({"prompt": self.tokenizer.decode(tokens)})
+
+    async def health(self) -> Response:
+        return Response(status_code=200)
+
+    async def reset_prefix_cache(self) -> Response:
+        """200 ``{"success": true}``; 500 while requests still hold blocks (vLLM refuses then)."""
+        if self.engine.reset_prefix_cache():
+            return _json({"success": True})
+        return _json(fmt.error_body(500, "Failed to reset prefix cache: requests still hold blocks"), 500)
+
+    async def metrics(self) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def sim_requests(self) -> Response:
+        return _json({"requests": list(self.recorded)})
+
+    async def sim_requests_clear(self) -> Response:
+        self.recorded.clear()
+        return _json({"requests": []})
+
+
+async def _drain(sink: asyncio.Queue, n: int) -> None:
+    """Wait until ``n`` sequences have ended."""
+    while n:
+        _, token = await sink.get()
+        if token is None:
+            n -= 1
+
+
+def _int_field(body: dict[str, Any], name: str, default: int | None, minimum: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ApiError(400, f"'{name}' must be an integer >= {minimum}", name)
+    return value

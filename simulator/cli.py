@@ -1,0 +1,52 @@
+"""``kvroute sim``: one simulated vLLM server. Every flag vLLM also has keeps vLLM's name and
+meaning (``vllm serve``), so a launch line can swap the two; the timing flags are the simulator's."""
+from __future__ import annotations
+
+import argparse
+
+from simulator.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_GPU_BLOCKS
+from simulator.timing import (DEFAULT_DECODE_MS_PER_TOKEN, DEFAULT_PREFILL_MS_PER_TOKEN,
+                              DEFAULT_PREFILL_OVERHEAD_MS)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``sim`` subcommand to the ``kvroute`` parser."""
+    p = subparsers.add_parser("sim", help="run one simulated vLLM server (HTTP + KV events)",
+                              description="A simulated vLLM server: OpenAI HTTP API, vLLM KV events "
+                                          "over ZMQ, vLLM metrics; no model weights are used.")
+    p.add_argument("--model", required=True, metavar="DIR",
+                   help="model directory (its tokenizer and chat template are used)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="model name clients send (default: --model as given)")
+    p.add_argument("--host", default="0.0.0.0", help="HTTP listen address (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
+                   help=f"tokens per KV block (default {DEFAULT_BLOCK_SIZE})")
+    p.add_argument("--num-gpu-blocks-override", type=int, default=DEFAULT_NUM_GPU_BLOCKS, metavar="N",
+                   help=f"KV blocks in the pool, null block included (default {DEFAULT_NUM_GPU_BLOCKS})")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                   help="context length (default: the model's max_position_embeddings)")
+    p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS, metavar="N",
+                   help=f"most sequences running at once; more wait (default {DEFAULT_MAX_NUM_SEQS})")
+    p.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="vLLM's KVEventsConfig as JSON, e.g. '{\"enable_kv_cache_events\": true, "
+                        "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "
+                        "\"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv\"}'")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report usage.prompt_tokens_details.cached_tokens")
+    p.add_argument("--prefill-overhead-ms", type=float, default=DEFAULT_PREFILL_OVERHEAD_MS,
+                   help=f"fixed cost of a step with prefill (default {DEFAULT_PREFILL_OVERHEAD_MS})")
+    p.add_argument("--prefill-ms-per-token", type=float, default=DEFAULT_PREFILL_MS_PER_TOKEN,
+                   help=f"cost per uncached prompt token (default {DEFAULT_PREFILL_MS_PER_TOKEN})")
+    p.add_argument("--decode-ms-per-token", type=float, default=DEFAULT_DECODE_MS_PER_TOKEN,
+                   help=f"cost of a decode step at batch 1; grows with the batch (default "
+                        f"{DEFAULT_DECODE_MS_PER_TOKEN})")
+    p.add_argument("--speedup", type=float, default=1.0, help="divide all simulated times by this (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the engine hashes and output text (default 0)")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from simulator.server import run_from_args
+
+    return run_from_args(args)

@@ -1,0 +1,70 @@
+"""``GET /metrics`` of the simulated server: vLLM 0.32's metric names (``vllm/v1/metrics/loggers.py``)
+with labels ``model_name`` and ``engine="0"``, read from the engine at scrape time.
+
+Exposed: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
+(0..1) gauges; ``vllm:prefix_cache_queries_total``, ``vllm:prefix_cache_hits_total`` (tokens),
+``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``, ``vllm:request_success_total``,
+``vllm:num_preemptions_total`` counters; ``vllm:cache_config_info`` = 1 with the cache settings as
+labels. Each server has its own ``CollectorRegistry``, never the global one.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from simulator.app import SimServer
+
+
+class _EngineCollector:
+    """A prometheus-client collector reading one server's engine and block pool."""
+
+    def __init__(self, server: "SimServer") -> None:
+        self.server = server
+
+    def collect(self):
+        s = self.server
+        engine, stats = s.engine, s.engine.stats
+        names = ["model_name", "engine"]
+        labels = [s.model, "0"]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=names)
+            g.add_metric(labels, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=names)
+            c.add_metric(labels, value)
+            return c
+
+        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+                    engine.num_running)
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                    engine.num_waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.pool.usage())
+        yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                      stats.prefix_cache_queries_tokens)
+        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                      stats.prefix_cache_hits_tokens)
+        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", stats.prompt_tokens)
+        yield counter("vllm:generation_tokens", "Number of generation tokens processed.", stats.generation_tokens)
+        yield counter("vllm:request_success", "Count of successfully processed requests.", stats.request_success)
+        yield counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", stats.preemptions)
+        info = {"block_size": str(s.cfg.block_size), "hash_block_size": str(s.cfg.block_size),
+                "num_gpu_blocks": str(s.cfg.num_gpu_blocks), "num_cpu_blocks": "None",
+                "enable_prefix_caching": "True", "prefix_caching_hash_algo": "xxhash_sim",
+                "engine": "0"}
+        g = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                              labels=list(info))
+        g.add_metric(list(info.values()), 1.0)
+        yield g
+
+
+def make_registry(server: "SimServer") -> CollectorRegistry:
+    """A fresh registry holding one collector for ``server``."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_EngineCollector(server))
+    return registry

@@ -1,0 +1,56 @@
+"""Run one simulated vLLM server: flags -> :class:`SimConfig` -> :class:`SimServer` under uvicorn
+(uvloop, httptools), one process, one event loop."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from simulator.config import SimConfig
+from simulator.events import KVEventsConfig
+from simulator.timing import TimingModel
+
+GRACEFUL_SHUTDOWN_S = 2
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    """The :class:`SimConfig` for parsed ``kvroute sim`` flags. Raises ValueError on bad values."""
+    if args.block_size < 1 or args.num_gpu_blocks_override < 2 or args.max_num_seqs < 1:
+        raise ValueError("--block-size, --max-num-seqs must be >= 1 and --num-gpu-blocks-override >= 2")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise ValueError("--max-model-len must be >= 1")
+    return SimConfig(
+        model_dir=args.model, served_model_name=args.served_model_name, host=args.host, port=args.port,
+        block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks_override,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        kv_events=KVEventsConfig.from_json(args.kv_events_config),
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        timing=TimingModel(args.prefill_overhead_ms, args.prefill_ms_per_token, args.decode_ms_per_token,
+                           args.speedup),
+        seed=args.seed)
+
+
+def serve(cfg: SimConfig) -> None:
+    """Serve until SIGINT/SIGTERM."""
+    import uvicorn
+
+    from simulator.app import SimServer
+
+    server = SimServer(cfg)
+    ev = cfg.kv_events
+    print(f"kvroute sim: model {cfg.model_name!r} on http://{cfg.host}:{cfg.port}, "
+          f"{cfg.num_gpu_blocks} blocks of {cfg.block_size} tokens, events "
+          f"{ev.endpoint + ' replay ' + str(ev.replay_endpoint) if ev.active else 'off'}", flush=True)
+    uvicorn.run(server.app, host=cfg.host, port=cfg.port, loop="uvloop", http="httptools",
+                log_level="warning", access_log=False, lifespan="on",
+                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """``kvroute sim`` entry: exit status 2 on a bad flag value."""
+    try:
+        cfg = config_from_args(args)
+    except ValueError as exc:
+        print(f"kvroute sim: error: {exc}", file=sys.stderr)
+        return 2
+    serve(cfg)
+    return 0
