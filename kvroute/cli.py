@@ -13,6 +13,7 @@ import sys
 # (module, in order of the data flow). A part appears here only once it is built.
 _PARTS = (
     "simulator.cli",
+    "router.cli",
 )
 
 

@@ -1,0 +1,136 @@
+"""``/admin/*`` (DESIGN.md "Admin HTTP"), behind a bearer token; 401 without it.
+
+| method path | answer |
+|---|---|
+| GET /admin/workers | ``{"workers": [worker entry + {"blocks": {gpu, cpu, ssd}, "speculative_blocks"}]}`` |
+| POST /admin/workers | body: a config worker ``{id?, url, model, events?, replay?}`` -> 201 the entry; 400 bad, 409 id taken |
+| DELETE /admin/workers/{id} | 200 ``{"removed": id}``; index entries purged, in-flight requests finish; 404 unknown |
+| POST /admin/workers/{id}/drain | 200 the entry (``draining: true``); 404 unknown |
+| GET /admin/policy | the live policy mapping (the config's ``policy`` section) |
+| PUT /admin/policy | body: a policy mapping; validated and swapped atomically; 200 the new mapping, 400 bad |
+| GET /admin/index | ``{"backend", "workers": {id: {"blocks", "speculative_blocks", "events_applied", "event_gaps", "event_resyncs", "last_event_seq"}}}`` |
+| POST /admin/explain | a chat or completions body -> ``{"prompt_tokens", "blocks", "candidates", "chosen", "reason", ...}``; nothing is sent |
+
+Errors use the OpenAI error shape.
+"""
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request, Response
+from pydantic import ValidationError
+
+from router.config import WorkerConfig
+from router.endpoints import parse_json_object
+from router.errors import GatewayError, bad_request
+
+
+def _json(data: Any, status: int = 200) -> Response:
+    import orjson
+
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
+
+
+def _not_found(worker_id: str) -> GatewayError:
+    return GatewayError(404, f"no worker {worker_id!r}", "not_found_error", "worker_not_found", "id")
+
+
+def make_admin_router(gateway: Any) -> APIRouter:
+    """The admin routes bound to ``gateway`` (a :class:`router.gateway.Gateway`)."""
+
+    def require_token(request: Request) -> None:
+        expected = gateway.admin_token
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if not expected or scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), expected):
+            raise GatewayError(401, "admin API needs 'Authorization: Bearer <admin token>'",
+                               "authentication_error", "invalid_admin_token")
+
+    api = APIRouter(prefix="/admin", dependencies=[Depends(require_token)])
+
+    async def index_stats() -> dict[str, Any]:
+        return await gateway.index.stats()
+
+    @api.get("/workers")
+    async def list_workers() -> Response:
+        stats = await index_stats()
+        out = []
+        for reg in gateway.registry.all():
+            entry = reg.describe()
+            st = stats.get(reg.id)
+            entry["blocks"] = dict(st.blocks) if st else {"gpu": 0, "cpu": 0, "ssd": 0}
+            entry["speculative_blocks"] = st.speculative_blocks if st else 0
+            out.append(entry)
+        return _json({"workers": out})
+
+    @api.post("/workers")
+    async def add_worker(request: Request) -> Response:
+        body = parse_json_object(await request.body())
+        try:
+            wcfg = WorkerConfig.model_validate(body)
+        except ValidationError as exc:
+            raise bad_request(f"invalid worker: {exc}") from None
+        if wcfg.id in gateway.registry:
+            raise GatewayError(409, f"worker {wcfg.id!r} already exists", "invalid_request_error",
+                               "worker_exists", "id")
+        try:
+            reg = await gateway.add_worker(wcfg)
+        except ValueError as exc:
+            raise bad_request(str(exc), "model") from None
+        return _json(reg.describe(), 201)
+
+    @api.delete("/workers/{worker_id}")
+    async def remove_worker(worker_id: str) -> Response:
+        try:
+            await gateway.remove_worker(worker_id)
+        except KeyError:
+            raise _not_found(worker_id) from None
+        return _json({"removed": worker_id})
+
+    @api.post("/workers/{worker_id}/drain")
+    async def drain_worker(worker_id: str) -> Response:
+        try:
+            reg = gateway.drain_worker(worker_id)
+        except KeyError:
+            raise _not_found(worker_id) from None
+        return _json(reg.describe())
+
+    @api.get("/policy")
+    async def get_policy() -> Response:
+        return _json(gateway.policy.config)
+
+    @api.put("/policy")
+    async def put_policy(request: Request) -> Response:
+        body = parse_json_object(await request.body())
+        try:
+            gateway.set_policy(body)
+        except ValueError as exc:
+            raise bad_request(f"invalid policy: {exc}", "policy") from None
+        return _json(gateway.policy.config)
+
+    @api.get("/index")
+    async def get_index() -> Response:
+        stats = await index_stats()
+        workers: dict[str, Any] = {}
+        for wid, st in stats.items():
+            workers[wid] = {"blocks": dict(st.blocks), "speculative_blocks": st.speculative_blocks}
+        for reg in gateway.registry.all():
+            entry = workers.setdefault(reg.id, {"blocks": {"gpu": 0, "cpu": 0, "ssd": 0}, "speculative_blocks": 0})
+            entry.update(events_applied=reg.events_applied, event_gaps=reg.event_gaps,
+                         event_resyncs=reg.event_resyncs, last_event_seq=reg.last_event_seq)
+        out: dict[str, Any] = {"backend": gateway.cfg.index.backend, "workers": workers}
+        if hasattr(gateway.index, "__len__"):
+            out["keys"] = len(gateway.index)
+        if hasattr(gateway.index, "dropped_keys"):
+            out["dropped_keys"] = gateway.index.dropped_keys
+        return _json(out)
+
+    @api.post("/explain")
+    async def explain(request: Request) -> Response:
+        body = parse_json_object(await request.body())
+        kind = "chat" if "messages" in body else "completion"
+        plan = await gateway.router.plan(kind, body, request.scope["headers"], always_tokenize=True)
+        return _json(plan.explain())
+
+    return api

@@ -1,0 +1,112 @@
+"""The gateway's FastAPI app (DESIGN.md "Gateway HTTP").
+
+Routed by the policy: ``POST /v1/chat/completions``, ``POST /v1/completions``. Forwarded to the
+least-loaded healthy worker of the body's model: ``POST /v1/responses``, ``/v1/embeddings``,
+``/tokenize``, ``/detokenize``. Also ``GET /v1/models`` (union over healthy workers),
+``GET /health``, ``GET /metrics`` and ``/admin/*`` (:mod:`router.admin`).
+
+The proxied paths are raw ASGI apps (:mod:`router.endpoints`): FastAPI never validates or
+re-serializes their bodies. Run it with uvicorn on uvloop + httptools (:mod:`router.cli`).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request, Response
+from starlette.routing import Route
+
+from router.admin import make_admin_router
+from router.endpoints import ProxyEndpoint, parse_json_object
+from router.errors import GatewayError
+from router.gateway import Gateway
+
+log = logging.getLogger("kvroute.app")
+
+ROUTED = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+FORWARDED = ("/v1/responses", "/v1/embeddings", "/tokenize", "/detokenize")
+
+
+def create_app(gateway: Gateway) -> FastAPI:
+    """A FastAPI app serving ``gateway``; its lifespan starts and stops the gateway and, when
+    the gateway has a config path, re-reads it on SIGHUP."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await gateway.start()
+        hup = _install_sighup(gateway)
+        try:
+            yield
+        finally:
+            if hup:
+                asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+            await gateway.stop()
+
+    app = FastAPI(title="kvroute gateway", lifespan=lifespan, openapi_url=None, docs_url=None,
+                  redoc_url=None)
+    app.state.gateway = gateway
+
+    @app.exception_handler(GatewayError)
+    async def gateway_error(request: Request, exc: GatewayError) -> Response:
+        return Response(exc.body(), status_code=exc.status, media_type="application/json")
+
+    for path, kind in ROUTED.items():
+        app.router.routes.append(Route(path, ProxyEndpoint(gateway, kind), methods=["POST"]))
+    for path in FORWARDED:
+        app.router.routes.append(Route(path, ProxyEndpoint(gateway, "forward"), methods=["POST"]))
+
+    @app.get("/health")
+    async def health() -> Response:
+        up = sum(1 for r in gateway.registry.all() if r.routable)
+        return Response(orjson.dumps({"status": "ok", "workers": len(gateway.registry), "routable": up}),
+                        media_type="application/json")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(gateway.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return Response(orjson.dumps(await _union_models(gateway)), media_type="application/json")
+
+    app.include_router(make_admin_router(gateway))
+    return app
+
+
+async def _union_models(gateway: Gateway) -> dict[str, Any]:
+    """``{"object": "list", "data": [...]}``: every model card of every healthy worker, once per id."""
+    session = gateway.upstream.session
+    urls = sorted({r.url for r in gateway.registry.all() if r.healthy})
+
+    async def fetch(url: str) -> list[dict[str, Any]]:
+        try:
+            async with session.get(url + "/v1/models") as resp:
+                if resp.status != 200:
+                    return []
+                data = parse_json_object(await resp.read()).get("data")
+                return data if isinstance(data, list) else []
+        except Exception as exc:  # one bad worker must not break the listing
+            log.warning("GET %s/v1/models failed: %s", url, exc)
+            return []
+
+    seen: dict[str, dict[str, Any]] = {}
+    for cards in await asyncio.gather(*[fetch(u) for u in urls]):
+        for card in cards:
+            if isinstance(card, dict) and isinstance(card.get("id"), str):
+                seen.setdefault(card["id"], card)
+    return {"object": "list", "data": list(seen.values())}
+
+
+def _install_sighup(gateway: Gateway) -> bool:
+    if gateway.config_path is None:
+        return False
+    loop = asyncio.get_running_loop()
+    try:
+        loop.add_signal_handler(signal.SIGHUP, lambda: loop.create_task(gateway.reload()))
+    except (NotImplementedError, RuntimeError, ValueError):
+        return False
+    return True

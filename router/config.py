@@ -1,0 +1,214 @@
+"""The gateway's YAML config (DESIGN.md "Config"), as pydantic models validated at start.
+
+The same models validate the admin API's bodies (``POST /admin/workers`` takes a
+:class:`WorkerConfig`, ``PUT /admin/policy`` a policy mapping checked by the policy factory).
+
+Example (every section but ``models`` and ``workers`` has defaults)::
+
+    listen: {host: 127.0.0.1, port: 8000}
+    admin: {token_env: KVROUTE_ADMIN_TOKEN}        # or {token: "..."}; the env var wins when set
+    models:
+      - {name: tiny, tokenizer: /path/to/model_dir, block_size: 32}
+    index: {backend: memory}                       # or {backend: redis, url: redis://...}
+    workers:
+      - {id: w0, url: http://127.0.0.1:8101, model: tiny, events: tcp://127.0.0.1:5557}
+    policy: {name: kv_aware, tier_credit: {gpu: 1.0, cpu: 0.75, ssd: 0.25}, load_weight: 1.0}
+    timeouts: {connect_s: 5, first_byte_s: 300}   # no limit on a stream's total length
+    max_body_bytes: 67108864
+    health: {interval_s: 2, timeout_s: 2, fail_threshold: 3, rise_threshold: 2}
+    load_scrape: {interval_s: 1, timeout_s: 2}
+    routing: {speculative_ttl_s: 5, approx_ttl_s: 120}
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+MIB = 1024 * 1024
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ListenConfig(_Strict):
+    """Where the gateway listens."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+
+
+class AdminConfig(_Strict):
+    """Admin bearer token: ``$token_env`` when that variable is set, else ``token``."""
+
+    token_env: str | None = "KVROUTE_ADMIN_TOKEN"
+    token: str | None = None
+
+    def resolve_token(self) -> str | None:
+        """The token to require, or None when none is configured (admin API then refuses all)."""
+        if self.token_env and os.environ.get(self.token_env):
+            return os.environ[self.token_env]
+        return self.token or None
+
+
+class ModelConfig(_Strict):
+    """A served model: ``tokenizer`` is a directory with the HF tokenizer and chat template (None:
+    route by load only); ``block_size`` the workers' ``--block-size``; ``lora_adapters`` adapter
+    names a body's ``model`` may carry instead of ``name`` (keys then mix in the adapter name)."""
+
+    name: str = Field(min_length=1)
+    tokenizer: str | None = None
+    block_size: int = Field(ge=1)
+    lora_adapters: list[str] = Field(default_factory=list)
+
+
+class IndexConfig(BaseModel):
+    """Index backend, passed whole to :func:`kvcore.index.make_index` (backend-specific keys
+    such as ``url`` or ``max_keys`` are allowed)."""
+
+    model_config = ConfigDict(extra="allow")
+    backend: str = "memory"
+
+
+class WorkerConfig(_Strict):
+    """One worker (a vLLM server). ``id`` defaults to ``host:port`` of ``url``; ``events`` /
+    ``replay``: the server's ZMQ KV-event PUB and replay endpoints (absent: approximate mode)."""
+
+    id: str | None = None
+    url: str
+    model: str = Field(min_length=1)
+    events: str | None = None
+    replay: str | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, v: str) -> str:
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"worker url must be http(s)://host:port, got {v!r}")
+        return v.rstrip("/")
+
+    @model_validator(mode="after")
+    def _default_id(self) -> "WorkerConfig":
+        if not self.id:
+            parts = urlsplit(self.url)
+            self.id = f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+        if "/" in self.id:
+            raise ValueError(f"worker id must not contain '/': {self.id!r}")
+        return self
+
+
+class TimeoutsConfig(_Strict):
+    """Upstream timeouts in seconds: TCP connect, and first byte of the response body (for a
+    non-streamed response that is the whole generation). ``total_s`` None: no limit."""
+
+    connect_s: float = Field(5.0, gt=0)
+    first_byte_s: float | None = Field(300.0, gt=0)
+    total_s: float | None = Field(None, gt=0)
+
+
+class HealthConfig(_Strict):
+    """``GET {url}{path}`` every ``interval_s``; ``fail_threshold`` failures in a row mark a
+    worker down, ``rise_threshold`` successes in a row mark it up again. The first probe after
+    a worker is added decides its state directly."""
+
+    path: str = "/health"
+    interval_s: float = Field(2.0, gt=0)
+    timeout_s: float = Field(2.0, gt=0)
+    fail_threshold: int = Field(3, ge=1)
+    rise_threshold: int = Field(2, ge=1)
+
+
+class LoadScrapeConfig(_Strict):
+    """Engine load from each worker's Prometheus ``/metrics`` every ``interval_s``."""
+
+    enabled: bool = True
+    path: str = "/metrics"
+    interval_s: float = Field(1.0, gt=0)
+    timeout_s: float = Field(2.0, gt=0)
+
+
+class RoutingConfig(_Strict):
+    """Routing knobs outside the policy.
+
+    ``speculative_ttl_s``: life of the routed prompt's keys in the index for a worker with KV
+    events (until events confirm them); ``approx_ttl_s``: the same for workers without events
+    (approximate mode: the gateway's own history is all the index knows). ``measure_stream_usage``: ask
+    streaming workers for usage to compare predicted with actual cached tokens (the usage chunk
+    is stripped when the client did not ask for it). ``tokenize_threads``: tokenizer pool size.
+    """
+
+    speculative_ttl_s: float = Field(5.0, gt=0)
+    approx_ttl_s: float = Field(120.0, gt=0)
+    measure_stream_usage: bool = True
+    tokenize_threads: int = Field(2, ge=1)
+
+
+class GatewayConfig(_Strict):
+    """The whole gateway config; see the module docstring. Raises pydantic ValidationError on a
+    bad shape, ValueError (via :func:`load_config`) on a bad policy."""
+
+    listen: ListenConfig = Field(default_factory=ListenConfig)
+    admin: AdminConfig = Field(default_factory=AdminConfig)
+    models: list[ModelConfig] = Field(min_length=1)
+    index: IndexConfig = Field(default_factory=IndexConfig)
+    workers: list[WorkerConfig] = Field(default_factory=list)
+    policy: dict[str, Any] = Field(default_factory=lambda: {"name": "kv_aware"})
+    timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
+    max_body_bytes: int = Field(64 * MIB, ge=32 * MIB)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    load_scrape: LoadScrapeConfig = Field(default_factory=LoadScrapeConfig)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+
+    @model_validator(mode="after")
+    def _cross_check(self) -> "GatewayConfig":
+        names = [m.name for m in self.models]
+        for m in self.models:
+            names.extend(m.lora_adapters)
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"model or adapter names repeated: {sorted(dup)}")
+        bases = {m.name for m in self.models}
+        ids = [w.id for w in self.workers]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"worker ids repeated: {sorted({i for i in ids if ids.count(i) > 1})}")
+        for w in self.workers:
+            if w.model not in bases:
+                raise ValueError(f"worker {w.id!r} serves unknown model {w.model!r}; models: {sorted(bases)}")
+        if not isinstance(self.policy.get("name"), str):
+            raise ValueError("policy.name must be a string")
+        return self
+
+
+def check_policy(cfg: dict[str, Any]) -> None:
+    """Build the policy once to validate ``cfg``; raises ValueError when it is bad."""
+    from router.policies.factory import make_policy  # the policies' owner provides it
+
+    make_policy(cfg)
+
+
+def parse_config(data: Any) -> GatewayConfig:
+    """Validate a parsed YAML document. Raises ValueError with every problem listed."""
+    if not isinstance(data, dict):
+        raise ValueError("config must be a mapping")
+    try:
+        cfg = GatewayConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ValueError(f"invalid gateway config: {exc}") from None
+    check_policy(cfg.policy)
+    return cfg
+
+
+def load_config(path: str | Path) -> GatewayConfig:
+    """Read and validate the YAML file at ``path``. Raises ValueError (bad content) or OSError."""
+    text = Path(path).read_text()
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"config {path} is not valid YAML: {exc}") from None
+    return parse_config(data)

@@ -1,0 +1,167 @@
+"""The proxied OpenAI endpoints as raw ASGI apps (no FastAPI body validation on the hot path).
+
+A request's body is read once as bytes (413 past ``max_body_bytes``), parsed once with orjson for
+routing, and the original bytes go upstream. While the relay runs, a watcher task waits on ASGI
+``receive`` for ``http.disconnect`` and cancels the relay when the client leaves.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any, Literal
+
+import aiohttp
+import orjson
+
+from router.errors import GatewayError, bad_request, body_too_large
+from router.proxy import ClientState, upstream_headers
+from router.stream_usage import request_stream_usage
+
+log = logging.getLogger("kvroute.endpoints")
+
+EndpointKind = Literal["chat", "completion", "forward"]
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+class _ClientGone(Exception):
+    """The client disconnected while its body was being read."""
+
+
+async def read_body(receive, headers: list[tuple[bytes, bytes]], limit: int) -> bytes:
+    """The whole request body. Raises GatewayError 413 past ``limit`` bytes (by Content-Length
+    before reading, or while reading), _ClientGone on disconnect."""
+    for name, value in headers:
+        if name == b"content-length":
+            try:
+                if int(value) > limit:
+                    raise body_too_large(limit)
+            except ValueError:
+                raise bad_request("invalid Content-Length header") from None
+            break
+    chunks = []
+    size = 0
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            raise _ClientGone()
+        part = msg.get("body", b"")
+        if part:
+            size += len(part)
+            if size > limit:
+                raise body_too_large(limit)
+            chunks.append(part)
+        if not msg.get("more_body", False):
+            break
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    """The body as a JSON object. Raises GatewayError 400 when it is not one."""
+    if not body:
+        raise bad_request("request body is empty; expected a JSON object")
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise bad_request("request body must be a JSON object")
+    return obj
+
+
+def request_id_of(headers: list[tuple[bytes, bytes]]) -> str:
+    """The client's ``x-request-id``, or a new random one."""
+    for name, value in headers:
+        if name == b"x-request-id" and value:
+            return value.decode("latin-1")
+    return uuid.uuid4().hex
+
+
+async def send_json(send, status: int, body: bytes, request_id: str | None = None) -> None:
+    """A complete JSON response through ASGI ``send``."""
+    headers = _JSON_HEADERS + [(b"content-length", str(len(body)).encode())]
+    if request_id is not None:
+        headers.append((b"x-request-id", request_id.encode("latin-1")))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _cancel_on_disconnect(receive, task: asyncio.Task, state: ClientState) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            if not state.response_done:
+                state.disconnected = True
+                task.cancel()
+            return
+
+
+class ProxyEndpoint:
+    """ASGI app for one proxied path. ``kind``: "chat" / "completion" are routed by the policy;
+    "forward" goes to the least-loaded healthy worker of the body's model. ``gateway``: the
+    :class:`router.gateway.Gateway` (router, upstream, metrics, config)."""
+
+    def __init__(self, gateway: Any, kind: EndpointKind) -> None:
+        self.gw = gateway
+        self.kind = kind
+
+    async def __call__(self, scope, receive, send) -> None:
+        t0 = time.perf_counter()
+        headers: list[tuple[bytes, bytes]] = scope["headers"]
+        request_id = request_id_of(headers)
+        gw = self.gw
+        try:
+            raw = await read_body(receive, headers, gw.cfg.max_body_bytes)
+            body = parse_json_object(raw)
+            plan = None
+            if self.kind == "forward":
+                ranked = gw.router.ranked_by_load(body)
+            else:
+                plan = await gw.router.plan(self.kind, body, headers)
+                gw.router.record_decision(plan)
+                ranked = plan.ranked()
+                if body.get("stream") is True and gw.cfg.routing.measure_stream_usage:
+                    raw, strip = request_stream_usage(raw, body)
+                else:
+                    strip = False
+        except _ClientGone:
+            return
+        except GatewayError as exc:
+            gw.metrics.requests.labels("none", str(exc.status)).inc()
+            await send_json(send, exc.status, exc.body(), request_id)
+            return
+        state = ClientState()
+        task = asyncio.current_task()
+        watcher = asyncio.get_running_loop().create_task(_cancel_on_disconnect(receive, task, state))
+        try:
+            await gw.upstream.relay(
+                send, state, scope["method"], scope["path"], raw, upstream_headers(headers, request_id),
+                request_id, ranked, t0=t0,
+                uncached_tokens=plan.uncached_tokens if plan is not None else None,
+                on_attempt=(lambda reg: gw.router.commit(plan, reg)) if plan is not None else None,
+                on_cached_tokens=(lambda wid, n: _record_cached(gw, plan, wid, n)) if plan is not None else None,
+                strip_usage=strip if plan is not None else False)
+        except asyncio.CancelledError:
+            if state.disconnected:
+                task.uncancel()
+                return
+            raise
+        except GatewayError as exc:
+            worker = ranked[0].id if ranked else "none"
+            gw.metrics.requests.labels(worker, str(exc.status)).inc()
+            if not state.response_started:
+                await send_json(send, exc.status, exc.body(), request_id)
+        except aiohttp.ClientError:
+            if not state.response_started:
+                raise
+            # the worker broke an answer already under way: returning without completing it makes
+            # the server close the connection, so the client sees a truncated response
+        finally:
+            watcher.cancel()
+
+
+def _record_cached(gw: Any, plan: Any, worker_id: str, actual: int) -> None:
+    predicted = plan.predicted_cached_tokens(worker_id)
+    if predicted is not None:
+        gw.metrics.record_cached_tokens(worker_id, predicted, actual)

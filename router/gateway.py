@@ -1,0 +1,148 @@
+"""The gateway's parts wired together, with their lifecycle and run-time changes.
+
+:class:`Gateway` owns the index (from :func:`kvcore.index.make_index`), the worker registry and
+its per-worker tasks, the tokenizer pool, the live policy, the router, the upstream client and
+the metrics. Admin calls and ``SIGHUP`` go through :meth:`add_worker`, :meth:`remove_worker`,
+:meth:`set_policy` and :meth:`apply_config`.
+
+Extension point for the embedded KV-event ingest: ``gateway.registry.add_task_factory(f)`` with
+``f(registration) -> coroutine`` runs ``f`` for every worker (present and future) and cancels it
+when the worker goes; ``gateway.index`` is the index to write into. Factories given to
+:class:`Gateway` as ``task_factories`` are added at start.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+from kvcore.index import make_index
+from router.config import GatewayConfig, WorkerConfig, load_config
+from router.metrics import GatewayMetrics
+from router.proxy import Upstream
+from router.registry import TaskFactory, WorkerRegistration, WorkerRegistry
+from router.routing import PolicyHolder, Router
+from router.tokenize import TokenizerPool
+from router.worker_probes import health_probe_task, load_scrape_task
+
+log = logging.getLogger("kvroute.gateway")
+
+
+class Gateway:
+    """All gateway state. ``cfg``: validated config; ``config_path``: the file ``SIGHUP``
+    re-reads (None: reload disabled); ``task_factories``: extra per-worker tasks."""
+
+    def __init__(self, cfg: GatewayConfig, config_path: str | Path | None = None,
+                 task_factories: list[TaskFactory] | None = None) -> None:
+        self.cfg = cfg
+        self.config_path = Path(config_path) if config_path else None
+        self.admin_token = cfg.admin.resolve_token()
+        self.index = make_index(cfg.index.model_dump())
+        self.registry = WorkerRegistry()
+        self.metrics = GatewayMetrics(self.registry.all)
+        self.tokenizers = TokenizerPool(cfg.models, cfg.routing.tokenize_threads)
+        self.policy = PolicyHolder(cfg.policy)
+        self.router = Router(cfg.models, self.tokenizers, self.index, self.registry, self.policy,
+                             self.metrics, cfg.routing)
+        self.upstream = Upstream(cfg.timeouts, cfg.health, self.metrics)
+        self._extra_factories = list(task_factories or [])
+        self._lock = asyncio.Lock()
+
+    @property
+    def model_names(self) -> set[str]:
+        return {m.name for m in self.cfg.models}
+
+    async def start(self) -> None:
+        """Load tokenizers, open the upstream pool, start probes, add the configured workers and
+        wait (at most one probe timeout) for their first health probe."""
+        await self.tokenizers.load()
+        await self.upstream.start()
+        session = self.upstream.session
+        self.registry.add_task_factory(health_probe_task(session, self.cfg.health))
+        if self.cfg.load_scrape.enabled:
+            self.registry.add_task_factory(load_scrape_task(session, self.cfg.load_scrape))
+        for factory in self._extra_factories:
+            self.registry.add_task_factory(factory)
+        regs = [self.registry.add(w) for w in self.cfg.workers]
+        await self._wait_first_probe(regs)
+
+    async def stop(self) -> None:
+        """Stop every task and close connections."""
+        await self.registry.close()
+        await self.upstream.close()
+        await self.index.close()
+        self.tokenizers.close()
+
+    async def _wait_first_probe(self, regs: list[WorkerRegistration]) -> None:
+        if not regs:
+            return
+        waits = [asyncio.ensure_future(r.first_probe.wait()) for r in regs]
+        await asyncio.wait(waits, timeout=self.cfg.health.timeout_s + 1.0)
+        for w in waits:
+            w.cancel()
+
+    async def add_worker(self, wcfg: WorkerConfig) -> WorkerRegistration:
+        """Register a worker and wait for its first probe. Raises ValueError (id taken or model
+        unknown)."""
+        if wcfg.model not in self.model_names:
+            raise ValueError(f"unknown model {wcfg.model!r}; models: {sorted(self.model_names)}")
+        reg = self.registry.add(wcfg)
+        await self._wait_first_probe([reg])
+        return reg
+
+    async def remove_worker(self, worker_id: str) -> WorkerRegistration:
+        """Unregister a worker and purge its index entries; its in-flight requests finish.
+        Raises KeyError when unknown."""
+        reg = await self.registry.remove(worker_id)
+        await self.index.clear_worker(worker_id)
+        return reg
+
+    def drain_worker(self, worker_id: str) -> WorkerRegistration:
+        """Send no new requests to the worker. Raises KeyError when unknown."""
+        reg = self.registry.get(worker_id)
+        if reg is None:
+            raise KeyError(worker_id)
+        reg.draining = True
+        return reg
+
+    def set_policy(self, cfg: dict[str, Any]) -> None:
+        """Validate and swap the live policy atomically. Raises ValueError when ``cfg`` is bad."""
+        self.policy.replace(cfg)
+        self.cfg.policy = dict(cfg)
+
+    async def apply_config(self, new: GatewayConfig) -> dict[str, list[str]]:
+        """Apply a re-read config's policy and workers (other sections need a restart): new ids
+        are added, missing ones removed, changed ones re-added. Returns what changed."""
+        async with self._lock:
+            self.set_policy(new.policy)
+            wanted = {w.id: w for w in new.workers if w.model in self.model_names}
+            changes: dict[str, list[str]] = {"added": [], "removed": [], "replaced": []}
+            for reg in self.registry.all():
+                target = wanted.get(reg.id)
+                if target is None:
+                    await self.remove_worker(reg.id)
+                    changes["removed"].append(reg.id)
+                elif target != reg.cfg:
+                    await self.remove_worker(reg.id)
+                    await self.add_worker(target)
+                    changes["replaced"].append(reg.id)
+            for wid, wcfg in wanted.items():
+                if wid not in self.registry:
+                    await self.add_worker(wcfg)
+                    changes["added"].append(wid)
+            self.cfg.workers = list(new.workers)
+            return changes
+
+    async def reload(self) -> None:
+        """Re-read ``config_path`` and apply it (``SIGHUP``); a bad file is logged and ignored."""
+        if self.config_path is None:
+            return
+        try:
+            new = load_config(self.config_path)
+            changes = await self.apply_config(new)
+        except (OSError, ValueError) as exc:
+            log.error("config reload from %s failed, keeping the running config: %s", self.config_path, exc)
+            return
+        log.warning("config reloaded from %s: policy %s, workers %s", self.config_path,
+                    new.policy.get("name"), changes)

@@ -1,0 +1,93 @@
+"""The gateway's Prometheus metrics (``GET /metrics``), every name prefixed ``kvroute_``.
+
+| name | type | labels | what |
+|---|---|---|---|
+| kvroute_requests_total | counter | worker, status | proxied and gateway-answered requests (worker "none" before a choice) |
+| kvroute_route_decisions_total | counter | policy, reason | policy decisions by the policy's reason label |
+| kvroute_index_lookup_seconds | histogram | | one ``index.match`` |
+| kvroute_tokenize_seconds | histogram | | tokenization + block keys of one request (pool wait included) |
+| kvroute_ttft_seconds | histogram | worker | request received to first body byte from the worker |
+| kvroute_in_flight | gauge | worker | requests sent and unfinished (current registration) |
+| kvroute_worker_healthy | gauge | worker | 1 up, 0 down or unknown |
+| kvroute_tokenization_fallbacks_total | counter | model, reason | requests routed by load, exact tokens unavailable |
+| kvroute_predicted_cached_tokens | histogram | worker | predicted prefix-hit tokens per request (chosen worker) |
+| kvroute_actual_cached_tokens | histogram | worker | the worker's ``usage.prompt_tokens_details.cached_tokens`` |
+| kvroute_cached_tokens_error_tokens | histogram | worker | ``abs(actual - predicted)`` per request |
+| kvroute_upstream_retries_total | counter | | connect failures retried on the next-best worker |
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from router.registry import WorkerRegistration
+
+disable_created_metrics()  # no *_created series: they double the exposition for nothing here
+
+_LATENCY_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                      0.5, 1.0, 2.5, 5.0, 10.0)
+_TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TOKEN_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+
+class _WorkerGauges(Collector):
+    """In-flight and health per worker, read from the registry at scrape time (no stale series
+    for removed workers, no counters to keep in step)."""
+
+    def __init__(self, workers: Callable[[], Iterable[WorkerRegistration]]) -> None:
+        self._workers = workers
+
+    def collect(self):
+        in_flight = GaugeMetricFamily("kvroute_in_flight", "Requests sent to the worker and unfinished",
+                                      labels=["worker"])
+        healthy = GaugeMetricFamily("kvroute_worker_healthy", "1 when the worker is up", labels=["worker"])
+        for reg in self._workers():
+            in_flight.add_metric([reg.id], reg.in_flight)
+            healthy.add_metric([reg.id], 1 if reg.healthy else 0)
+        yield in_flight
+        yield healthy
+
+
+class GatewayMetrics:
+    """Every gateway metric on its own CollectorRegistry (one per app, so tests can run many)."""
+
+    def __init__(self, workers: Callable[[], Iterable[WorkerRegistration]]) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("kvroute_requests", "Requests by worker and HTTP status",
+                                ["worker", "status"], registry=r)
+        self.route_decisions = Counter("kvroute_route_decisions", "Routing decisions by reason",
+                                       ["policy", "reason"], registry=r)
+        self.lookup_s = Histogram("kvroute_index_lookup_seconds", "Index match latency",
+                                  buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.tokenize_s = Histogram("kvroute_tokenize_seconds", "Tokenization and block-key latency",
+                                    buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.ttft_s = Histogram("kvroute_ttft_seconds", "Time to the worker's first body byte",
+                                ["worker"], buckets=_TTFT_BUCKETS_S, registry=r)
+        self.tokenization_fallbacks = Counter(
+            "kvroute_tokenization_fallbacks", "Requests routed by load because exact tokens were unavailable",
+            ["model", "reason"], registry=r)
+        self.predicted_cached = Histogram("kvroute_predicted_cached_tokens",
+                                          "Predicted prefix-hit tokens per request", ["worker"],
+                                          buckets=_TOKEN_BUCKETS, registry=r)
+        self.actual_cached = Histogram("kvroute_actual_cached_tokens",
+                                       "Worker-reported cached tokens per request", ["worker"],
+                                       buckets=_TOKEN_BUCKETS, registry=r)
+        self.cached_error = Histogram("kvroute_cached_tokens_error_tokens",
+                                      "abs(actual - predicted) cached tokens per request", ["worker"],
+                                      buckets=_TOKEN_BUCKETS, registry=r)
+        self.retries = Counter("kvroute_upstream_retries", "Connect failures retried on the next-best worker",
+                               registry=r)
+        r.register(_WorkerGauges(workers))
+
+    def record_cached_tokens(self, worker_id: str, predicted: int, actual: int) -> None:
+        """One request's predicted vs actual prefix-hit tokens."""
+        self.predicted_cached.labels(worker_id).observe(predicted)
+        self.actual_cached.labels(worker_id).observe(actual)
+        self.cached_error.labels(worker_id).observe(abs(actual - predicted))
+
+    def exposition(self) -> bytes:
+        """The Prometheus text format of every metric."""
+        return generate_latest(self.registry)

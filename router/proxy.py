@@ -1,0 +1,205 @@
+"""The upstream client: one pooled ``aiohttp.ClientSession`` and the relay of one request.
+
+What reaches the worker: the client's body bytes unchanged (except the streaming usage option,
+see :mod:`router.stream_usage`), every client header but hop-by-hop ones, ``Host``,
+``Content-Length`` (recomputed) and ``Accept-Encoding`` (we ask for ``identity`` so a copy of the
+body can be read); ``x-request-id`` is the client's or a new one.
+
+What reaches the client: the worker's status, headers (minus hop-by-hop and a stale
+``Content-Length``; ``Content-Encoding`` is kept because the body is passed raw) plus
+``x-kvroute-worker`` and ``x-request-id``; the body as it arrives (``iter_any``: each read is
+forwarded at once, never re-chunked). A connect failure before any byte reached the client is
+retried once on the next-best worker. Cancelling the relay (the client went away) closes the
+upstream connection, which makes vLLM abort the request; in-flight counts are released in every
+path.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+
+from router.config import HealthConfig, TimeoutsConfig
+from router.errors import GatewayError, upstream_failed, upstream_timeout
+from router.metrics import GatewayMetrics
+from router.registry import WorkerRegistration
+from router.stream_usage import UsageStrip, UsageTap, cached_tokens_of_body
+
+log = logging.getLogger("kvroute.proxy")
+
+_HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate",
+                         b"proxy-authorization", b"te", b"trailer", b"trailers", b"transfer-encoding",
+                         b"upgrade"})
+_REQUEST_DROP = _HOP_BY_HOP | {b"host", b"content-length", b"accept-encoding", b"expect", b"x-request-id"}
+_RESPONSE_DROP = _HOP_BY_HOP | {b"content-length", b"x-request-id", b"x-kvroute-worker"}
+_SSE = b"text/event-stream"
+
+
+class ClientState:
+    """Shared between a relay and the task watching for the client's disconnect."""
+
+    __slots__ = ("disconnected", "response_started", "response_done")
+
+    def __init__(self) -> None:
+        self.disconnected = False
+        self.response_started = False
+        self.response_done = False
+
+
+def upstream_headers(client_headers: list[tuple[bytes, bytes]], request_id: str) -> list[tuple[str, str]]:
+    """Headers for the worker: the client's minus hop-by-hop, Host, Content-Length,
+    Accept-Encoding and x-request-id; plus ``Accept-Encoding: identity`` and ``x-request-id``."""
+    out = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in client_headers if k not in _REQUEST_DROP]
+    out.append(("Accept-Encoding", "identity"))
+    out.append(("x-request-id", request_id))
+    return out
+
+
+def client_headers(raw: Any, worker_id: str, request_id: str,
+                   content_length: int | None = None) -> list[tuple[bytes, bytes]]:
+    """Response headers for the client from the worker's ``raw_headers``."""
+    out = [(k.lower(), v) for k, v in raw if k.lower() not in _RESPONSE_DROP]
+    out.append((b"x-kvroute-worker", worker_id.encode("latin-1")))
+    out.append((b"x-request-id", request_id.encode("latin-1")))
+    if content_length is not None:
+        out.append((b"content-length", str(content_length).encode()))
+    return out
+
+
+class _Retryable(Exception):
+    """The worker could not be reached; nothing was sent (to it or to the client)."""
+
+
+class Upstream:
+    """The pooled upstream client and relay. ``on_connect_failure`` counts a failed connect
+    against the worker's health (as a failed probe)."""
+
+    def __init__(self, timeouts: TimeoutsConfig, health: HealthConfig, metrics: GatewayMetrics) -> None:
+        self.timeouts = timeouts
+        self.health = health
+        self.metrics = metrics
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The shared session (also used by health probes). Raises RuntimeError before start()."""
+        if self._session is None:
+            raise RuntimeError("Upstream.start() not called")
+        return self._session
+
+    async def start(self) -> None:
+        """Open the pooled session (unbounded pool, keep-alive, raw bodies)."""
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=75,
+                                         ttl_dns_cache=300, enable_cleanup_closed=True)
+        timeout = aiohttp.ClientTimeout(total=self.timeouts.total_s, connect=None,
+                                        sock_connect=self.timeouts.connect_s)
+        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
+                                              skip_auto_headers=("User-Agent", "Content-Type"))
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def relay(self, send: Callable[[dict], Awaitable[None]], state: ClientState, method: str, path: str,
+                    body: bytes, headers: list[tuple[str, str]], request_id: str,
+                    ranked: list[WorkerRegistration], *, t0: float,
+                    uncached_tokens: Callable[[str], int] | None = None,
+                    on_attempt: Callable[[WorkerRegistration], Awaitable[None]] | None = None,
+                    on_cached_tokens: Callable[[str, int], None] | None = None,
+                    strip_usage: bool = False) -> None:
+        """Send the request to ``ranked[0]`` (``ranked[1]`` after a connect failure) and relay
+        the answer through ASGI ``send``. ``t0``: perf_counter at request receipt (TTFT).
+        ``uncached_tokens(worker_id)``: prefill tokens to count as that worker's load;
+        ``on_attempt(reg)``: awaited before each attempt (speculative index insert);
+        ``on_cached_tokens(worker_id, n)``: the worker's reported cached tokens, after the
+        response is complete. Raises GatewayError (502/504) when nothing reached the client."""
+        attempts = ranked[:2]
+        for i, reg in enumerate(attempts):
+            if on_attempt is not None:
+                await on_attempt(reg)
+            handle = reg.begin(uncached_tokens(reg.id) if uncached_tokens else 0)
+            try:
+                await self._relay_one(send, state, reg, handle, method, path, body, headers, request_id, t0,
+                                      on_cached_tokens, strip_usage)
+                return
+            except _Retryable as exc:
+                reg.record_probe(False, self.health.fail_threshold, self.health.rise_threshold, str(exc))
+                if i + 1 < len(attempts):
+                    self.metrics.retries.inc()
+                    log.warning("worker %s unreachable (%s); retrying on %s", reg.id, exc, attempts[i + 1].id)
+                    continue
+                raise upstream_failed(reg.id, str(exc)) from None
+            finally:
+                handle.finish()
+
+    async def _relay_one(self, send, state: ClientState, reg: WorkerRegistration, handle, method: str, path: str,
+                         body: bytes, headers, request_id: str, t0: float, on_cached_tokens,
+                         strip_usage: bool) -> None:
+        session = self.session
+        first_byte_s = self.timeouts.first_byte_s
+        resp: aiohttp.ClientResponse | None = None
+        try:
+            try:
+                async with asyncio.timeout(first_byte_s) as deadline:
+                    try:
+                        resp = await session.request(method, reg.url + path, data=body or None,
+                                                     headers=headers)
+                    except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError,
+                            aiohttp.ClientOSError) as exc:
+                        raise _Retryable(f"{type(exc).__name__}: {exc}") from None
+                    stream = resp.content_type == "text/event-stream"
+                    first = await (resp.content.readany() if stream else resp.read())
+            except TimeoutError:
+                if deadline.expired():
+                    raise upstream_timeout(reg.id, first_byte_s) from None
+                raise _Retryable("connect timeout") from None
+            except aiohttp.ClientError as exc:
+                raise upstream_failed(reg.id, f"{type(exc).__name__}: {exc}") from None
+            handle.first_byte()
+            self.metrics.ttft_s.labels(reg.id).observe(time.perf_counter() - t0)
+            status = resp.status
+            self.metrics.requests.labels(reg.id, str(status)).inc()
+            if stream:
+                await self._relay_stream(send, state, resp, reg, first, request_id, on_cached_tokens,
+                                         strip_usage and status == 200)
+            else:
+                state.response_started = True
+                await send({"type": "http.response.start", "status": status,
+                            "headers": client_headers(resp.raw_headers, reg.id, request_id, len(first))})
+                state.response_done = True
+                await send({"type": "http.response.body", "body": first, "more_body": False})
+                if on_cached_tokens is not None and status == 200:
+                    cached = cached_tokens_of_body(first)
+                    if cached is not None:
+                        on_cached_tokens(reg.id, cached)
+        finally:
+            if resp is not None:
+                resp.close() if not state.response_done else resp.release()
+
+    async def _relay_stream(self, send, state: ClientState, resp: aiohttp.ClientResponse,
+                            reg: WorkerRegistration, first: bytes, request_id: str, on_cached_tokens,
+                            strip_usage: bool) -> None:
+        watcher = (UsageStrip() if strip_usage else UsageTap()) if on_cached_tokens is not None else None
+        state.response_started = True
+        await send({"type": "http.response.start", "status": resp.status,
+                    "headers": client_headers(resp.raw_headers, reg.id, request_id)})
+        chunk = first
+        try:
+            while chunk:
+                out = watcher.feed(chunk) if watcher is not None else chunk
+                if out:
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+                chunk = await resp.content.readany()
+        except aiohttp.ClientError as exc:
+            log.warning("worker %s broke the stream: %s", reg.id, exc)
+            raise
+        rest = watcher.finish() if watcher is not None else b""
+        state.response_done = True
+        await send({"type": "http.response.body", "body": rest, "more_body": False})
+        if watcher is not None and watcher.cached_tokens is not None:
+            on_cached_tokens(reg.id, watcher.cached_tokens)

@@ -1,0 +1,228 @@
+"""The gateway's workers: health with hysteresis, draining, in-flight counts, scraped engine load.
+
+Each :meth:`WorkerRegistry.add` makes a new :class:`WorkerRegistration`; a request holds the
+registration it was counted on (through an :class:`InFlight` handle), so removing a worker and
+adding it again under the same id starts from zero and a late finish of an old request never
+touches the new counts. Counts never go negative: a handle releases at most once.
+
+Per-worker background tasks (health probe, load scrape, and later the KV-event subscriber of the
+embedded mode) come from *task factories*: ``factory(registration) -> coroutine``, started when a
+worker is added and cancelled when it is removed.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from router.config import WorkerConfig
+from router.policies.base import WorkerLoad
+
+log = logging.getLogger("kvroute.registry")
+
+TaskFactory = Callable[["WorkerRegistration"], Coroutine[Any, Any, None]]
+
+
+class WorkerRegistration:
+    """One registration of a worker (a new object each time the worker is added).
+
+    Health: ``healthy`` is None until the first probe, then follows :meth:`record_probe`.
+    Load: ``in_flight`` requests sent and unfinished; ``prefill_tokens`` predicted uncached prompt
+    tokens of in-flight requests still before their first byte; ``decoding`` in-flight requests
+    past it; ``engine_*`` from the worker's ``/metrics``. Event-ingest fields (``events_*``,
+    ``last_event_*``) are filled by a KV-event subscriber when one runs for this worker.
+    """
+
+    def __init__(self, cfg: WorkerConfig) -> None:
+        self.cfg = cfg
+        self.id: str = cfg.id or cfg.url
+        self.url = cfg.url
+        self.model = cfg.model
+        self.healthy: bool | None = None
+        self.draining = False
+        self.removed = False
+        self._ok_streak = 0
+        self._fail_streak = 0
+        self.last_probe_error: str | None = None
+        self.in_flight = 0
+        self.prefill_tokens = 0
+        self.decoding = 0
+        self.engine_running: int | None = None
+        self.engine_waiting: int | None = None
+        self.kv_usage: float | None = None
+        self.last_scrape_monotonic: float | None = None
+        self.events_applied = 0
+        self.event_gaps = 0
+        self.event_resyncs = 0
+        self.last_event_seq: int | None = None
+        self.last_event_monotonic: float | None = None
+        self.tasks: list[asyncio.Task] = []
+        self.first_probe = asyncio.Event()
+
+    @property
+    def has_events(self) -> bool:
+        """True when the worker publishes KV events (else the index is approximate for it)."""
+        return self.cfg.events is not None
+
+    @property
+    def routable(self) -> bool:
+        """Healthy, not draining, still registered."""
+        return self.healthy is True and not self.draining and not self.removed
+
+    def record_probe(self, ok: bool, fail_threshold: int, rise_threshold: int, error: str | None = None) -> bool:
+        """Apply one probe result; returns True when ``healthy`` changed. The first result sets
+        the state directly; afterwards ``fail_threshold`` failures in a row mark the worker down
+        and ``rise_threshold`` successes in a row mark it up."""
+        before = self.healthy
+        if ok:
+            self._ok_streak += 1
+            self._fail_streak = 0
+            self.last_probe_error = None
+            if self.healthy is None or (self.healthy is False and self._ok_streak >= rise_threshold):
+                self.healthy = True
+        else:
+            self._fail_streak += 1
+            self._ok_streak = 0
+            self.last_probe_error = error
+            if self.healthy is None or (self.healthy is True and self._fail_streak >= fail_threshold):
+                self.healthy = False
+        self.first_probe.set()
+        if before != self.healthy:
+            log.warning("worker %s is now %s%s", self.id, "up" if self.healthy else "down",
+                        f" ({error})" if error else "")
+        return before != self.healthy
+
+    def note_event(self, seq: int) -> None:
+        """For a KV-event subscriber: one batch with sequence number ``seq`` was applied."""
+        self.events_applied += 1
+        self.last_event_seq = seq
+        self.last_event_monotonic = time.monotonic()
+
+    def load(self) -> WorkerLoad:
+        """A snapshot of the load the policies see."""
+        return WorkerLoad(in_flight=self.in_flight, prefill_tokens=self.prefill_tokens,
+                          decoding=self.decoding, engine_running=self.engine_running,
+                          engine_waiting=self.engine_waiting, kv_usage=self.kv_usage)
+
+    def begin(self, prefill_tokens: int = 0) -> "InFlight":
+        """Count one request as in flight with ``prefill_tokens`` uncached prompt tokens."""
+        self.in_flight += 1
+        self.prefill_tokens += prefill_tokens
+        return InFlight(self, prefill_tokens)
+
+    def describe(self) -> dict[str, Any]:
+        """The ``GET /admin/workers`` entry (DESIGN.md)."""
+        now = time.monotonic()
+        return {
+            "id": self.id, "url": self.url, "model": self.model,
+            "events": self.cfg.events, "replay": self.cfg.replay,
+            "healthy": bool(self.healthy), "draining": self.draining, "in_flight": self.in_flight,
+            "prefill_tokens": self.prefill_tokens, "decoding": self.decoding,
+            "engine": {"running": self.engine_running, "waiting": self.engine_waiting,
+                       "kv_cache_usage": self.kv_usage,
+                       "scrape_age_s": _age(self.last_scrape_monotonic, now)},
+            "last_probe_error": self.last_probe_error,
+            "last_event_seq": self.last_event_seq,
+            "last_event_age_s": _age(self.last_event_monotonic, now),
+        }
+
+
+def _age(t: float | None, now: float) -> float | None:
+    return None if t is None else round(now - t, 3)
+
+
+class InFlight:
+    """One request's share of a registration's counts; :meth:`first_byte` and :meth:`finish` are
+    idempotent, so cancellation paths can call them freely."""
+
+    __slots__ = ("reg", "_prefill", "_decoding", "_done")
+
+    def __init__(self, reg: WorkerRegistration, prefill_tokens: int) -> None:
+        self.reg = reg
+        self._prefill = prefill_tokens
+        self._decoding = False
+        self._done = False
+
+    def first_byte(self) -> None:
+        """The worker started answering: its prefill is done, the request now decodes."""
+        if self._done or self._decoding:
+            return
+        self._decoding = True
+        self.reg.prefill_tokens -= self._prefill
+        self.reg.decoding += 1
+
+    def finish(self) -> None:
+        """The request ended (any way); release its counts once."""
+        if self._done:
+            return
+        self._done = True
+        reg = self.reg
+        reg.in_flight -= 1
+        if self._decoding:
+            reg.decoding -= 1
+        else:
+            reg.prefill_tokens -= self._prefill
+
+
+class WorkerRegistry:
+    """Workers by id. ``task_factories``: per-worker background tasks (see module docstring)."""
+
+    def __init__(self, task_factories: list[TaskFactory] | None = None) -> None:
+        self._workers: dict[str, WorkerRegistration] = {}
+        self._factories: list[TaskFactory] = list(task_factories or [])
+
+    def add_task_factory(self, factory: TaskFactory) -> None:
+        """Run ``factory`` for every worker added from now on and for those already present."""
+        self._factories.append(factory)
+        for reg in self._workers.values():
+            self._start(reg, factory)
+
+    def add(self, cfg: WorkerConfig) -> WorkerRegistration:
+        """Register a worker and start its tasks. Raises ValueError when the id is taken.
+        Must be called on the event loop."""
+        reg = WorkerRegistration(cfg)
+        if reg.id in self._workers:
+            raise ValueError(f"worker {reg.id!r} already exists")
+        self._workers[reg.id] = reg
+        for factory in self._factories:
+            self._start(reg, factory)
+        return reg
+
+    def _start(self, reg: WorkerRegistration, factory: TaskFactory) -> None:
+        task = asyncio.get_running_loop().create_task(factory(reg), name=f"worker-{reg.id}")
+        reg.tasks.append(task)
+
+    async def remove(self, worker_id: str) -> WorkerRegistration:
+        """Unregister and stop its tasks; in-flight requests finish on their own. Raises KeyError."""
+        reg = self._workers.pop(worker_id)
+        reg.removed = True
+        for task in reg.tasks:
+            task.cancel()
+        await asyncio.gather(*reg.tasks, return_exceptions=True)
+        reg.tasks.clear()
+        return reg
+
+    def get(self, worker_id: str) -> WorkerRegistration | None:
+        """The current registration of ``worker_id``, or None."""
+        return self._workers.get(worker_id)
+
+    def all(self) -> list[WorkerRegistration]:
+        """Every registration, in insertion order."""
+        return list(self._workers.values())
+
+    def routable(self, model: str) -> list[WorkerRegistration]:
+        """Healthy, non-draining workers serving base model ``model``."""
+        return [r for r in self._workers.values() if r.model == model and r.routable]
+
+    def __contains__(self, worker_id: str) -> bool:
+        return worker_id in self._workers
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    async def close(self) -> None:
+        """Remove every worker (stops all tasks)."""
+        for worker_id in list(self._workers):
+            await self.remove(worker_id)

@@ -1,0 +1,229 @@
+"""The route step, shared by real requests and ``POST /admin/explain``.
+
+body -> model -> token ids -> block keys -> ``index.match`` -> candidates -> ``policy.choose``
+-> :class:`RoutePlan`. Planning changes nothing; :meth:`Router.commit` then records the routed
+prompt's keys in the index as speculative entries for the worker actually used (short TTL when
+the worker publishes KV events, which confirm or drop them; long TTL in approximate mode).
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvcore.index.base import KVIndex, TierMatch
+
+try:
+    from kvcore.index.errors import IndexUnavailable
+except ImportError:  # an index without a networked backend never raises it
+    class IndexUnavailable(RuntimeError):  # type: ignore[no-redef]
+        """Placeholder until :mod:`kvcore.index.errors` exists."""
+from kvcore.tokenization import BadPrompt
+from router.config import ModelConfig, RoutingConfig
+from router.errors import GatewayError, bad_request, no_healthy_worker, unknown_model
+from router.metrics import GatewayMetrics
+from router.policies.base import Candidate, Decision, Policy, RouteRequest
+from router.registry import WorkerRegistration, WorkerRegistry
+from router.tokenize import PromptBlocks, PromptKind, TokenizerPool
+
+
+class PolicyHolder:
+    """The live policy and its config; :meth:`replace` validates first, then swaps both in one
+    assignment, so a request sees either the old policy or the new one, never a mix."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self._current: tuple[Policy, dict[str, Any]] = (_make_policy(cfg), dict(cfg))
+
+    @property
+    def policy(self) -> Policy:
+        return self._current[0]
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The config the live policy was built from (a copy)."""
+        return dict(self._current[1])
+
+    def replace(self, cfg: dict[str, Any]) -> Policy:
+        """Build a policy from ``cfg`` and make it live. Raises ValueError when ``cfg`` is bad
+        (the old policy stays)."""
+        policy = _make_policy(cfg)
+        self._current = (policy, dict(cfg))
+        return policy
+
+
+def _make_policy(cfg: dict[str, Any]) -> Policy:
+    from router.policies.factory import make_policy  # written by the policies' owner
+
+    if not isinstance(cfg, dict):
+        raise ValueError("policy must be an object")
+    return make_policy(cfg)
+
+
+@dataclass
+class RoutePlan:
+    """A routing decision with everything that led to it.
+
+    ``model``: the base model; ``lora_name``: the adapter named by the body, if any;
+    ``blocks``: the prompt's tokens and keys (None when the policy does not use the index);
+    ``matches``: per worker, matched blocks by tier; ``workers``: the candidates' registrations
+    by id, at decision time.
+    """
+
+    model: ModelConfig
+    lora_name: str | None
+    blocks: PromptBlocks | None
+    matches: dict[str, TierMatch]
+    request: RouteRequest
+    decision: Decision
+    policy_name: str
+    workers: dict[str, WorkerRegistration] = field(default_factory=dict)
+
+    def ranked(self) -> list[WorkerRegistration]:
+        """Candidates' registrations, best first."""
+        return [self.workers[w] for w in self.decision.ranked_worker_ids() if w in self.workers]
+
+    def predicted_cached_tokens(self, worker_id: str) -> int | None:
+        """Prefix-hit tokens the worker should report (vLLM's ``cached_tokens``) for the first
+        prompt: matched blocks in any tier, capped as vLLM caps a hit at ``prompt_len - 1``
+        tokens, times the block size. None when the tokens are unknown."""
+        if self.blocks is None or self.blocks.token_ids is None:
+            return None
+        match = self.matches.get(worker_id)
+        if match is None:
+            return 0
+        n = len(self.blocks.token_ids[0])
+        bs = self.model.block_size
+        return min(match.total, max(0, n - 1) // bs) * bs
+
+    def uncached_tokens(self, worker_id: str) -> int:
+        """Prompt tokens the worker must prefill (all prompts), 0 when unknown."""
+        if self.blocks is None or self.blocks.token_ids is None:
+            return 0
+        return (self.blocks.prompt_tokens or 0) - (self.predicted_cached_tokens(worker_id) or 0)
+
+    def explain(self) -> dict[str, Any]:
+        """The ``POST /admin/explain`` answer (DESIGN.md)."""
+        tokens = self.blocks.prompt_tokens if self.blocks is not None else None
+        return {
+            "prompt_tokens": tokens,
+            "blocks": len(self.blocks.first_keys) if self.blocks is not None else 0,
+            "candidates": [s.as_dict() for s in self.decision.scores],
+            "chosen": self.decision.worker_id,
+            "reason": self.decision.reason,
+            "policy": self.policy_name,
+            "tokenization_fallback": self.blocks.fallback if self.blocks is not None else None,
+        }
+
+
+class Router:
+    """Plans routes for the configured models over the registry's workers."""
+
+    def __init__(self, models: list[ModelConfig], tokenizers: TokenizerPool, index: KVIndex,
+                 registry: WorkerRegistry, policy: PolicyHolder, metrics: GatewayMetrics,
+                 routing: RoutingConfig) -> None:
+        self._models: dict[str, tuple[ModelConfig, str | None]] = {}
+        for m in models:
+            self._models[m.name] = (m, None)
+            for adapter in m.lora_adapters:
+                self._models[adapter] = (m, adapter)
+        self.tokenizers = tokenizers
+        self.index = index
+        self.registry = registry
+        self.policy = policy
+        self.metrics = metrics
+        self.routing = routing
+
+    def resolve_model(self, body: dict[str, Any]) -> tuple[ModelConfig, str | None]:
+        """``(base model, adapter name or None)`` for the body's ``model``. Raises GatewayError
+        400 (missing / not a string) or 404 (unknown)."""
+        name = body.get("model")
+        if not isinstance(name, str) or not name:
+            raise bad_request("'model' is required and must be a string", "model")
+        found = self._models.get(name)
+        if found is None:
+            raise unknown_model(name)
+        return found
+
+    @staticmethod
+    def session_key(policy: Policy, body: dict[str, Any], headers: list[tuple[bytes, bytes]]) -> str | None:
+        """The sticky-session key for a policy that wants one (``policy.session_header`` set): that
+        header's value, else the body's ``user``; None otherwise."""
+        if policy.session_header is None:
+            return None
+        wanted = policy.session_header.lower().encode("latin-1")
+        for name, value in headers:
+            if name == wanted:
+                return value.decode("latin-1")
+        user = body.get("user")
+        return user if isinstance(user, str) and user else None
+
+    async def plan(self, kind: PromptKind, body: dict[str, Any], headers: list[tuple[bytes, bytes]],
+                   always_tokenize: bool = False) -> RoutePlan:
+        """Decide where ``body`` goes; changes no state but metrics. ``always_tokenize``: make
+        tokens and keys even when the policy does not use the index (explain does).
+        Raises GatewayError: 400 bad body, 404 unknown model, 503 no routable worker."""
+        model, lora_name = self.resolve_model(body)
+        regs = self.registry.routable(model.name)
+        if not regs:
+            raise no_healthy_worker(model.name)
+        policy = self.policy.policy
+        blocks: PromptBlocks | None = None
+        if policy.uses_index or always_tokenize:
+            t0 = time.perf_counter()
+            try:
+                blocks = await self.tokenizers.prompt_blocks(model, kind, body, lora_name)
+            except BadPrompt as exc:
+                raise bad_request(str(exc), "messages" if kind == "chat" else "prompt") from None
+            self.metrics.tokenize_s.observe(time.perf_counter() - t0)
+            if blocks.fallback is not None:
+                self.metrics.tokenization_fallbacks.labels(model.name, blocks.fallback).inc()
+        matches: dict[str, TierMatch] = {}
+        if blocks is not None and blocks.first_keys and policy.uses_index:
+            t0 = time.perf_counter()
+            try:
+                matches = await self.index.match(blocks.first_keys)
+            except IndexUnavailable:  # route on load alone for this request
+                self.metrics.tokenization_fallbacks.labels(model.name, "index_unavailable").inc()
+            self.metrics.lookup_s.observe(time.perf_counter() - t0)
+        first_tokens = None
+        if blocks is not None and blocks.token_ids is not None:
+            first_tokens = len(blocks.token_ids[0])
+        request = RouteRequest(model=model.name, prompt_tokens=first_tokens, block_size=model.block_size,
+                               num_blocks=len(blocks.first_keys) if blocks is not None else 0,
+                               session_key=self.session_key(policy, body, headers), rand=random.random())
+        regs = [r for r in regs if r.routable]  # a probe may have run during tokenization
+        if not regs:
+            raise no_healthy_worker(model.name)
+        candidates = [Candidate(r.id, r.load(), matches.get(r.id) or TierMatch()) for r in regs]
+        decision = policy.choose(request, candidates)
+        return RoutePlan(model, lora_name, blocks, matches, request, decision, policy.name or "",
+                         {r.id: r for r in regs})
+
+    def record_decision(self, plan: RoutePlan) -> None:
+        """Count a real (not explained) decision."""
+        self.metrics.route_decisions.labels(plan.policy_name, plan.decision.reason).inc()
+
+    async def commit(self, plan: RoutePlan, reg: WorkerRegistration) -> None:
+        """Record the prompt's keys as speculative entries on the worker the request went to."""
+        if plan.blocks is None or not plan.blocks.keys:
+            return
+        ttl = self.routing.speculative_ttl_s if reg.has_events else self.routing.approx_ttl_s
+        try:
+            for keys in plan.blocks.keys:
+                if keys:
+                    await self.index.store_speculative(reg.id, keys, ttl)
+        except IndexUnavailable:
+            pass  # the next lookup falls back to load as well
+
+    def ranked_by_load(self, body: dict[str, Any]) -> list[WorkerRegistration]:
+        """For endpoints forwarded without routing (embeddings, tokenize, ...): routable
+        workers of the body's model, least in-flight first. Raises GatewayError 400/404/503."""
+        model, _ = self.resolve_model(body)
+        regs = self.registry.routable(model.name)
+        if not regs:
+            raise no_healthy_worker(model.name)
+        return sorted(regs, key=lambda r: r.in_flight)
+
+
+__all__ = ["GatewayError", "PolicyHolder", "RoutePlan", "Router"]

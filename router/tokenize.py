@@ -1,0 +1,114 @@
+"""Prompt token ids and block keys for a request body, computed in a thread pool off the event loop.
+
+Per model one :class:`kvcore.tokenization.PromptTokenizer` (vLLM's exact chat-template and
+encode path); keys from :func:`kvcore.block_keys.block_keys` with the request's ``cache_salt`` and
+LoRA adapter name as extras. When exact tokens cannot be made (an image part, no tokenizer
+configured) the result says why and the gateway routes by load; a malformed prompt raises
+:class:`kvcore.tokenization.BadPrompt` (the gateway answers 400).
+"""
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from kvcore.block_keys import BlockExtras, block_keys
+from kvcore.tokenization import BadPrompt, PromptTokenizer, UnsupportedPrompt
+from router.config import ModelConfig
+
+PromptKind = Literal["chat", "completion"]
+
+
+@dataclass
+class PromptBlocks:
+    """A request's prompts as the engine will see them.
+
+    ``token_ids``: one list per prompt (a completions body may carry several; vLLM runs one
+    request per prompt), None when exact tokens could not be made; ``keys``: block keys per
+    prompt (full blocks only); ``fallback``: why tokens are missing (a metric label), else None.
+    """
+
+    token_ids: list[list[int]] | None
+    keys: list[list[int]] = field(default_factory=list)
+    fallback: str | None = None
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        """Tokens of all prompts together, None when unknown."""
+        return None if self.token_ids is None else sum(len(t) for t in self.token_ids)
+
+    @property
+    def first_keys(self) -> list[int]:
+        """Keys of the first prompt (what routing matches), [] when unknown."""
+        return self.keys[0] if self.keys else []
+
+
+class TokenizerPool:
+    """Tokenizers of every configured model plus the threads that run them.
+
+    ``models``: the config's models; ``threads``: pool size. :meth:`load` must be awaited once
+    before use (loading a tokenizer takes tens of ms to seconds).
+    """
+
+    def __init__(self, models: list[ModelConfig], threads: int = 2) -> None:
+        self._models = {m.name: m for m in models}
+        self._tokenizers: dict[str, PromptTokenizer] = {}
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvroute-tokenize")
+
+    async def load(self) -> None:
+        """Load every model's tokenizer in the pool. Raises OSError/ValueError for a bad dir."""
+        loop = asyncio.get_running_loop()
+        todo = [m for m in self._models.values() if m.tokenizer and m.name not in self._tokenizers]
+        loaded = await asyncio.gather(*[loop.run_in_executor(self._pool, PromptTokenizer, m.tokenizer)
+                                        for m in todo])
+        for m, tok in zip(todo, loaded):
+            self._tokenizers[m.name] = tok
+
+    def tokenizer(self, model: str) -> PromptTokenizer | None:
+        """The loaded tokenizer of base model ``model``, None when it has none."""
+        return self._tokenizers.get(model)
+
+    async def prompt_blocks(self, model: ModelConfig, kind: PromptKind, body: dict[str, Any],
+                            lora_name: str | None = None) -> PromptBlocks:
+        """Token ids and block keys of ``body`` (an OpenAI chat or completions body) for base
+        model ``model``. Raises BadPrompt on a malformed prompt; never raises for inputs that
+        cannot be tokenized exactly (see :class:`PromptBlocks.fallback`)."""
+        tok = self._tokenizers.get(model.name)
+        if tok is None:
+            return PromptBlocks(None, fallback="no_tokenizer")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, _prompt_blocks, tok, model, kind, body, lora_name)
+
+    def close(self) -> None:
+        """Stop the threads (pending work is dropped)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def request_extras(body: dict[str, Any], lora_name: str | None) -> BlockExtras:
+    """Block-key extras of a request: its ``cache_salt`` (vLLM's field) and LoRA adapter name.
+    Raises BadPrompt when ``cache_salt`` is not a non-empty string."""
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise BadPrompt("'cache_salt' must be a non-empty string")
+    if salt is None and lora_name is None:
+        return BlockExtras()
+    return BlockExtras(lora_name=lora_name, cache_salt=salt)
+
+
+def _prompt_blocks(tok: PromptTokenizer, model: ModelConfig, kind: PromptKind, body: dict[str, Any],
+                   lora_name: str | None) -> PromptBlocks:
+    """Runs in a pool thread: render, encode and key the prompt(s)."""
+    extras = request_extras(body, lora_name)
+    try:
+        prompts = [tok.encode_chat(body)] if kind == "chat" else tok.encode_completion(body)
+    except UnsupportedPrompt:
+        return PromptBlocks(None, fallback="unsupported_prompt")
+    try:
+        keys = [block_keys(ids, model.block_size, model.name, extras) for ids in prompts]
+    except ValueError as exc:  # a token id outside 0..2**32-1
+        raise BadPrompt(str(exc)) from None
+    return PromptBlocks(prompts, keys)
+
+
+__all__ = ["BadPrompt", "PromptBlocks", "PromptKind", "TokenizerPool", "request_extras"]

@@ -1,0 +1,101 @@
+"""Per-worker background loops: the health probe and the engine-load scrape.
+
+Both are registry task factories (``factory(registration) -> coroutine``) bound to the gateway's
+shared aiohttp session. The load comes from vLLM's Prometheus text at ``/metrics``:
+``vllm:num_requests_running``, ``vllm:num_requests_waiting`` (summed over label sets, e.g. DP
+engines) and ``vllm:kv_cache_usage_perc`` (0..1, the maximum over label sets).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import aiohttp
+
+from router.config import HealthConfig, LoadScrapeConfig
+from router.registry import WorkerRegistration
+
+log = logging.getLogger("kvroute.probes")
+
+_RUNNING = "vllm:num_requests_running"
+_WAITING = "vllm:num_requests_waiting"
+_KV_USAGE = "vllm:kv_cache_usage_perc"
+_NAMES = (_RUNNING, _WAITING, _KV_USAGE)
+
+
+def parse_engine_load(text: str) -> tuple[int | None, int | None, float | None]:
+    """``(running, waiting, kv_usage)`` from Prometheus exposition text (vLLM's metric names);
+    a metric absent from ``text`` gives None. Lines of other metrics are skipped cheaply."""
+    running = waiting = None
+    usage = None
+    for line in text.splitlines():
+        if not line.startswith(_NAMES):
+            continue
+        space = line.find(" ")
+        brace = line.find("{")
+        if brace != -1 and (space == -1 or brace < space):
+            name, rest = line[:brace], line[line.rfind("}") + 1:]
+        else:
+            name, rest = line[:space], line[space:]
+        try:
+            value = float(rest.split()[0])
+        except (ValueError, IndexError):
+            continue
+        if name == _RUNNING:
+            running = (running or 0) + int(value)
+        elif name == _WAITING:
+            waiting = (waiting or 0) + int(value)
+        elif name == _KV_USAGE:
+            usage = value if usage is None else max(usage, value)
+    return running, waiting, usage
+
+
+async def _get(session: aiohttp.ClientSession, url: str, timeout_s: float) -> tuple[int, bytes] | str:
+    """``(status, body)`` of a GET, or the error text when it failed."""
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            return resp.status, await resp.read()
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+async def probe_once(session: aiohttp.ClientSession, reg: WorkerRegistration, cfg: HealthConfig) -> bool:
+    """One ``GET {url}{path}``; records the result on ``reg``; returns whether it answered 200."""
+    got = await _get(session, reg.url + cfg.path, cfg.timeout_s)
+    ok = not isinstance(got, str) and got[0] == 200
+    error = None if ok else (got if isinstance(got, str) else f"status {got[0]}")
+    reg.record_probe(ok, cfg.fail_threshold, cfg.rise_threshold, error)
+    return ok
+
+
+async def scrape_once(session: aiohttp.ClientSession, reg: WorkerRegistration, cfg: LoadScrapeConfig) -> bool:
+    """One ``GET {url}/metrics``; stores the engine load on ``reg``; returns success."""
+    got = await _get(session, reg.url + cfg.path, cfg.timeout_s)
+    if isinstance(got, str) or got[0] != 200:
+        return False
+    reg.engine_running, reg.engine_waiting, reg.kv_usage = parse_engine_load(got[1].decode(errors="replace"))
+    reg.last_scrape_monotonic = time.monotonic()
+    return True
+
+
+def periodic_task(step, session: aiohttp.ClientSession, cfg: HealthConfig | LoadScrapeConfig):
+    """A registry task factory running ``step(session, reg, cfg)`` at once and then every
+    ``cfg.interval_s`` seconds, for as long as the worker is registered."""
+
+    async def run(reg: WorkerRegistration) -> None:
+        while True:
+            await step(session, reg, cfg)
+            await asyncio.sleep(cfg.interval_s)
+
+    return run
+
+
+def health_probe_task(session: aiohttp.ClientSession, cfg: HealthConfig):
+    """Task factory: :func:`probe_once` every ``cfg.interval_s``."""
+    return periodic_task(probe_once, session, cfg)
+
+
+def load_scrape_task(session: aiohttp.ClientSession, cfg: LoadScrapeConfig):
+    """Task factory: :func:`scrape_once` every ``cfg.interval_s``."""
+    return periodic_task(scrape_once, session, cfg)
