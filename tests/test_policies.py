@@ -87,11 +87,14 @@ def test_load_outweighs_a_small_prefix_but_not_a_large_one():
     assert (d.worker_id, costs(d)) == ("w0", {"w0": 10.0 + 9.0, "w1": 20.0})
 
 
+GUARD_8K = {"name": "kv_aware", "overload_guard": {"excess_tokens": 8192}}
+
+
 def test_overload_guard_skips_hot_holder():
     # w0 holds the whole 1000-block prompt but has 80 requests in flight: 80 x 8 = 640 blocks,
     # 632 blocks = 10112 tokens above w1 (> 8192) and more than 1.5 x w1's 8 blocks.
     cands = [cand("w0", gpu=1000, in_flight=80, decoding=80), cand("w1", in_flight=1, decoding=1)]
-    d = make_policy({"name": "kv_aware"}).choose(req(1000), cands)
+    d = make_policy(GUARD_8K).choose(req(1000), cands)
     assert (d.worker_id, d.reason) == ("w1", "overload_guard")
     assert d.ranked_worker_ids() == ["w1", "w0"]
     assert costs(d) == {"w1": 1008.0, "w0": 640.0}
@@ -99,8 +102,13 @@ def test_overload_guard_skips_hot_holder():
     off = make_policy({"name": "kv_aware", "overload_guard": {"enabled": False}})
     d = off.choose(req(1000), cands)
     assert (d.worker_id, d.reason) == ("w0", "prefix_hit")
-    loose = make_policy({"name": "kv_aware", "overload_guard": {"excess_tokens": 20000}})
-    assert loose.choose(req(1000), cands).worker_id == "w0"
+    # the default guard (32768 tokens of excess) lets this 10112-token excess through
+    assert make_policy({"name": "kv_aware"}).choose(req(1000), cands).worker_id == "w0"
+    # ... but not a 64000-token hit behind 300 requests: 2400 blocks (38400 tokens) of load,
+    # 38272 tokens above w1, though its cost 2400 beats w1's 4008
+    hot = [cand("w0", gpu=4000, in_flight=300, decoding=300), cand("w1", in_flight=1, decoding=1)]
+    d = make_policy({"name": "kv_aware"}).choose(req(4000), hot)
+    assert (d.worker_id, d.reason, costs(d)) == ("w1", "overload_guard", {"w1": 4008.0, "w0": 2400.0})
 
 
 def test_overload_guard_spreads_a_hot_prefix_burst():
@@ -117,7 +125,7 @@ def test_overload_guard_spreads_a_hot_prefix_burst():
             reasons.append(d.reason)
         return in_flight, reasons
 
-    guarded, reasons = burst(make_policy({"name": "kv_aware"}))
+    guarded, reasons = burst(make_policy(GUARD_8K))
     # w0 takes 65 in a row (65 x 8 = 520 blocks > 512 = 8192 tokens of excess), then the guard
     # sends the 66th elsewhere.
     assert reasons[:65] == ["prefix_hit"] * 65

@@ -4,7 +4,7 @@ The config is the ``policy:`` mapping of DESIGN.md, the same for the YAML file a
 ``PUT /admin/policy``::
 
     {name: kv_aware, tier_credit: {gpu: 1.0, cpu: 0.75, ssd: 0.25}, load_weight: 1.0,
-     temperature: 0.0, overload_guard: {enabled: true, excess_tokens: 8192, ratio: 1.5},
+     temperature: 0.0, overload_guard: {enabled: true, excess_tokens: 32768, ratio: 1.5},
      decode_tokens_per_request: 128, engine_waiting_prefill_tokens: 1024}
     {name: session, session_header: x-session-id, ...load keys}
     {name: round_robin | least_load, ...load keys}
