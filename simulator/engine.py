@@ -17,6 +17,7 @@ Output tokens are fixed when a request is made (:mod:`simulator.outputs`); the e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from typing import Any, Callable
 
 from simulator.block_pool import Block, BlockPool, engine_block_hashes
 from simulator.timing import TimingModel
+
+MAX_LAG_S = 0.05  # a late engine catches up on at most this much lost time
 
 
 @dataclass(eq=False)
@@ -71,6 +74,14 @@ class EngineStats:
     request_success: int = 0
     preemptions: int = 0
     steps: int = 0
+
+
+@dataclass
+class Step:
+    """One engine step: the requests it runs and its wall duration in seconds."""
+
+    scheduled: list[SimRequest]
+    duration_s: float
 
 
 class RequestTooLong(ValueError):
@@ -123,6 +134,7 @@ class Engine:
             except ValueError:
                 pass
         req.sink.put_nowait((req.index, None))
+        self._wake.set()
 
     def reset_prefix_cache(self) -> bool:
         """vLLM's reset: False while requests hold blocks. The AllBlocksCleared event goes out
@@ -139,7 +151,7 @@ class Engine:
 
     # ---- the loop -----------------------------------------------------------------------------
     async def run(self) -> None:
-        """Step forever (cancel to stop)."""
+        """Step forever (cancel to stop); sleeps each step's simulated duration."""
         loop = asyncio.get_running_loop()
         clock = loop.time()
         while True:
@@ -147,15 +159,28 @@ class Engine:
                 self._wake.clear()
                 await self._wake.wait()
                 clock = loop.time()
-            scheduled, prefill_tokens, num_prefills = self._schedule()
-            dt = self.timing.step_s(prefill_tokens, num_prefills, len(scheduled) - num_prefills)
-            clock = max(clock, loop.time() - 0.05) + dt  # catch up at most 50 ms of lag
+            step = self.schedule()
+            if not step.scheduled:  # nothing fits yet: wait for an abort or a new request
+                self._wake.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), MAX_LAG_S)
+                continue
+            clock = max(clock, loop.time() - MAX_LAG_S) + step.duration_s
             await asyncio.sleep(max(0.0, clock - loop.time()))
-            self.stats.steps += 1
-            events = self.pool.take_events()
-            if events and self.publish is not None:
-                self.publish(events)
-            self._advance(scheduled)
+            self.complete(step)
+
+    def schedule(self) -> "Step":
+        """Start a step: pick the requests, take their blocks, cache newly full blocks."""
+        scheduled, prefill_tokens, num_prefills = self._schedule()
+        return Step(scheduled, self.timing.step_s(prefill_tokens, num_prefills, len(scheduled) - num_prefills))
+
+    def complete(self, step: "Step") -> None:
+        """End a step: publish its KV events as one batch, hand out one token per request."""
+        self.stats.steps += 1
+        events = self.pool.take_events()
+        if events and self.publish is not None:
+            self.publish(events)
+        self._advance(step.scheduled)
 
     def _schedule(self) -> tuple[list[SimRequest], int, int]:
         """Pick this step's requests; returns (scheduled, uncached prefill tokens, prefills)."""
