@@ -1,0 +1,450 @@
+"""Redis index backend: one index shared by many gateways; agents write it, gateways read it.
+
+Uses redis-py's asyncio client; every write is one Lua script call (atomic, one round trip) and a
+prompt's lookup for all workers is one script call too. Needs a standalone Redis >= 6.2 (scripts
+name keys they build themselves, so Redis Cluster is not supported).
+
+Schema (``P`` = ``namespace + ":"``, default ``kvr:``; a block key ``k`` is written as its 8 bytes
+big-endian, ``raw(k)``; a worker gets a permanent slot number ``s`` on first use):
+
+- ``P slots`` HASH worker id -> slot (allocated as ``HLEN``; never reused, so a writer holding an
+  old slot number can never write into another worker's bits);
+- ``P b: raw(k)`` STRING, a bitmap: bit ``4*s + t`` (Redis ``SETBIT`` offsets) is set when worker
+  ``s`` holds ``k`` in tier ``t`` (0 gpu, 1 cpu, 2 ssd; bit 3 is spare). Deleted when no bit is left;
+- ``P o: s : t`` SET of ``raw(k)``: what worker ``s`` holds in tier ``t`` (for clearing and stats);
+- ``P rc: s : t`` HASH ``raw(k)`` -> extra copies beyond the first (only for duplicates, as
+  vLLM may store the same block twice and remove it twice);
+- ``P hb: s`` STRING with a TTL (``heartbeat_ttl_s``): the worker's liveness, refreshed by every
+  write and by :meth:`RedisIndex.heartbeat`. A worker's confirmed entries count in ``match`` only
+  while this key exists, so a dead agent's worker stops attracting traffic within the TTL; its
+  entries stay until the agent restarts (it clears them first) or the worker is removed
+  (:meth:`clear_worker` purges everything);
+- ``P m: s`` STRING: set by the agent once its full state is published; a heartbeat that finds it
+  missing (Redis restarted or flushed, worker purged) tells the agent to publish again.
+
+Bytes per block (Redis 7.0, jemalloc, measured with ``MEMORY USAGE`` and ``INFO memory`` by
+``benchmarks/bench_agent.py``): a block held by one worker in one tier costs about 90 B for its
+bitmap key plus about 60 B for its member of the worker's owned set (~150 B); each further worker
+holding the same block adds ~60 B (set member) and 4 bits of bitmap.
+
+Lookup (:meth:`RedisIndex.match`): one script call gets the bitmaps of the prompt's keys from
+block 0 up to the first key no worker holds (and at least as far as this process's speculative
+entries reach) plus which slots have a live heartbeat; the runs per worker are then computed here
+with the same bitmask chains as :class:`kvcore.index.memory.MemoryIndex`.
+
+Speculative entries (:meth:`store_speculative`) stay in this process (they are the gateway's own
+guesses for prompts it just routed) and are merged into every lookup as gpu bits.
+
+Failure: any connection error or timeout raises :class:`kvcore.index.errors.IndexUnavailable`;
+after one, calls fail fast for ``retry_after_s`` before trying Redis again, so a dead Redis costs a
+request nothing but the fallback. ``unavailable_errors`` counts failures, ``available`` says whether
+the last call reached Redis; outages and recoveries are logged once each.
+"""
+from __future__ import annotations
+
+import heapq
+import logging
+import struct
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+import redis.exceptions
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from kvcore.index.base import TIERS, KVIndex, TierMatch, WorkerIndexStats, check_tier
+from kvcore.index.errors import IndexUnavailable
+from kvcore.index.memory import MemoryIndex
+
+log = logging.getLogger("kvroute.index.redis")
+
+# Every write script resolves the worker's slot itself (allocating it on first use), so a writer
+# never uses a slot number that a restarted or flushed Redis has since given to another worker.
+# ``epoch`` is set with the first slot; a lookup compares it to refresh its slot -> worker table.
+_SLOT_OF = """
+local function slot_of(p, w)
+  local s = redis.call('HGET', p .. 'slots', w)
+  if not s then
+    if redis.call('EXISTS', p .. 'epoch') == 0 then
+      local t = redis.call('TIME')
+      redis.call('SET', p .. 'epoch', t[1] .. '.' .. t[2])
+    end
+    s = redis.call('HLEN', p .. 'slots')
+    redis.call('HSET', p .. 'slots', w, s)
+  end
+  return tonumber(s)
+end
+"""
+
+# ARGV: prefix, worker, heartbeat ttl ms, then (op 's'|'r', tier, packed 8-byte keys) triples.
+_APPLY_LUA = _SLOT_OF + """
+local p = ARGV[1]
+local slot = slot_of(p, ARGV[2])
+local missing = 0
+for j = 4, #ARGV, 3 do
+  local tier = tonumber(ARGV[j + 1])
+  local packed = ARGV[j + 2]
+  local off = slot * 4 + tier
+  local owned = p .. 'o:' .. slot .. ':' .. tier
+  local rc = p .. 'rc:' .. slot .. ':' .. tier
+  if ARGV[j] == 's' then
+    local new = {}
+    for i = 1, #packed, 8 do
+      local k = string.sub(packed, i, i + 7)
+      if redis.call('SETBIT', p .. 'b:' .. k, off, 1) == 1 then
+        redis.call('HINCRBY', rc, k, 1)
+      else
+        new[#new + 1] = k
+        if #new == 2000 then
+          redis.call('SADD', owned, unpack(new))
+          new = {}
+        end
+      end
+    end
+    if #new > 0 then redis.call('SADD', owned, unpack(new)) end
+  else
+    for i = 1, #packed, 8 do
+      local k = string.sub(packed, i, i + 7)
+      local bk = p .. 'b:' .. k
+      if redis.call('GETBIT', bk, off) == 0 then
+        missing = missing + 1
+      else
+        local n = redis.call('HGET', rc, k)
+        if n then
+          if tonumber(n) > 1 then redis.call('HINCRBY', rc, k, -1) else redis.call('HDEL', rc, k) end
+        else
+          redis.call('SETBIT', bk, off, 0)
+          redis.call('SREM', owned, k)
+          if redis.call('BITCOUNT', bk) == 0 then redis.call('DEL', bk) end
+        end
+      end
+    end
+  end
+end
+redis.call('SET', p .. 'hb:' .. slot, '1', 'PX', ARGV[3])
+return missing
+"""
+
+# ARGV: prefix, worker, tier, batch size, first call ('1' drops the duplicate counters first),
+# forget ('1': also drop the heartbeat and published marker). Returns how many keys it cleared.
+_CLEAR_LUA = _SLOT_OF + """
+local p = ARGV[1]
+local slot = slot_of(p, ARGV[2])
+local off = slot * 4 + tonumber(ARGV[3])
+if ARGV[5] == '1' then redis.call('DEL', p .. 'rc:' .. slot .. ':' .. ARGV[3]) end
+if ARGV[6] == '1' then redis.call('DEL', p .. 'hb:' .. slot, p .. 'm:' .. slot) end
+local ks = redis.call('SPOP', p .. 'o:' .. slot .. ':' .. ARGV[3], tonumber(ARGV[4]))
+for _, k in ipairs(ks) do
+  local bk = p .. 'b:' .. k
+  redis.call('SETBIT', bk, off, 0)
+  if redis.call('BITCOUNT', bk) == 0 then redis.call('DEL', bk) end
+end
+return #ks
+"""
+
+# ARGV: prefix, worker, ttl ms, mark ('1' sets the published marker). Returns 1 if it was set before.
+_HEARTBEAT_LUA = _SLOT_OF + """
+local p = ARGV[1]
+local slot = slot_of(p, ARGV[2])
+redis.call('SET', p .. 'hb:' .. slot, '1', 'PX', ARGV[3])
+local had = redis.call('EXISTS', p .. 'm:' .. slot)
+if ARGV[4] == '1' then redis.call('SET', p .. 'm:' .. slot, '1') end
+return had
+"""
+
+# ARGV: prefix, packed 8-byte keys, minimum number of keys to fetch, the caller's epoch and slot
+# count. Returns {width, count, bitmaps padded to width and concatenated, '1'/'0' per slot
+# (heartbeat alive), epoch, the slots hash flattened when the caller's table is stale (else empty)}.
+_MATCH_LUA = """
+local p = ARGV[1]
+local packed = ARGV[2]
+local min_fetch = tonumber(ARGV[3])
+local vals = {}
+local width = 0
+for i = 0, #packed / 8 - 1 do
+  local v = redis.call('GET', p .. 'b:' .. string.sub(packed, i * 8 + 1, i * 8 + 8))
+  if not v then
+    if i >= min_fetch then break end
+    v = ''
+  end
+  vals[i + 1] = v
+  if #v > width then width = #v end
+end
+for i = 1, #vals do
+  if #vals[i] < width then vals[i] = vals[i] .. string.rep('\\0', width - #vals[i]) end
+end
+local ns = redis.call('HLEN', p .. 'slots')
+local alive = {}
+for s = 0, ns - 1 do
+  alive[s + 1] = (redis.call('EXISTS', p .. 'hb:' .. s) == 1) and '1' or '0'
+end
+local epoch = redis.call('GET', p .. 'epoch') or ''
+local slots = {}
+if epoch ~= ARGV[4] or ns ~= tonumber(ARGV[5]) then slots = redis.call('HGETALL', p .. 'slots') end
+return {width, #vals, table.concat(vals), table.concat(alive), epoch, slots}
+"""
+
+# Redis SETBIT numbers bits from the most significant bit of each byte; reversing the bits of every
+# byte makes offset o bit o of a little-endian int.
+_REV_BITS = bytes(int(f"{b:08b}"[::-1], 2) for b in range(256))
+_CONNECTION_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+_CLEAR_BATCH = 2000
+_run_lengths = MemoryIndex._run_lengths  # bit position -> run length, for any row type
+
+
+def _pack(keys: Sequence[int]) -> bytes:
+    try:
+        return struct.pack(f">{len(keys)}Q", *keys)
+    except struct.error as exc:
+        raise ValueError(f"block keys must be unsigned 64-bit ints: {exc}") from None
+
+
+class RedisIndex(KVIndex):
+    """The shared index in Redis; see the module docstring for schema, costs and failure handling.
+
+    ``url``: ``redis://host:port/db``. ``namespace``: key prefix (several clusters can share one
+    Redis). ``heartbeat_ttl_s``: how long a worker counts after its agent's last write or
+    heartbeat. ``socket_timeout_s``: per-command timeout before :class:`IndexUnavailable`.
+    ``retry_after_s``: fail-fast window after a failure. ``clock``: monotonic seconds for
+    speculative TTLs (tests).
+    """
+
+    def __init__(self, url: str = "redis://127.0.0.1:6379/0", namespace: str = "kvr",
+                 heartbeat_ttl_s: float = 10.0, socket_timeout_s: float = 0.5,
+                 retry_after_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+        if heartbeat_ttl_s <= 0:
+            raise ValueError(f"heartbeat_ttl_s must be > 0, got {heartbeat_ttl_s}")
+        self.url = url
+        self.prefix = f"{namespace}:"
+        self.heartbeat_ttl_s = heartbeat_ttl_s
+        self.retry_after_s = retry_after_s
+        self._clock = clock
+        self._redis = aioredis.Redis.from_url(
+            url, socket_timeout=socket_timeout_s, socket_connect_timeout=socket_timeout_s,
+            retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        self._apply_script = self._redis.register_script(_APPLY_LUA)
+        self._clear_script = self._redis.register_script(_CLEAR_LUA)
+        self._heartbeat_script = self._redis.register_script(_HEARTBEAT_LUA)
+        self._match_script = self._redis.register_script(_MATCH_LUA)
+        self._epoch = b""
+        self._names: dict[int, str] = {}  # slot -> worker, as of self._epoch
+        self._spec: dict[int, dict[str, float]] = {}  # key -> worker -> expiry (clock s)
+        self._spec_heap: list[tuple[float, int, str]] = []
+        self._down_until = 0.0
+        self.available = True
+        self.unavailable_errors = 0
+        self.last_error = ""
+
+    # ---- plumbing -----------------------------------------------------------------------------
+    def _unavailable(self, exc: BaseException) -> IndexUnavailable:
+        self._down_until = time.monotonic() + self.retry_after_s
+        self.unavailable_errors += 1
+        self.last_error = f"{type(exc).__name__}: {exc}"
+        if self.available:
+            log.warning("redis index %s unavailable: %s", self.url, self.last_error)
+        self.available = False
+        return IndexUnavailable(f"redis index {self.url} unavailable: {self.last_error}")
+
+    async def _run(self, call: Callable[[], Awaitable[Any]]) -> Any:
+        if time.monotonic() < self._down_until:
+            self.unavailable_errors += 1
+            raise IndexUnavailable(f"redis index {self.url} unavailable: {self.last_error}")
+        try:
+            result = await call()
+        except _CONNECTION_ERRORS as exc:
+            raise self._unavailable(exc) from exc
+        if not self.available:
+            log.warning("redis index %s reachable again", self.url)
+            self.available = True
+        return result
+
+    async def _script(self, script: Any, args: list[Any]) -> Any:
+        return await self._run(lambda: script(keys=[], args=args))
+
+    async def _slot_table(self) -> dict[str, int]:
+        raw = await self._run(lambda: self._redis.hgetall(self.prefix + "slots"))
+        return {name.decode(): int(slot) for name, slot in raw.items()}
+
+    # ---- writes -------------------------------------------------------------------------------
+    async def apply_ops(self, worker: str, ops: Sequence[tuple[str, str, Sequence[int]]]) -> int:
+        """Apply ``(op, tier, keys)`` in order in one round trip; ``op`` is ``"store"`` or
+        ``"remove"`` (the agent's per-batch writes). Returns how many removed keys were absent.
+        Raises ValueError on an unknown op or tier, IndexUnavailable when Redis is down."""
+        args: list[Any] = [self.prefix, worker, int(self.heartbeat_ttl_s * 1000)]
+        for op, tier, keys in ops:
+            if op not in ("store", "remove"):
+                raise ValueError(f"unknown index op {op!r}")
+            t = check_tier(tier)
+            if keys:
+                args += ["s" if op == "store" else "r", t, _pack(keys)]
+        if len(args) == 3:
+            return 0
+        return int(await self._script(self._apply_script, args))
+
+    async def store(self, worker: str, tier: str, keys: Sequence[int]) -> None:
+        await self.apply_ops(worker, [("store", tier, keys)])
+
+    async def remove(self, worker: str, tier: str, keys: Sequence[int]) -> int:
+        return await self.apply_ops(worker, [("remove", tier, keys)])
+
+    async def clear_worker(self, worker: str, tier: str | None = None) -> None:
+        """Forget ``worker``'s entries: one tier, or (``tier`` None) every tier plus its heartbeat,
+        published marker and speculative entries (the purge of a removed worker). Runs in batches
+        of ``_CLEAR_BATCH`` keys per script call, so Redis is never blocked for long."""
+        tiers = [check_tier(tier)] if tier is not None else list(range(len(TIERS)))
+        forget = "1" if tier is None else "0"
+        for t in tiers:
+            first = "1"
+            while True:
+                n = await self._script(self._clear_script, [self.prefix, worker, t, _CLEAR_BATCH, first, forget])
+                first = forget = "0"
+                if int(n) < _CLEAR_BATCH:
+                    break
+        if tier is None:
+            for key in [k for k, d in self._spec.items() if worker in d]:
+                del self._spec[key][worker]
+                if not self._spec[key]:
+                    del self._spec[key]
+
+    async def heartbeat(self, worker: str, ttl_s: float | None = None, mark_published: bool = False) -> bool:
+        """Keep ``worker`` counting for ``ttl_s`` (default ``heartbeat_ttl_s``) more seconds.
+        ``mark_published``: the caller just published its full state. Returns whether the
+        published marker was there before (False: Redis lost or purged the worker's entries, so the
+        agent should publish again). Raises IndexUnavailable."""
+        ttl_ms = int((ttl_s or self.heartbeat_ttl_s) * 1000)
+        had = await self._script(self._heartbeat_script, [self.prefix, worker, ttl_ms, "1" if mark_published else "0"])
+        return bool(had)
+
+    async def store_speculative(self, worker: str, keys: Sequence[int], ttl_s: float) -> None:
+        """Local to this process (see the module docstring); never touches Redis."""
+        now = self._clock()
+        self._expire(now)
+        expiry = now + ttl_s
+        for key in keys:
+            self._spec.setdefault(key, {})[worker] = expiry
+            heapq.heappush(self._spec_heap, (expiry, key, worker))
+
+    def _expire(self, now: float) -> None:
+        heap = self._spec_heap
+        while heap and heap[0][0] <= now:
+            _, key, worker = heapq.heappop(heap)
+            per_key = self._spec.get(key)
+            if per_key is None:
+                continue
+            exp = per_key.get(worker)
+            if exp is not None and exp <= now:
+                del per_key[worker]
+                if not per_key:
+                    del self._spec[key]
+
+    # ---- reads --------------------------------------------------------------------------------
+    async def match(self, keys: Sequence[int]) -> dict[str, TierMatch]:
+        """Per worker, the longest run of ``keys`` from block 0 by tier (see
+        :mod:`kvcore.index.base`); workers without a live heartbeat count only their speculative
+        entries. One round trip. Raises IndexUnavailable when Redis is down."""
+        if not keys:
+            return {}
+        if self._spec_heap:
+            self._expire(self._clock())
+        spec = self._spec
+        spec_reach = 0
+        if spec:
+            while spec_reach < len(keys) and keys[spec_reach] in spec:
+                spec_reach += 1
+        width, count, blob, alive, epoch, flat = await self._script(
+            self._match_script, [self.prefix, _pack(keys), spec_reach, self._epoch, len(self._names)])
+        if flat:
+            self._epoch = epoch
+            self._names = {int(flat[i + 1]): flat[i].decode() for i in range(0, len(flat), 2)}
+        alive_mask = 0
+        for s, flag in enumerate(alive):
+            if flag == 49:  # b"1"
+                alive_mask |= 0b111 << (4 * s)
+        n_slots = len(alive)
+        names = self._names
+        spec_slots: dict[str, int] = {}
+        if spec_reach:
+            # speculative workers by name -> their Redis slot, or a local slot past Redis's ones
+            by_name = {w: s for s, w in names.items()}
+            for i in range(spec_reach):
+                for w in spec[keys[i]]:
+                    if w not in spec_slots:
+                        s = by_name.get(w)
+                        if s is None:
+                            s = n_slots + len(spec_slots)
+                        spec_slots[w] = s
+            names = dict(names)
+            names.update({s: w for w, s in spec_slots.items()})
+        blob = blob.translate(_REV_BITS)
+        rows: list[int] = []
+        for i in range(max(count, spec_reach)):
+            bits = int.from_bytes(blob[i * width:(i + 1) * width], "little") & alive_mask if i < count else 0
+            if i < spec_reach:
+                for w in spec[keys[i]]:
+                    bits |= 1 << (4 * spec_slots[w])
+            if not bits:
+                break
+            rows.append(bits)
+        if not rows:
+            return {}
+        gpu_sel = sum(1 << (4 * s) for s in range(max(names, default=0) + 1))
+        # Same AND chains as the memory backend; a worker's bit sits at position 4*slot.
+        gpu_run = _run_lengths(rows, lambda b: b & gpu_sel)
+        gc_run = _run_lengths(rows, lambda b: (b | b >> 1) & gpu_sel)
+        any_run = _run_lengths(rows, lambda b: (b | b >> 1 | b >> 2) & gpu_sel)
+        out: dict[str, TierMatch] = {}
+        for pos, total in any_run.items():
+            worker = names.get(pos // 4)
+            if worker is None:
+                continue
+            g = gpu_run.get(pos, 0)
+            gc = max(gc_run.get(pos, 0), g)
+            out[worker] = TierMatch(gpu=g, cpu=gc - g, ssd=total - gc)
+        return out
+
+    async def stats(self) -> dict[str, WorkerIndexStats]:
+        """Per worker holding anything (confirmed or speculative), block counts by tier."""
+        workers = sorted((await self._slot_table()).items(), key=lambda kv: kv[1])
+        if self._spec_heap:
+            self._expire(self._clock())
+
+        async def counts() -> list[int]:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for _, slot in workers:
+                    for t in range(len(TIERS)):
+                        pipe.scard(f"{self.prefix}o:{slot}:{t}")
+                return await pipe.execute()
+        c_all = await self._run(counts) if workers else []
+        spec_counts: dict[str, int] = {}
+        for per_key in self._spec.values():
+            for w in per_key:
+                spec_counts[w] = spec_counts.get(w, 0) + 1
+        out: dict[str, WorkerIndexStats] = {}
+        for i, (worker, _) in enumerate(workers):
+            c = c_all[i * len(TIERS):(i + 1) * len(TIERS)]
+            if any(c):
+                out[worker] = WorkerIndexStats(blocks={t: int(c[j]) for j, t in enumerate(TIERS)})
+        for worker, n in spec_counts.items():  # like the memory backend: a worker holding nothing is absent
+            out.setdefault(worker, WorkerIndexStats()).speculative_blocks = n
+        return out
+
+    async def live_workers(self) -> set[str]:
+        """Workers whose heartbeat has not expired. Raises IndexUnavailable."""
+        names = sorted((await self._slot_table()).items(), key=lambda kv: kv[1])
+        if not names:
+            return set()
+
+        async def flags() -> list[int]:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for _, s in names:
+                    pipe.exists(f"{self.prefix}hb:{s}")
+                return await pipe.execute()
+        return {w for (w, _), f in zip(names, await self._run(flags)) if f}
+
+    async def close(self) -> None:
+        try:
+            await self._redis.aclose()
+        except _CONNECTION_ERRORS:
+            pass

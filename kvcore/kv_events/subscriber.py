@@ -1,0 +1,257 @@
+"""One vLLM server's KV event stream, delivered in order with every loss either repaired or
+announced: ZMQ SUB for live batches, a DEALER on vLLM's replay socket for the missing ones.
+
+Wire format: :mod:`kvcore.events` (``[topic, seq 8B big-endian, payload]``; replay request
+``[b"", start seq 8B]``, answers ``[b"", topic, seq, payload]`` ending with seq -1).
+
+What :class:`EventSubscriber` guarantees its sink (:class:`EventSink`):
+
+- ``on_batch(seq, batch)`` is called for consecutive seqs of one publisher, each once;
+- ``on_reset(reason)`` is called whenever that cannot hold (the sink must then forget the worker),
+  and batches that follow start a new history. The sink's state is then a subset of the worker's
+  real state (it may under-report, never over-report), until vLLM sends more events.
+
+How:
+
+- Start: subscribe, then ask the replay socket for everything from seq 0 (vLLM keeps its last
+  ``buffer_steps`` batches), so an agent started after vLLM learns what is already cached. Start
+  order does not matter: ZMQ reconnects until the publisher is up.
+- Gap (a seq beyond last applied + 1): replay from the last applied seq. The first answer must be
+  that seq with the same payload (its xxh3 fingerprint is kept), which proves it is the same
+  publisher; the rest is applied. If the replay cannot cover it (the oldest buffered seq is past
+  the wanted one, the payload differs, or no replay socket / no answer within
+  ``replay_timeout_s``), the sink is reset and whatever the replay returned (or the live batch) is
+  applied as the start of a new history.
+- Publisher restart: seqs on the SUB socket only grow for one publisher, so a seq at or below the
+  last one received on it means a new publisher (seq back to 0): reset, then catch up from 0. A
+  restart can also hide behind a reconnect with seqs that keep growing; so after the SUB socket
+  reports a disconnect, the next batch is checked against the replay socket as for a gap.
+- Batches that arrive live after a replay already applied them are skipped (``duplicates``).
+- An undecodable payload resets the sink (its events are lost).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Protocol
+
+import xxhash
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from kvcore.events import REPLAY_END_SEQ, EventBatch, EventDecodeError, decode_batch, seq_bytes, seq_from_bytes
+
+log = logging.getLogger("kvroute.kv_events")
+
+
+class EventSink(Protocol):
+    """Receiver of an ordered event stream (see the module docstring)."""
+
+    async def on_batch(self, seq: int, batch: EventBatch) -> None: ...
+
+    async def on_reset(self, reason: str) -> None: ...
+
+
+class EventSubscriber:
+    """Subscribe to ``events_url`` (``tcp://host:port``), repair gaps through ``replay_url``
+    (optional), deliver to ``sink``. ``topic``: SUB prefix filter (b"" = all).
+    ``replay_timeout_s``: longest wait for each replay answer. Run :meth:`run` as a task;
+    :meth:`close` stops it. Counters are plain attributes (see :meth:`counters`)."""
+
+    def __init__(self, events_url: str, replay_url: str | None, sink: EventSink, *, topic: bytes = b"",
+                 replay_timeout_s: float = 2.0, ctx: zmq.asyncio.Context | None = None, name: str = "") -> None:
+        self.events_url = events_url
+        self.replay_url = replay_url or None
+        self.sink = sink
+        self.topic = topic
+        self.replay_timeout_s = replay_timeout_s
+        self.name = name or events_url
+        self._ctx = ctx or zmq.asyncio.Context.instance()
+        self._sub: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
+        self._suspect = False  # a disconnect happened: verify continuity at the next batch
+        self.connected = False
+        self.last_seq = -1  # last applied seq of the current history (-1: none)
+        self._last_fingerprint: int | None = None
+        self._sub_last: int | None = None  # last seq received on the SUB socket
+        self.last_batch_wall_s: float | None = None  # wall clock of the last applied batch
+        self.last_batch_monotonic_s: float | None = None
+        self.batches_received = 0
+        self.batches_applied = 0
+        self.gaps = 0
+        self.replays = 0
+        self.replay_failures = 0
+        self.restarts = 0
+        self.resyncs = 0
+        self.duplicates = 0
+        self.decode_errors = 0
+
+    def counters(self) -> dict[str, int | float | bool | None]:
+        """Stream counters and state for /admin."""
+        return {
+            "connected": self.connected, "last_seq": self.last_seq,
+            "batches_received": self.batches_received, "batches_applied": self.batches_applied,
+            "gaps": self.gaps, "replays": self.replays, "replay_failures": self.replay_failures,
+            "restarts": self.restarts, "resyncs": self.resyncs, "duplicates": self.duplicates,
+            "decode_errors": self.decode_errors,
+        }
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Subscribe and deliver until cancelled or :meth:`close` is called."""
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        self._monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        sub.connect(self.events_url)
+        self._sub = sub
+        monitor_task = asyncio.create_task(self._watch_connection())
+        try:
+            if self.replay_url:
+                await self._catch_up()
+            while True:
+                frames = await sub.recv_multipart()
+                if len(frames) != 3:
+                    log.warning("%s: ignoring a message with %d frames", self.name, len(frames))
+                    continue
+                await self._on_message(seq_from_bytes(frames[1]), frames[2])
+        finally:
+            monitor_task.cancel()
+            self.close()
+
+    def close(self) -> None:
+        """Close the sockets (idempotent)."""
+        if self._sub is not None:
+            try:
+                self._sub.disable_monitor()
+            except zmq.ZMQError:
+                pass
+            self._sub.close(0)
+            self._sub = None
+        if self._monitor is not None:
+            self._monitor.close(0)
+            self._monitor = None
+        self.connected = False
+
+    async def _watch_connection(self) -> None:
+        mon = self._monitor
+        while mon is not None:
+            try:
+                event = parse_monitor_message(await mon.recv_multipart())["event"]
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+            if event == zmq.EVENT_CONNECTED:
+                self.connected = True
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.connected = False
+                self._suspect = True
+
+    # ---- stream logic -------------------------------------------------------------------------
+    async def _on_message(self, seq: int, payload: bytes) -> None:
+        self.batches_received += 1
+        if self._sub_last is not None and seq <= self._sub_last:
+            self.restarts += 1
+            await self._reset(f"publisher restarted: seq {seq} after {self._sub_last}")
+        self._sub_last = seq
+        suspect, self._suspect = self._suspect, False
+        if not suspect:
+            if seq == self.last_seq + 1:
+                await self._apply(seq, payload)
+                return
+            if seq <= self.last_seq:
+                self.duplicates += 1
+                return
+        if seq > self.last_seq + 1 and self.last_seq >= 0:
+            self.gaps += 1
+            log.warning("%s: gap: got seq %d after %d", self.name, seq, self.last_seq)
+        answered = await self._catch_up() if self.replay_url else False
+        if seq == self.last_seq + 1:
+            await self._apply(seq, payload)
+        elif seq <= self.last_seq:
+            self.duplicates += 1
+        else:
+            if self.last_seq >= 0 or answered:
+                await self._reset(f"seq {seq} cannot follow {self.last_seq} (no replay covers it)")
+            await self._apply(seq, payload)
+
+    async def _catch_up(self) -> bool:
+        """Replay from the last applied seq (verifying it) or from 0; returns whether the replay
+        socket answered."""
+        start = max(self.last_seq, 0)
+        items = await self._replay(start)
+        if items is None:
+            self.replay_failures += 1
+            return False
+        self.replays += 1
+        if not items:
+            return True
+        first_seq, first_payload = items[0]
+        if self.last_seq >= 0:
+            if first_seq == self.last_seq and xxhash.xxh3_64_intdigest(first_payload) == self._last_fingerprint:
+                items = items[1:]
+            elif first_seq == self.last_seq:
+                # Same seq, other payload: a new publisher. Start over from its oldest batch.
+                self.restarts += 1
+                await self._reset(f"publisher restarted: payload at seq {first_seq} differs")
+                return await self._catch_up()
+            else:
+                await self._reset(f"replay cannot cover the gap: oldest replayed seq {first_seq} > wanted {start}")
+        expected = None
+        for seq, payload in items:
+            if expected is not None and seq != expected:
+                await self._reset(f"replay skipped from {expected} to {seq}")
+            await self._apply(seq, payload)
+            expected = seq + 1
+        return True
+
+    async def _replay(self, start: int) -> list[tuple[int, bytes]] | None:
+        """Ask the replay socket for batches from ``start``; None when it does not answer."""
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.replay_url)
+        timeout_ms = int(self.replay_timeout_s * 1000)
+        items: list[tuple[int, bytes]] = []
+        try:
+            await sock.send_multipart([b"", seq_bytes(start)])
+            while True:
+                if not await sock.poll(timeout_ms, zmq.POLLIN):
+                    log.warning("%s: replay from %d: no answer from %s in %.1fs", self.name, start,
+                                self.replay_url, self.replay_timeout_s)
+                    return None
+                frames = await sock.recv_multipart()
+                if len(frames) != 4:
+                    log.warning("%s: replay answered %d frames; ignoring the replay", self.name, len(frames))
+                    return None
+                seq = seq_from_bytes(frames[2])
+                if seq == REPLAY_END_SEQ:
+                    return items
+                if seq >= start:
+                    items.append((seq, frames[3]))
+        finally:
+            sock.close(0)
+
+    async def _apply(self, seq: int, payload: bytes) -> None:
+        try:
+            batch = decode_batch(payload)
+        except EventDecodeError as exc:
+            self.decode_errors += 1
+            await self._reset(f"undecodable batch at seq {seq}: {exc}")
+            self.last_seq = seq
+            self._last_fingerprint = xxhash.xxh3_64_intdigest(payload)
+            return
+        await self.sink.on_batch(seq, batch)
+        self.last_seq = seq
+        self._last_fingerprint = xxhash.xxh3_64_intdigest(payload)
+        self.batches_applied += 1
+        self.last_batch_wall_s = time.time()
+        self.last_batch_monotonic_s = time.monotonic()
+
+    async def _reset(self, reason: str) -> None:
+        self.resyncs += 1
+        self.last_seq = -1
+        self._last_fingerprint = None
+        log.warning("%s: resync: %s", self.name, reason)
+        await self.sink.on_reset(reason)

@@ -1,0 +1,214 @@
+"""EventIngestor over real ZMQ sockets: the captured vLLM frames replayed on a local PUB leave the
+index in the state they describe; dropped frames are replayed; uncovered gaps and publisher
+restarts resync the worker; start order does not matter. Both index backends."""
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from conftest import free_port
+from kv_replay_publisher import ReplayPublisher, capture_payloads, until
+
+from kvcore.block_keys import block_keys
+from kvcore.index.memory import MemoryIndex
+from kvcore.index.redis import RedisIndex
+from kvcore.kv_events import EventIngestor
+
+BS = 32
+
+
+def keys_of(capture, name: str) -> list[int]:
+    step = next(s for s in capture["steps"] if s["name"] == name)
+    return block_keys(step["tokenize_response"]["tokens"], BS, "tiny")
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def index(request):
+    if request.param == "memory":
+        yield MemoryIndex()
+        return
+    redis_url = request.getfixturevalue("redis_url")
+    idx = RedisIndex(redis_url, namespace=f"t{uuid.uuid4().hex[:8]}")
+    yield idx
+    await idx.close()
+
+
+class Setup:
+    def __init__(self, index, replay: bool = True, buffer_steps: int = 10_000) -> None:
+        self.index = index
+        self.pub_port, self.replay_port = free_port(), free_port()
+        self.replay = replay
+        self.buffer_steps = buffer_steps
+        self.pub: ReplayPublisher | None = None
+        self.ingestor = EventIngestor("w0", f"tcp://127.0.0.1:{self.pub_port}",
+                                      f"tcp://127.0.0.1:{self.replay_port}" if replay else None,
+                                      index, "tiny", BS, replay_timeout_s=0.5, heartbeat_ttl_s=5.0)
+
+    def start_publisher(self) -> ReplayPublisher:
+        self.pub = ReplayPublisher(self.pub_port, self.replay_port if self.replay else None,
+                                   buffer_steps=self.buffer_steps)
+        return self.pub
+
+    async def connected(self) -> None:
+        await until(lambda: self.ingestor.subscriber.connected, what="SUB connected")
+        await _sleep(0.3)  # the subscription reaches the PUB side shortly after the connect
+
+    async def applied(self, seq: int) -> None:
+        await until(lambda: self.ingestor.subscriber.last_seq >= seq, what=f"seq {seq} applied")
+
+    async def close(self) -> None:
+        await self.ingestor.stop()
+        if self.pub is not None:
+            await self.pub.close()
+
+
+async def _sleep(s: float) -> None:
+    import asyncio
+    await asyncio.sleep(s)
+
+
+@pytest.fixture
+async def setup_factory():
+    made: list[Setup] = []
+
+    def make(index, **kw) -> Setup:
+        s = Setup(index, **kw)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        await s.close()
+
+
+async def test_captured_frames_leave_the_index_in_the_state_they_describe(index, capture, setup_factory):
+    payloads = capture_payloads(capture)
+    s = setup_factory(index)
+    pub = s.start_publisher()
+    await s.ingestor.start()
+    await s.connected()
+    for p in payloads[:5]:
+        await pub.publish(p)
+    await s.applied(4)
+    keys_a, keys_b = keys_of(capture, "completion_A"), keys_of(capture, "completion_B_evicts")
+    match = await index.match(keys_a)
+    assert match["w0"].gpu == 18
+    assert (await index.match(keys_of(capture, "chat_2_multiturn")))["w0"].gpu == 6
+    await pub.publish(payloads[5])  # evicts completion_A's blocks 4..17, stores the salted prompt
+    await s.applied(5)
+    assert (await index.match(keys_a))["w0"].gpu == 4
+    assert (await index.match(keys_b))["w0"].gpu == 16
+    await pub.publish(payloads[6])  # AllBlocksCleared, then completion_A again
+    await s.applied(6)
+    assert (await index.match(keys_a))["w0"].gpu == 18
+    assert await index.match(keys_b) == {}
+    assert (await index.stats())["w0"].blocks == {"gpu": 18, "cpu": 0, "ssd": 0}
+    st = s.ingestor.state()
+    assert st["last_seq"] == 6 and st["gaps"] == 0 and st["resyncs"] == 0 and st["clears"] == 1
+    assert st["blocks"] == {"gpu": 18, "cpu": 0, "ssd": 0} and st["index_synced"]
+
+
+async def test_dropped_frame_is_replayed(index, capture, setup_factory):
+    payloads = capture_payloads(capture)
+    s = setup_factory(index)
+    pub = s.start_publisher()
+    await s.ingestor.start()
+    await s.connected()
+    await pub.publish(payloads[0])
+    await pub.publish(payloads[1], drop=True)  # lost on the wire, still in vLLM's replay buffer
+    await pub.publish(payloads[2])
+    await s.applied(2)
+    st = s.ingestor.state()
+    assert st["gaps"] == 1 and st["replays"] >= 2 and st["resyncs"] == 0
+    assert (await index.match(keys_of(capture, "chat_1")))["w0"].gpu == 6
+    assert (await index.match(keys_of(capture, "completion_A")))["w0"].gpu == 18
+
+
+async def test_gap_replay_cannot_cover_resyncs_the_worker(index, capture, setup_factory):
+    payloads = capture_payloads(capture)
+    s = setup_factory(index, buffer_steps=1)
+    pub = s.start_publisher()
+    await s.ingestor.start()
+    await s.connected()
+    await pub.publish(payloads[0])  # completion_A
+    await s.applied(0)
+    await pub.publish(payloads[1], drop=True)
+    await pub.publish(payloads[2], drop=True)
+    await pub.publish(payloads[3])  # completion_B's 16 prompt blocks; the buffer keeps only this
+    await s.applied(3)
+    st = s.ingestor.state()
+    assert st["gaps"] == 1 and st["resyncs"] == 1
+    # the worker was cleared (completion_A gone: its later removals could be lost), then rebuilt
+    # from what vLLM could still replay: under-reporting, never over-reporting
+    assert await index.match(keys_of(capture, "completion_A")) == {}
+    assert (await index.match(keys_of(capture, "completion_B_evicts")))["w0"].gpu == 16
+
+
+async def test_publisher_restart_is_detected_and_the_worker_resynced(index, capture, setup_factory):
+    payloads = capture_payloads(capture)
+    s = setup_factory(index)
+    pub = s.start_publisher()
+    await s.ingestor.start()
+    await s.connected()
+    for p in payloads[:3]:
+        await pub.publish(p)
+    await s.applied(2)
+    await pub.close()
+    s.pub = None
+    pub = s.start_publisher()  # vLLM restarted: empty cache, seq from 0
+    await until(lambda: s.ingestor.subscriber.connected, what="reconnect")
+    await _sleep(0.3)
+    await pub.publish(payloads[3])
+    await until(lambda: s.ingestor.subscriber.restarts >= 1 and s.ingestor.subscriber.last_seq == 0,
+                what="restart handled")
+    st = s.ingestor.state()
+    assert st["resyncs"] >= 1
+    assert await index.match(keys_of(capture, "completion_A")) == {}
+    assert await index.match(keys_of(capture, "chat_1")) == {}
+    assert (await index.match(keys_of(capture, "completion_B_evicts")))["w0"].gpu == 16
+
+
+async def test_agent_started_after_vllm_catches_up_through_replay(index, capture, setup_factory):
+    payloads = capture_payloads(capture)
+    s = setup_factory(index)
+    pub = s.start_publisher()
+    for p in payloads[:2]:
+        await pub.publish(p)  # nobody listening yet
+    await s.ingestor.start()
+    await s.applied(1)
+    assert (await index.match(keys_of(capture, "completion_A")))["w0"].gpu == 18
+    assert (await index.match(keys_of(capture, "chat_1")))["w0"].gpu == 6
+    await s.connected()
+    await pub.publish(payloads[2])
+    await s.applied(2)
+    assert s.ingestor.state()["resyncs"] == 0
+
+
+async def test_agent_started_before_vllm(index, capture, setup_factory):
+    payloads = capture_payloads(capture)
+    s = setup_factory(index)
+    await s.ingestor.start()  # nothing listening on either port yet
+    await _sleep(0.2)
+    pub = s.start_publisher()
+    await s.connected()
+    await pub.publish(payloads[0])
+    await s.applied(0)
+    assert (await index.match(keys_of(capture, "completion_A")))["w0"].gpu == 18
+
+
+async def test_without_replay_socket_a_gap_resyncs(capture, setup_factory):
+    payloads = capture_payloads(capture)
+    index = MemoryIndex()
+    s = setup_factory(index, replay=False)
+    pub = s.start_publisher()
+    await s.ingestor.start()
+    await s.connected()
+    await pub.publish(payloads[0])
+    await s.applied(0)
+    await pub.publish(payloads[1], drop=True)
+    await pub.publish(payloads[3])
+    await s.applied(2)
+    st = s.ingestor.state()
+    assert st["gaps"] == 1 and st["resyncs"] == 1 and st["replays"] == 0
+    assert await index.match(keys_of(capture, "completion_A")) == {}
+    assert (await index.match(keys_of(capture, "completion_B_evicts")))["w0"].gpu == 16

@@ -1,0 +1,136 @@
+"""The index contract (kvcore/index/base.py) on both backends: refcounts, tiers, match split by
+tier, clear, speculative TTL; plus what only the memory backend has (max_keys, slot reuse)."""
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from kvcore.index.base import TierMatch
+from kvcore.index.memory import MemoryIndex
+from kvcore.index.redis import RedisIndex
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def index(request, clock):
+    if request.param == "memory":
+        yield MemoryIndex(clock=clock)
+        return
+    idx = RedisIndex(request.getfixturevalue("redis_url"), namespace=f"t{uuid.uuid4().hex[:8]}", clock=clock)
+    yield idx
+    await idx.close()
+
+
+K = [101, 102, 103, 104, 105, 106]
+
+
+async def test_match_is_the_run_from_block_zero(index):
+    await index.store("a", "gpu", K[:4])
+    await index.store("b", "gpu", [K[0], K[1], K[3]])  # hole at block 2
+    await index.store("c", "gpu", K[1:])  # no block 0: absent
+    assert await index.match(K) == {"a": TierMatch(4, 0, 0), "b": TierMatch(2, 0, 0)}
+    assert await index.match([999] + K) == {}
+    assert await index.match([]) == {}
+
+
+async def test_match_split_by_best_tier(index):
+    await index.store("w", "gpu", K[:2])
+    await index.store("w", "cpu", K[1:4])  # block 1 in both: gpu wins
+    await index.store("w", "ssd", K[4:5])
+    await index.store("x", "ssd", K[:1])
+    await index.store("x", "gpu", K[1:3])  # gpu after an ssd block counts as ssd
+    m = await index.match(K)
+    assert m["w"] == TierMatch(gpu=2, cpu=2, ssd=1)
+    assert m["x"] == TierMatch(gpu=0, cpu=0, ssd=3)
+    st = await index.stats()
+    assert st["w"].blocks == {"gpu": 2, "cpu": 3, "ssd": 1}
+
+
+async def test_duplicates_are_reference_counted_per_key_and_tier(index):
+    await index.store("w", "gpu", K[:2])
+    await index.store("w", "gpu", K[:1])  # second copy of block 0
+    await index.store("w", "cpu", K[:1])
+    assert await index.remove("w", "gpu", K[:1]) == 0
+    assert (await index.match(K))["w"] == TierMatch(2, 0, 0)  # one gpu copy left
+    assert await index.remove("w", "gpu", K[:1]) == 0
+    assert (await index.match(K))["w"] == TierMatch(0, 2, 0)  # the cpu copy is untouched
+    assert await index.remove("w", "gpu", [K[0], 999]) == 2
+    assert await index.remove("nobody", "gpu", K[:3]) == 3
+    await index.remove("w", "cpu", K[:1])
+    assert await index.match(K) == {}
+
+
+async def test_clear_worker_by_tier_and_whole_leaves_others(index):
+    await index.store("a", "gpu", K)
+    await index.store("a", "cpu", K)
+    await index.store("a", "gpu", K[:1])  # a duplicate dies with the clear too
+    await index.store("b", "gpu", K[:3])
+    await index.clear_worker("a", "gpu")
+    m = await index.match(K)
+    assert m["a"] == TierMatch(0, 6, 0) and m["b"] == TierMatch(3, 0, 0)
+    await index.clear_worker("a")
+    assert await index.match(K) == {"b": TierMatch(3, 0, 0)}
+    assert set(await index.stats()) == {"b"}
+    await index.store("a", "gpu", K[:1])  # usable again; no leftover reference counts
+    await index.remove("a", "gpu", K[:1])
+    assert await index.match(K) == {"b": TierMatch(3, 0, 0)}
+
+
+async def test_speculative_entries_count_as_gpu_until_their_ttl(index, clock):
+    await index.store("a", "cpu", K[:3])
+    await index.store_speculative("a", K[:2], ttl_s=5.0)
+    await index.store_speculative("s", K[:4], ttl_s=5.0)
+    m = await index.match(K)
+    assert m["a"] == TierMatch(2, 1, 0) and m["s"] == TierMatch(4, 0, 0)
+    assert (await index.stats())["s"].speculative_blocks == 4
+    clock.now += 3
+    await index.store_speculative("s", K[:1], ttl_s=5.0)  # refresh block 0 only
+    clock.now += 3
+    m = await index.match(K)
+    assert m["a"] == TierMatch(0, 3, 0) and m["s"] == TierMatch(1, 0, 0)
+    clock.now += 10
+    assert await index.match(K) == {"a": TierMatch(0, 3, 0)}
+
+
+async def test_many_workers_and_long_prompts(index):
+    keys = list(range(10_000, 10_512))
+    for w in range(70):  # more workers than one 64-bit word
+        await index.store(f"w{w}", "gpu", keys[:w * 7 % 512])
+    m = await index.match(keys)
+    expected = {f"w{w}": TierMatch(w * 7 % 512, 0, 0) for w in range(70) if w * 7 % 512}
+    assert m == expected
+
+
+async def test_bad_tier_is_a_value_error(index):
+    with pytest.raises(ValueError):
+        await index.store("w", "nvme", K)
+
+
+def test_memory_max_keys_bounds_distinct_keys_and_never_over_reports():
+    idx = MemoryIndex(max_keys=3)
+    idx.store_sync("w", "gpu", K)
+    assert len(idx) == 3 and idx.dropped_keys == 3
+    assert idx.match_sync(K) == {"w": TierMatch(3, 0, 0)}
+
+
+def test_memory_slot_is_reused_after_clear_without_leaking_bits():
+    idx = MemoryIndex()
+    idx.store_sync("a", "gpu", K[:2])
+    idx.store_sync("b", "gpu", K[:1])
+    idx.clear_worker_sync("a")
+    idx.store_sync("c", "gpu", K[1:3])  # takes a's slot; must not inherit a's block 0
+    assert idx.match_sync(K) == {"b": TierMatch(1, 0, 0)}
+    assert idx.match_sync(K[1:]) == {"c": TierMatch(2, 0, 0)}

@@ -1,0 +1,153 @@
+"""What only the Redis backend has: heartbeat TTL, purge of a removed worker, IndexUnavailable
+while Redis is down and recovery after, and the agent's state republished into a restarted Redis.
+(The shared semantics are parametrized over both backends in test_index_memory.py.)"""
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+import uuid
+
+import pytest
+import redis
+from conftest import free_port
+from kv_replay_publisher import ReplayPublisher, capture_payloads, until
+
+from kvcore.block_keys import block_keys
+from kvcore.index.base import TierMatch
+from kvcore.index.errors import IndexUnavailable
+from kvcore.index.redis import RedisIndex
+from kvcore.kv_events import EventIngestor
+
+K = list(range(500, 510))
+
+
+@pytest.fixture
+async def rindex(redis_url):
+    idx = RedisIndex(redis_url, namespace=f"t{uuid.uuid4().hex[:8]}", heartbeat_ttl_s=0.4)
+    yield idx
+    await idx.close()
+
+
+async def test_heartbeat_ttl_expiry_stops_a_worker_counting(rindex):
+    await rindex.store("dead", "gpu", K)
+    await rindex.store("live", "gpu", K[:5])
+    assert set(await rindex.match(K)) == {"dead", "live"}
+    for _ in range(4):  # only "live" keeps heartbeating
+        await asyncio.sleep(0.2)
+        assert await rindex.heartbeat("live") is False  # never marked as published
+    assert await rindex.match(K) == {"live": TierMatch(5, 0, 0)}
+    assert await rindex.live_workers() == {"live"}
+    await rindex.heartbeat("dead")  # its agent comes back: entries count again
+    assert (await rindex.match(K))["dead"] == TierMatch(10, 0, 0)
+
+
+async def test_published_marker_tells_the_agent_to_republish(rindex):
+    assert await rindex.heartbeat("w", mark_published=True) is False
+    assert await rindex.heartbeat("w") is True
+    await rindex.clear_worker("w")  # purged (or Redis lost it): the next heartbeat says so
+    assert await rindex.heartbeat("w") is False
+
+
+async def test_removing_a_worker_purges_its_keys(rindex):
+    await rindex.store("a", "gpu", K)
+    await rindex.store("a", "gpu", K[:2])
+    await rindex.store("a", "cpu", K)
+    await rindex.store("b", "gpu", K[:3])
+    r = rindex._redis
+    before = {k async for k in r.scan_iter(match=rindex.prefix + "*")}
+    await rindex.clear_worker("a")
+    after = {k async for k in r.scan_iter(match=rindex.prefix + "*")}
+    slot_a = (await rindex._slot_table())["a"]
+    assert not [k for k in after if k.decode(errors="replace").startswith(
+        (f"{rindex.prefix}o:{slot_a}:", f"{rindex.prefix}rc:{slot_a}:", f"{rindex.prefix}hb:{slot_a}"))]
+    bitmaps = [k for k in after if k.startswith((rindex.prefix + "b:").encode())]
+    assert len(bitmaps) == 3  # only b's three blocks are left
+    assert len(before) > len(after)
+    assert await rindex.match(K) == {"b": TierMatch(3, 0, 0)}
+
+
+def _redis_server(procs, port: int):
+    exe = shutil.which("redis-server")
+    assert exe, "redis-server not on PATH"
+    p = procs(f"redis-{port}-{time.monotonic_ns()}", [exe, "--port", str(port), "--bind", "127.0.0.1",
+                                                      "--save", "", "--appendonly", "no"])
+    client = redis.Redis(port=port, socket_connect_timeout=0.5)
+    end = time.monotonic() + 10
+    while time.monotonic() < end:
+        try:
+            if client.ping():
+                client.close()
+                return p
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    raise AssertionError(p.log_tail())
+
+
+async def test_redis_down_raises_index_unavailable_then_recovers(procs):
+    port = free_port()
+    server = _redis_server(procs, port)
+    idx = RedisIndex(f"redis://127.0.0.1:{port}/0", retry_after_s=0.2, socket_timeout_s=0.3)
+    try:
+        await idx.store("w", "gpu", K)
+        assert (await idx.match(K))["w"] == TierMatch(10, 0, 0)
+        server.stop()
+        with pytest.raises(IndexUnavailable):
+            await idx.match(K)
+        assert idx.available is False and idx.unavailable_errors == 1
+        with pytest.raises(IndexUnavailable):  # fail-fast window: no new connection attempt
+            await idx.store("w", "gpu", K)
+        assert idx.unavailable_errors == 2
+        _redis_server(procs, port)  # back, empty
+        await asyncio.sleep(0.25)
+        assert await idx.match(K) == {}
+        assert idx.available is True
+        other = RedisIndex(f"redis://127.0.0.1:{port}/0")
+        await other.store("other", "gpu", K)  # takes slot 0 in the new Redis, which "w" had before
+        await other.close()
+        await idx.store("w", "gpu", K[:2])
+        assert await idx.match(K) == {"w": TierMatch(2, 0, 0), "other": TierMatch(10, 0, 0)}
+    finally:
+        await idx.close()
+
+
+async def test_agent_state_is_republished_into_a_restarted_redis(procs, capture):
+    port = free_port()
+    server = _redis_server(procs, port)
+    url = f"redis://127.0.0.1:{port}/0"
+    pub_port, replay_port = free_port(), free_port()
+    pub = ReplayPublisher(pub_port, replay_port)
+    index = RedisIndex(url, heartbeat_ttl_s=0.6, retry_after_s=0.1, socket_timeout_s=0.3)
+    reader = RedisIndex(url, retry_after_s=0.1, socket_timeout_s=0.3)
+    ing = EventIngestor("w0", f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}", index,
+                        "tiny", 32, heartbeat_ttl_s=0.6, replay_timeout_s=0.5)
+    payloads = capture_payloads(capture)
+    tokens = next(s for s in capture["steps"] if s["name"] == "completion_A")["tokenize_response"]["tokens"]
+    keys_a = block_keys(tokens, 32, "tiny")
+    keys_b = block_keys(next(s for s in capture["steps"] if s["name"] == "completion_B_evicts")
+                        ["tokenize_response"]["tokens"], 32, "tiny")
+    try:
+        await ing.start()
+        await until(lambda: ing.subscriber.connected)
+        await asyncio.sleep(0.3)
+        await pub.publish(payloads[0])
+        await until(lambda: ing.subscriber.last_seq == 0)
+        assert (await reader.match(keys_a))["w0"].gpu == 18
+        server.stop()
+        await pub.publish(payloads[3])  # applied to the agent's state while Redis is down
+        await until(lambda: ing.subscriber.last_seq == 1 and ing.index_errors >= 1, what="write failed")
+        _redis_server(procs, port)  # an empty Redis: the agent must publish everything again
+
+        async def republished():
+            try:
+                return (await reader.match(keys_a)).get("w0") == TierMatch(18, 0, 0) and \
+                    (await reader.match(keys_b)).get("w0") == TierMatch(16, 0, 0)
+            except IndexUnavailable:
+                return False
+        await until(republished, timeout_s=10, what="republish")
+        assert ing.state()["index_synced"] and ing.republishes >= 2
+    finally:
+        await ing.stop()
+        await pub.close()
+        await index.close()
+        await reader.close()
