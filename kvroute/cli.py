@@ -14,6 +14,7 @@ import sys
 _PARTS = (
     "simulator.cli",
     "router.cli",
+    "offload_agent.cli",
 )
 
 

@@ -30,6 +30,8 @@ class ReplayPublisher:
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.bind(f"tcp://127.0.0.1:{pub_port}")
+        self.events_url = f"tcp://127.0.0.1:{pub_port}"
+        self.replay_url = f"tcp://127.0.0.1:{replay_port}" if replay_port is not None else None
         self.router = None
         self._task = None
         if replay_port is not None:

@@ -1,0 +1,68 @@
+"""The offload agent process: an :class:`kvcore.kv_events.EventIngestor` writing a Redis index,
+until SIGINT/SIGTERM. Logs its state every ``STATUS_EVERY_S`` seconds; on a clean stop it purges its
+worker's entries (the index may under-report, never over-report)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+
+from kvcore.index.redis import RedisIndex
+from kvcore.kv_events import EventIngestor
+
+log = logging.getLogger("kvroute.agent")
+STATUS_EVERY_S = 30.0
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    """Why the arguments cannot work, or None."""
+    if not args.index.startswith(("redis://", "rediss://", "unix://")):
+        return (f"--index {args.index!r}: the agent writes a shared index, so it needs a Redis URL "
+                "(redis://host:port/db); an in-memory index lives in the gateway (index: memory there "
+                "subscribes to the events itself)")
+    if args.block_size < 1:
+        return f"--block-size must be >= 1, got {args.block_size}"
+    if not args.events.startswith(("tcp://", "ipc://")):
+        return f"--events {args.events!r}: expected tcp://host:port"
+    if args.heartbeat_ttl_s <= 0:
+        return f"--heartbeat-ttl-s must be > 0, got {args.heartbeat_ttl_s}"
+    return None
+
+
+async def run_agent(args: argparse.Namespace) -> None:
+    """Run until a stop signal; never raises for an unreachable Redis or vLLM (it waits for both)."""
+    index = RedisIndex(args.index, heartbeat_ttl_s=args.heartbeat_ttl_s)
+    ingestor = EventIngestor(args.worker_id, args.events, args.replay, index, args.model, args.block_size,
+                             topic=args.topic.encode(), heartbeat_ttl_s=args.heartbeat_ttl_s)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await ingestor.start()
+    log.info("agent for worker %s: events %s, replay %s, index %s, model %s, block size %d",
+             args.worker_id, args.events, args.replay, args.index, args.model, args.block_size)
+    try:
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), STATUS_EVERY_S)
+            except asyncio.TimeoutError:
+                log.info("state %s", json.dumps(ingestor.state(), sort_keys=True))
+    finally:
+        log.info("stopping; final state %s", json.dumps(ingestor.state(), sort_keys=True))
+        await ingestor.stop(purge=True)
+        await index.close()
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Entry of ``kvroute agent``; returns the exit status (2 for bad arguments)."""
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    problem = check_args(args)
+    if problem:
+        print(f"kvroute agent: error: {problem}", file=sys.stderr)
+        return 2
+    asyncio.run(run_agent(args))
+    return 0

@@ -1,0 +1,33 @@
+"""``kvroute agent``: one offload agent beside one vLLM server; its KV events into a Redis index."""
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``agent`` subcommand to the ``kvroute`` parser."""
+    p = subparsers.add_parser(
+        "agent", help="run one offload agent (a vLLM server's KV events -> the Redis index)",
+        description="Subscribes to one vLLM server's KV events (ZMQ), turns them into block keys and "
+                    "writes them to a shared Redis index with a heartbeat; repairs lost messages over "
+                    "the replay socket and resyncs after a vLLM restart. Start order does not matter.")
+    p.add_argument("--worker-id", required=True, metavar="ID", help="the worker's id, as in the gateway config")
+    p.add_argument("--events", required=True, metavar="tcp://H:P",
+                   help="vLLM's KV event PUB endpoint (its --kv-events-config endpoint, as seen from here)")
+    p.add_argument("--replay", default=None, metavar="tcp://H:P",
+                   help="vLLM's replay endpoint (replay_endpoint); without it, a lost message resyncs")
+    p.add_argument("--index", required=True, metavar="URL",
+                   help="the shared index: redis://host:port/db (memory is the gateway's embedded mode)")
+    p.add_argument("--model", required=True, metavar="NAME", help="served model name (mixed into block keys)")
+    p.add_argument("--block-size", required=True, type=int, metavar="N", help="vLLM's --block-size in tokens")
+    p.add_argument("--heartbeat-ttl-s", type=float, default=10.0, metavar="S",
+                   help="the worker stops counting this long after the agent's last heartbeat (default 10)")
+    p.add_argument("--topic", default="", help="ZMQ topic prefix to subscribe to (default: all)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from offload_agent.agent import run_from_args
+
+    return run_from_args(args)

@@ -1,0 +1,102 @@
+"""``kvroute agent`` as a real process: the captured vLLM frames on a local PUB socket end up in
+Redis under the gateway's keys; a killed agent's worker stops counting after the heartbeat TTL; a
+stopped agent purges its entries; bad arguments exit 2."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import uuid
+
+import pytest
+from conftest import free_port, kvroute_argv
+from kv_replay_publisher import ReplayPublisher, capture_payloads, until
+
+from kvcore.block_keys import BlockExtras, block_keys
+from kvcore.index.base import TierMatch
+from kvcore.index.redis import RedisIndex
+
+BS = 32
+
+
+def keys_of(capture, name: str, salt: str | None = None) -> list[int]:
+    step = next(s for s in capture["steps"] if s["name"] == name)
+    return block_keys(step["tokenize_response"]["tokens"], BS, "tiny", BlockExtras(cache_salt=salt))
+
+
+@pytest.fixture
+async def publisher():
+    pub = ReplayPublisher(free_port(), free_port())
+    yield pub
+    await pub.close()
+
+
+def agent_argv(pub: ReplayPublisher, redis_url: str, worker: str, ttl_s: float = 1.0) -> list[str]:
+    return kvroute_argv("agent", "--worker-id", worker,
+                        "--events", pub.events_url, "--replay", pub.replay_url,
+                        "--index", redis_url, "--model", "tiny", "--block-size", str(BS),
+                        "--heartbeat-ttl-s", str(ttl_s))
+
+
+async def test_agent_writes_the_gateway_keys_to_redis_and_stops_counting_when_killed(
+        procs, redis_url, capture, publisher):
+    worker = f"agent-{uuid.uuid4().hex[:6]}"
+    reader = RedisIndex(redis_url)
+    payloads = capture_payloads(capture)
+    try:
+        for p in payloads[:3]:  # before the agent starts: it must catch up through replay
+            await publisher.publish(p)
+        agent = procs("agent", agent_argv(publisher, redis_url, worker, ttl_s=1.0))
+        keys_a, keys_chat = keys_of(capture, "completion_A"), keys_of(capture, "chat_1")
+
+        async def holds(keys, n):
+            return (await reader.match(keys)).get(worker) == TierMatch(n, 0, 0)
+        await until(lambda: holds(keys_a, 18), timeout_s=30, what=f"agent state in Redis\n{agent.log_tail()}")
+        assert await holds(keys_chat, 6)
+        for p in payloads[3:6]:  # completion_B, its decode block, then eviction + salted prompt
+            await publisher.publish(p)
+        await until(lambda: holds(keys_of(capture, "completion_A", salt="tenant-1"), 18), timeout_s=20,
+                    what="salted prompt")
+        assert await holds(keys_a, 4)  # blocks 4..17 evicted
+        assert await holds(keys_of(capture, "completion_B_evicts"), 16)
+        stats = (await reader.stats())[worker]
+        assert stats.blocks == {"gpu": 4 + 6 + 16 + 1 + 18, "cpu": 0, "ssd": 0}
+        agent.signal(signal.SIGKILL)
+        agent.popen.wait(10)
+        # nobody heartbeats any more: within the TTL (1 s) the worker stops counting
+        await until(lambda: _absent(reader, keys_a, worker), timeout_s=10, what="TTL expiry")
+        assert worker not in await reader.live_workers()
+    finally:
+        await reader.close()
+
+
+async def _absent(reader: RedisIndex, keys: list[int], worker: str) -> bool:
+    return worker not in await reader.match(keys)
+
+
+async def test_stopped_agent_purges_its_entries(procs, redis_url, capture, publisher):
+    worker = f"agent-{uuid.uuid4().hex[:6]}"
+    reader = RedisIndex(redis_url)
+    try:
+        await publisher.publish(capture_payloads(capture)[0])
+        agent = procs("agent", agent_argv(publisher, redis_url, worker, ttl_s=30))
+        keys_a = keys_of(capture, "completion_A")
+        await until(lambda: _has(reader, keys_a, worker), timeout_s=30, what=f"agent up\n{agent.log_tail()}")
+        agent.signal(signal.SIGTERM)
+        assert agent.popen.wait(15) == 0
+        assert await reader.match(keys_a) == {}
+        assert worker not in await reader.stats()
+    finally:
+        await reader.close()
+
+
+async def _has(reader: RedisIndex, keys: list[int], worker: str) -> bool:
+    return worker in await reader.match(keys)
+
+
+@pytest.mark.parametrize("bad", [["--index", "memory"], ["--index", "redis://127.0.0.1:1/0", "--block-size", "0"]])
+def test_bad_arguments_exit_2(bad):
+    argv = kvroute_argv("agent", "--worker-id", "w", "--events", "tcp://127.0.0.1:1", "--index", "redis://x",
+                        "--model", "tiny", "--block-size", "32") + bad
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2
+    assert "kvroute agent: error:" in r.stderr
