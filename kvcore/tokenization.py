@@ -4,7 +4,8 @@ vLLM 0.32's path (``renderers/online_renderer.py`` -> ``renderers/hf.py``, ``cha
 
 - chat: messages are parsed (text parts of a multi-part content joined with "\\n" when the
   template takes string content; kept as ``[{"type": "text", "text": ...}]`` parts when it loops
-  over content), assistant ``tool_calls`` arguments turned from JSON strings into dicts, then
+  over content), the ``developer`` role mapped to ``system`` when the template has no
+  ``developer``, assistant ``tool_calls`` arguments turned from JSON strings into dicts, then
   rendered with the model's chat template (``tokenize=False``) with ``tools``, ``documents``,
   ``add_generation_prompt`` (default True), ``continue_final_message``, ``reasoning_effort`` and
   the request's ``chat_template_kwargs``; the text is encoded with
@@ -55,6 +56,7 @@ class PromptTokenizer:
         if isinstance(template, dict):
             template = template.get("default") or next(iter(template.values()), None)
         self._template: str | None = template
+        self._template_has_developer = bool(template) and "developer" in template
         self.content_format = "openai" if template and _OPENAI_CONTENT_RE.search(template) else "string"
 
     # ---- chat ---------------------------------------------------------------------------------
@@ -101,6 +103,8 @@ class PromptTokenizer:
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
             raise BadPrompt(f"messages[{index}] must be an object with a string 'role'")
         role = msg["role"]
+        if role == "developer" and not self._template_has_developer:
+            role = "system"  # vLLM (renderers/hf.py) maps it when the template lacks the role
         content = msg.get("content")
         if content is None:
             parts: list[str] = []
