@@ -15,6 +15,7 @@ _PARTS = (
     "simulator.cli",
     "router.cli",
     "offload_agent.cli",
+    "kvroute.up",
 )
 
 

@@ -1,0 +1,76 @@
+"""`kvroute up` (simulated engine): starts workers + gateway, prints the URL, routes, and stops every
+process it started on SIGINT or when a child dies."""
+import re
+import signal
+import time
+
+import httpx
+import psutil
+import pytest
+from openai import OpenAI
+
+from conftest import free_port, kvroute_argv
+
+
+def _wait_line(proc, pattern: str, timeout_s: float = 90) -> re.Match:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        m = re.search(pattern, proc.log_path.read_text(errors="replace"))
+        if m:
+            return m
+        if not proc.alive():
+            pytest.fail(f"kvroute up exited early:\n{proc.log_tail()}")
+        time.sleep(0.2)
+    pytest.fail(f"no line matching {pattern!r}:\n{proc.log_tail()}")
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    return psutil.Process(pid).children(recursive=True)
+
+
+@pytest.fixture
+def up(procs, tiny_model, tmp_path):
+    port = free_port()
+    p = procs("up", kvroute_argv("up", "--workers", "2", "--model", str(tiny_model),
+                                 "--served-model-name", "tiny", "--port", str(port),
+                                 "--speedup", "50", "--log-dir", str(tmp_path / "up-logs")),
+              env={"KVROUTE_ADMIN_TOKEN": "up-token"})
+    m = _wait_line(p, r"gateway ready: (http://\S+)/v1")
+    return p, m.group(1)
+
+
+def test_up_serves_routes_and_stops_everything_on_sigint(up):
+    proc, base = up
+    cli = OpenAI(base_url=base + "/v1", api_key="x")
+    msgs = [{"role": "system", "content": "You are terse. " * 40}, {"role": "user", "content": "hi"}]
+    first = cli.chat.completions.with_raw_response.create(model="tiny", messages=msgs, max_tokens=4)
+    again = cli.chat.completions.with_raw_response.create(model="tiny", messages=msgs, max_tokens=4)
+    assert first.headers["x-kvroute-worker"] in {"w0", "w1"}
+    assert again.headers["x-kvroute-worker"] == first.headers["x-kvroute-worker"]
+    assert again.parse().usage.prompt_tokens_details.cached_tokens >= 32
+    workers = httpx.get(base + "/admin/workers", headers={"Authorization": "Bearer up-token"}).json()
+    assert sorted(w["id"] for w in workers["workers"]) == ["w0", "w1"]
+
+    # `timeout` wraps the process in the fixture: the `kvroute up` python is its child.
+    up_pid = psutil.Process(proc.popen.pid).children()[0].pid
+    children = _descendants(up_pid)
+    assert len(children) >= 3  # two sims and the gateway
+    psutil.Process(up_pid).send_signal(signal.SIGINT)
+    proc.popen.wait(30)
+    gone, alive = psutil.wait_procs(children, timeout=15)
+    assert alive == []
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(base + "/health", timeout=2)
+
+
+def test_up_stops_everything_when_a_child_dies(up):
+    proc, base = up
+    up_pid = psutil.Process(proc.popen.pid).children()[0].pid
+    children = _descendants(up_pid)
+    sims = [c for c in children if "sim" in " ".join(c.cmdline())]
+    assert sims
+    sims[0].kill()
+    assert proc.popen.wait(30) != 0
+    gone, alive = psutil.wait_procs(children, timeout=15)
+    assert alive == []
+    assert "exited with" in proc.log_path.read_text()
