@@ -128,9 +128,10 @@ def make_admin_router(gateway: Any) -> APIRouter:
 
     @api.post("/explain")
     async def explain(request: Request) -> Response:
-        body = parse_json_object(await request.body())
+        raw = await request.body()
+        body = parse_json_object(raw)
         kind = "chat" if "messages" in body else "completion"
-        plan = await gateway.router.plan(kind, body, request.scope["headers"], always_tokenize=True)
+        plan = await gateway.router.plan(kind, body, request.scope["headers"], raw, always_tokenize=True)
         return _json(plan.explain())
 
     return api

@@ -118,7 +118,7 @@ class ProxyEndpoint:
             if self.kind == "forward":
                 ranked = gw.router.ranked_by_load(body)
             else:
-                plan = await gw.router.plan(self.kind, body, headers)
+                plan = await gw.router.plan(self.kind, body, headers, raw)
                 gw.router.record_decision(plan)
                 ranked = plan.ranked()
                 if body.get("stream") is True and gw.cfg.routing.measure_stream_usage:

@@ -7,10 +7,13 @@ the worker publishes KV events, which confirm or drop them; long TTL in approxim
 """
 from __future__ import annotations
 
-import random
+import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
+import xxhash
 
 from kvcore.index.base import KVIndex, TierMatch
 
@@ -110,10 +113,29 @@ class RoutePlan:
             "blocks": len(self.blocks.first_keys) if self.blocks is not None else 0,
             "candidates": [s.as_dict() for s in self.decision.scores],
             "chosen": self.decision.worker_id,
+            "predicted_cached_tokens": self.predicted_cached_tokens(self.decision.worker_id),
             "reason": self.decision.reason,
             "policy": self.policy_name,
             "tokenization_fallback": self.blocks.fallback if self.blocks is not None else None,
         }
+
+
+_TWO_64 = 18446744073709551616.0
+_U64X2 = struct.Struct("<QQ")
+
+
+def request_draw(blocks: PromptBlocks | None, block_size: int, raw: bytes) -> float:
+    """The policy's tie-break draw in [0, 1), fixed by the request: from the first prompt (its
+    last block key, length and the tokens of its partial last block) when tokens are known, else
+    from the body bytes. Same prompt, same draw, so explain and routing agree however the JSON is
+    spelled; different prompts spread over equal workers."""
+    if blocks is not None and blocks.token_ids is not None:
+        tokens = blocks.token_ids[0]
+        keys = blocks.first_keys
+        tail = tokens[len(keys) * block_size:]
+        data = _U64X2.pack(keys[-1] if keys else 0, len(tokens)) + orjson.dumps(tail)
+        return xxhash.xxh3_64_intdigest(data) / _TWO_64
+    return xxhash.xxh3_64_intdigest(raw) / _TWO_64
 
 
 class Router:
@@ -159,10 +181,13 @@ class Router:
         return user if isinstance(user, str) and user else None
 
     async def plan(self, kind: PromptKind, body: dict[str, Any], headers: list[tuple[bytes, bytes]],
-                   always_tokenize: bool = False) -> RoutePlan:
-        """Decide where ``body`` goes; changes no state but metrics. ``always_tokenize``: make
-        tokens and keys even when the policy does not use the index (explain does).
-        Raises GatewayError: 400 bad body, 404 unknown model, 503 no routable worker."""
+                   raw: bytes, always_tokenize: bool = False) -> RoutePlan:
+        """Decide where ``body`` goes; changes no state but metrics. ``raw``: the body's bytes,
+        whose hash is the policy's tie-break draw (``RouteRequest.rand``), so the same body gives
+        the same decision in explain and in routing while different bodies spread over equal
+        workers. ``always_tokenize``: make tokens and keys even when the policy does not use the
+        index (explain does). Raises GatewayError: 400 bad body, 404 unknown model, 503 no
+        routable worker."""
         model, lora_name = self.resolve_model(body)
         regs = self.registry.routable(model.name)
         if not regs:
@@ -191,7 +216,8 @@ class Router:
             first_tokens = len(blocks.token_ids[0])
         request = RouteRequest(model=model.name, prompt_tokens=first_tokens, block_size=model.block_size,
                                num_blocks=len(blocks.first_keys) if blocks is not None else 0,
-                               session_key=self.session_key(policy, body, headers), rand=random.random())
+                               session_key=self.session_key(policy, body, headers),
+                               rand=request_draw(blocks, model.block_size, raw))
         regs = [r for r in regs if r.routable]  # a probe may have run during tokenization
         if not regs:
             raise no_healthy_worker(model.name)

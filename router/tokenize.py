@@ -57,13 +57,17 @@ class TokenizerPool:
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvroute-tokenize")
 
     async def load(self) -> None:
-        """Load every model's tokenizer in the pool. Raises OSError/ValueError for a bad dir."""
+        """Load every model's tokenizer (one at a time, in a pool thread: transformers' lazy
+        imports are not thread-safe; models sharing a directory share one tokenizer).
+        Raises OSError/ValueError for a bad directory."""
         loop = asyncio.get_running_loop()
-        todo = [m for m in self._models.values() if m.tokenizer and m.name not in self._tokenizers]
-        loaded = await asyncio.gather(*[loop.run_in_executor(self._pool, PromptTokenizer, m.tokenizer)
-                                        for m in todo])
-        for m, tok in zip(todo, loaded):
-            self._tokenizers[m.name] = tok
+        by_dir: dict[str, PromptTokenizer] = {}
+        for m in self._models.values():
+            if not m.tokenizer or m.name in self._tokenizers:
+                continue
+            if m.tokenizer not in by_dir:
+                by_dir[m.tokenizer] = await loop.run_in_executor(self._pool, PromptTokenizer, m.tokenizer)
+            self._tokenizers[m.name] = by_dir[m.tokenizer]
 
     def tokenizer(self, model: str) -> PromptTokenizer | None:
         """The loaded tokenizer of base model ``model``, None when it has none."""

@@ -1,0 +1,547 @@
+"""The gateway (`kvroute serve`) in front of real `kvroute sim` subprocesses, driven by the `openai`
+SDK and raw HTTP: routing by prefix, predicted vs actual cached tokens, byte-exact streaming,
+disconnects, pass-through of unknown fields and headers, error statuses and shapes, the admin
+API (token, policy swap, workers add/remove/drain, explain), SIGHUP reload, and the retry of a
+connect failure. One cluster for the module; tests run in file order and the last one kills a
+worker.
+"""
+from __future__ import annotations
+
+import random
+import re
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import orjson
+import pytest
+import yaml
+from openai import OpenAI
+
+from conftest import ADMIN_TOKEN, Proc, free_port, kvroute_argv, wait_http
+
+BLOCK = 32
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
+
+
+@dataclass
+class Sim:
+    name: str
+    url: str
+    proc: Proc
+
+
+@dataclass
+class Cluster:
+    base: str
+    sims: dict[str, Sim]
+    config_path: Path
+    config: dict
+    gateway: Proc
+
+    def client(self) -> OpenAI:
+        return OpenAI(base_url=self.base + "/v1", api_key="sk-client-key", max_retries=0, timeout=60)
+
+
+def _sim_argv(tiny_model: Path, port: int, model: str = "tiny") -> list[str]:
+    return kvroute_argv("sim", "--model", str(tiny_model), "--served-model-name", model, "--host", "127.0.0.1",
+                        "--port", str(port), "--block-size", str(BLOCK), "--num-gpu-blocks-override", "1024",
+                        "--max-model-len", "4096", "--enable-prompt-tokens-details", "--speedup", "10",
+                        "--seed", "7")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_model):
+    log_dir = tmp_path_factory.mktemp("gateway")
+    started: list[Proc] = []
+    sims: dict[str, Sim] = {}
+    try:
+        for name in ("w0", "w1", "w2"):
+            port = free_port()
+            proc = Proc(name, _sim_argv(tiny_model, port), log_dir)
+            started.append(proc)
+            sims[name] = Sim(name, f"http://127.0.0.1:{port}", proc)
+        for sim in sims.values():
+            wait_http(sim.url + "/health", sim.proc)
+        port = free_port()
+        cfg = {
+            "listen": {"host": "127.0.0.1", "port": port},
+            "admin": {"token_env": "KVROUTE_ADMIN_TOKEN"},
+            "models": [{"name": "tiny", "tokenizer": str(tiny_model), "block_size": BLOCK},
+                       {"name": "orphan", "tokenizer": str(tiny_model), "block_size": BLOCK}],
+            "index": {"backend": "memory"},
+            "workers": [{"id": n, "url": sims[n].url, "model": "tiny"} for n in ("w0", "w1")],
+            "policy": {"name": "kv_aware"},
+            "timeouts": {"connect_s": 2, "first_byte_s": 3},
+            "max_body_bytes": 32 * 1024 * 1024,
+            # slow probes: the last test needs a dead worker that still counts as healthy
+            "health": {"interval_s": 60, "fail_threshold": 5, "rise_threshold": 1},
+            "load_scrape": {"interval_s": 0.5},
+        }
+        path = log_dir / "gateway.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        gw = Proc("gateway", kvroute_argv("serve", "--config", str(path)), log_dir)
+        started.append(gw)
+        base = f"http://127.0.0.1:{port}"
+        wait_http(base + "/health", gw)
+        yield Cluster(base, sims, path, cfg, gw)
+    finally:
+        for p in reversed(started):
+            p.stop()
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+def admin(cluster: Cluster, method: str, path: str, body=None, token: str | None = ADMIN_TOKEN) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.request(method, cluster.base + path, json=body, headers=headers, timeout=30)
+
+
+def system_prompt(seed: str, words: int = 300) -> str:
+    rnd = random.Random(seed)
+    return " ".join(rnd.choice(WORDS) for _ in range(words))
+
+
+def chat_body(conv: str, question: str = "q1", **extra) -> dict:
+    return {"model": "tiny", "messages": [{"role": "system", "content": system_prompt(conv)},
+                                          {"role": "user", "content": question}], "max_tokens": 3, **extra}
+
+
+def post(cluster: Cluster, path: str, body, headers: dict | None = None, timeout: float = 30) -> httpx.Response:
+    content = body if isinstance(body, bytes) else orjson.dumps(body)
+    return httpx.post(cluster.base + path, content=content, timeout=timeout,
+                      headers={"Content-Type": "application/json", **(headers or {})})
+
+
+def settle(cluster: Cluster) -> None:
+    """Wait until the gateway's last scrape of every worker shows an idle engine, so the load an
+    explain sees is the load the next real request sees."""
+    wait_until(lambda: all(w["engine"]["running"] == 0 and not w["engine"]["waiting"]
+                           for w in workers_by_id(cluster).values()), what="idle engines")
+
+
+def explain(cluster: Cluster, body: dict) -> dict:
+    settle(cluster)
+    r = admin(cluster, "POST", "/admin/explain", body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def workers_by_id(cluster: Cluster) -> dict[str, dict]:
+    r = admin(cluster, "GET", "/admin/workers")
+    assert r.status_code == 200, r.text
+    return {w["id"]: w for w in r.json()["workers"]}
+
+
+def sim_gauge(sim: Sim, name: str) -> float:
+    text = httpx.get(sim.url + "/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def wait_until(check, timeout_s: float = 20.0, what: str = "condition"):
+    end = time.monotonic() + timeout_s
+    last = None
+    while time.monotonic() < end:
+        last = check()
+        if last:
+            return last
+        time.sleep(0.1)
+    raise AssertionError(f"{what} not reached in {timeout_s}s (last: {last!r})")
+
+
+def metric_value(cluster: Cluster, name: str, **labels) -> float:
+    text = httpx.get(cluster.base + "/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name):
+            continue
+        m = re.match(r"^([a-zA-Z_:]+)(\{[^}]*\})? (\S+)$", line)
+        if not m or m.group(1) != name:
+            continue
+        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        if all(got.get(k) == v for k, v in labels.items()):
+            total += float(m.group(3))
+    return total
+
+
+def assert_openai_error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+# ---- routing -------------------------------------------------------------------------------------
+def test_same_prefix_sticks_and_different_prefixes_spread(cluster):
+    cli = cluster.client()
+    first = {}
+    for i in range(8):
+        r = cli.chat.completions.with_raw_response.create(**chat_body(f"spread-{i}", "q1"))
+        first[i] = r.headers["x-kvroute-worker"]
+        assert r.parse().choices[0].message.content is not None
+    for i in range(8):
+        body = chat_body(f"spread-{i}", "q1")
+        body["messages"] += [{"role": "assistant", "content": "a1"}, {"role": "user", "content": "q2"}]
+        r = cli.chat.completions.with_raw_response.create(**body)
+        assert r.headers["x-kvroute-worker"] == first[i], f"conversation {i} moved"
+    assert set(first.values()) == {"w0", "w1"}
+
+
+def test_predicted_cached_tokens_equal_worker_cached_tokens(cluster):
+    cli = cluster.client()
+    before_pred = metric_value(cluster, "kvroute_predicted_cached_tokens_sum")
+    before_act = metric_value(cluster, "kvroute_actual_cached_tokens_sum")
+    total_predicted = 0
+    for i in range(3):
+        cold = chat_body(f"predict-{i}", "first question")
+        r1 = cli.chat.completions.with_raw_response.create(**cold)
+        assert r1.parse().usage.prompt_tokens_details.cached_tokens == 0
+        warm = chat_body(f"predict-{i}", "a different second question")
+        plan = explain(cluster, warm)
+        assert plan["chosen"] == r1.headers["x-kvroute-worker"]
+        predicted = plan["predicted_cached_tokens"]
+        chosen = next(c for c in plan["candidates"] if c["worker"] == plan["chosen"])
+        assert predicted == chosen["matched_blocks"]["gpu"] * BLOCK and predicted >= 8 * BLOCK
+        r2 = cli.chat.completions.with_raw_response.create(**warm)
+        assert r2.headers["x-kvroute-worker"] == plan["chosen"]
+        usage = r2.parse().usage
+        assert usage.prompt_tokens == plan["prompt_tokens"]
+        assert usage.prompt_tokens_details.cached_tokens == predicted
+        total_predicted += predicted
+    # completions endpoint too, on token ids: 5 full blocks + 3 tokens, repeated exactly
+    ids = [random.Random(5).randrange(5, 300) for _ in range(5 * BLOCK + 3)]
+    body = {"model": "tiny", "prompt": ids, "max_tokens": 2}
+    cli.completions.create(**body)
+    plan = explain(cluster, body)
+    assert plan["predicted_cached_tokens"] == 5 * BLOCK and plan["blocks"] == 5
+    r = cli.completions.create(**body)
+    assert r.usage.prompt_tokens_details.cached_tokens == 5 * BLOCK
+    total_predicted += 5 * BLOCK
+    # the gateway's own metrics saw the same numbers (the cold requests predicted and got 0)
+    assert metric_value(cluster, "kvroute_predicted_cached_tokens_sum") - before_pred == total_predicted
+    assert metric_value(cluster, "kvroute_actual_cached_tokens_sum") - before_act == total_predicted
+
+
+def test_explain_agrees_with_real_decision(cluster):
+    for i in range(6):
+        body = chat_body(f"explain-{i % 3}", f"question {i}")
+        plan = explain(cluster, body)
+        assert {c["worker"] for c in plan["candidates"]} == {"w0", "w1"}
+        assert plan["blocks"] == plan["prompt_tokens"] // BLOCK
+        r = post(cluster, "/v1/chat/completions", body)
+        assert r.status_code == 200 and r.headers["x-kvroute-worker"] == plan["chosen"]
+
+
+# ---- streaming -----------------------------------------------------------------------------------
+def _stream_bytes(url: str, body: dict, request_id: str) -> tuple[httpx.Headers, bytes]:
+    with httpx.stream("POST", url, json=body, headers={"x-request-id": request_id}, timeout=30) as r:
+        assert r.status_code == 200
+        return r.headers, b"".join(r.iter_raw())
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_stream_reaches_client_byte_for_byte(cluster, include_usage):
+    body = chat_body(f"stream-{include_usage}", "tell me", max_tokens=24, stream=True, seed=11,
+                     messages=[{"role": "user", "content": "héllo 😀 " + system_prompt("stream", 120)}])
+    if include_usage:
+        body["stream_options"] = {"include_usage": True}
+    rid = f"req-stream-{include_usage}"
+    _stream_bytes(cluster.base + "/v1/chat/completions", body, rid)  # warms the worker's cache
+    headers, via_gateway = _stream_bytes(cluster.base + "/v1/chat/completions", body, rid)
+    worker = cluster.sims[headers["x-kvroute-worker"]]
+    assert headers["x-request-id"] == rid and headers["content-type"].startswith("text/event-stream")
+    assert "content-length" not in headers
+    _, direct = _stream_bytes(worker.url + "/v1/chat/completions", body, rid)
+    assert via_gateway == direct
+    assert via_gateway.endswith(b"data: [DONE]\n\n") and via_gateway.count(b"data: ") >= 10
+    assert (b'"usage":{' in via_gateway) == include_usage
+    # what the worker received: the body unchanged, except the usage option the gateway added
+    recorded = httpx.get(worker.url + "/sim/requests", timeout=10).json()["requests"]
+    sent = [r for r in recorded if r["headers"].get("x-request-id") == rid][-2]  # the gateway's 2nd request
+    expected = dict(body, stream_options={"include_usage": True})
+    assert sent["body"] == expected
+
+
+def test_sdk_stream_text_matches_non_stream(cluster):
+    cli = cluster.client()
+    body = chat_body("sdk-stream", "count", max_tokens=12, seed=3)
+    whole = cli.chat.completions.create(**body).choices[0].message.content
+    chunks = list(cli.chat.completions.create(**body, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
+    assert all(c.usage is None for c in chunks)  # the usage chunk the gateway asked for is stripped
+
+
+# ---- disconnects ---------------------------------------------------------------------------------
+def _long_body(seed: str, stream: bool) -> dict:
+    return {"model": "tiny", "messages": [{"role": "user", "content": system_prompt(seed, 40)}],
+            "max_tokens": 3500, "ignore_eos": True, "stream": stream}
+
+
+def test_stream_disconnect_releases_in_flight_and_aborts_upstream(cluster):
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", cluster.base + "/v1/chat/completions", json=_long_body("disc-s", True)) as r:
+            worker = r.headers["x-kvroute-worker"]
+            it = r.iter_raw()
+            next(it)
+            next(it)
+            assert workers_by_id(cluster)[worker]["in_flight"] == 1
+            assert sim_gauge(cluster.sims[worker], "vllm:num_requests_running") == 1
+    wait_until(lambda: workers_by_id(cluster)[worker]["in_flight"] == 0, what="gateway in-flight back to 0")
+    wait_until(lambda: sim_gauge(cluster.sims[worker], "vllm:num_requests_running") == 0,
+               what="worker aborted the request")
+
+
+def test_non_stream_disconnect_releases_in_flight_and_aborts_upstream(cluster):
+    body = _long_body("disc-n", False)
+    worker = explain(cluster, body)["chosen"]
+    with pytest.raises(httpx.ReadTimeout):
+        post(cluster, "/v1/chat/completions", body, timeout=0.8)
+    wait_until(lambda: workers_by_id(cluster)[worker]["in_flight"] == 0, what="gateway in-flight back to 0")
+    wait_until(lambda: sim_gauge(cluster.sims[worker], "vllm:num_requests_running") == 0,
+               what="worker aborted the request")
+
+
+# ---- pass-through --------------------------------------------------------------------------------
+def test_unknown_fields_and_headers_reach_the_worker(cluster):
+    cli = OpenAI(base_url=cluster.base + "/v1", api_key="sk-secret-123", max_retries=0)
+    extra = {"x_custom_field": {"nested": [1, 2, {"k": "v"}]}, "vllm_xargs": {"kv_cache_report_mode": "full"},
+             "top_k": 5}
+    r = cli.chat.completions.with_raw_response.create(
+        **chat_body("unknown-fields", "hi"), extra_body=extra, extra_headers={"x-request-id": "rid-fields-1",
+                                                                              "x-tenant": "acme"})
+    worker = cluster.sims[r.headers["x-kvroute-worker"]]
+    assert r.headers["x-request-id"] == "rid-fields-1"
+    recorded = httpx.get(worker.url + "/sim/requests", timeout=10).json()["requests"]
+    got = next(q for q in reversed(recorded) if q["headers"].get("x-request-id") == "rid-fields-1")
+    assert got["body"] == {**chat_body("unknown-fields", "hi"), **extra}
+    assert got["headers"]["authorization"] == "Bearer sk-secret-123"
+    assert got["headers"]["x-tenant"] == "acme"
+    # no client id: the gateway makes one and the worker and the client see the same
+    r = post(cluster, "/v1/chat/completions", chat_body("unknown-fields", "again"))
+    rid = r.headers["x-request-id"]
+    recorded = httpx.get(cluster.sims[r.headers["x-kvroute-worker"]].url + "/sim/requests", timeout=10).json()
+    assert recorded["requests"][-1]["headers"]["x-request-id"] == rid and len(rid) >= 16
+
+
+def test_worker_errors_pass_through_unchanged(cluster):
+    body = {"model": "tiny", "prompt": list(range(5, 4200)), "max_tokens": 4}  # over --max-model-len
+    r = post(cluster, "/v1/completions", body)
+    worker = cluster.sims[r.headers["x-kvroute-worker"]]
+    direct = httpx.post(worker.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == direct.status_code == 400
+    assert r.content == direct.content
+    # an endpoint the worker does not serve: its 404 comes back as it is
+    r = post(cluster, "/v1/embeddings", {"model": "tiny", "input": "hello"})
+    direct = httpx.post(worker.url + "/v1/embeddings", json={"model": "tiny", "input": "hello"}, timeout=30)
+    assert r.status_code == direct.status_code and r.content == direct.content and "x-kvroute-worker" in r.headers
+
+
+def test_forwarded_endpoints_and_models(cluster, capture):
+    step = next(s for s in capture["steps"] if s["name"] == "chat_1")
+    r = post(cluster, "/tokenize", step["tokenize_request"])
+    assert r.status_code == 200 and r.headers["x-kvroute-worker"] in ("w0", "w1")
+    assert r.json()["tokens"] == step["tokenize_response"]["tokens"]
+    r = post(cluster, "/detokenize", {"model": "tiny", "tokens": step["tokenize_response"]["tokens"][:5]})
+    assert r.status_code == 200 and isinstance(r.json()["prompt"], str)
+    models = cluster.client().models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+def test_large_body_accepted(cluster):
+    pad = "x" * (31 * 1024 * 1024)
+    body = {**chat_body("large", "hi"), "x_padding": pad}
+    r = post(cluster, "/v1/chat/completions", body, timeout=120)
+    assert r.status_code == 200, r.text[:200]
+
+
+# ---- gateway errors ------------------------------------------------------------------------------
+@pytest.mark.parametrize("path,body,status,param", [
+    ("/v1/chat/completions", b"{not json", 400, None),
+    ("/v1/chat/completions", b"[1, 2]", 400, None),
+    ("/v1/chat/completions", b"", 400, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, 400, "model"),
+    ("/v1/chat/completions", {"model": "tiny"}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"content": "no role"}]}, 400, "messages"),
+    ("/v1/completions", {"model": "tiny", "prompt": 12}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny"}, 400, "prompt"),
+    ("/v1/chat/completions", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
+    ("/v1/completions", {"model": "orphan", "prompt": "x"}, 503, None),
+    ("/tokenize", {"model": "nope", "prompt": "x"}, 404, "model"),
+])
+def test_bad_inputs_get_status_and_openai_error(cluster, path, body, status, param):
+    r = post(cluster, path, body)
+    err = assert_openai_error(r, status)
+    assert err["param"] == param
+    assert "x-request-id" in r.headers
+
+
+def test_body_over_limit_is_413(cluster):
+    limit = cluster.config["max_body_bytes"]
+    r = post(cluster, "/v1/chat/completions", b'{"model": "tiny", "x": "' + b"y" * limit + b'"}')
+    assert_openai_error(r, 413)
+
+
+def test_sdk_sees_gateway_errors(cluster):
+    cli = cluster.client()
+    with pytest.raises(Exception) as info:
+        cli.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    assert getattr(info.value, "status_code", None) == 404
+
+
+def test_first_byte_timeout_is_504(cluster):
+    body = {**_long_body("timeout", False), "max_tokens": 3800}
+    worker = explain(cluster, body)["chosen"]
+    r = post(cluster, "/v1/chat/completions", body)
+    assert assert_openai_error(r, 504)["code"] == "upstream_timeout"
+    wait_until(lambda: workers_by_id(cluster)[worker]["in_flight"] == 0, what="in-flight released after 504")
+    wait_until(lambda: sim_gauge(cluster.sims[worker], "vllm:num_requests_running") == 0,
+               what="worker aborted the timed-out request")
+
+
+# ---- metrics -------------------------------------------------------------------------------------
+def test_metrics_exposed(cluster):
+    post(cluster, "/v1/chat/completions", {"model": "tiny", "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}]})
+    text = httpx.get(cluster.base + "/metrics", timeout=10).text
+    for name in ["kvroute_requests_total", "kvroute_route_decisions_total", "kvroute_index_lookup_seconds_bucket",
+                 "kvroute_ttft_seconds_bucket", "kvroute_in_flight", "kvroute_tokenization_fallbacks_total",
+                 "kvroute_predicted_cached_tokens_sum", "kvroute_actual_cached_tokens_sum", "kvroute_worker_healthy"]:
+        assert name in text, name
+    assert metric_value(cluster, "kvroute_requests_total", worker="w0", status="200") > 0
+    assert metric_value(cluster, "kvroute_requests_total", worker="none", status="404") > 0
+    assert metric_value(cluster, "kvroute_route_decisions_total", policy="kv_aware", reason="prefix_hit") > 0
+    assert metric_value(cluster, "kvroute_tokenization_fallbacks_total", model="tiny",
+                        reason="unsupported_prompt") == 1
+    assert metric_value(cluster, "kvroute_in_flight", worker="w0") == 0
+
+
+# ---- admin ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("method,path", [("GET", "/admin/workers"), ("POST", "/admin/workers"),
+                                         ("DELETE", "/admin/workers/w0"), ("POST", "/admin/workers/w0/drain"),
+                                         ("GET", "/admin/policy"), ("PUT", "/admin/policy"),
+                                         ("GET", "/admin/index"), ("POST", "/admin/explain")])
+def test_admin_needs_token(cluster, method, path):
+    for token in (None, "wrong-token"):
+        r = admin(cluster, method, path, {"name": "round_robin"} if method != "GET" else None, token=token)
+        assert assert_openai_error(r, 401)["type"] == "authentication_error"
+    assert "w0" in workers_by_id(cluster)
+
+
+def test_admin_workers_and_index(cluster):
+    w = workers_by_id(cluster)
+    assert set(w) == {"w0", "w1"}
+    entry = w["w0"]
+    assert entry["healthy"] is True and entry["draining"] is False and entry["in_flight"] == 0
+    assert entry["url"] == cluster.sims["w0"].url and entry["model"] == "tiny"
+    assert entry["engine"]["running"] == 0 and entry["engine"]["kv_cache_usage"] is not None
+    assert entry["speculative_blocks"] > 0 and set(entry["blocks"]) == {"gpu", "cpu", "ssd"}
+    r = admin(cluster, "GET", "/admin/index")
+    assert r.status_code == 200
+    idx = r.json()
+    assert idx["backend"] == "memory" and idx["workers"]["w0"]["speculative_blocks"] == entry["speculative_blocks"]
+
+
+def test_policy_swap_applies_to_next_request(cluster):
+    body = chat_body("swap", "same body")
+    post(cluster, "/v1/chat/completions", body)
+    sticky = {post(cluster, "/v1/chat/completions", body).headers["x-kvroute-worker"] for _ in range(3)}
+    assert len(sticky) == 1
+    r = admin(cluster, "PUT", "/admin/policy", {"name": "round_robin"})
+    assert r.status_code == 200 and r.json()["name"] == "round_robin"
+    assert admin(cluster, "GET", "/admin/policy").json()["name"] == "round_robin"
+    seen = [post(cluster, "/v1/chat/completions", body).headers["x-kvroute-worker"] for _ in range(4)]
+    assert set(seen) == {"w0", "w1"} and seen[0] != seen[1] and seen[1] != seen[2]
+    for bad in ({"name": "kv_aware", "load_weight": "heavy"}, {"name": "nope"}, {"name": "kv_aware", "bogus": 1}):
+        r = admin(cluster, "PUT", "/admin/policy", bad)
+        assert_openai_error(r, 400)
+    assert admin(cluster, "GET", "/admin/policy").json()["name"] == "round_robin"
+    r = admin(cluster, "PUT", "/admin/policy", {"name": "session"})
+    assert r.status_code == 200
+    a = {post(cluster, "/v1/chat/completions", chat_body(f"sess-{i}", "x"), headers={"x-session-id": "user-42"})
+         .headers["x-kvroute-worker"] for i in range(4)}
+    assert len(a) == 1
+    assert admin(cluster, "PUT", "/admin/policy", {"name": "kv_aware"}).status_code == 200
+
+
+def test_sighup_reloads_policy_and_workers(cluster):
+    original = cluster.config_path.read_text()
+    changed = dict(cluster.config, policy={"name": "least_load"}, workers=cluster.config["workers"][:1])
+    try:
+        cluster.config_path.write_text(yaml.safe_dump(changed))
+        cluster.gateway.signal(signal.SIGHUP)
+        wait_until(lambda: admin(cluster, "GET", "/admin/policy").json()["name"] == "least_load", what="reload")
+        wait_until(lambda: set(workers_by_id(cluster)) == {"w0"}, what="w1 removed")
+        cluster.config_path.write_text("policy: [not, valid")  # a bad file is ignored
+        cluster.gateway.signal(signal.SIGHUP)
+        time.sleep(0.5)
+        assert admin(cluster, "GET", "/admin/policy").json()["name"] == "least_load"
+    finally:
+        cluster.config_path.write_text(original)
+        cluster.gateway.signal(signal.SIGHUP)
+    wait_until(lambda: admin(cluster, "GET", "/admin/policy").json()["name"] == "kv_aware", what="restore")
+    wait_until(lambda: set(workers_by_id(cluster)) == {"w0", "w1"}, what="w1 back")
+    assert workers_by_id(cluster)["w1"]["healthy"] is True
+
+
+def test_admin_add_drain_remove_worker(cluster):
+    w2 = cluster.sims["w2"]
+    assert_openai_error(admin(cluster, "POST", "/admin/workers", {"url": "not a url", "model": "tiny"}), 400)
+    assert_openai_error(admin(cluster, "POST", "/admin/workers", {"id": "x", "url": w2.url, "model": "zzz"}), 400)
+    r = admin(cluster, "POST", "/admin/workers", {"id": "w2", "url": w2.url, "model": "tiny"})
+    assert r.status_code == 201 and r.json()["id"] == "w2" and r.json()["healthy"] is True
+    assert_openai_error(admin(cluster, "POST", "/admin/workers", {"id": "w2", "url": w2.url, "model": "tiny"}), 409)
+    # give w2 a prefix of its own: the first cold body whose decision is w2
+    body = next(b for b in (chat_body(f"w2-{i}", "q") for i in range(64)) if explain(cluster, b)["chosen"] == "w2")
+    assert post(cluster, "/v1/chat/completions", body).headers["x-kvroute-worker"] == "w2"
+    assert explain(cluster, body)["chosen"] == "w2"
+    # drain: no new requests, even for its own prefix
+    r = admin(cluster, "POST", "/admin/workers/w2/drain")
+    assert r.status_code == 200 and r.json()["draining"] is True
+    assert explain(cluster, body)["chosen"] != "w2"
+    assert post(cluster, "/v1/chat/completions", body).headers["x-kvroute-worker"] != "w2"
+    # remove while a stream is running on it: the stream finishes, the worker is never chosen again
+    assert admin(cluster, "DELETE", "/admin/workers/w2").status_code == 200
+    r = admin(cluster, "POST", "/admin/workers", {"id": "w2", "url": w2.url, "model": "tiny"})
+    assert r.status_code == 201 and r.json()["in_flight"] == 0
+    long_body = next(b for b in ({**_long_body(f"w2-long-{i}", True), "max_tokens": 300} for i in range(64))
+                     if explain(cluster, b)["chosen"] == "w2")
+    with httpx.stream("POST", cluster.base + "/v1/chat/completions", json=long_body, timeout=30) as s:
+        assert s.headers["x-kvroute-worker"] == "w2"
+        it = s.iter_raw()
+        first = next(it)
+        assert admin(cluster, "DELETE", "/admin/workers/w2").status_code == 200
+        rest = b"".join(it)
+    assert (first + rest).endswith(b"data: [DONE]\n\n")
+    assert "w2" not in workers_by_id(cluster)
+    assert "w2" not in admin(cluster, "GET", "/admin/index").json()["workers"]
+    assert_openai_error(admin(cluster, "DELETE", "/admin/workers/w2"), 404)
+    for b in (body, long_body, chat_body("after-remove", "x")):
+        plan = explain(cluster, b)
+        assert "w2" not in {c["worker"] for c in plan["candidates"]}
+        assert post(cluster, "/v1/chat/completions", {**b, "stream": False, "max_tokens": 2}) \
+            .headers["x-kvroute-worker"] in ("w0", "w1")
+    assert metric_value(cluster, "kvroute_in_flight", worker="w0") == 0
+
+
+def test_connect_failure_retried_on_next_best_then_502(cluster):
+    """Last test: kills w2. A dead worker still marked healthy (slow probes) is tried first,
+    then the request goes to the next-best worker; with no other worker left, 502."""
+    w2 = cluster.sims["w2"]
+    r = admin(cluster, "POST", "/admin/workers", {"id": "w2", "url": w2.url, "model": "tiny"})
+    assert r.status_code == 201 and r.json()["healthy"] is True
+    w2.proc.stop()
+    body = next(b for b in (chat_body(f"retry-{i}", "q") for i in range(64)) if explain(cluster, b)["chosen"] == "w2")
+    before = metric_value(cluster, "kvroute_upstream_retries_total")
+    r = post(cluster, "/v1/chat/completions", body)
+    assert r.status_code == 200 and r.headers["x-kvroute-worker"] in ("w0", "w1")
+    assert metric_value(cluster, "kvroute_upstream_retries_total") == before + 1
+    for wid in ("w0", "w1"):
+        assert admin(cluster, "POST", f"/admin/workers/{wid}/drain").status_code == 200
+    r = post(cluster, "/v1/chat/completions", body)
+    assert assert_openai_error(r, 502)["code"] == "upstream_failure"
+    assert workers_by_id(cluster)["w2"]["in_flight"] == 0
