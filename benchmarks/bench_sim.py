@@ -26,6 +26,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tests" / "fixtures" / "tiny-model"
 GOAL_SIMS = 16
+IDLE_WINDOW_S = 5.0
 
 
 def free_port() -> int:
@@ -103,9 +104,10 @@ def main() -> int:
         start_s = time.perf_counter() - t0
         pid = int(subprocess.check_output(["pgrep", "-P", str(proc.pid)]).split()[0])  # the python under timeout
         rss_idle = rss_bytes(pid)
+        time.sleep(1.0)  # let start-up finish
         c0 = cpu_s(pid)
-        time.sleep(2.0)
-        idle_cpu_frac = (cpu_s(pid) - c0) / 2.0
+        time.sleep(IDLE_WINDOW_S)
+        idle_cpu_frac = (cpu_s(pid) - c0) / IDLE_WINDOW_S
         asyncio.run(load(url, 200, 8, False))  # warm-up (tokenizer, caches)
         rows = []
         for c in [int(x) for x in args.concurrency.split(",")]:

@@ -162,7 +162,6 @@ class BlockPool:
         ``BlockStored`` (vLLM's ``cache_full_blocks``). ``token_ids``: the request's tokens."""
         if end <= start:
             return
-        bs = self.block_size
         for i in range(start, end):
             b = blocks[i]
             b.engine_hash = block_hashes[i]

@@ -1,5 +1,5 @@
 """Run one simulated vLLM server: flags -> :class:`SimConfig` -> :class:`SimServer` under uvicorn
-(uvloop, httptools), one process, one event loop."""
+(uvloop and httptools when installed), one process, one event loop."""
 from __future__ import annotations
 
 import argparse
@@ -40,7 +40,8 @@ def serve(cfg: SimConfig) -> None:
     print(f"kvroute sim: model {cfg.model_name!r} on http://{cfg.host}:{cfg.port}, "
           f"{cfg.num_gpu_blocks} blocks of {cfg.block_size} tokens, events "
           f"{ev.endpoint + ' replay ' + str(ev.replay_endpoint) if ev.active else 'off'}", flush=True)
-    uvicorn.run(server.app, host=cfg.host, port=cfg.port, loop="uvloop", http="httptools",
+    # "auto" picks uvloop and httptools (both dependencies) and falls back to asyncio / h11
+    uvicorn.run(server.app, host=cfg.host, port=cfg.port, loop="auto", http="auto",
                 log_level="warning", access_log=False, lifespan="on",
                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
 
