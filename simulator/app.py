@@ -7,13 +7,19 @@
   ``POST /detokenize`` (``{prompt}``), ``GET /health``, ``POST /reset_prefix_cache``,
   ``GET /metrics`` (vLLM's metric names, see :mod:`simulator.metrics`).
 - Simulator only (no vLLM counterpart): ``GET /sim/requests`` returns the last bodies and headers
-  received on the OpenAI routes, oldest first, as ``{"requests": [{"method", "path", "headers",
+  received on the POST routes that take a body (completions, chat, tokenize, detokenize), oldest
+  first, as ``{"requests": [{"method", "path", "headers",
   "body"}]}`` (``body`` is the parsed JSON, or the raw text when it was not JSON);
   ``DELETE /sim/requests`` clears that record.
 
 Errors use vLLM's shape (:func:`simulator.openai_format.error_body`): malformed JSON or bad field
 400, unknown model 404, prompt (or prompt + max_tokens) over ``--max-model-len`` 400.
 A client that disconnects aborts its request, freeing its blocks.
+
+Determinism: output tokens depend only on (``--seed``, prompt, choice index, request ``seed``);
+``id`` is ``cmpl-``/``chatcmpl-`` + the ``X-Request-Id`` header when given (as vLLM), else a hash of
+a per-process counter; ``created`` is the process start time. So two identical requests with the
+same ``X-Request-Id`` to one sim stream identical bytes (``cached_tokens`` in a usage chunk aside).
 """
 from __future__ import annotations
 
@@ -314,7 +320,7 @@ class SimServer:
         """vLLM's ``/tokenize``: ``{"prompt": str}`` (add_special_tokens default true) or
         ``{"messages": [...]}`` (chat template, add_special_tokens default false)."""
         try:
-            body = await self._body(request)
+            body = await self._body(request, record=True)
             self._check_model(body)
             try:
                 if "messages" in body:
@@ -334,7 +340,7 @@ class SimServer:
     async def detokenize(self, request: Request) -> Response:
         """vLLM's ``/detokenize``: ``{"tokens": [int]}`` -> ``{"prompt": str}``."""
         try:
-            body = await self._body(request)
+            body = await self._body(request, record=True)
             self._check_model(body)
             tokens = body.get("tokens")
             if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < self.tokenizer.vocab_size

@@ -99,6 +99,21 @@ def test_streaming_matches_non_streaming(client):
     assert all(c.usage is None for c in chat_chunks)  # no include_usage: no usage chunk
 
 
+def test_identical_requests_stream_identical_bytes(sim):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "same bytes"}], "max_tokens": 5,
+            "stream": True, "unknown_field": True}
+    got = []
+    for _ in range(2):
+        with httpx.stream("POST", sim + "/v1/chat/completions", json=body, headers={"x-request-id": "fixed"}) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            got.append(r.read())
+    assert got[0] == got[1]
+    events = got[0].split(b"\n\n")
+    assert events[-2:] == [b"data: [DONE]", b""] and len(events) == 2 + 1 + 5  # role chunk + 5 tokens
+    first = json.loads(events[0].removeprefix(b"data: "))
+    assert first["id"] == "chatcmpl-fixed" and first["object"] == "chat.completion.chunk"
+
+
 def test_n_choices_and_prompt_lists(client):
     r = client.completions.create(model="tiny", prompt=["first prompt", "second prompt"], n=2, max_tokens=3)
     assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
@@ -148,7 +163,9 @@ def test_unknown_fields_accepted_and_recorded_with_headers(sim, client):
         model="tiny", messages=[{"role": "user", "content": "record me"}], max_tokens=2,
         extra_body={"my_custom_field": {"a": [1, 2]}, "priority": 3})
     assert r.id == "chatcmpl-req-42"
-    (rec,) = httpx.get(sim + "/sim/requests").json()["requests"]
+    httpx.post(sim + "/tokenize", json={"prompt": "tok", "extra": 1})
+    rec, tok = httpx.get(sim + "/sim/requests").json()["requests"]
+    assert tok["path"] == "/tokenize" and tok["body"] == {"prompt": "tok", "extra": 1}
     assert rec["path"] == "/v1/chat/completions" and rec["method"] == "POST"
     assert rec["body"]["my_custom_field"] == {"a": [1, 2]} and rec["body"]["priority"] == 3
     assert rec["headers"]["authorization"] == "Bearer sk-test" and rec["headers"]["x-request-id"] == "req-42"
