@@ -206,14 +206,14 @@ class SimServer:
             seed=seed, ignore_eos=bool(body.get("ignore_eos", False)))
 
     def _submit(self, parsed: _Parsed, rid: str) -> tuple[list[SimRequest], asyncio.Queue]:
+        """One engine request per (prompt, choice), sharing one sink; 400 if one can never fit."""
         sink: asyncio.Queue = asyncio.Queue()
         reqs = []
         for pi, prompt in enumerate(parsed.prompts):
             for j in range(parsed.n):
                 index = pi * parsed.n + j
                 cap = self.max_model_len - len(prompt)
-                limit = parsed.max_tokens if parsed.max_tokens is not None else None
-                out, reason = self.sampler.sample(prompt, j, limit, parsed.seed, parsed.ignore_eos)
+                out, reason = self.sampler.sample(prompt, j, parsed.max_tokens, parsed.seed, parsed.ignore_eos)
                 if len(out) > cap:
                     out, reason = out[:max(1, cap)], "length"
                 reqs.append(SimRequest(request_id=f"{rid}-{index}", prompt_token_ids=prompt,
