@@ -184,50 +184,43 @@ class MemoryIndex(KVIndex):
         return self.match_sync(keys)
 
     def match_sync(self, keys: Sequence[int]) -> dict[str, TierMatch]:
-        """Synchronous :meth:`match`. Three chains of bitmasks, each stopping at its first empty
-        block: gpu (+speculative), gpu|cpu, and any tier; a worker's run in a chain ends where its
-        bit drops out of the running AND."""
+        """Synchronous :meth:`match`. Three running ANDs of bitmasks from block 0: gpu
+        (+speculative), gpu|cpu, and any tier; a worker's run in a chain ends where its bit drops
+        out. One pass that stops at the first block no worker holds; a block held only in gpu by
+        every still-running worker costs one AND and a compare."""
         if self._spec_heap:
             self._expire(self._clock())
         if not keys or not self._slots:
             return {}
-        masks = self._masks
-        rows = []
-        for key in keys:
-            entry = masks.get(key)
-            if entry is None:
-                break
-            rows.append(entry)
-        if not rows:
+        get = self._masks.get
+        e = get(keys[0])
+        if e is None:
             return {}
-        runs = [self._run_lengths(rows, sel) for sel in (_gpu_bits, _gpu_cpu_bits, _any_bits)]
-        gpu_run, gc_run, any_run = runs
-        by_slot = {slot: name for name, slot in self._slots.items()}
-        out: dict[str, TierMatch] = {}
-        for slot, total in any_run.items():
-            worker = by_slot.get(slot)
-            if worker is None:
-                continue
-            g = gpu_run.get(slot, 0)
-            gc = max(gc_run.get(slot, 0), g)
-            out[worker] = TierMatch(gpu=g, cpu=gc - g, ssd=total - gc)
-        return out
-
-    @staticmethod
-    def _run_lengths(rows: list[list[int]], select: Callable[[list[int]], int]) -> dict[int, int]:
-        alive = select(rows[0])
-        lengths: dict[int, int] = {}
-        for i in range(1, len(rows)):
-            nxt = alive & select(rows[i])
-            dropped = alive & ~nxt
-            if dropped:
-                _record(lengths, dropped, i)
-            alive = nxt
-            if not alive:
+        g = e[0] | e[3]
+        gc = g | e[1]
+        a = gc | e[2]
+        drops: list[tuple[int, int, int, int]] = []
+        end = len(keys)
+        for i, e in enumerate(map(get, keys[1:]), 1):
+            if e is None:
+                end = i
                 break
-        else:
-            _record(lengths, alive, len(rows))
-        return lengths
+            if e[1] or e[2] or e[3]:
+                ng, ngc, na = g & (e[0] | e[3]), gc & (e[0] | e[1] | e[3]), a & (e[0] | e[1] | e[2] | e[3])
+                if ng == g and ngc == gc and na == a:
+                    continue
+            else:
+                m = e[0]
+                if a & m == a:  # every running worker holds it (g and gc are subsets of a)
+                    continue
+                ng, ngc, na = g & m, gc & m, a & m
+            drops.append((g & ~ng, gc & ~ngc, a & ~na, i))
+            g, gc, a = ng, ngc, na
+            if not a:
+                end = i
+                break
+        names = {slot: name for name, slot in self._slots.items()}
+        return tier_matches(drops, (g, gc, a), end, names, 1)
 
     async def stats(self) -> dict[str, WorkerIndexStats]:
         return self.stats_sync()
@@ -249,16 +242,36 @@ class MemoryIndex(KVIndex):
         return len(self._masks)
 
 
-def _gpu_bits(entry: list[int]) -> int:
-    return entry[0] | entry[_SPEC]
 
+def tier_matches(drops: Sequence[tuple[int, int, int, int]], alive: tuple[int, int, int], end: int,
+                 names: dict[int, str], stride: int) -> dict[str, TierMatch]:
+    """Per worker :class:`TierMatch` from one pass of the three chains (gpu, gpu|cpu, any).
 
-def _gpu_cpu_bits(entry: list[int]) -> int:
-    return entry[0] | entry[1] | entry[_SPEC]
-
-
-def _any_bits(entry: list[int]) -> int:
-    return entry[0] | entry[1] | entry[2] | entry[_SPEC]
+    ``drops``: ``(gpu bits, gpu|cpu bits, any bits, i)`` that left each chain at block ``i``;
+    ``alive``: the chains' bits still set after block ``end - 1``. A worker's bit sits at position
+    ``stride * slot``; ``names``: slot -> worker id (unknown slots are left out).
+    """
+    runs: tuple[dict[int, int], dict[int, int], dict[int, int]] = ({}, {}, {})
+    for dg, dgc, da, i in drops:
+        if dg:
+            _record(runs[0], dg, i)
+        if dgc:
+            _record(runs[1], dgc, i)
+        if da:
+            _record(runs[2], da, i)
+    for chain, bits in enumerate(alive):
+        if bits:
+            _record(runs[chain], bits, end)
+    gpu_run, gc_run, any_run = runs
+    out: dict[str, TierMatch] = {}
+    for pos, total in any_run.items():
+        worker = names.get(pos // stride)
+        if worker is None:
+            continue
+        g = gpu_run.get(pos, 0)
+        gc = max(gc_run.get(pos, 0), g)
+        out[worker] = TierMatch(gpu=g, cpu=gc - g, ssd=total - gc)
+    return out
 
 
 def _record(lengths: dict[int, int], bits: int, length: int) -> None:

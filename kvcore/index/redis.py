@@ -56,7 +56,7 @@ from redis.backoff import NoBackoff
 
 from kvcore.index.base import TIERS, KVIndex, TierMatch, WorkerIndexStats, check_tier
 from kvcore.index.errors import IndexUnavailable
-from kvcore.index.memory import MemoryIndex
+from kvcore.index.memory import tier_matches
 
 log = logging.getLogger("kvroute.index.redis")
 
@@ -155,25 +155,48 @@ return had
 """
 
 # ARGV: prefix, packed 8-byte keys, minimum number of keys to fetch, the caller's epoch and slot
-# count. Returns {width, count, bitmaps padded to width and concatenated, '1'/'0' per slot
-# (heartbeat alive), epoch, the slots hash flattened when the caller's table is stale (else empty)}.
+# count. Fetches bitmaps from block 0 up to the first key nobody holds (past min_fetch). Returns
+# {count fetched, run-length coded bitmaps [start, bitmap, start, bitmap...] (a new entry only where
+# the bitmap differs from the block before; '' = nobody), '1'/'0' per slot (heartbeat alive), epoch,
+# the slots hash flattened when the caller's table is stale (else empty)}.
 _MATCH_LUA = """
 local p = ARGV[1]
 local packed = ARGV[2]
 local min_fetch = tonumber(ARGV[3])
-local vals = {}
-local width = 0
-for i = 0, #packed / 8 - 1 do
-  local v = redis.call('GET', p .. 'b:' .. string.sub(packed, i * 8 + 1, i * 8 + 8))
-  if not v then
-    if i >= min_fetch then break end
-    v = ''
+local pb = p .. 'b:'
+local n = #packed / 8
+local segs = {}
+local prev = false
+local count = 0
+local i = 0
+local chunk = 64
+local stop = false
+while i < n and not stop do
+  local m = math.min(n - i, chunk)
+  local names = {}
+  for j = 1, m do
+    local o = (i + j - 1) * 8
+    names[j] = pb .. string.sub(packed, o + 1, o + 8)
   end
-  vals[i + 1] = v
-  if #v > width then width = #v end
-end
-for i = 1, #vals do
-  if #vals[i] < width then vals[i] = vals[i] .. string.rep('\\0', width - #vals[i]) end
+  local got = redis.call('MGET', unpack(names))
+  for j = 1, m do
+    local v = got[j]
+    if not v then
+      if i + j - 1 >= min_fetch then
+        stop = true
+        break
+      end
+      v = ''
+    end
+    count = i + j
+    if v ~= prev then
+      segs[#segs + 1] = i + j - 1
+      segs[#segs + 1] = v
+      prev = v
+    end
+  end
+  i = i + m
+  chunk = math.min(chunk * 4, 4096)
 end
 local ns = redis.call('HLEN', p .. 'slots')
 local alive = {}
@@ -183,7 +206,7 @@ end
 local epoch = redis.call('GET', p .. 'epoch') or ''
 local slots = {}
 if epoch ~= ARGV[4] or ns ~= tonumber(ARGV[5]) then slots = redis.call('HGETALL', p .. 'slots') end
-return {width, #vals, table.concat(vals), table.concat(alive), epoch, slots}
+return {count, segs, table.concat(alive), epoch, slots}
 """
 
 # Redis SETBIT numbers bits from the most significant bit of each byte; reversing the bits of every
@@ -191,7 +214,6 @@ return {width, #vals, table.concat(vals), table.concat(alive), epoch, slots}
 _REV_BITS = bytes(int(f"{b:08b}"[::-1], 2) for b in range(256))
 _CONNECTION_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 _CLEAR_BATCH = 2000
-_run_lengths = MemoryIndex._run_lengths  # bit position -> run length, for any row type
 
 
 def _pack(keys: Sequence[int]) -> bytes:
@@ -353,7 +375,7 @@ class RedisIndex(KVIndex):
         if spec:
             while spec_reach < len(keys) and keys[spec_reach] in spec:
                 spec_reach += 1
-        width, count, blob, alive, epoch, flat = await self._script(
+        count, segs, alive, epoch, flat = await self._script(
             self._match_script, [self.prefix, _pack(keys), spec_reach, self._epoch, len(self._names)])
         if flat:
             self._epoch = epoch
@@ -362,7 +384,6 @@ class RedisIndex(KVIndex):
         for s, flag in enumerate(alive):
             if flag == 49:  # b"1"
                 alive_mask |= 0b111 << (4 * s)
-        n_slots = len(alive)
         names = self._names
         spec_slots: dict[str, int] = {}
         if spec_reach:
@@ -372,37 +393,54 @@ class RedisIndex(KVIndex):
                 for w in spec[keys[i]]:
                     if w not in spec_slots:
                         s = by_name.get(w)
-                        if s is None:
-                            s = n_slots + len(spec_slots)
-                        spec_slots[w] = s
+                        spec_slots[w] = s if s is not None else len(alive) + len(spec_slots)
             names = dict(names)
             names.update({s: w for w, s in spec_slots.items()})
-        blob = blob.translate(_REV_BITS)
-        rows: list[int] = []
-        for i in range(max(count, spec_reach)):
-            bits = int.from_bytes(blob[i * width:(i + 1) * width], "little") & alive_mask if i < count else 0
+        starts, bitmaps = segs[0::2], segs[1::2]
+        n_rows = max(count, spec_reach)
+        # Rows only change where a bitmap changes or speculative bits apply; visit just those.
+        points = sorted(set(starts) | set(range(spec_reach + 1))) if spec_reach else starts
+        gpu_sel = sum(1 << (4 * s) for s in range(max(names, default=0) + 1))
+        other_sel = (gpu_sel << 1) | (gpu_sel << 2)
+        g = gc = a = 0
+        drops: list[tuple[int, int, int, int]] = []
+        end = n_rows
+        seg = -1
+        for i in points:
+            if i >= n_rows:
+                break
+            while seg + 1 < len(starts) and starts[seg + 1] <= i:
+                seg += 1
+            bits = int.from_bytes(bitmaps[seg].translate(_REV_BITS), "little") & alive_mask if i < count else 0
             if i < spec_reach:
                 for w in spec[keys[i]]:
                     bits |= 1 << (4 * spec_slots[w])
-            if not bits:
-                break
-            rows.append(bits)
-        if not rows:
-            return {}
-        gpu_sel = sum(1 << (4 * s) for s in range(max(names, default=0) + 1))
-        # Same AND chains as the memory backend; a worker's bit sits at position 4*slot.
-        gpu_run = _run_lengths(rows, lambda b: b & gpu_sel)
-        gc_run = _run_lengths(rows, lambda b: (b | b >> 1) & gpu_sel)
-        any_run = _run_lengths(rows, lambda b: (b | b >> 1 | b >> 2) & gpu_sel)
-        out: dict[str, TierMatch] = {}
-        for pos, total in any_run.items():
-            worker = names.get(pos // 4)
-            if worker is None:
+            if i == 0:  # the memory backend's three chains; a worker's bit sits at position 4*slot
+                g = bits & gpu_sel
+                gc = (bits | bits >> 1) & gpu_sel
+                a = (bits | bits >> 1 | bits >> 2) & gpu_sel
+                if not a:
+                    return {}
                 continue
-            g = gpu_run.get(pos, 0)
-            gc = max(gc_run.get(pos, 0), g)
-            out[worker] = TierMatch(gpu=g, cpu=gc - g, ssd=total - gc)
-        return out
+            if not bits:
+                end = i
+                break
+            if bits & other_sel:
+                ng, ngc, na = g & bits, gc & (bits | bits >> 1), a & (bits | bits >> 1 | bits >> 2)
+                if ng == g and ngc == gc and na == a:
+                    continue
+            else:
+                if a & bits == a:
+                    continue
+                ng, ngc, na = g & bits, gc & bits, a & bits
+            drops.append((g & ~ng, gc & ~ngc, a & ~na, i))
+            g, gc, a = ng, ngc, na
+            if not a:
+                end = i
+                break
+        if n_rows == 0:
+            return {}
+        return tier_matches(drops, (g, gc, a), end, names, 4)
 
     async def stats(self) -> dict[str, WorkerIndexStats]:
         """Per worker holding anything (confirmed or speculative), block counts by tier."""
