@@ -19,6 +19,7 @@ from typing import Any
 
 from kvcore.index import make_index
 from router.config import GatewayConfig, WorkerConfig, load_config
+from router.embedded_events import embedded_ingest_task
 from router.metrics import GatewayMetrics
 from router.proxy import Upstream
 from router.registry import TaskFactory, WorkerRegistration, WorkerRegistry
@@ -62,6 +63,9 @@ class Gateway:
         self.registry.add_task_factory(health_probe_task(session, self.cfg.health))
         if self.cfg.load_scrape.enabled:
             self.registry.add_task_factory(load_scrape_task(session, self.cfg.load_scrape))
+        if self.cfg.index.backend == "memory":
+            blocks = {m.name: m.block_size for m in self.cfg.models}
+            self.registry.add_task_factory(embedded_ingest_task(self.index, blocks))
         for factory in self._extra_factories:
             self.registry.add_task_factory(factory)
         regs = [self.registry.add(w) for w in self.cfg.workers]

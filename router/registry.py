@@ -53,11 +53,7 @@ class WorkerRegistration:
         self.engine_waiting: int | None = None
         self.kv_usage: float | None = None
         self.last_scrape_monotonic: float | None = None
-        self.events_applied = 0
-        self.event_gaps = 0
-        self.event_resyncs = 0
-        self.last_event_seq: int | None = None
-        self.last_event_monotonic: float | None = None
+        self.ingest: Any = None  # the KV-event ingestor in embedded mode (kvcore.kv_events)
         self.tasks: list[asyncio.Task] = []
         self.first_probe = asyncio.Event()
 
@@ -94,11 +90,10 @@ class WorkerRegistration:
                         f" ({error})" if error else "")
         return before != self.healthy
 
-    def note_event(self, seq: int) -> None:
-        """For a KV-event subscriber: one batch with sequence number ``seq`` was applied."""
-        self.events_applied += 1
-        self.last_event_seq = seq
-        self.last_event_monotonic = time.monotonic()
+    def event_state(self) -> dict[str, Any] | None:
+        """The embedded KV-event ingestor's state (seq, event age, gaps, replays, resyncs,
+        blocks by tier as the events say), or None when no ingestor runs for this worker."""
+        return self.ingest.state() if self.ingest is not None else None
 
     def load(self) -> WorkerLoad:
         """A snapshot of the load the policies see."""
@@ -124,8 +119,7 @@ class WorkerRegistration:
                        "kv_cache_usage": self.kv_usage,
                        "scrape_age_s": _age(self.last_scrape_monotonic, now)},
             "last_probe_error": self.last_probe_error,
-            "last_event_seq": self.last_event_seq,
-            "last_event_age_s": _age(self.last_event_monotonic, now),
+            "kv_events": self.event_state(),
         }
 
 

@@ -1,0 +1,42 @@
+"""Embedded mode: the gateway subscribes to each worker's KV events itself and writes the
+in-process index, so one host needs no agent processes (``index: {backend: memory}`` and workers
+with ``events:``). With a shared index (Redis) the agents write it instead and this is not used.
+
+One :class:`kvcore.kv_events.EventIngestor` per worker registration: started when the worker is
+added (config, admin API, SIGHUP), stopped when it is removed (the gateway then purges the
+worker's index entries). The ingestor is kept on the registration (``reg.ingest``) so
+``/admin/workers`` and ``/admin/index`` show its seq, event age, gaps, replays and resyncs.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from kvcore.index.base import KVIndex
+from kvcore.kv_events import EventIngestor
+from router.registry import TaskFactory, WorkerRegistration
+
+log = logging.getLogger("kvroute.embedded_events")
+
+
+def embedded_ingest_task(index: KVIndex, block_size_by_model: dict[str, int]) -> TaskFactory:
+    """A registry task factory running one event ingestor per worker that names ``events``.
+
+    ``block_size_by_model``: each served model's engine block size in tokens (keys are made with
+    it, so it must equal the workers' ``--block-size``).
+    """
+
+    async def run(reg: WorkerRegistration) -> None:
+        if reg.cfg.events is None:
+            return
+        ingestor = EventIngestor(reg.id, reg.cfg.events, reg.cfg.replay, index, reg.model,
+                                 block_size_by_model[reg.model])
+        reg.ingest = ingestor
+        await ingestor.start()
+        log.info("worker %s: subscribed to KV events at %s", reg.id, reg.cfg.events)
+        try:
+            await asyncio.Event().wait()  # runs until the registry cancels the task
+        finally:
+            await ingestor.stop()
+
+    return run
