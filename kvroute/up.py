@@ -1,10 +1,12 @@
 """``kvroute up``: the main job on one host.
 
-Starts N workers (``kvroute sim`` processes), one offload agent per worker when the index is Redis
-(with the embedded in-memory index the gateway subscribes to the workers' KV events itself), and
-the gateway (``kvroute serve``) on ``--port``; prints the gateway URL when every part answers; on
-Ctrl-C, SIGTERM or the death of any child, stops every process it started (each child runs in its
-own process group, terminated then killed) and exits.
+Starts N workers (``kvroute sim`` processes, or real vLLM OpenAI servers run by the interpreter
+``--vllm-python`` with prefix caching, ZMQ KV events + replay, prompt-token details and the given
+block size), one offload agent per worker when the index is Redis (with the embedded in-memory index
+the gateway subscribes to the workers' KV events itself), and the gateway (``kvroute serve``) on
+``--port``; shows progress while the workers load, prints the gateway URL once every part answers
+and the gateway sees every worker healthy; on Ctrl-C, SIGTERM or the death of any child, stops every
+process it started (each child runs in its own process group, terminated then killed) and exits.
 
 Only the CLI contract of each part is used here: this module imports neither the router nor the
 agent.
@@ -14,7 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import secrets
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -52,10 +57,14 @@ class Cluster:
 
     children: list[Child] = field(default_factory=list)
 
-    def start(self, name: str, argv: list[str], log_dir: Path, health_url: str | None = None) -> Child:
+    def start(self, name: str, argv: list[str], log_dir: Path, health_url: str | None = None,
+              env: dict[str, str] | None = None) -> Child:
+        """Start ``argv`` in its own process group, output to ``log_dir/name.log``; ``env`` is
+        added to this process's environment."""
         log_path = log_dir / f"{name}.log"
         log = open(log_path, "w")
-        popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                 env={**os.environ, **env} if env else None)
         log.close()
         child = Child(name, popen, log_path, health_url)
         self.children.append(child)
@@ -65,6 +74,9 @@ class Cluster:
         return next((c for c in self.children if c.popen.poll() is not None), None)
 
     def stop(self) -> None:
+        """SIGTERM every child's process group (newest first), wait up to :data:`STOP_GRACE_S` for
+        the groups to empty (vLLM's engine and worker processes outlive its API server briefly),
+        then SIGKILL what is left."""
         for c in reversed(self.children):
             _signal_group(c.popen, signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_S
@@ -72,8 +84,22 @@ class Cluster:
             try:
                 c.popen.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                pass
+            while _group_alive(c.popen) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if _group_alive(c.popen) or c.popen.poll() is None:
                 _signal_group(c.popen, signal.SIGKILL)
                 c.popen.wait(5)
+
+
+def _group_alive(popen: subprocess.Popen) -> bool:
+    """True while any process of ``popen``'s process group (its pid, see start_new_session) lives."""
+    popen.poll()  # reap the leader so it does not count as a zombie member
+    try:
+        os.killpg(popen.pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
 
 
 def _signal_group(popen: subprocess.Popen, sig: int) -> None:
@@ -102,11 +128,38 @@ def _kvroute(*args: str) -> list[str]:
     return [sys.executable, "-m", "kvroute", *args]
 
 
-def _wait_ready(cluster: Cluster, timeout_s: float, out) -> None:
-    """Wait until every child with a health URL answers 200; print progress; raise on a death."""
+_LOG_PREFIX = re.compile(r"^(\(\S+ pid=\d+\)\s*)?(\w+\s+\d\d-\d\d \d\d:\d\d:\d\d(\.\d+)?\s+\[[^\]]*\]\s*)?")
+
+
+def _last_line(path: Path, width: int = 110) -> str:
+    """The last non-empty line of a child's log without vLLM's "(Proc pid=N) INFO date [file]" prefix."""
+    lines = [ln.strip() for ln in _tail(path, 5).splitlines() if ln.strip()]
+    if not lines:
+        return "(no output yet)"
+    text = _LOG_PREFIX.sub("", lines[-1])
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def _gateway_sees_workers(base: str, n_workers: int) -> bool:
+    """True when the gateway's /admin/workers lists ``n_workers`` workers, all healthy."""
+    req = urllib.request.Request(base + "/admin/workers",
+                                 headers={"Authorization": f"Bearer {os.environ['KVROUTE_ADMIN_TOKEN']}"})
+    try:
+        with urllib.request.urlopen(req, timeout=2) as r:
+            workers = json.loads(r.read()).get("workers", [])
+    except (OSError, urllib.error.URLError, ValueError):
+        return False
+    return len(workers) == n_workers and all(w.get("healthy") for w in workers)
+
+
+def _wait_ready(cluster: Cluster, timeout_s: float, out, progress_every_s: float = 15.0) -> None:
+    """Wait until every child with a health URL answers 200; print progress (the count at each
+    change, and every ``progress_every_s`` the last log line of each pending child); raise
+    RuntimeError on a child's death, TimeoutError after ``timeout_s``."""
     pending = [c for c in cluster.children if c.health_url]
     start = time.monotonic()
     shown = -1
+    next_detail = start + progress_every_s
     while pending:
         dead = cluster.dead_child()
         if dead is not None:
@@ -120,10 +173,89 @@ def _wait_ready(cluster: Cluster, timeout_s: float, out) -> None:
             shown = ready
         if not pending:
             return
+        if time.monotonic() >= next_detail:
+            next_detail += progress_every_s
+            for c in pending:
+                print(f"[kvroute up]   {c.name} loading ({time.monotonic() - start:.0f}s): {_last_line(c.log_path)}",
+                      file=out, flush=True)
         if time.monotonic() - start > timeout_s:
             names = ", ".join(c.name for c in pending)
             raise TimeoutError(f"not ready after {timeout_s:.0f}s: {names}")
         time.sleep(0.25)
+
+
+def sim_argv(args: argparse.Namespace, i: int, port: int, events_cfg: dict) -> list[str]:
+    """``kvroute sim`` command line of worker ``i``."""
+    argv = _kvroute("sim", "--model", str(args.model), "--served-model-name", args.served_model_name,
+                    "--host", "127.0.0.1", "--port", str(port), "--block-size", str(args.block_size),
+                    "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(events_cfg),
+                    "--seed", str(i))
+    if args.num_gpu_blocks_override:
+        argv += ["--num-gpu-blocks-override", str(args.num_gpu_blocks_override)]
+    if args.max_model_len:
+        argv += ["--max-model-len", str(args.max_model_len)]
+    if args.speedup != 1.0:
+        argv += ["--speedup", str(args.speedup)]
+    return argv
+
+
+def vllm_argv(args: argparse.Namespace, port: int, events_cfg: dict) -> list[str]:
+    """The vLLM OpenAI server's command line (run by ``--vllm-python``; the ``vllm`` console script
+    is avoided because some builds' package metadata breaks it): prefix caching, KV events with a
+    replay endpoint, ``usage.prompt_tokens_details`` and the block size, plus ``--vllm-args``."""
+    argv = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(Path(args.model).resolve()), "--served-model-name", args.served_model_name,
+            "--host", "127.0.0.1", "--port", str(port), "--block-size", str(args.block_size),
+            "--enable-prefix-caching", "--enable-prompt-tokens-details",
+            "--kv-events-config", json.dumps(events_cfg)]
+    if args.num_gpu_blocks_override:
+        argv += ["--num-gpu-blocks-override", str(args.num_gpu_blocks_override)]
+    if args.max_model_len:
+        argv += ["--max-model-len", str(args.max_model_len)]
+    return argv + shlex.split(args.vllm_args or "")
+
+
+def _cpu_slices(n_workers: int) -> list[str]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` values giving each worker its own cores ("0", "1-3", ...)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    per = max(1, len(cpus) // n_workers)
+    out = []
+    for i in range(n_workers):
+        mine = cpus[(i * per) % len(cpus):(i * per) % len(cpus) + per]
+        out.append(str(mine[0]) if len(mine) == 1 else f"{mine[0]}-{mine[-1]}")
+    return out
+
+
+def _gpu_ids() -> list[str]:
+    """The GPUs this process may use: ``CUDA_VISIBLE_DEVICES`` when set, else ``nvidia-smi -L``."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [d for d in visible.split(",") if d.strip()]
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, ln in enumerate(listing.splitlines()) if ln.startswith("GPU ")]
+
+
+def vllm_env(i: int, n_workers: int) -> dict[str, str]:
+    """Environment for vLLM worker ``i`` of ``n_workers``, never overriding what the user set.
+
+    CPU build: ``VLLM_CPU_KVCACHE_SPACE`` 1 (GiB) and ``VLLM_CPU_OMP_THREADS_BIND`` a slice of the
+    cores per worker. GPU hosts with at least one GPU per worker: ``CUDA_VISIBLE_DEVICES`` one GPU
+    per worker. (Variables of the other platform are ignored by vLLM.)
+    """
+    env: dict[str, str] = {}
+    if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = _cpu_slices(n_workers)[i]
+    gpus = _gpu_ids()
+    if len(gpus) >= n_workers:
+        env["CUDA_VISIBLE_DEVICES"] = gpus[i]
+    return env
 
 
 def gateway_config(args: argparse.Namespace, workers: list[dict], port: int) -> dict:
@@ -166,16 +298,12 @@ def run(args: argparse.Namespace) -> int:
             events_cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
                           "endpoint": f"tcp://*:{ev_port}",
                           "replay_endpoint": f"tcp://*:{replay_port}"}
-            argv = _kvroute("sim", "--model", str(args.model), "--served-model-name", args.served_model_name,
-                            "--host", "127.0.0.1", "--port", str(port), "--block-size", str(args.block_size),
-                            "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(events_cfg),
-                            "--seed", str(i))
-            if args.num_gpu_blocks_override:
-                argv += ["--num-gpu-blocks-override", str(args.num_gpu_blocks_override)]
-            if args.speedup != 1.0:
-                argv += ["--speedup", str(args.speedup)]
+            if args.engine == "vllm":
+                argv, env = vllm_argv(args, port, events_cfg), vllm_env(i, args.workers)
+            else:
+                argv, env = sim_argv(args, i, port, events_cfg), None
             url = f"http://127.0.0.1:{port}"
-            cluster.start(wid, argv, log_dir, url + "/health")
+            cluster.start(wid, argv, log_dir, url + "/health", env)
             events, replay = f"tcp://127.0.0.1:{ev_port}", f"tcp://127.0.0.1:{replay_port}"
             workers.append({"id": wid, "url": url, "model": args.served_model_name,
                             "events": events, "replay": replay})
@@ -192,7 +320,15 @@ def run(args: argparse.Namespace) -> int:
         cluster.start("gateway", _kvroute("serve", "--config", str(cfg_path)), log_dir, base + "/health")
         print(f"[kvroute up] starting {args.workers} {args.engine} worker(s) and the gateway; logs in {log_dir}",
               file=out, flush=True)
+        start = time.monotonic()
         _wait_ready(cluster, args.ready_timeout_s, out)
+        while not _gateway_sees_workers(base, args.workers):  # health hysteresis: a few seconds
+            dead = cluster.dead_child()
+            if dead is not None:
+                raise RuntimeError(f"{dead.name} exited with {dead.popen.returncode}:\n{_tail(dead.log_path)}")
+            if time.monotonic() - start > args.ready_timeout_s:
+                raise TimeoutError("the gateway never saw every worker healthy")
+            time.sleep(0.25)
         print(f"[kvroute up] gateway ready: {base}/v1  (model {args.served_model_name!r}; Ctrl-C stops all)",
               file=out, flush=True)
         print(f"[kvroute up] admin API: {base}/admin/workers  (bearer token: {token_note})", file=out, flush=True)
@@ -219,7 +355,8 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("up", help="run N workers, their agents and the gateway on this host",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")
-    p.add_argument("--engine", choices=["sim"], default="sim", help="worker engine (default sim)")
+    p.add_argument("--engine", choices=["sim", "vllm"], default="sim",
+                   help="worker engine: simulated (default) or real vLLM run by --vllm-python")
     p.add_argument("--model", required=True, help="model directory (HF tokenizer + chat template)")
     p.add_argument("--served-model-name", default=None, help="model name clients use (default: the dir name)")
     p.add_argument("--host", default="127.0.0.1", help="gateway listen address (default 127.0.0.1)")
@@ -227,16 +364,26 @@ def register(subparsers) -> None:
     p.add_argument("--block-size", type=int, default=32, help="tokens per KV block (default 32)")
     p.add_argument("--index", default="memory", help="'memory' (embedded, default) or a redis:// URL")
     p.add_argument("--num-gpu-blocks-override", type=int, default=None, help="KV capacity per worker, in blocks")
+    p.add_argument("--max-model-len", type=int, default=None, help="workers' context length in tokens (vLLM's flag)")
+    p.add_argument("--vllm-python", default=os.environ.get("KVR_VLLM_PYTHON", "python"),
+                   help="interpreter with vLLM installed (default: $KVR_VLLM_PYTHON, else 'python')")
+    p.add_argument("--vllm-args", default="", metavar="'ARGS'",
+                   help="extra flags for each vLLM server, one shell-quoted string (e.g. '--dtype bfloat16')")
     p.add_argument("--policy", default="kv_aware", help="routing policy (default kv_aware)")
     p.add_argument("--speedup", type=float, default=1.0, help="simulated workers run this many times faster")
     p.add_argument("--log-dir", default=None, help="where each process logs (default: a temp dir)")
-    p.add_argument("--ready-timeout-s", type=float, default=300.0, help="give up start-up after this long")
+    p.add_argument("--ready-timeout-s", type=float, default=None,
+                   help="give up start-up after this long (default 300 s for sim, 900 s for vLLM)")
 
     def func(args: argparse.Namespace) -> int:
         if args.served_model_name is None:
             args.served_model_name = Path(args.model).name
         if args.workers < 1:
             p.error("--workers must be >= 1")
+        if args.ready_timeout_s is None:
+            args.ready_timeout_s = 900.0 if args.engine == "vllm" else 300.0
+        if args.engine == "vllm" and shutil.which(args.vllm_python) is None:
+            p.error(f"--vllm-python {args.vllm_python!r} is not an executable (set KVR_VLLM_PYTHON)")
         if args.index != "memory" and not args.index.startswith(("redis://", "rediss://", "unix://")):
             p.error("--index must be 'memory' or a redis:// URL")
         return run(args)

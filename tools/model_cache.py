@@ -1,0 +1,73 @@
+"""Generated test/benchmark models, made once and cached: ``ensure_model(size, vllm_python)``.
+
+The generator (:mod:`tools.make_model`, beside this file) needs torch, so it runs in a subprocess
+with the vLLM virtualenv's interpreter; this module itself imports nothing heavy and is what the
+tests and benchmarks call. Models live under ``<repo>/.cache/models/<size>-seed<seed>`` (git-ignored)
+and are rebuilt when the generator's version changes. Writing goes to a temporary sibling that is
+renamed into place, so concurrent callers never see a half-written directory.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+GENERATOR = Path(__file__).resolve().parent / "make_model.py"
+DEFAULT_CACHE = REPO / ".cache" / "models"
+GENERATE_TIMEOUT_S = 300
+
+
+def generator_version() -> int:
+    """``GENERATOR_VERSION`` of make_model.py, read from its source (no torch import here)."""
+    m = re.search(r"^GENERATOR_VERSION = (\d+)$", GENERATOR.read_text(), re.MULTILINE)
+    if m is None:
+        raise RuntimeError(f"no GENERATOR_VERSION in {GENERATOR}")
+    return int(m.group(1))
+
+
+def _is_current(model_dir: Path, size: str, seed: int) -> bool:
+    try:
+        meta = json.loads((model_dir / "kvroute_model.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return meta == {"generator_version": generator_version(), "size": size, "seed": seed}
+
+
+def ensure_model(size: str = "tiny", vllm_python: str | None = None, seed: int = 0,
+                 cache_dir: Path | None = None) -> Path:
+    """The model directory for ``size`` ("tiny" | "small") and ``seed``, generated if missing/stale.
+
+    ``vllm_python``: interpreter with torch + transformers + tokenizers (default ``$KVR_VLLM_PYTHON``).
+    Raises RuntimeError when that interpreter is missing or the generator fails (its output is in
+    the message).
+    """
+    cache_dir = Path(cache_dir or DEFAULT_CACHE)
+    target = cache_dir / f"{size}-seed{seed}"
+    if _is_current(target, size, seed):
+        return target
+    python = vllm_python or os.environ.get("KVR_VLLM_PYTHON")
+    if not python or shutil.which(python) is None:
+        raise RuntimeError(f"need an interpreter with torch to generate the {size!r} model "
+                           f"(got {python!r}; set KVR_VLLM_PYTHON)")
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{size}-", dir=cache_dir))
+    try:
+        done = subprocess.run([python, str(GENERATOR), str(tmp), "--size", size, "--seed", str(seed)],
+                              capture_output=True, text=True, timeout=GENERATE_TIMEOUT_S)
+        if done.returncode != 0:
+            raise RuntimeError(f"make_model.py failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+        if target.exists():
+            shutil.rmtree(target, ignore_errors=True)
+        try:
+            tmp.rename(target)
+        except OSError:  # another caller renamed its copy first
+            if not _is_current(target, size, seed):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
