@@ -8,7 +8,7 @@
 | POST /admin/workers/{id}/drain | 200 the entry (``draining: true``); 404 unknown |
 | GET /admin/policy | the live policy mapping (the config's ``policy`` section) |
 | PUT /admin/policy | body: a policy mapping; validated and swapped atomically; 200 the new mapping, 400 bad |
-| GET /admin/index | ``{"backend", "workers": {id: {"blocks", "speculative_blocks", "events_applied", "event_gaps", "event_resyncs", "last_event_seq"}}}`` |
+| GET /admin/index | ``{"backend", "workers": {id: {"blocks", "speculative_blocks", "kv_events"}}}`` (``kv_events``: the embedded ingestor's seq, event age, gaps, replays, resyncs; null without one) |
 | POST /admin/explain | a chat or completions body -> ``{"prompt_tokens", "blocks", "candidates", "chosen", "reason", ...}``; nothing is sent |
 
 Errors use the OpenAI error shape.
@@ -117,8 +117,7 @@ def make_admin_router(gateway: Any) -> APIRouter:
             workers[wid] = {"blocks": dict(st.blocks), "speculative_blocks": st.speculative_blocks}
         for reg in gateway.registry.all():
             entry = workers.setdefault(reg.id, {"blocks": {"gpu": 0, "cpu": 0, "ssd": 0}, "speculative_blocks": 0})
-            entry.update(events_applied=reg.events_applied, event_gaps=reg.event_gaps,
-                         event_resyncs=reg.event_resyncs, last_event_seq=reg.last_event_seq)
+            entry["kv_events"] = reg.event_state()
         out: dict[str, Any] = {"backend": gateway.cfg.index.backend, "workers": workers}
         if hasattr(gateway.index, "__len__"):
             out["keys"] = len(gateway.index)

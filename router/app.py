@@ -6,7 +6,9 @@ least-loaded healthy worker of the body's model: ``POST /v1/responses``, ``/v1/e
 ``GET /health``, ``GET /metrics`` and ``/admin/*`` (:mod:`router.admin`).
 
 The proxied paths are raw ASGI apps (:mod:`router.endpoints`): FastAPI never validates or
-re-serializes their bodies. Run it with uvicorn on uvloop + httptools (:mod:`router.cli`).
+re-serializes their bodies, and :class:`HotPathDispatch` hands POSTs to them before FastAPI's
+middleware stack (half a dozen wrappers per request), which serves everything else. Run it with
+uvicorn on uvloop + httptools (:mod:`router.cli`).
 """
 from __future__ import annotations
 
@@ -31,9 +33,27 @@ ROUTED = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 FORWARDED = ("/v1/responses", "/v1/embeddings", "/tokenize", "/detokenize")
 
 
-def create_app(gateway: Gateway) -> FastAPI:
-    """A FastAPI app serving ``gateway``; its lifespan starts and stops the gateway and, when
-    the gateway has a config path, re-reads it on SIGHUP."""
+class HotPathDispatch:
+    """ASGI front: ``POST`` to a proxied path goes straight to its endpoint; everything else
+    (other methods, other paths, lifespan) to the FastAPI ``app``."""
+
+    def __init__(self, app: FastAPI, endpoints: dict[str, ProxyEndpoint]) -> None:
+        self.app = app
+        self.endpoints = endpoints
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            endpoint = self.endpoints.get(scope["path"])
+            if endpoint is not None:
+                await endpoint(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(gateway: Gateway) -> HotPathDispatch:
+    """The ASGI app serving ``gateway``: a FastAPI app (lifespan starts and stops the gateway
+    and, when the gateway has a config path, re-reads it on SIGHUP) behind
+    :class:`HotPathDispatch`. The FastAPI app is the result's ``.app``."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -54,10 +74,10 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def gateway_error(request: Request, exc: GatewayError) -> Response:
         return Response(exc.body(), status_code=exc.status, media_type="application/json")
 
-    for path, kind in ROUTED.items():
-        app.router.routes.append(Route(path, ProxyEndpoint(gateway, kind), methods=["POST"]))
-    for path in FORWARDED:
-        app.router.routes.append(Route(path, ProxyEndpoint(gateway, "forward"), methods=["POST"]))
+    endpoints = {path: ProxyEndpoint(gateway, kind) for path, kind in ROUTED.items()}
+    endpoints.update({path: ProxyEndpoint(gateway, "forward") for path in FORWARDED})
+    for path, endpoint in endpoints.items():  # also in FastAPI, so other methods get a 405
+        app.router.routes.append(Route(path, endpoint, methods=["POST"]))
 
     @app.get("/health")
     async def health() -> Response:
@@ -74,7 +94,7 @@ def create_app(gateway: Gateway) -> FastAPI:
         return Response(orjson.dumps(await _union_models(gateway)), media_type="application/json")
 
     app.include_router(make_admin_router(gateway))
-    return app
+    return HotPathDispatch(app, endpoints)
 
 
 async def _union_models(gateway: Gateway) -> dict[str, Any]:

@@ -32,5 +32,5 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(Gateway(cfg, config_path=args.config))
     uvicorn.run(app, host=cfg.listen.host, port=cfg.listen.port, loop="uvloop", http="httptools",
                 log_level=args.log_level, access_log=False, server_header=False, date_header=False,
-                timeout_keep_alive=75)
+                proxy_headers=False, timeout_keep_alive=75)
     return 0

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -81,6 +82,17 @@ class GatewayMetrics:
         self.retries = Counter("kvroute_upstream_retries", "Connect failures retried on the next-best worker",
                                registry=r)
         r.register(_WorkerGauges(workers))
+        self._response_children: dict[tuple[str, int], tuple[Any, Any]] = {}
+
+    def record_response(self, worker_id: str, status: int, ttft_s: float) -> None:
+        """A worker answered with ``status`` after ``ttft_s`` seconds (first body byte); the
+        labelled children are cached, since ``labels()`` costs more than the update."""
+        children = self._response_children.get((worker_id, status))
+        if children is None:
+            children = (self.requests.labels(worker_id, str(status)), self.ttft_s.labels(worker_id))
+            self._response_children[(worker_id, status)] = children
+        children[0].inc()
+        children[1].observe(ttft_s)
 
     def record_cached_tokens(self, worker_id: str, predicted: int, actual: int) -> None:
         """One request's predicted vs actual prefix-hit tokens."""

@@ -98,6 +98,7 @@ class Upstream:
         timeout = aiohttp.ClientTimeout(total=self.timeouts.total_s, connect=None,
                                         sock_connect=self.timeouts.connect_s)
         self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
+                                              cookie_jar=aiohttp.DummyCookieJar(),
                                               skip_auto_headers=("User-Agent", "Content-Type"))
 
     async def close(self) -> None:
@@ -161,9 +162,8 @@ class Upstream:
             except aiohttp.ClientError as exc:
                 raise upstream_failed(reg.id, f"{type(exc).__name__}: {exc}") from None
             handle.first_byte()
-            self.metrics.ttft_s.labels(reg.id).observe(time.perf_counter() - t0)
             status = resp.status
-            self.metrics.requests.labels(reg.id, str(status)).inc()
+            self.metrics.record_response(reg.id, status, time.perf_counter() - t0)
             if stream:
                 await self._relay_stream(send, state, resp, reg, first, request_id, on_cached_tokens,
                                          strip_usage and status == 200)

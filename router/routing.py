@@ -197,7 +197,8 @@ class Router:
         if policy.uses_index or always_tokenize:
             t0 = time.perf_counter()
             try:
-                blocks = await self.tokenizers.prompt_blocks(model, kind, body, lora_name)
+                blocks = await self.tokenizers.prompt_blocks(
+                    model, kind, body, lora_name, inline=len(raw) <= self.routing.inline_tokenize_max_bytes)
             except BadPrompt as exc:
                 raise bad_request(str(exc), "messages" if kind == "chat" else "prompt") from None
             self.metrics.tokenize_s.observe(time.perf_counter() - t0)

@@ -74,13 +74,16 @@ class TokenizerPool:
         return self._tokenizers.get(model)
 
     async def prompt_blocks(self, model: ModelConfig, kind: PromptKind, body: dict[str, Any],
-                            lora_name: str | None = None) -> PromptBlocks:
+                            lora_name: str | None = None, inline: bool = False) -> PromptBlocks:
         """Token ids and block keys of ``body`` (an OpenAI chat or completions body) for base
-        model ``model``. Raises BadPrompt on a malformed prompt; never raises for inputs that
-        cannot be tokenized exactly (see :class:`PromptBlocks.fallback`)."""
+        model ``model``. ``inline``: run on the calling thread (for small bodies, where the hop
+        to a pool thread costs more than the work). Raises BadPrompt on a malformed prompt; never
+        raises for inputs that cannot be tokenized exactly (see :class:`PromptBlocks.fallback`)."""
         tok = self._tokenizers.get(model.name)
         if tok is None:
             return PromptBlocks(None, fallback="no_tokenizer")
+        if inline:
+            return _prompt_blocks(tok, model, kind, body, lora_name)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, _prompt_blocks, tok, model, kind, body, lora_name)
 

@@ -1,0 +1,240 @@
+#!/usr/bin/env python3
+"""The gateway's added latency and throughput, side by side with sglang-router, in one run.
+
+One simulated worker (``kvroute sim`` with a huge ``--speedup``, so the engine answers almost at
+once) is reached three ways: straight, through ``kvroute serve`` (kv_aware policy, exact
+tokenization, index lookup, speculative insert), and through sglang-router
+(``--policy round_robin``) when it is installed (``pip install sglang-router``). For a short chat
+and an ~8k-token chat, at concurrency 1 and 32, the targets take turns in rounds (so drift hits
+all alike) and the table prints p50/p99 latency and what each proxy adds over the straight path.
+Last, each target's most requests per second at concurrency 64 (short chat) for a few seconds.
+
+Usage: python benchmarks/bench_gateway.py [--requests 200] [--rounds 3] [--rps-seconds 5]
+Everything runs on loopback and stops by itself (each process has a deadline).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "tests/fixtures/tiny-model"
+DEADLINE_S = 1800
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(argv: list[str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen(["timeout", "-s", "KILL", str(DEADLINE_S)] + argv, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "KVROUTE_ADMIN_TOKEN": "bench"})
+
+
+def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 90) -> None:
+    import urllib.request
+
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited:\n{log.read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status < 500:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{url} not ready:\n{log.read_text()[-2000:]}")
+
+
+def long_system_prompt(target_tokens: int) -> str:
+    """Text of about ``target_tokens`` tokens for the tiny model's tokenizer."""
+    from kvcore.tokenization import PromptTokenizer
+
+    tok = PromptTokenizer(TINY)
+    rnd = random.Random(8)
+    words = [rnd.choice(WORDS) for _ in range(target_tokens)]
+    while len(tok.encode_text(" ".join(words), False)) > target_tokens:
+        words = words[: int(len(words) * 0.9)]
+    return " ".join(words)
+
+
+async def one(session: aiohttp.ClientSession, url: str, body: bytes) -> float:
+    t0 = time.perf_counter()
+    async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+        await r.read()
+        if r.status != 200:
+            raise RuntimeError(f"{url}: {r.status}")
+    return time.perf_counter() - t0
+
+
+async def closed_loop(session, url: str, body: bytes, concurrency: int, n: int) -> list[float]:
+    """``n`` requests from ``concurrency`` clients each sending its next when the last returns."""
+    out: list[float] = []
+    left = [n]
+
+    async def client():
+        while left[0] > 0:
+            left[0] -= 1
+            out.append(await one(session, url, body))
+
+    await asyncio.gather(*[client() for _ in range(concurrency)])
+    return out
+
+
+async def rate(session, url: str, body: bytes, concurrency: int, seconds: float) -> float:
+    """Completed requests per second with ``concurrency`` clients for ``seconds``."""
+    done = [0]
+    end = time.perf_counter() + seconds
+
+    async def client():
+        while time.perf_counter() < end:
+            await one(session, url, body)
+            done[0] += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*[client() for _ in range(concurrency)])
+    return done[0] / (time.perf_counter() - t0)
+
+
+def cpu_seconds(proc: subprocess.Popen | None) -> float:
+    """User + system CPU seconds of the process ``timeout`` started for ``proc`` (0 for None)."""
+    if proc is None:
+        return 0.0
+    try:
+        child = open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()[0]
+        fields = open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+async def run(targets: dict[str, str], procs: dict[str, subprocess.Popen | None], args) -> None:
+    short = {"model": "tiny", "messages": [{"role": "user", "content": "Hello, how are you today?"}],
+             "max_tokens": 1}
+    long_ = {"model": "tiny", "messages": [{"role": "system", "content": long_system_prompt(8000)},
+                                           {"role": "user", "content": "Summarize."}], "max_tokens": 1}
+    workloads = {"short chat": json.dumps(short).encode(), "8k-token chat": json.dumps(long_).encode()}
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=120)) as session:
+        for name, body in workloads.items():  # warm every path (tokenizer, caches, pools)
+            for url in targets.values():
+                await closed_loop(session, url + "/v1/chat/completions", body, 4, 20)
+        print(f"\nlatency in ms; 'added' = target minus direct at the same percentile "
+              f"({args.rounds} interleaved rounds x {args.requests} requests per cell)")
+        print("'proxy CPU' = the proxy process's CPU time per request (steadier than latency on a busy machine)")
+        print(f"{'workload':<14} {'conc':>4}  {'target':<14} {'p50':>8} {'p99':>8} {'added p50':>10} "
+              f"{'added p99':>10} {'proxy CPU':>10}")
+        for name, body in workloads.items():
+            for conc in (1, 32):
+                lat: dict[str, list[float]] = {t: [] for t in targets}
+                cpu: dict[str, float] = {t: 0.0 for t in targets}
+                order = list(targets)
+                for r in range(args.rounds):
+                    for t in order[r % len(order):] + order[:r % len(order)]:
+                        c0 = cpu_seconds(procs[t])
+                        lat[t] += await closed_loop(session, targets[t] + "/v1/chat/completions", body, conc,
+                                                    args.requests)
+                        cpu[t] += cpu_seconds(procs[t]) - c0
+                base50, base99 = pct(lat["direct"], 0.5), pct(lat["direct"], 0.99)
+                for t in targets:
+                    p50, p99 = pct(lat[t], 0.5), pct(lat[t], 0.99)
+                    if t == "direct":
+                        added = f"{'':>10} {'':>10} {'':>10}"
+                    else:
+                        added = (f"{(p50 - base50) * 1e3:>10.3f} {(p99 - base99) * 1e3:>10.3f} "
+                                 f"{cpu[t] / len(lat[t]) * 1e3:>10.3f}")
+                    print(f"{name:<14} {conc:>4}  {t:<14} {p50 * 1e3:>8.3f} {p99 * 1e3:>8.3f} {added}")
+        print(f"\nthroughput, short chat, concurrency 64, {args.rps_seconds:g} s each (one process per proxy; "
+              f"the client and the worker share the machine's {os.cpu_count()} CPUs)")
+        for t, url in targets.items():
+            c0 = cpu_seconds(procs[t])
+            t0 = time.perf_counter()
+            rps = await rate(session, url + "/v1/chat/completions", workloads["short chat"], 64, args.rps_seconds)
+            busy = (cpu_seconds(procs[t]) - c0) / (time.perf_counter() - t0)
+            note = "" if procs[t] is None else f"  (proxy busy {busy * 100:.0f}% of one CPU)"
+            print(f"  {t:<14} {rps:>8.0f} requests/s{note}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=200, help="requests per target per round per cell")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rps-seconds", type=float, default=5.0)
+    ap.add_argument("--speedup", type=float, default=1e6, help="the sim's --speedup (large: near-instant)")
+    args = ap.parse_args()
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
+    tmp = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
+    procs: list[subprocess.Popen] = []
+    try:
+        sim_port, gw_port = free_port(), free_port()
+        sim_url = f"http://127.0.0.1:{sim_port}"
+        procs.append(start([sys.executable, "-m", "kvroute", "sim", "--model", str(TINY), "--served-model-name",
+                            "tiny", "--host", "127.0.0.1", "--port", str(sim_port), "--block-size", "32",
+                            "--max-model-len", "16384", "--num-gpu-blocks-override", "4096",
+                            "--enable-prompt-tokens-details", "--speedup", str(args.speedup)], tmp / "sim.log"))
+        wait_ready(sim_url + "/health", procs[-1], tmp / "sim.log")
+        cfg = {"listen": {"host": "127.0.0.1", "port": gw_port},
+               "models": [{"name": "tiny", "tokenizer": str(TINY), "block_size": 32}],
+               "workers": [{"id": "w0", "url": sim_url, "model": "tiny"}], "policy": {"name": "kv_aware"}}
+        (tmp / "gateway.yaml").write_text(json.dumps(cfg))
+        procs.append(start([sys.executable, "-m", "kvroute", "serve", "--config", str(tmp / "gateway.yaml")],
+                           tmp / "gateway.log"))
+        wait_ready(f"http://127.0.0.1:{gw_port}/health", procs[-1], tmp / "gateway.log")
+        targets = {"direct": sim_url, "kvroute": f"http://127.0.0.1:{gw_port}"}
+        target_procs: dict[str, subprocess.Popen | None] = {"direct": None, "kvroute": procs[-1]}
+        if importlib.util.find_spec("sglang_router") is not None:
+            sg_port = free_port()
+            procs.append(start([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                                "--port", str(sg_port), "--worker-urls", sim_url, "--policy", "round_robin",
+                                "--log-level", "warn"], tmp / "sglang.log"))
+            try:
+                wait_ready(f"http://127.0.0.1:{sg_port}/health", procs[-1], tmp / "sglang.log", 60)
+                targets["sglang-router"] = f"http://127.0.0.1:{sg_port}"
+                target_procs["sglang-router"] = procs[-1]
+            except (RuntimeError, TimeoutError) as exc:
+                print(f"sglang-router did not start, left out: {exc}")
+        else:
+            print("sglang-router not installed (pip install sglang-router): left out")
+        print(f"machine: {os.cpu_count()} CPUs; one sim worker (--speedup {args.speedup:g}); logs in {tmp}")
+        asyncio.run(run(targets, target_procs, args))
+    finally:
+        for p in reversed(procs):
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+                p.wait(10)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                os.killpg(p.pid, signal.SIGKILL)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
