@@ -159,7 +159,8 @@ async def main() -> None:
         rows["memory"] = await bench_ingest(MemoryIndex(), payloads, n_blocks, args.block_size)
         redis_index = None
         if not args.skip_redis:
-            redis_index = RedisIndex(args.redis_url, namespace="bench", socket_timeout_s=30)
+            # long heartbeat TTL: no agent keeps these workers alive while the benchmark populates
+            redis_index = RedisIndex(args.redis_url, namespace="bench", socket_timeout_s=30, heartbeat_ttl_s=3600)
             await redis_index._redis.flushdb()
             rows["redis"] = await bench_ingest(redis_index, payloads, n_blocks, args.block_size)
         print(f"ingest: {n_blocks} blocks in {len(payloads)} batches ({args.blocks_per_event} blocks/event, "

@@ -22,15 +22,18 @@ big-endian, ``raw(k)``; a worker gets a permanent slot number ``s`` on first use
 - ``P m: s`` STRING: set by the agent once its full state is published; a heartbeat that finds it
   missing (Redis restarted or flushed, worker purged) tells the agent to publish again.
 
-Bytes per block (Redis 7.0, jemalloc, measured with ``MEMORY USAGE`` and ``INFO memory`` by
-``benchmarks/bench_agent.py``): a block held by one worker in one tier costs about 90 B for its
-bitmap key plus about 60 B for its member of the worker's owned set (~150 B); each further worker
-holding the same block adds ~60 B (set member) and 4 bits of bitmap.
+Bytes per block (Redis 7.0, jemalloc; ``INFO memory`` before/after populating 64 workers x 100k
+distinct blocks in ``benchmarks/bench_agent.py``): 178 B per (block, worker) entry held in one
+tier, i.e. the bitmap key (~110 B: dict entry, key name of 14 B, value) plus the member of the
+worker's owned set (~60 B). A block held by several workers pays the bitmap once (growing 4 bits per
+slot) and ~60 B per further worker.
 
-Lookup (:meth:`RedisIndex.match`): one script call gets the bitmaps of the prompt's keys from
+Lookup (:meth:`RedisIndex.match`): one script call MGETs the bitmaps of the prompt's keys from
 block 0 up to the first key no worker holds (and at least as far as this process's speculative
-entries reach) plus which slots have a live heartbeat; the runs per worker are then computed here
-with the same bitmask chains as :class:`kvcore.index.memory.MemoryIndex`.
+entries reach), and answers them run-length coded (a bitmap only where it differs from the block
+before, so the reply and the work here grow with the number of distinct holder sets, not with the
+prompt), plus which slots have a live heartbeat; the runs per worker are then computed here with
+the same bitmask chains as :class:`kvcore.index.memory.MemoryIndex`.
 
 Speculative entries (:meth:`store_speculative`) stay in this process (they are the gateway's own
 guesses for prompts it just routed) and are merged into every lookup as gpu bits.
