@@ -203,8 +203,11 @@ while i < n and not stop do
 end
 local ns = redis.call('HLEN', p .. 'slots')
 local alive = {}
-for s = 0, ns - 1 do
-  alive[s + 1] = (redis.call('EXISTS', p .. 'hb:' .. s) == 1) and '1' or '0'
+if ns > 0 then
+  local hb = {}
+  for s = 0, ns - 1 do hb[s + 1] = p .. 'hb:' .. s end
+  local flags = redis.call('MGET', unpack(hb))
+  for s = 1, ns do alive[s] = flags[s] and '1' or '0' end
 end
 local epoch = redis.call('GET', p .. 'epoch') or ''
 local slots = {}

@@ -43,11 +43,22 @@ class SupportsHeartbeat(Protocol):
     async def heartbeat(self, worker: str, ttl_s: float | None = None, mark_published: bool = False) -> bool: ...
 
 
+_BATCHED: dict[type, bool] = {}  # isinstance() against a runtime Protocol is slow: cache per type
+
+
+def _batched(index: KVIndex) -> bool:
+    kind = type(index)
+    hit = _BATCHED.get(kind)
+    if hit is None:
+        hit = _BATCHED[kind] = isinstance(index, SupportsApplyOps)
+    return hit
+
+
 async def write_ops(index: KVIndex, worker: str, ops: Sequence[IndexOp]) -> None:
     """Apply translator ops to ``index`` in order. ``clear`` drops the worker's entries in every
     tier (the memory index also drops its speculative entries; a batched index keeps the worker's
     heartbeat). Raises whatever the index raises (IndexUnavailable)."""
-    if isinstance(index, SupportsApplyOps):
+    if _batched(index):
         run: list[tuple[str, str, Sequence[int]]] = []
         for op, tier, keys in ops:
             if op != "clear":
