@@ -185,3 +185,16 @@ async def test_all_blocks_cleared_op_and_snapshot_rebuilds_the_index(frames):
     assert (await rebuilt.stats())["w0"].blocks == (await index.stats())["w0"].blocks
     ops = tr.translate(EventBatch(0.0, [AllBlocksCleared()]))
     assert ops == [("clear", None, [])] and tr.snapshot() == []
+
+
+async def test_older_array_shaped_events_translate_like_the_map_shaped_ones():
+    import msgspec
+
+    toks = list(range(50, 50 + 2 * BS))
+    # vLLM <= 0.11 wire shape: [ts, [["BlockStored", hashes, parent, tokens, block_size, lora_id, medium], ...], rank]
+    old = msgspec.msgpack.encode([1.0, [["BlockStored", [1, 2], None, toks, BS, None, "GPU"],
+                                        ["BlockRemoved", [2], "GPU"]], 0])
+    tr = EventTranslator(MODEL, BS)
+    ops = tr.translate(decode_batch(old))
+    keys = block_keys(toks, BS, MODEL)
+    assert ops == [("store", "gpu", keys), ("remove", "gpu", keys[1:])]
