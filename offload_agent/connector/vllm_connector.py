@@ -1,0 +1,483 @@
+"""``KVRouteTierConnector``: vLLM's KV connector (``KVConnectorBase_V1``) in front of our CPU and
+SSD tiers. Loaded by vLLM with::
+
+    --kv-transfer-config '{"kv_connector": "KVRouteTierConnector",
+        "kv_connector_module_path": "offload_agent.connector.vllm_connector",
+        "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"cpu_tier_bytes": N, "ssd_tier_dir": DIR, "ssd_tier_bytes": N}}'
+
+(:func:`offload_agent.connector.config.kv_transfer_config` builds it; the repository root must be
+on vLLM's ``PYTHONPATH``.) Imports only vLLM, torch and the standard library.
+
+What it does, per engine step (vLLM 0.32 connector API):
+
+- scheduler side, ``get_num_new_matched_tokens``: the request's prompt blocks past vLLM's own
+  prefix hit that the tiers hold, as a consecutive run (never the whole prompt: the last token is
+  always computed); loads are synchronous (this step, before the forward pass);
+- ``update_state_after_alloc``: plans the copies of those blocks into the GPU blocks vLLM just
+  allocated (:meth:`TierPlanner.plan_load`);
+- ``build_connector_meta``: plans saves. **A full prompt block is saved in the step whose forward
+  pass computes it** (read after that pass, in ``wait_for_save``), not when the request finishes:
+  the block is surely resident then, no block has to be held back from vLLM's allocator after the
+  request ends, a long chunked prefill is saved chunk by chunk, and an identical prompt arriving
+  while the first is still decoding already finds it. Only prompt blocks are saved (decode blocks
+  are rarely shared);
+- worker side: ``start_load_kv`` runs the load operations, ``wait_for_save`` the save operations,
+  each batched per layer with ``index_select``/``index_copy_``. On CUDA the slab is pinned and
+  copies run on a side stream; the forward stream waits for the loads (GPU-side, the CPU is not
+  blocked) and ``wait_for_save`` synchronises the saves. (Only the CPU build is tested here.)
+- failures (a slot or file that does not hold what it should, a corrupt file): the GPU blocks are
+  reported to vLLM (``get_block_ids_with_load_errors``), which recomputes them; nothing of that step
+  is saved (its KV may depend on the bad block); the planner forgets the bad copies
+  (worker -> scheduler metadata);
+- residency: ``take_events`` hands vLLM ``BlockStored``/``BlockRemoved`` with medium ``CPU`` /
+  ``STORAGE`` and no tokens (vLLM's placeholder form: the block's hash only), published on vLLM's
+  own KV event stream after the step's GPU events. Consumers map the hash through the GPU event
+  that preceded it.
+
+Requests with a LoRA adapter, multimodal inputs or prompt embeddings are neither saved nor loaded
+(their KV depends on more than the tokens). Models with more than one KV cache group (hybrid
+attention) disable the connector with a warning.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                                KVConnectorRole, KVConnectorWorkerMetadata)
+from vllm.logger import init_logger
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from offload_agent.connector.config import TierSettings
+from offload_agent.tiers.keys import TierFingerprint, tier_block_keys, tier_root
+from offload_agent.tiers.planner import CPU, SSD, TierPlanner
+from offload_agent.tiers.ssd_file import HEADER_BYTES, scan_fingerprint_dir
+from offload_agent.tiers.store import TierStore
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = init_logger("vllm.kvroute_tiers")  # under "vllm": shown by vLLM's log setup
+_MEDIUM = {CPU: "CPU", SSD: "STORAGE"}
+
+
+class TierConnectorMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, one step: ``pre_ops`` run before the forward pass (loads),
+    ``post_ops`` after it (saves); see :data:`offload_agent.tiers.planner.Op`."""
+
+    def __init__(self, pre_ops: list, post_ops: list) -> None:
+        self.pre_ops = pre_ops
+        self.post_ops = post_ops
+
+
+class TierWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, one step: ``failures`` as ``(key, tier, slot)`` to forget."""
+
+    def __init__(self, failures: list) -> None:
+        self.failures = failures
+
+    def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
+        return TierWorkerMetadata(self.failures + list(getattr(other, "failures", [])))
+
+
+class _Layout:
+    """The KV cache layout the tiers store: one group's layers, bytes per block per layer."""
+
+    def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", tp_rank: int) -> None:
+        groups = kv_cache_config.kv_cache_groups
+        self.ok = len(groups) == 1
+        self.block_size = vllm_config.cache_config.block_size
+        self.num_blocks = kv_cache_config.num_blocks
+        if not self.ok:
+            self.layer_names, self.page_bytes, self.dtype = [], 0, torch.uint8
+            return
+        spec = groups[0].kv_cache_spec
+        self.layer_names = list(groups[0].layer_names)
+        self.page_bytes = int(spec.page_size_bytes)
+        self.dtype = spec.dtype
+        self.block_bytes = self.page_bytes * len(self.layer_names)
+        shape = "x".join(str(getattr(spec, a, "?")) for a in ("num_kv_heads", "head_size"))
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.tp_rank = tp_rank
+        self.model = str(vllm_config.model_config.model)
+        self.shape = shape
+
+    def fingerprint(self, model_id: str | None) -> TierFingerprint:
+        return TierFingerprint(model=model_id or self.model, num_layers=len(self.layer_names),
+                               dtype=str(self.dtype).replace("torch.", ""), block_size=self.block_size,
+                               block_bytes=self.block_bytes, layout=self.shape, tp_rank=self.tp_rank,
+                               tp_size=self.tp_size)
+
+
+class _ReqState:
+    __slots__ = ("request", "keys", "root", "saved_upto", "skip")
+
+    def __init__(self, request: "Request", root: bytes | None) -> None:
+        self.request = request
+        self.root = root
+        self.keys: list[bytes] = []
+        self.saved_upto = 0
+        self.skip = root is None
+
+
+class KVRouteTierConnector(KVConnectorBase_V1):
+    """vLLM KV connector for kvroute's CPU and SSD tiers (see the module docstring)."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        return True
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self.settings = TierSettings.from_extra(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
+        tp_rank = 0
+        if role == KVConnectorRole.WORKER:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            tp_rank = get_tensor_model_parallel_rank()
+        self.layout = _Layout(vllm_config, kv_cache_config, tp_rank)
+        if not self.layout.ok:
+            logger.warning("kvroute tiers disabled: %d KV cache groups (only single-group models are "
+                           "supported)", len(kv_cache_config.kv_cache_groups))
+            return
+        self.fingerprint = self.layout.fingerprint(self.settings.model_id)
+        self.num_slots = self.settings.cpu_tier_bytes // self.layout.block_bytes
+        if self.num_slots < 1:
+            raise ValueError(f"cpu_tier_bytes={self.settings.cpu_tier_bytes} holds no block of "
+                             f"{self.layout.block_bytes} bytes")
+        self.ssd_slots = self.settings.ssd_tier_bytes // (HEADER_BYTES + self.layout.block_bytes)
+        if role == KVConnectorRole.SCHEDULER:
+            self._init_scheduler()
+        else:
+            self._init_worker()
+
+    # =========================================== scheduler side ====================================
+    def _init_scheduler(self) -> None:
+        self.planner = TierPlanner(self.num_slots, self.ssd_slots)
+        self._fp_digest = self.fingerprint.digest()
+        self._reqs: dict[str, _ReqState] = {}
+        self._pending_load: dict[str, tuple[int, int]] = {}
+        self._hit_tiers: dict[str, list[str]] = {}
+        self._pre_ops: list = []
+        self.stats: Counter = Counter()
+        found = 0
+        if self.settings.ssd_tier_dir:
+            fp_dir = Path(self.settings.ssd_tier_dir) / self.fingerprint.dir_name()
+            infos = sorted(scan_fingerprint_dir(fp_dir, self._fp_digest, self.layout.block_bytes),
+                           key=lambda i: i.mtime_s)
+            found = len(infos)
+            paths = {i.key: i.path for i in infos}
+            for key in self.planner.add_ssd_blocks(i.key for i in infos):
+                paths[key].unlink(missing_ok=True)
+        logger.info("kvroute tiers: CPU tier %d blocks of %d bytes (%d bytes), SSD tier %s: %d blocks "
+                    "(%d found on disk), fingerprint %s", self.num_slots, self.layout.block_bytes,
+                    self.num_slots * self.layout.block_bytes, self.settings.ssd_tier_dir or "off",
+                    self.ssd_slots, found, self.fingerprint.dir_name())
+
+    def _state(self, request: "Request") -> _ReqState:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            eligible = (getattr(request, "lora_request", None) is None and not getattr(request, "mm_features", None)
+                        and getattr(request, "prompt_embeds", None) is None)
+            root = tier_root(self._fp_digest, getattr(request, "cache_salt", None)) if eligible else None
+            st = self._reqs[request.request_id] = _ReqState(request, root)
+        return st
+
+    def _keys(self, st: _ReqState, n_blocks: int) -> list[bytes]:
+        have = len(st.keys)
+        if n_blocks > have:
+            tokens = st.request.prompt_token_ids or []
+            st.keys += tier_block_keys(tokens[:n_blocks * self.layout.block_size], self.layout.block_size,
+                                       st.root, start=have, parent=st.keys[-1] if have else None)
+        return st.keys
+
+    def _engine_hash(self, request: "Request", block: int) -> Any:
+        hashes = request.block_hashes
+        return maybe_convert_block_hash(hashes[block]) if block < len(hashes) else None
+
+    def on_new_request(self, request: "Request") -> None:
+        if self.layout.ok:
+            self._state(request)
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not self.layout.ok:
+            return 0, False
+        st = self._state(request)
+        if st.skip:
+            return 0, False
+        bs = self.layout.block_size
+        n_max = (len(request.prompt_token_ids or []) - 1) // bs
+        start = num_computed_tokens // bs
+        if start >= n_max:
+            return 0, False
+        keys = self._keys(st, n_max)
+        n = len(self.planner.lookup(keys[start:n_max]))
+        self._pending_load[request.request_id] = (start, n)
+        return n * bs, False
+
+    def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
+        if not self.layout.ok:
+            return
+        pending = self._pending_load.pop(request.request_id, None)
+        if num_external_tokens <= 0 or pending is None:
+            return
+        bs = self.layout.block_size
+        start, n = pending
+        n_ext = min(n, num_external_tokens // bs)
+        st = self._state(request)
+        block_ids = blocks.get_block_ids()[0][start:start + n_ext]
+        keys = st.keys[start:start + n_ext]
+        hashes = [self._engine_hash(request, b) for b in range(start, start + n_ext)]
+        ops, tiers = self.planner.plan_load(keys, block_ids, hashes)
+        self._pre_ops += ops
+        self._hit_tiers[request.request_id] = tiers
+        st.saved_upto = max(st.saved_upto, start + n_ext)
+        by = Counter(tiers)
+        self.stats.update({f"loaded_blocks_{t}": c for t, c in by.items()})
+        logger.info("kvroute tiers: request %s: %d tokens from the tiers (blocks: cpu %d, ssd %d, gone %d) "
+                    "after %d on GPU", request.request_id, n_ext * bs, by[CPU], by[SSD], by["miss"], start * bs)
+
+    def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
+        tiers = self._hit_tiers.pop(request.request_id, None)
+        if not num_external_tokens:
+            return {}
+        if tiers is None:
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        bs = self.layout.block_size
+        by = Counter(tiers)
+        out = {CacheHitSource.HOST: by[CPU] * bs, CacheHitSource.DISK: by[SSD] * bs}
+        out[CacheHitSource.EXTERNAL_UNSPECIFIED] = num_external_tokens - out[CacheHitSource.HOST] - out[CacheHitSource.DISK]
+        return {k: v for k, v in out.items() if v}
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        if not self.layout.ok:
+            return TierConnectorMetadata([], [])
+        computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        bs = self.layout.block_size
+        post: list = []
+        for rid, n_sched in scheduler_output.num_scheduled_tokens.items():
+            st = self._reqs.get(rid)
+            if st is None or st.skip or rid not in computed:
+                continue
+            prompt_blocks = len(st.request.prompt_token_ids or []) // bs
+            upto = min(prompt_blocks, (computed[rid] + n_sched) // bs)
+            if upto <= st.saved_upto:
+                continue
+            keys = self._keys(st, upto)
+            block_ids = self._kv_cache_manager.get_block_ids(rid)[0]
+            for b in range(st.saved_upto, upto):
+                ops = self.planner.plan_save(keys[b], block_ids[b], self._engine_hash(st.request, b))
+                self.stats["saved_blocks"] += bool(ops)
+                post += ops
+            st.saved_upto = upto
+            self.planner.touch_chain(keys[:upto])
+        meta = TierConnectorMetadata(self._pre_ops, post)
+        self._pre_ops = []
+        return meta
+
+    def update_connector_output(self, connector_output) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if not isinstance(meta, TierWorkerMetadata) or not meta.failures:
+            return
+        for key, tier, slot in meta.failures:
+            self.planner.forget(key, tier, slot)
+        self.stats["failed_blocks"] += len(meta.failures)
+        for st in self._reqs.values():  # re-offer their blocks: a failed step saved nothing
+            st.saved_upto = 0
+        logger.warning("kvroute tiers: %d block copies failed and were forgotten", len(meta.failures))
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
+        self._reqs.pop(request.request_id, None)
+        self._pending_load.pop(request.request_id, None)
+        self._hit_tiers.pop(request.request_id, None)
+        return False, None
+
+    def take_events(self):
+        if not self.layout.ok:
+            return ()
+        events: list = []
+        last: tuple | None = None
+        for ch in self.planner.take_changes():
+            if ch.engine_hash is None:
+                continue
+            kind = (ch.op, ch.tier)
+            if kind == last:
+                events[-1].block_hashes.append(ch.engine_hash)
+                continue
+            medium = _MEDIUM[ch.tier]
+            if ch.op == "stored":
+                events.append(BlockStored(block_hashes=[ch.engine_hash], parent_block_hash=None, token_ids=[],
+                                          block_size=0, lora_id=None, medium=medium, lora_name=None))
+            else:
+                events.append(BlockRemoved(block_hashes=[ch.engine_hash], medium=medium))
+            last = kind
+        return events
+
+    def reset_cache(self) -> bool:
+        if self.layout.ok:
+            self._pre_ops += self.planner.clear()
+            for st in self._reqs.values():
+                st.saved_upto = 0
+        return True
+
+    # ============================================ worker side ======================================
+    def _init_worker(self) -> None:
+        self._kv: list[torch.Tensor] = []
+        self._store: TierStore | None = None
+        self._invalid: set[int] = set()
+        self._failed_step = False
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if not self.layout.ok:
+            return
+        L = self.layout
+        views = []
+        for name in L.layer_names:
+            t = kv_caches[name]
+            if t.shape[0] != L.num_blocks and t.dim() > 1 and t.shape[1] == L.num_blocks:
+                t = t.transpose(0, 1)  # (2, blocks, ...) layouts: blocks first
+            if t.shape[0] != L.num_blocks or t[0].numel() * t.element_size() != L.page_bytes:
+                raise ValueError(f"kvroute tiers: layer {name}: KV cache of shape {tuple(t.shape)} does not "
+                                 f"hold {L.num_blocks} blocks of {L.page_bytes} bytes")
+            views.append(t)
+        self._kv = views
+        self._device = views[0].device
+        cuda = self._device.type == "cuda"
+        self._slab = torch.empty((self.num_slots, L.block_bytes), dtype=torch.uint8, pin_memory=cuda)
+        self._slab_kv = self._slab.view(L.dtype).view(self.num_slots, len(views), -1)
+        self._staging = torch.empty((1, L.block_bytes), dtype=torch.uint8, pin_memory=cuda)
+        self._staging_kv = self._staging.view(L.dtype).view(1, len(views), -1)
+        self._stream = torch.cuda.Stream(device=self._device) if cuda else None
+        ssd = Path(self.settings.ssd_tier_dir) if self.settings.ssd_tier_dir else None
+        self._store = TierStore(self._slab.numpy(), self.num_slots, L.block_bytes, self.fingerprint, ssd)
+        logger.info("kvroute tiers: worker slab %d x %d bytes on %s, %d layers", self.num_slots,
+                    L.block_bytes, "pinned host memory" if cuda else "host memory", len(views))
+
+    def _copy_to_slab(self, slots: list[int], gpu_blocks: list[int]) -> None:
+        idx = torch.tensor(gpu_blocks, dtype=torch.long, device=self._device)
+        sl = torch.tensor(slots, dtype=torch.long)
+        for l, t in enumerate(self._kv):
+            self._slab_kv[sl, l] = t.index_select(0, idx).reshape(len(slots), -1).to("cpu")
+
+    def _copy_from(self, src: torch.Tensor, rows: list[int], gpu_blocks: list[int]) -> None:
+        idx = torch.tensor(gpu_blocks, dtype=torch.long, device=self._device)
+        rows_t = torch.tensor(rows, dtype=torch.long)
+        for l, t in enumerate(self._kv):
+            data = src[rows_t, l].reshape(len(rows), *t.shape[1:])
+            t.index_copy_(0, idx, data.to(self._device, non_blocking=True))
+
+    def _run_ops(self, ops: list, saving: bool) -> None:
+        store = self._store
+        batch: list[tuple] = []  # consecutive "save" or "load_cpu" ops
+
+        def flush() -> None:
+            if not batch:
+                return
+            if batch[0][0] == "save":
+                self._copy_to_slab([op[1] for op in batch], [op[3] for op in batch])
+                for op in batch:
+                    store.mark(op[1], op[2])
+            else:
+                self._copy_from(self._slab_kv, [op[1] for op in batch], [op[3] for op in batch])
+            batch.clear()
+
+        for op in ops:
+            kind = op[0]
+            if kind == "save":
+                if self._failed_step:
+                    store.mark(op[1], None)
+                    store.fail(op[2], CPU, op[1])
+                    continue
+                if batch and batch[0][0] != "save":
+                    flush()
+                batch.append(op)
+                continue
+            if kind == "load_cpu":
+                if not store.holds(op[1], op[2]):
+                    self._load_failed(op[3])
+                    store.fail(op[2], CPU, op[1])
+                    continue
+                if batch and batch[0][0] != "load_cpu":
+                    flush()
+                batch.append(op)
+                continue
+            flush()
+            if kind == "spill":
+                store.spill(op[1], op[2])
+            elif kind == "drop_ssd":
+                store.drop_ssd(op[1])
+            elif kind == "promote":
+                store.promote(op[1], op[2])
+            elif kind == "load_ssd":
+                if store.read_ssd(op[1], self._staging.numpy()):
+                    self._copy_from(self._staging_kv, [0], [op[2]])
+                else:
+                    self._load_failed(op[2])
+            elif kind == "fail_block":
+                self._load_failed(op[1])
+        flush()
+
+    def _load_failed(self, gpu_block: int) -> None:
+        self._invalid.add(gpu_block)
+        self._failed_step = True
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        if self._store is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, TierConnectorMetadata) or not meta.pre_ops:
+            return
+        if self._stream is None:
+            self._run_ops(meta.pre_ops, saving=False)
+            return
+        with torch.cuda.stream(self._stream):
+            self._run_ops(meta.pre_ops, saving=False)
+        torch.cuda.current_stream(self._device).wait_stream(self._stream)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        return  # saves run once per step in wait_for_save, over all layers
+
+    def wait_for_save(self) -> None:
+        if self._store is None or not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        try:
+            if isinstance(meta, TierConnectorMetadata) and meta.post_ops:
+                if self._stream is None:
+                    self._run_ops(meta.post_ops, saving=True)
+                else:
+                    self._stream.wait_stream(torch.cuda.current_stream(self._device))
+                    with torch.cuda.stream(self._stream):
+                        self._run_ops(meta.post_ops, saving=True)
+                    self._stream.synchronize()
+        finally:
+            self._failed_step = False
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._invalid = self._invalid, set()
+        return out
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self._store is None:
+            return None
+        failures = self._store.take_failures()
+        return TierWorkerMetadata(failures) if failures else None

@@ -1,0 +1,174 @@
+"""The SSD tier's on-disk format: one file per block, written atomically, checked on every read.
+
+Layout of ``<tier dir>/<fingerprint dir>/<key hex[:2]>/<key hex>.kvb`` (little-endian)::
+
+    offset size  field
+    0      4     magic b"KVRT"
+    4      2     format version (1)
+    6      2     checksum algorithm (1 = zlib crc32, 2 = xxh3_64)
+    8      16    fingerprint digest (:meth:`TierFingerprint.digest`)
+    24     16    tier key of the block
+    40     8     payload bytes
+    48     8     checksum of the payload
+    56     8     zero padding
+    64     ...   payload: the block's KV, all layers, as the connector laid it out
+
+A file is written to ``.<key hex>.<pid>.tmp`` beside its final name and renamed into place
+(``os.replace``), so a reader never sees a half-written block under a final name. There is no
+fsync: after a power cut a renamed file may hold stale bytes, which the checksum catches (the block
+is then recomputed, never served). Each fingerprint has its own folder with a ``fingerprint.json``
+for people; files of other fingerprints are never read, counted or deleted.
+"""
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+try:  # xxhash is fast, but vLLM's interpreter may not have it
+    import xxhash as _xxhash
+except ImportError:  # pragma: no cover - depends on the environment
+    _xxhash = None
+
+MAGIC = b"KVRT"
+VERSION = 1
+HEADER_BYTES = 64
+CHECKSUM_CRC32 = 1
+CHECKSUM_XXH3_64 = 2
+_HEADER = struct.Struct("<4sHH16s16sQQ8x")
+SUFFIX = ".kvb"
+
+
+class CorruptBlockError(Exception):
+    """A block file that must not be served: truncated, bad header, wrong fingerprint or key, or
+    a checksum mismatch. The message says which."""
+
+
+@dataclass(frozen=True)
+class BlockFileInfo:
+    """A block file found by :func:`scan_fingerprint_dir`: key, size in bytes, mtime (s)."""
+
+    key: bytes
+    path: Path
+    file_bytes: int
+    mtime_s: float
+
+
+def default_checksum_algo() -> int:
+    """xxh3_64 when xxhash is importable, else zlib crc32."""
+    return CHECKSUM_XXH3_64 if _xxhash is not None else CHECKSUM_CRC32
+
+
+def checksum(algo: int, payload) -> int:
+    """Checksum of a bytes-like ``payload`` with algorithm ``algo``; ValueError when unavailable."""
+    if algo == CHECKSUM_CRC32:
+        return zlib.crc32(payload)
+    if algo == CHECKSUM_XXH3_64 and _xxhash is not None:
+        return _xxhash.xxh3_64_intdigest(payload)
+    raise ValueError(f"checksum algorithm {algo} is not available here")
+
+
+def block_path(fp_dir: Path, key: bytes) -> Path:
+    """Final path of ``key``'s file in a fingerprint folder."""
+    h = key.hex()
+    return fp_dir / h[:2] / (h + SUFFIX)
+
+
+def write_block_file(fp_dir: Path, key: bytes, fingerprint_digest: bytes, payload,
+                     algo: int | None = None) -> int:
+    """Write ``payload`` (bytes-like) as ``key``'s block file atomically; return the file's bytes.
+
+    Raises OSError when the disk refuses (the temp file is removed).
+    """
+    algo = default_checksum_algo() if algo is None else algo
+    mv = memoryview(payload).cast("B")
+    header = _HEADER.pack(MAGIC, VERSION, algo, fingerprint_digest, key, mv.nbytes, checksum(algo, mv))
+    final = block_path(fp_dir, key)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{final.stem}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(header)
+            f.write(mv)
+        os.replace(tmp, final)
+    except OSError:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+    return HEADER_BYTES + mv.nbytes
+
+
+def _parse_header(raw: bytes, where: Path) -> tuple[int, bytes, bytes, int, int]:
+    if len(raw) < HEADER_BYTES:
+        raise CorruptBlockError(f"{where}: truncated header ({len(raw)} of {HEADER_BYTES} bytes)")
+    magic, version, algo, fp, key, n, csum = _HEADER.unpack(raw[:HEADER_BYTES])
+    if magic != MAGIC or version != VERSION:
+        raise CorruptBlockError(f"{where}: not a kvroute block file (magic {magic!r}, version {version})")
+    return algo, fp, key, n, csum
+
+
+def read_block_file(fp_dir: Path, key: bytes, fingerprint_digest: bytes, out) -> None:
+    """Read ``key``'s block into the writable bytes-like ``out`` (exactly the payload size), checking
+    fingerprint, key, size and checksum. Raises CorruptBlockError (``out`` then holds garbage)
+    or FileNotFoundError."""
+    path = block_path(fp_dir, key)
+    dst = memoryview(out).cast("B")
+    with open(path, "rb", buffering=0) as f:
+        algo, fp, file_key, n, csum = _parse_header(f.read(HEADER_BYTES), path)
+        if fp != fingerprint_digest:
+            raise CorruptBlockError(f"{path}: fingerprint differs")
+        if file_key != key:
+            raise CorruptBlockError(f"{path}: holds key {file_key.hex()}, not {key.hex()}")
+        if n != dst.nbytes:
+            raise CorruptBlockError(f"{path}: payload of {n} bytes, expected {dst.nbytes}")
+        got = 0
+        while got < n:
+            r = f.readinto(dst[got:])
+            if not r:
+                raise CorruptBlockError(f"{path}: truncated ({got} of {n} payload bytes)")
+            got += r
+        if f.read(1):
+            raise CorruptBlockError(f"{path}: longer than its header says")
+    try:
+        ok = checksum(algo, dst) == csum
+    except ValueError as exc:
+        raise CorruptBlockError(f"{path}: {exc}") from exc
+    if not ok:
+        raise CorruptBlockError(f"{path}: checksum mismatch")
+
+
+def scan_fingerprint_dir(fp_dir: Path, fingerprint_digest: bytes, payload_bytes: int) -> Iterator[BlockFileInfo]:
+    """The block files of one fingerprint folder whose header and size look right (the checksum is
+    checked when a block is read). Leftover temp files are deleted; files with another fingerprint,
+    a bad header or a wrong size are skipped (never deleted: they may be someone else's)."""
+    if not fp_dir.is_dir():
+        return
+    for sub in sorted(fp_dir.iterdir()):
+        if not sub.is_dir():
+            continue
+        for path in sub.iterdir():
+            name = path.name
+            if name.endswith(".tmp"):
+                try:
+                    path.unlink()
+                except OSError:
+                    pass
+                continue
+            if not name.endswith(SUFFIX):
+                continue
+            try:
+                st = path.stat()
+                with open(path, "rb") as f:
+                    _, fp, key, n, _ = _parse_header(f.read(HEADER_BYTES), path)
+            except (OSError, CorruptBlockError):
+                continue
+            if fp != fingerprint_digest or n != payload_bytes or st.st_size != HEADER_BYTES + n:
+                continue
+            if key.hex() + SUFFIX != name:
+                continue
+            yield BlockFileInfo(key, path, st.st_size, st.st_mtime)

@@ -1,0 +1,257 @@
+"""Unit tests of the CPU/SSD tiers: tier keys, the SSD file format, the planner's LRU and limits,
+and the worker-side store (real files in a temp folder; no vLLM)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from offload_agent.connector.config import TierSettings, kv_transfer_config, vllm_env
+from offload_agent.tiers import (HEADER_BYTES, CorruptBlockError, TierFingerprint, TierPlanner, TierStore,
+                                 read_block_file, scan_fingerprint_dir, tier_block_keys, tier_root,
+                                 write_block_file)
+from offload_agent.tiers.ssd_file import CHECKSUM_CRC32, block_path
+
+FP = TierFingerprint(model="m", num_layers=2, dtype="bfloat16", block_size=4, block_bytes=64, layout="1x8")
+FPD = FP.digest()
+
+
+def keys_of(tokens, salt=None, fp=FP):
+    return tier_block_keys(tokens, 4, tier_root(fp.digest(), salt))
+
+
+# ---- keys -------------------------------------------------------------------------------------------
+def test_keys_chain_and_partial_block():
+    toks = list(range(10))
+    k = keys_of(toks)
+    assert len(k) == 2 and all(len(x) == 16 for x in k)      # the partial third block has no key
+    assert keys_of(toks[:8]) == k
+    assert tier_block_keys(toks, 4, tier_root(FPD), start=1, parent=k[0]) == k[1:]
+    other = keys_of([0, 1, 2, 3, 9, 9, 9, 9])
+    assert other[0] == k[0] and other[1] != k[1]             # a key covers its whole prefix
+
+
+def test_keys_depend_on_salt_and_fingerprint():
+    toks = list(range(8))
+    assert keys_of(toks, "s")[0] != keys_of(toks)[0]
+    fp2 = TierFingerprint(model="m", num_layers=3, dtype="bfloat16", block_size=4, block_bytes=96, layout="1x8")
+    assert keys_of(toks, fp=fp2)[0] != keys_of(toks)[0]
+    assert fp2.dir_name() != FP.dir_name()
+    with pytest.raises(ValueError):
+        tier_block_keys(toks, 4, tier_root(FPD), start=1)
+    with pytest.raises(ValueError):
+        tier_block_keys([-1, 0, 0, 0], 4, tier_root(FPD))
+
+
+# ---- SSD file format --------------------------------------------------------------------------------
+def payload(i: int) -> bytes:
+    return bytes((i * 7 + j) % 256 for j in range(64))
+
+
+def test_ssd_file_roundtrip_and_atomic_names(tmp_path):
+    key = keys_of(range(4))[0]
+    n = write_block_file(tmp_path, key, FPD, payload(1))
+    assert n == HEADER_BYTES + 64
+    path = block_path(tmp_path, key)
+    assert path.stat().st_size == n
+    assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]
+    out = bytearray(64)
+    read_block_file(tmp_path, key, FPD, out)
+    assert bytes(out) == payload(1)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "extend", "header"])
+def test_ssd_file_damage_is_detected(tmp_path, damage):
+    key = keys_of(range(4))[0]
+    write_block_file(tmp_path, key, FPD, payload(2), algo=CHECKSUM_CRC32)
+    path = block_path(tmp_path, key)
+    raw = bytearray(path.read_bytes())
+    if damage == "flip":
+        raw[HEADER_BYTES + 10] ^= 0x01
+    elif damage == "truncate":
+        raw = raw[:HEADER_BYTES + 30]
+    elif damage == "extend":
+        raw += b"x"
+    else:
+        raw[0:4] = b"XXXX"
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CorruptBlockError):
+        read_block_file(tmp_path, key, FPD, bytearray(64))
+
+
+def test_ssd_file_wrong_fingerprint_or_key_is_refused(tmp_path):
+    k0, k1 = keys_of(range(8))
+    write_block_file(tmp_path, k0, FPD, payload(3))
+    fp2 = TierFingerprint(model="other", num_layers=2, dtype="bfloat16", block_size=4, block_bytes=64)
+    with pytest.raises(CorruptBlockError, match="fingerprint"):
+        read_block_file(tmp_path, k0, fp2.digest(), bytearray(64))
+    block_path(tmp_path, k1).parent.mkdir(parents=True, exist_ok=True)
+    os.replace(block_path(tmp_path, k0), block_path(tmp_path, k1))    # a file under another key's name
+    with pytest.raises(CorruptBlockError, match="holds key"):
+        read_block_file(tmp_path, k1, FPD, bytearray(64))
+
+
+def test_scan_rebuilds_index_and_ignores_foreign_and_broken_files(tmp_path):
+    keys = keys_of(range(16))
+    for i, k in enumerate(keys):
+        write_block_file(tmp_path, k, FPD, payload(i))
+    fp2 = TierFingerprint(model="other", num_layers=2, dtype="bfloat16", block_size=4, block_bytes=64)
+    foreign = keys_of(range(4), fp=fp2)[0]
+    write_block_file(tmp_path, foreign, fp2.digest(), payload(9))       # same folder, other fingerprint
+    write_block_file(tmp_path, b"\x01" * 16, FPD, bytes(32))           # wrong payload size
+    trunc = block_path(tmp_path, keys[3])
+    trunc.write_bytes(trunc.read_bytes()[:100])                        # truncated
+    (trunc.parent / ".dead.123.tmp").write_bytes(b"half")              # crash leftover
+    found = {i.key for i in scan_fingerprint_dir(tmp_path, FPD, 64)}
+    assert found == {keys[0], keys[1], keys[2]}
+    assert not (trunc.parent / ".dead.123.tmp").exists()
+    assert block_path(tmp_path, foreign).exists()                      # never deleted
+
+
+# ---- planner ----------------------------------------------------------------------------------------
+def test_planner_saves_then_serves_from_cpu_with_events():
+    pl = TierPlanner(cpu_slots=4, ssd_slots=0)
+    ks = keys_of(range(12))
+    ops = []
+    for b, k in enumerate(ks):
+        ops += pl.plan_save(k, gpu_block=10 + b, engine_hash=100 + b)
+    assert ops == [("save", 0, ks[0], 10), ("save", 1, ks[1], 11), ("save", 2, ks[2], 12)]
+    assert pl.plan_save(ks[0], 99, 100) == []                          # already held
+    assert pl.lookup(ks) == ["cpu"] * 3
+    load, tiers = pl.plan_load(ks, [20, 21, 22])
+    assert tiers == ["cpu"] * 3 and load == [("load_cpu", 0, ks[0], 20), ("load_cpu", 1, ks[1], 21),
+                                             ("load_cpu", 2, ks[2], 22)]
+    ch = pl.take_changes()
+    assert [(c.op, c.tier, c.engine_hash) for c in ch] == [("stored", "cpu", 100), ("stored", "cpu", 101),
+                                                          ("stored", "cpu", 102)]
+
+
+def test_planner_cpu_limit_and_lru_evicts_chain_tail_first():
+    pl = TierPlanner(cpu_slots=3, ssd_slots=0)
+    a = keys_of(range(12))                       # chain of 3
+    b = keys_of(range(100, 108))                 # chain of 2
+    for i, k in enumerate(a):
+        pl.plan_save(k, i, 10 + i)
+    pl.touch_chain(a)
+    pl.take_changes()
+    ops = []
+    for i, k in enumerate(b):
+        ops += pl.plan_save(k, 50 + i, 20 + i)
+    assert pl.counts() == {"cpu": 3, "ssd": 0}
+    assert pl.lookup(a) == ["cpu"]               # a's tail (blocks 2, 1) went first
+    ch = [(c.op, c.engine_hash) for c in pl.take_changes()]
+    assert ch == [("removed", 12), ("stored", 20), ("removed", 11), ("stored", 21)]
+    assert [o[0] for o in ops] == ["save", "save"] and sorted(o[1] for o in ops) == [1, 2]
+
+
+def test_planner_spills_to_ssd_and_promotes_on_hit():
+    pl = TierPlanner(cpu_slots=2, ssd_slots=3)
+    ks = keys_of(range(16))                      # 4 blocks
+    ops = []
+    for i, k in enumerate(ks):
+        ops += pl.plan_save(k, i, 100 + i)
+        pl.touch_chain(ks[:i + 1])
+    assert pl.counts() == {"cpu": 2, "ssd": 2}
+    assert ("spill", 1, ks[1]) in ops or ("spill", 0, ks[0]) in ops
+    assert pl.lookup(ks) == [pl.tier_of(k) for k in ks] and len(pl.lookup(ks)) == 4
+    on_ssd = [k for k in ks if pl.tier_of(k) == "ssd"]
+    load, tiers = pl.plan_load(ks, [40, 41, 42, 43])
+    assert tiers.count("ssd") == len(on_ssd) == 2
+    kinds = [o[0] for o in load]
+    assert "promote" in kinds or "load_ssd" in kinds
+    for o in load:                               # every promote is followed by its load from that slot
+        if o[0] == "promote":
+            assert ("load_cpu", o[2], o[1]) == load[load.index(o) + 1][:3]
+    assert pl.counts()["cpu"] <= 2 and pl.counts()["ssd"] <= 3
+
+
+def test_planner_ssd_limit_deletes_lru_files():
+    pl = TierPlanner(cpu_slots=1, ssd_slots=2)
+    ks = keys_of(range(20))                      # 5 blocks through 1 slot and 2 files
+    ops = []
+    for i, k in enumerate(ks):
+        ops += pl.plan_save(k, i, i)
+    assert pl.counts() == {"cpu": 1, "ssd": 2}
+    assert [o[0] for o in ops].count("drop_ssd") == 2
+    files = set()
+    for o in ops:                                # replaying the ops never holds more than 2 files
+        if o[0] == "spill":
+            files.add(o[2])
+        elif o[0] == "drop_ssd":
+            files.discard(o[1])
+        assert len(files) <= 2
+
+
+def test_planner_load_never_evicts_its_own_blocks():
+    pl = TierPlanner(cpu_slots=1, ssd_slots=4)
+    ks = keys_of(range(12))
+    for i, k in enumerate(ks):
+        pl.plan_save(k, i, i)
+    assert [pl.tier_of(k) for k in ks] == ["ssd", "ssd", "cpu"]
+    load, tiers = pl.plan_load(ks, [7, 8, 9])
+    assert tiers == ["ssd", "ssd", "cpu"]
+    assert [o[0] for o in load] == ["load_ssd", "load_ssd", "load_cpu"]   # the only slot is pinned
+    assert pl.lookup(ks) == ["ssd", "ssd", "cpu"]
+
+
+def test_planner_rebuild_forget_and_late_engine_hash():
+    pl = TierPlanner(cpu_slots=2, ssd_slots=2)
+    ks = keys_of(range(12))
+    assert pl.add_ssd_blocks(ks) == [ks[0]]      # oldest beyond capacity
+    assert pl.lookup(ks[1:]) == ["ssd", "ssd"]
+    assert pl.take_changes() == []               # engine hashes unknown: nothing announced
+    load, _ = pl.plan_load(ks[1:], [5, 6], engine_hashes=[71, 72])
+    ch = [(c.op, c.tier, c.engine_hash) for c in pl.take_changes()]
+    assert ("stored", "ssd", 71) in ch and ("stored", "cpu", 71) in ch
+    pl.forget(ks[1], "ssd")
+    pl.forget(ks[1], "cpu", slot=999)            # stale report: another slot, ignored
+    assert pl.tier_of(ks[1]) == "cpu"
+    pl.forget(ks[1], "cpu")
+    assert pl.tier_of(ks[1]) is None
+    load, tiers = pl.plan_load([ks[1]], [3])
+    assert load == [("fail_block", 3)] and tiers == ["miss"]
+    with pytest.raises(ValueError):
+        TierPlanner(cpu_slots=0)
+
+
+# ---- store ------------------------------------------------------------------------------------------
+def test_store_spill_promote_and_corruption_never_served(tmp_path):
+    slab = bytearray(2 * 64)
+    st = TierStore(slab, 2, 64, FP, tmp_path)
+    assert (tmp_path / FP.dir_name() / "fingerprint.json").exists()
+    k0, k1 = keys_of(range(8))
+    st.slot(0)[:] = payload(5)
+    st.mark(0, k0)
+    assert st.spill(0, k0)
+    assert not st.spill(1, k1)                   # slot 1 does not hold k1
+    assert st.take_failures() == [(k1, "ssd", None)]
+    assert st.promote(k0, 1) and bytes(st.slot(1)) == payload(5) and st.holds(1, k0)
+    path = block_path(tmp_path / FP.dir_name(), k0)
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    assert not st.promote(k0, 1)
+    assert not st.holds(1, k0) and not path.exists()            # deleted: never served again
+    assert st.take_failures() == [(k0, "ssd", None), (k0, "cpu", 1)]
+    assert not st.read_ssd(k0, bytearray(64))                   # gone
+
+
+def test_store_rejects_wrong_slab():
+    with pytest.raises(ValueError):
+        TierStore(bytearray(10), 2, 64, FP)
+
+
+# ---- connector config ------------------------------------------------------------------------------
+def test_kv_transfer_config_and_env(tmp_path):
+    cfg = kv_transfer_config(1 << 20, tmp_path, 2 << 20)
+    assert cfg["kv_connector"] == "KVRouteTierConnector"
+    assert cfg["kv_connector_module_path"] == "offload_agent.connector.vllm_connector"
+    assert cfg["kv_role"] == "kv_both" and cfg["kv_load_failure_policy"] == "recompute"
+    assert TierSettings.from_extra(cfg["kv_connector_extra_config"]) == TierSettings(1 << 20, str(tmp_path), 2 << 20)
+    with pytest.raises(ValueError):
+        kv_transfer_config(0)
+    with pytest.raises(ValueError):
+        kv_transfer_config(1 << 20, tmp_path, 0)
+    env = vllm_env({"PYTHONPATH": "/x"})
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(Path(__file__).resolve().parents[1]), "/x"]
