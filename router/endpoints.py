@@ -150,6 +150,7 @@ class ProxyEndpoint:
         except GatewayError as exc:
             worker = ranked[0].id if ranked else "none"
             gw.metrics.requests.labels(worker, str(exc.status)).inc()
+            log.warning("request %s: %s", request_id, exc.message)
             if not state.response_started:
                 await send_json(send, exc.status, exc.body(), request_id)
         except aiohttp.ClientError:
@@ -162,6 +163,8 @@ class ProxyEndpoint:
 
 
 def _record_cached(gw: Any, plan: Any, worker_id: str, actual: int) -> None:
+    """Predicted vs reported cached tokens, for single-prompt requests (a completions body with
+    several prompts reports their sum, while the prediction covers the first)."""
     predicted = plan.predicted_cached_tokens(worker_id)
-    if predicted is not None:
+    if predicted is not None and len(plan.blocks.token_ids) == 1:
         gw.metrics.record_cached_tokens(worker_id, predicted, actual)
