@@ -15,7 +15,7 @@ from typing import Any, Literal
 import aiohttp
 import orjson
 
-from router.errors import GatewayError, bad_request, body_too_large
+from router.errors import GatewayError, bad_request, body_too_large, error_body, upstream_failed
 from router.proxy import ClientState, upstream_headers
 from router.stream_usage import request_stream_usage
 
@@ -131,6 +131,11 @@ class ProxyEndpoint:
             gw.metrics.requests.labels("none", str(exc.status)).inc()
             await send_json(send, exc.status, exc.body(), request_id)
             return
+        except Exception as exc:  # a bug must still get an OpenAI-shaped answer
+            log.exception("request %s failed before reaching a worker", request_id)
+            gw.metrics.requests.labels("none", "500").inc()
+            await send_json(send, 500, error_body(f"internal gateway error: {exc}", "internal_error"), request_id)
+            return
         state = ClientState()
         task = asyncio.current_task()
         watcher = asyncio.get_running_loop().create_task(_cancel_on_disconnect(receive, task, state))
@@ -153,11 +158,19 @@ class ProxyEndpoint:
             log.warning("request %s: %s", request_id, exc.message)
             if not state.response_started:
                 await send_json(send, exc.status, exc.body(), request_id)
-        except aiohttp.ClientError:
-            if not state.response_started:
-                raise
-            # the worker broke an answer already under way: returning without completing it makes
-            # the server close the connection, so the client sees a truncated response
+        except Exception as exc:
+            if state.response_started:
+                # the worker broke an answer already under way: returning without completing it
+                # makes the server close the connection, so the client sees a truncated response
+                log.warning("request %s: response from %s broken: %r", request_id, ranked[0].id, exc)
+                return
+            if isinstance(exc, aiohttp.ClientError):
+                err = upstream_failed(ranked[0].id, f"{type(exc).__name__}: {exc}")
+            else:
+                log.exception("request %s failed", request_id)
+                err = GatewayError(500, f"internal gateway error: {exc}", "internal_error")
+            gw.metrics.requests.labels(ranked[0].id, str(err.status)).inc()
+            await send_json(send, err.status, err.body(), request_id)
         finally:
             watcher.cancel()
 

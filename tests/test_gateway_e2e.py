@@ -534,7 +534,18 @@ def test_connect_failure_retried_on_next_best_then_502(cluster):
     w2 = cluster.sims["w2"]
     r = admin(cluster, "POST", "/admin/workers", {"id": "w2", "url": w2.url, "model": "tiny"})
     assert r.status_code == 201 and r.json()["healthy"] is True
-    w2.proc.stop()
+    # a stream under way when its worker dies: the client sees a truncated response, counts drop
+    long_body = next(b for b in (_long_body(f"broken-{i}", True) for i in range(64))
+                     if explain(cluster, b)["chosen"] == "w2")
+    with pytest.raises(httpx.RemoteProtocolError):
+        with httpx.stream("POST", cluster.base + "/v1/chat/completions", json=long_body, timeout=30) as s:
+            assert s.headers["x-kvroute-worker"] == "w2"
+            it = s.iter_raw()
+            next(it)
+            w2.proc.stop()
+            for _ in it:
+                pass
+    wait_until(lambda: workers_by_id(cluster)["w2"]["in_flight"] == 0, what="in-flight released")
     body = next(b for b in (chat_body(f"retry-{i}", "q") for i in range(64)) if explain(cluster, b)["chosen"] == "w2")
     before = metric_value(cluster, "kvroute_upstream_retries_total")
     r = post(cluster, "/v1/chat/completions", body)
