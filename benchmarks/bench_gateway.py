@@ -175,8 +175,13 @@ async def run(targets: dict[str, str], procs: dict[str, subprocess.Popen | None]
             c0 = cpu_seconds(procs[t])
             t0 = time.perf_counter()
             rps = await rate(session, url + "/v1/chat/completions", workloads["short chat"], 64, args.rps_seconds)
-            busy = (cpu_seconds(procs[t]) - c0) / (time.perf_counter() - t0)
-            note = "" if procs[t] is None else f"  (proxy busy {busy * 100:.0f}% of one CPU)"
+            elapsed = time.perf_counter() - t0
+            used = cpu_seconds(procs[t]) - c0
+            note = ""
+            if procs[t] is not None and used > 0:
+                # one process on one core can do at most 1 / (CPU per request) requests a second
+                note = (f"  proxy busy {used / elapsed * 100:.0f}% of one CPU; "
+                        f"CPU-bound ceiling ~{rps * elapsed / used:.0f} requests/s")
             print(f"  {t:<14} {rps:>8.0f} requests/s{note}")
 
 
