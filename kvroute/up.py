@@ -14,6 +14,7 @@ agent.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import re
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 STOP_GRACE_S = 10.0
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -64,7 +66,7 @@ class Cluster:
         log_path = log_dir / f"{name}.log"
         log = open(log_path, "w")
         popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                 env={**os.environ, **env} if env else None)
+                                 env={**os.environ, **env} if env else None, preexec_fn=_die_with_parent)
         log.close()
         child = Child(name, popen, log_path, health_url)
         self.children.append(child)
@@ -90,6 +92,16 @@ class Cluster:
             if _group_alive(c.popen) or c.popen.poll() is None:
                 _signal_group(c.popen, signal.SIGKILL)
                 c.popen.wait(5)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): get SIGTERM when ``up`` dies, even by SIGKILL, so a
+    killed ``up`` leaves no worker behind. A no-op where prctl is unavailable."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
 
 
 def _group_alive(popen: subprocess.Popen) -> bool:
@@ -281,11 +293,13 @@ def run(args: argparse.Namespace) -> int:
     stop_reason: list[str] = []
 
     def on_signal(signum, _frame):
+        if stop_reason:  # already stopping (a group signal can arrive twice, e.g. via `timeout`)
+            return
         stop_reason.append(signal.Signals(signum).name)
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGHUP, on_signal)
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_signal)
     token_note = "from KVROUTE_ADMIN_TOKEN"
     if not os.environ.get("KVROUTE_ADMIN_TOKEN"):
         os.environ["KVROUTE_ADMIN_TOKEN"] = secrets.token_urlsafe(18)  # inherited by the gateway
@@ -340,13 +354,15 @@ def run(args: argparse.Namespace) -> int:
                 return 1
             time.sleep(0.5)
     except KeyboardInterrupt:
-        print(f"[kvroute up] {stop_reason[0] if stop_reason else 'interrupted'}: stopping", file=out, flush=True)
+        stop_reason.append("interrupted")
+        print(f"[kvroute up] {stop_reason[0]}: stopping", file=out, flush=True)
         return 0
     except (RuntimeError, TimeoutError) as exc:
         print(f"[kvroute up] failed: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)  # stopping is bounded (STOP_GRACE_S, then SIGKILL)
         cluster.stop()
 
 

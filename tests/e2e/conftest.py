@@ -1,0 +1,237 @@
+"""The e2e cluster, started once for the package: ``kvroute up --engine vllm`` with two real vLLM
+servers (the generated "tiny" model, prefix caching, KV events + replay, ``/reset_prefix_cache``
+and ``/v1/chat/completions/render`` enabled), the gateway with its embedded index, and one
+``kvroute agent`` per worker writing the workers' real KV events into a real Redis.
+
+vLLM is found through ``$KVR_VLLM_PYTHON`` (``make test`` sets it; ``make install-vllm`` installs
+vLLM into ``.venv-vllm``). Without it every test here fails: this suite is never skipped.
+
+Every process has a hard deadline (``timeout``); ``kvroute up`` stops its vLLM servers when it
+stops (and they get SIGTERM if it is killed), so nothing outlives the suite.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import ADMIN_TOKEN, Proc, free_port, kvroute_argv
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools"))
+from model_cache import ensure_model  # noqa: E402
+
+from kvcore.index.base import TierMatch  # noqa: E402
+from kvcore.index.redis import RedisIndex  # noqa: E402
+
+MODEL_NAME = "tiny"
+BLOCK_SIZE = 32
+MAX_MODEL_LEN = 1024
+# KV capacity per worker, in blocks: more than max_model_len / block_size (vLLM reserves one
+# block), small enough that the routing test's 20 conversations do not fit on one worker.
+GPU_BLOCKS = 112
+UP_DEADLINE_S = 1200       # hard limit on the whole cluster's life
+READY_TIMEOUT_S = 600      # two vLLM servers load in 1-3 min on 2 shared cores
+VLLM_ARGS = "--enforce-eager --enable-scale-out --dtype bfloat16"  # eager: no 1-min torch.compile warm-up
+
+
+def vllm_python() -> str:
+    """``$KVR_VLLM_PYTHON`` checked to import vllm; fails the test (never skips) otherwise."""
+    py = os.environ.get("KVR_VLLM_PYTHON", "")
+    if not py or shutil.which(py) is None:
+        pytest.fail("KVR_VLLM_PYTHON is not set to an interpreter with vLLM: run `make install-vllm` "
+                    "(or `make test`, which sets it), or export KVR_VLLM_PYTHON=/path/to/vllm-venv/bin/python")
+    done = subprocess.run([py, "-c", "import vllm, sys; sys.stdout.write(vllm.__version__)"],
+                          capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        pytest.fail(f"{py} cannot import vllm:\n{done.stderr[-2000:]}")
+    return py
+
+
+@dataclass
+class Worker:
+    """One vLLM server as the gateway lists it."""
+
+    id: str
+    url: str
+    events: str
+    replay: str
+
+
+@dataclass
+class VllmCluster:
+    """Handles on the running e2e cluster."""
+
+    base: str
+    workers: dict[str, Worker]
+    model_dir: Path
+    redis_url: str
+    log_dir: Path
+    procs: list[Proc] = field(default_factory=list)
+
+    # ---- clients ------------------------------------------------------------------------------
+    def openai(self, base: str | None = None, **kw) -> OpenAI:
+        """The ``openai`` SDK pointed at the gateway (or at ``base``, e.g. a worker's URL)."""
+        return OpenAI(base_url=(base or self.base) + "/v1", api_key="x", max_retries=0, timeout=120, **kw)
+
+    def admin(self, method: str, path: str, json=None) -> httpx.Response:
+        return httpx.request(method, self.base + path, json=json, timeout=60,
+                             headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+
+    def explain(self, body: dict) -> dict:
+        r = self.admin("POST", "/admin/explain", body)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def set_policy(self, policy: dict) -> dict:
+        r = self.admin("PUT", "/admin/policy", policy)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    # ---- workers ------------------------------------------------------------------------------
+    def metrics(self, worker_id: str) -> dict[str, float]:
+        """A worker's Prometheus samples: ``name`` -> value summed over label sets."""
+        text = httpx.get(self.workers[worker_id].url + "/metrics", timeout=30).text
+        out: dict[str, float] = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                out[s.name] = out.get(s.name, 0.0) + s.value
+        return out
+
+    def reset_prefix_caches(self, timeout_s: float = 60) -> None:
+        """``POST /reset_prefix_cache`` on every worker (plus one sub-block request each, which
+        makes vLLM publish the clear), then wait until the gateway's index and the
+        agents' Redis index hold nothing (the AllBlocksCleared events arrived, speculative
+        entries expired). Fails the test after ``timeout_s``."""
+        end = time.monotonic() + timeout_s
+        for w in self.workers.values():
+            # {"success": false} while a finished request's blocks are not freed yet: retry.
+            while not httpx.post(w.url + "/reset_prefix_cache", timeout=60).json().get("success"):
+                if time.monotonic() > end:
+                    pytest.fail(f"{w.id}: /reset_prefix_cache kept failing for {timeout_s}s")
+                time.sleep(0.25)
+            # vLLM publishes the AllBlocksCleared event with its next engine step: make one with a
+            # prompt shorter than a block (it stores nothing).
+            r = httpx.post(w.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 1},
+                           timeout=60)
+            assert r.status_code == 200, r.text
+        while time.monotonic() < end:
+            idx = self.admin("GET", "/admin/index").json()["workers"]
+            gw_blocks = sum(sum(e["blocks"].values()) + e.get("speculative_blocks", 0) for e in idx.values())
+            if gw_blocks == 0 and redis_blocks(self.redis_url) == 0:
+                return
+            time.sleep(0.25)
+        pytest.fail(f"indexes not empty {timeout_s}s after /reset_prefix_cache: {idx}")
+
+    def log_tails(self) -> str:
+        out = []
+        for p in sorted(self.log_dir.glob("*.log")):
+            lines = p.read_text(errors="replace").splitlines()[-15:]
+            out.append(f"--- {p.name}\n" + "\n".join(lines))
+        return "\n".join(out)
+
+
+def redis_match(redis_url: str, keys: list[int]) -> dict[str, TierMatch]:
+    """What the agents published: per worker, the run of ``keys`` held from block 0, by tier."""
+    async def go() -> dict[str, TierMatch]:
+        index = RedisIndex(redis_url)
+        try:
+            return await index.match(keys)
+        finally:
+            await index.close()
+    return asyncio.run(go())
+
+
+def redis_blocks(redis_url: str) -> int:
+    """Blocks the agents hold in Redis over every worker and tier."""
+    async def go() -> int:
+        index = RedisIndex(redis_url)
+        try:
+            return sum(sum(st.blocks.values()) for st in (await index.stats()).values())
+        finally:
+            await index.close()
+    return asyncio.run(go())
+
+
+def _redis_live(redis_url: str) -> set[str]:
+    async def go() -> set[str]:
+        index = RedisIndex(redis_url)
+        try:
+            return await index.live_workers()
+        finally:
+            await index.close()
+    return asyncio.run(go())
+
+
+def _wait_for(what: str, check, timeout_s: float, procs: list[Proc], log_dir: Path):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        for p in procs:
+            if not p.alive():
+                pytest.fail(f"{p.name} exited with {p.popen.returncode} while waiting for {what}:\n"
+                            f"{p.log_tail(60)}\n{_logs(log_dir)}")
+        value = check()
+        if value:
+            return value
+        time.sleep(0.5)
+    pytest.fail(f"no {what} after {timeout_s:.0f}s:\n{_logs(log_dir)}")
+
+
+def _logs(log_dir: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(log_dir.glob("*.log")))
+
+
+@pytest.fixture(scope="package")
+def e2e_model() -> Path:
+    """The generated "tiny" model (tools/make_model.py), made with the vLLM interpreter once."""
+    return ensure_model("tiny", vllm_python())
+
+
+@pytest.fixture(scope="package")
+def cluster(e2e_model, redis_url, tmp_path_factory) -> VllmCluster:
+    """The running cluster; stopped after the last e2e test."""
+    py = vllm_python()
+    log_dir = tmp_path_factory.mktemp("e2e-logs")
+    up_logs = log_dir / "up"
+    port = free_port()
+    t0 = time.monotonic()
+    up = Proc("kvroute-up", kvroute_argv(
+        "up", "--engine", "vllm", "--vllm-python", py, "--workers", "2", "--model", str(e2e_model),
+        "--served-model-name", MODEL_NAME, "--port", str(port), "--block-size", str(BLOCK_SIZE),
+        "--num-gpu-blocks-override", str(GPU_BLOCKS), "--max-model-len", str(MAX_MODEL_LEN),
+        "--vllm-args", VLLM_ARGS, "--log-dir", str(up_logs), "--ready-timeout-s", str(READY_TIMEOUT_S)),
+        log_dir, env={"VLLM_SERVER_DEV_MODE": "1", "KVROUTE_ADMIN_TOKEN": ADMIN_TOKEN},
+        deadline_s=UP_DEADLINE_S)
+    procs = [up]
+    try:
+        def ready():
+            m = re.search(r"gateway ready: (http://\S+)/v1", up.log_path.read_text(errors="replace"))
+            return m.group(1) if m else None
+        base = _wait_for("`kvroute up` ready line", ready, READY_TIMEOUT_S + 60, procs, up_logs)
+        print(f"\n[e2e] kvroute up --engine vllm ready in {time.monotonic() - t0:.0f}s", file=sys.stderr)
+        listed = httpx.get(base + "/admin/workers", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+                           timeout=30).json()["workers"]
+        workers = {w["id"]: Worker(w["id"], w["url"], w["events"], w["replay"]) for w in listed}
+        assert sorted(workers) == ["w0", "w1"]
+        for w in workers.values():
+            procs.append(Proc(f"agent-{w.id}", kvroute_argv(
+                "agent", "--worker-id", w.id, "--events", w.events, "--replay", w.replay,
+                "--index", redis_url, "--model", MODEL_NAME, "--block-size", str(BLOCK_SIZE),
+                "--heartbeat-ttl-s", "60"), log_dir, deadline_s=UP_DEADLINE_S))
+        _wait_for("agent heartbeats in Redis", lambda: _redis_live(redis_url) >= set(workers), 60, procs, log_dir)
+        c = VllmCluster(base, workers, e2e_model, redis_url, log_dir, procs)
+        yield c
+    finally:
+        for p in reversed(procs):
+            p.stop(timeout_s=30)
