@@ -255,3 +255,18 @@ def test_kv_transfer_config_and_env(tmp_path):
         kv_transfer_config(1 << 20, tmp_path, 0)
     env = vllm_env({"PYTHONPATH": "/x"})
     assert env["PYTHONPATH"].split(os.pathsep) == [str(Path(__file__).resolve().parents[1]), "/x"]
+
+
+def test_planner_reannounces_after_prefix_cache_reset():
+    pl = TierPlanner(cpu_slots=4, ssd_slots=0)
+    ks = keys_of(range(8))
+    for i, k in enumerate(ks):
+        pl.plan_save(k, i, 50 + i)
+    pl.take_changes()
+    pl.unannounce_all()                          # consumers cleared every tier
+    pl.plan_save(ks[0], 9, 99)                   # a fresh save would not change anything ...
+    pl.plan_load([ks[0], ks[1]], [3, 4], engine_hashes=[50, 51])
+    assert [(c.op, c.tier, c.engine_hash) for c in pl.take_changes()] == [("stored", "cpu", 99),
+                                                                         ("stored", "cpu", 51)]
+    pl.forget(ks[1], "cpu")
+    assert [(c.op, c.engine_hash) for c in pl.take_changes()] == [("removed", 51)]

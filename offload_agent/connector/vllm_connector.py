@@ -188,6 +188,24 @@ class KVRouteTierConnector(KVConnectorBase_V1):
                     self.num_slots * self.layout.block_bytes, self.settings.ssd_tier_dir or "off",
                     self.ssd_slots, found, self.fingerprint.dir_name())
 
+    def bind_kv_cache_manager(self, kv_cache_manager) -> None:
+        """Also learn of vLLM's prefix cache resets: the ``AllBlocksCleared`` event they publish
+        makes consumers forget every tier, so the tiers' blocks must be announced again (on their
+        next hit). vLLM has no connector hook for this (``reset_cache`` runs only when the
+        connector itself is reset), hence the wrapper around the manager's method."""
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if not self.layout.ok:
+            return
+        reset = kv_cache_manager.reset_prefix_cache
+
+        def reset_prefix_cache(*args, **kwargs):
+            done = reset(*args, **kwargs)
+            if done:
+                self.planner.unannounce_all()
+            return done
+
+        kv_cache_manager.reset_prefix_cache = reset_prefix_cache
+
     def _state(self, request: "Request") -> _ReqState:
         st = self._reqs.get(request.request_id)
         if st is None:
@@ -446,9 +464,11 @@ class KVRouteTierConnector(KVConnectorBase_V1):
         if self._stream is None:
             self._run_ops(meta.pre_ops, saving=False)
             return
+        main = torch.cuda.current_stream(self._device)
+        self._stream.wait_stream(main)   # after vLLM's zeroing of new blocks
         with torch.cuda.stream(self._stream):
             self._run_ops(meta.pre_ops, saving=False)
-        torch.cuda.current_stream(self._device).wait_stream(self._stream)
+        main.wait_stream(self._stream)   # the forward pass reads the loaded blocks
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return

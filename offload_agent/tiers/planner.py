@@ -22,7 +22,9 @@ block-sized slots), ``ssd_slots`` = SSD tier bytes // (header + block bytes). Po
 Residency changes (:class:`Change`) carry vLLM's engine hash of the block when known; the connector
 turns them into vLLM ``BlockStored``/``BlockRemoved`` events with medium ``CPU``/``STORAGE``.
 Blocks found on disk at start have no engine hash until a request hits them; they are announced
-then.
+then. After vLLM's prefix cache reset (whose ``AllBlocksCleared`` makes consumers forget every
+tier), :meth:`TierPlanner.unannounce_all` marks every block unannounced; each is announced again
+when a request next hits or re-offers it.
 """
 from __future__ import annotations
 
@@ -58,12 +60,13 @@ class Change:
 
 
 class _Entry:
-    __slots__ = ("cpu_slot", "on_ssd", "engine_hash")
+    __slots__ = ("cpu_slot", "on_ssd", "engine_hash", "announced")
 
     def __init__(self) -> None:
         self.cpu_slot: int | None = None
         self.on_ssd = False
         self.engine_hash: Any = None
+        self.announced = False
 
 
 class TierPlanner:
@@ -172,6 +175,7 @@ class TierPlanner:
         assert slot is not None  # nothing is pinned, and cpu_slots >= 1
         e = self._entries[key] = _Entry()
         e.engine_hash = engine_hash
+        e.announced = engine_hash is not None
         self._put_cpu(key, e, slot)
         ops.append(("save", slot, key, gpu_block))
         return ops
@@ -185,15 +189,22 @@ class TierPlanner:
                 self._ssd_lru.move_to_end(k)
 
     def set_engine_hash(self, key: bytes, engine_hash: Any) -> None:
-        """Record vLLM's hash of a held block; a block learning its hash is announced in its tiers."""
+        """Record vLLM's hash of a held block; an unannounced block is announced in its tiers."""
         e = self._entries.get(key)
-        if e is None or engine_hash is None or e.engine_hash is not None:
+        if e is None or engine_hash is None or e.announced:
             return
         e.engine_hash = engine_hash
+        e.announced = True
         if e.cpu_slot is not None:
             self._changes.append(Change("stored", CPU, key, engine_hash))
         if e.on_ssd:
             self._changes.append(Change("stored", SSD, key, engine_hash))
+
+    def unannounce_all(self) -> None:
+        """Consumers forgot every tier (vLLM's prefix cache reset): publish nothing more about a
+        block until it is announced again (:meth:`set_engine_hash`)."""
+        for e in self._entries.values():
+            e.announced = False
 
     def forget(self, key: bytes, tier: str, slot: int | None = None) -> None:
         """Drop ``key``'s copy in ``tier`` after the worker reported it unusable (for ``cpu``, only
@@ -222,14 +233,14 @@ class TierPlanner:
     def _put_cpu(self, key: bytes, e: _Entry, slot: int) -> None:
         e.cpu_slot = slot
         self._cpu_lru[key] = None
-        if e.engine_hash is not None:
+        if e.announced:
             self._changes.append(Change("stored", CPU, key, e.engine_hash))
 
     def _drop_cpu(self, key: bytes, e: _Entry) -> None:
         self._free_slots.append(e.cpu_slot)
         e.cpu_slot = None
         del self._cpu_lru[key]
-        if e.engine_hash is not None:
+        if e.announced:
             self._changes.append(Change("removed", CPU, key, e.engine_hash))
         if not e.on_ssd:
             del self._entries[key]
@@ -237,7 +248,7 @@ class TierPlanner:
     def _drop_ssd(self, key: bytes, e: _Entry) -> None:
         e.on_ssd = False
         del self._ssd_lru[key]
-        if e.engine_hash is not None:
+        if e.announced:
             self._changes.append(Change("removed", SSD, key, e.engine_hash))
         if e.cpu_slot is None:
             del self._entries[key]
@@ -254,7 +265,7 @@ class TierPlanner:
             ops.append(("spill", slot, victim))
             e.on_ssd = True
             self._ssd_lru[victim] = None
-            if e.engine_hash is not None:
+            if e.announced:
                 self._changes.append(Change("stored", SSD, victim, e.engine_hash))
         self._drop_cpu(victim, e)
         return self._free_slots.pop()
