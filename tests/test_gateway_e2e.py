@@ -64,7 +64,7 @@ def cluster(tmp_path_factory, tiny_model):
             started.append(proc)
             sims[name] = Sim(name, f"http://127.0.0.1:{port}", proc)
         for sim in sims.values():
-            wait_http(sim.url + "/health", sim.proc)
+            wait_http(sim.url + "/health", sim.proc, timeout_s=180)  # generous: CI machines are busy
         port = free_port()
         cfg = {
             "listen": {"host": "127.0.0.1", "port": port},
@@ -85,7 +85,7 @@ def cluster(tmp_path_factory, tiny_model):
         gw = Proc("gateway", kvroute_argv("serve", "--config", str(path)), log_dir)
         started.append(gw)
         base = f"http://127.0.0.1:{port}"
-        wait_http(base + "/health", gw)
+        wait_http(base + "/health", gw, timeout_s=180)
         yield Cluster(base, sims, path, cfg, gw)
     finally:
         for p in reversed(started):
@@ -323,6 +323,7 @@ def test_unknown_fields_and_headers_reach_the_worker(cluster):
     assert got["headers"]["x-tenant"] == "acme"
     # no client id: the gateway makes one and the worker and the client see the same
     r = post(cluster, "/v1/chat/completions", chat_body("unknown-fields", "again"))
+    assert int(r.headers["content-length"]) == len(r.content) and "transfer-encoding" not in r.headers
     rid = r.headers["x-request-id"]
     recorded = httpx.get(cluster.sims[r.headers["x-kvroute-worker"]].url + "/sim/requests", timeout=10).json()
     assert recorded["requests"][-1]["headers"]["x-request-id"] == rid and len(rid) >= 16

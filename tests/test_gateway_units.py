@@ -57,7 +57,8 @@ def test_make_index():
 
 
 def test_error_shape():
-    for err, status, code in [(unknown_model("m"), 404, "model_not_found"), (body_too_large(10), 413, "request_too_large"),
+    for err, status, code in [(unknown_model("m"), 404, "model_not_found"),
+                              (body_too_large(10), 413, "request_too_large"),
                               (no_healthy_worker("m"), 503, "no_healthy_worker")]:
         body = orjson.loads(err.body())
         assert err.status == status
@@ -88,7 +89,8 @@ def _sse(obj) -> bytes:
 def _stream_bytes() -> tuple[bytes, bytes]:
     """(what the worker sent, what the client must get): chunks with a 4-byte UTF-8 char, then the
     usage-only chunk, then [DONE]."""
-    chunks = [_sse({"id": "c1", "choices": [{"index": 0, "delta": {"content": t}}]}) for t in ["he", "llo 😀", " wörld"]]
+    chunks = [_sse({"id": "c1", "choices": [{"index": 0, "delta": {"content": t}}]})
+              for t in ["he", "llo 😀", " wörld"]]
     usage = _sse({"id": "c1", "choices": [], "usage": {"prompt_tokens": 70, "completion_tokens": 3,
                                                         "prompt_tokens_details": {"cached_tokens": 64}}})
     done = b"data: [DONE]\n\n"
