@@ -48,7 +48,7 @@ class Cluster:
 def _sim_argv(tiny_model: Path, port: int, model: str = "tiny") -> list[str]:
     return kvroute_argv("sim", "--model", str(tiny_model), "--served-model-name", model, "--host", "127.0.0.1",
                         "--port", str(port), "--block-size", str(BLOCK), "--num-gpu-blocks-override", "1024",
-                        "--max-model-len", "4096", "--enable-prompt-tokens-details", "--speedup", "10",
+                        "--max-model-len", "16384", "--enable-prompt-tokens-details", "--speedup", "10",
                         "--seed", "7")
 
 
@@ -74,7 +74,7 @@ def cluster(tmp_path_factory, tiny_model):
             "index": {"backend": "memory"},
             "workers": [{"id": n, "url": sims[n].url, "model": "tiny"} for n in ("w0", "w1")],
             "policy": {"name": "kv_aware"},
-            "timeouts": {"connect_s": 2, "first_byte_s": 3},
+            "timeouts": {"connect_s": 2, "first_byte_s": 8},
             "max_body_bytes": 32 * 1024 * 1024,
             # slow probes: the last test needs a dead worker that still counts as healthy
             "health": {"interval_s": 60, "fail_threshold": 5, "rise_threshold": 1},
@@ -330,7 +330,7 @@ def test_unknown_fields_and_headers_reach_the_worker(cluster):
 
 
 def test_worker_errors_pass_through_unchanged(cluster):
-    body = {"model": "tiny", "prompt": list(range(5, 4200)), "max_tokens": 4}  # over --max-model-len
+    body = {"model": "tiny", "prompt": list(range(5, 16500)), "max_tokens": 4}  # over --max-model-len
     r = post(cluster, "/v1/completions", body)
     worker = cluster.sims[r.headers["x-kvroute-worker"]]
     direct = httpx.post(worker.url + "/v1/completions", json=body, timeout=30)
@@ -395,7 +395,7 @@ def test_sdk_sees_gateway_errors(cluster):
 
 
 def test_first_byte_timeout_is_504(cluster):
-    body = {**_long_body("timeout", False), "max_tokens": 3800}
+    body = {**_long_body("timeout", False), "max_tokens": 12000}  # 14 s of decode at --speedup 10
     worker = explain(cluster, body)["chosen"]
     r = post(cluster, "/v1/chat/completions", body)
     assert assert_openai_error(r, 504)["code"] == "upstream_timeout"
@@ -543,7 +543,8 @@ def test_connect_failure_retried_on_next_best_then_502(cluster):
             assert s.headers["x-kvroute-worker"] == "w2"
             it = s.iter_raw()
             next(it)
-            w2.proc.stop()
+            w2.proc.signal(signal.SIGKILL)  # the worker dies (no graceful shutdown)
+            w2.proc.popen.wait(10)
             for _ in it:
                 pass
     wait_until(lambda: workers_by_id(cluster)["w2"]["in_flight"] == 0, what="in-flight released")
