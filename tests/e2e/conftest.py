@@ -192,6 +192,23 @@ def _logs(log_dir: Path) -> str:
     return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(log_dir.glob("*.log")))
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """Run this package's tests that do not use ``cluster`` before those that do, so the two vLLM
+    servers of ``cluster`` (torn down at the package's end) never share the CPUs with servers
+    other e2e tests start. Order is otherwise kept. Tests using ``cluster`` get a timeout that
+    covers the servers' start."""
+    here = Path(__file__).parent
+    idx = [i for i, it in enumerate(items) if here in Path(str(it.fspath)).parents]
+    if not idx:
+        return
+    mine = [items[i] for i in idx]
+    ordered = sorted(mine, key=lambda it: "cluster" in getattr(it, "fixturenames", ()))
+    for i, it in zip(idx, ordered):
+        items[i] = it
+        if "cluster" in getattr(it, "fixturenames", ()):  # the first one waits for the servers
+            it.add_marker(pytest.mark.timeout(READY_TIMEOUT_S + 300))
+
+
 @pytest.fixture(scope="package")
 def e2e_model() -> Path:
     """The generated "tiny" model (tools/make_model.py), made with the vLLM interpreter once."""

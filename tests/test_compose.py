@@ -1,0 +1,149 @@
+"""docker-compose.yml, checked without Docker (it does not run here): the YAML parses, every file it
+references exists, every kvroute command parses with kvroute's CLI and the gateway config with the
+gateway's validator, vLLM's own argument parser accepts the workers' command line (KV events and
+our tiers connector config included) and the connector module imports in vLLM's interpreter, and
+the services agree with each other (names, ports, model name, block size, volumes, GPUs)."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from e2e.conftest import vllm_python
+from kvroute.cli import build_parser
+from offload_agent.connector.config import CONNECTOR_CLASS, CONNECTOR_MODULE, TierSettings
+from router.config import load_config
+
+REPO = Path(__file__).resolve().parents[1]
+COMPOSE = REPO / "docker-compose.yml"
+USER_PROVIDED = {"./models"}  # the model folder; README says how to fill it
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def _flags(argv: list[str]) -> dict[str, str | None]:
+    """``--name=value`` / ``--flag`` items of a vLLM command list."""
+    out: dict[str, str | None] = {}
+    for item in argv:
+        name, eq, value = item.partition("=")
+        out[name] = value if eq else None
+    return out
+
+
+def _bind_mounts(service: dict) -> list[tuple[str, str]]:
+    return [(v.split(":")[0], v.split(":")[1]) for v in service.get("volumes", []) if v.startswith(".")]
+
+
+def _named_volumes(service: dict) -> dict[str, str]:
+    return {v.split(":")[0]: v.split(":")[1] for v in service.get("volumes", []) if not v.startswith((".", "/"))}
+
+
+def test_services_and_referenced_files_exist(compose):
+    services = compose["services"]
+    assert set(services) == {"redis", "gateway", "vllm-w0", "vllm-w1", "agent-w0", "agent-w1"}
+    for name, svc in services.items():
+        build = svc.get("build")
+        if build:
+            dockerfile = REPO / build["context"] / build["dockerfile"]
+            assert dockerfile.is_file(), name
+            for line in dockerfile.read_text().splitlines():
+                if line.startswith("COPY "):
+                    for src in line.split()[1:-1]:
+                        assert (REPO / build["context"] / src).exists(), f"{dockerfile.name}: COPY {src}"
+        for host, _ in _bind_mounts(svc):
+            assert host in USER_PROVIDED or (REPO / host).exists(), f"{name} mounts missing {host}"
+        for vol in _named_volumes(svc):
+            assert vol in compose["volumes"], f"{name} uses undeclared volume {vol}"
+        for dep in svc.get("depends_on", {}):
+            assert dep in services, f"{name} depends on unknown {dep}"
+    assert "models/" in (REPO / "README.md").read_text()  # how to provide ./models
+
+
+def test_kvroute_commands_parse_and_gateway_config_validates(compose):
+    services = compose["services"]
+    parser = build_parser()
+    for name in ("gateway", "agent-w0", "agent-w1"):
+        args = parser.parse_args(services[name]["command"])
+        assert callable(args.func), name
+    mounts = dict((target, host) for host, target in _bind_mounts(services["gateway"]))
+    config_path = services["gateway"]["command"][services["gateway"]["command"].index("--config") + 1]
+    cfg = load_config(REPO / mounts[config_path])
+    assert cfg.index.backend == "redis"
+    assert cfg.policy["name"] == "kv_aware"
+
+
+def test_services_agree(compose):
+    services = compose["services"]
+    cfg = load_config(REPO / "configs/gateway.compose.yaml")
+    (model,) = cfg.models
+    vllm = {w: _flags(services[f"vllm-{w}"]["command"]) for w in ("w0", "w1")}
+    assert vllm["w0"] == vllm["w1"]
+    flags = vllm["w0"]
+    assert flags["--served-model-name"] == model.name
+    assert int(flags["--block-size"]) == model.block_size
+    assert "--enable-prefix-caching" in flags and "--enable-prompt-tokens-details" in flags
+    assert flags["--model"].removeprefix("/models/") == Path(model.tokenizer).name  # same folder
+    events = json.loads(flags["--kv-events-config"])
+    assert events["enable_kv_cache_events"] is True and events["replay_endpoint"]
+    ev_port, replay_port = (re.search(r":(\d+)$", events[k]).group(1) for k in ("endpoint", "replay_endpoint"))
+    transfer = json.loads(flags["--kv-transfer-config"])
+    assert (transfer["kv_connector"], transfer["kv_connector_module_path"]) == (CONNECTOR_CLASS, CONNECTOR_MODULE)
+    tiers = TierSettings.from_extra(transfer["kv_connector_extra_config"])
+    gpus = set()
+    for w in cfg.workers:
+        svc = f"vllm-{w.id}"
+        assert w.url == f"http://{svc}:{flags['--port']}" and w.events is None  # agents publish to Redis
+        agent = build_parser().parse_args(services[f"agent-{w.id}"]["command"])
+        assert (agent.worker_id, agent.model, agent.block_size) == (w.id, model.name, model.block_size)
+        assert agent.events == f"tcp://{svc}:{ev_port}" and agent.replay == f"tcp://{svc}:{replay_port}"
+        assert agent.index == cfg.index.model_dump()["url"]
+        assert agent.index.startswith("redis://redis:")
+        # The worker's SSD tier folder is a volume its agent shares, and no other worker's.
+        worker_vols, agent_vols = _named_volumes(services[svc]), _named_volumes(services[f"agent-{w.id}"])
+        (ssd_vol,) = [v for v, target in worker_vols.items() if target == tiers.ssd_tier_dir]
+        assert ssd_vol in agent_vols and ssd_vol.endswith(w.id)
+        (dev,) = services[svc]["deploy"]["resources"]["reservations"]["devices"]
+        gpus.update(dev["device_ids"])
+        assert services[svc]["environment"]["PYTHONPATH"] == "/opt/kvroute"
+        assert ("./offload_agent", "/opt/kvroute/offload_agent") in [
+            (h, t) for h, t in _bind_mounts(services[svc])]
+    assert len(gpus) == 2  # one GPU each
+    assert services["gateway"]["ports"] == [f"{cfg.listen.port}:{cfg.listen.port}"]
+
+
+_VLLM_CHECK = """
+import json, sys
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+import vllm.entrypoints.openai.api_server  # the compose entrypoint module
+args = make_arg_parser(FlexibleArgumentParser()).parse_args(json.loads(sys.argv[1]))
+validate_parsed_serve_args(args)
+import importlib
+conn = getattr(importlib.import_module(args.kv_transfer_config.kv_connector_module_path),
+               args.kv_transfer_config.kv_connector)
+print(json.dumps({"block_size": args.block_size, "served": args.served_model_name,
+                  "events_enabled": args.kv_events_config.enable_kv_cache_events,
+                  "connector": conn.__name__, "prefix_caching": args.enable_prefix_caching}))
+"""
+
+
+def test_vllm_accepts_the_worker_command(compose):
+    """vLLM's own parser (the version the compose pins, 0.32) takes the workers' flags, including
+    the KV events and tiers connector JSON, and the connector class imports in its interpreter."""
+    svc = compose["services"]["vllm-w0"]
+    assert svc["image"].endswith(":v0.32.0")
+    argv = svc["command"]
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([vllm_python(), "-c", _VLLM_CHECK, json.dumps(argv)], capture_output=True,
+                          text=True, timeout=240, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen == {"block_size": 16, "served": ["qwen2.5-1.5b-instruct"], "events_enabled": True,
+                    "connector": CONNECTOR_CLASS, "prefix_caching": True}
