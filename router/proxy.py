@@ -71,7 +71,12 @@ def client_headers(raw: Any, worker_id: str, request_id: str,
 
 
 class _Retryable(Exception):
-    """The worker could not be reached; nothing was sent (to it or to the client)."""
+    """No answer came and nothing reached the client: the worker could not be reached
+    (``connect_failed``: counts against its health) or it dropped the connection first."""
+
+    def __init__(self, message: str, connect_failed: bool) -> None:
+        super().__init__(message)
+        self.connect_failed = connect_failed
 
 
 class Upstream:
@@ -93,7 +98,9 @@ class Upstream:
 
     async def start(self) -> None:
         """Open the pooled session (unbounded pool, keep-alive, raw bodies)."""
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=75,
+        # idle connections are dropped before vLLM's uvicorn drops them (its keep-alive is 5 s), so
+        # a request rarely meets a connection the worker just closed
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=4,
                                          ttl_dns_cache=300, enable_cleanup_closed=True)
         timeout = aiohttp.ClientTimeout(total=self.timeouts.total_s, connect=None,
                                         sock_connect=self.timeouts.connect_s)
@@ -129,7 +136,8 @@ class Upstream:
                                       on_cached_tokens, strip_usage)
                 return
             except _Retryable as exc:
-                reg.record_probe(False, self.health.fail_threshold, self.health.rise_threshold, str(exc))
+                if exc.connect_failed:
+                    reg.record_probe(False, self.health.fail_threshold, self.health.rise_threshold, str(exc))
                 if i + 1 < len(attempts):
                     self.metrics.retries.inc()
                     log.warning("worker %s unreachable (%s); retrying on %s", reg.id, exc, attempts[i + 1].id)
@@ -150,15 +158,16 @@ class Upstream:
                     try:
                         resp = await session.request(method, reg.url + path, data=body or None,
                                                      headers=headers)
-                    except (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError,
-                            aiohttp.ClientOSError) as exc:
-                        raise _Retryable(f"{type(exc).__name__}: {exc}") from None
+                    except aiohttp.ClientConnectorError as exc:
+                        raise _Retryable(f"{type(exc).__name__}: {exc}", True) from None
+                    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                        raise _Retryable(f"{type(exc).__name__}: {exc}", False) from None
                     stream = resp.content_type == "text/event-stream"
                     first = await (resp.content.readany() if stream else resp.read())
             except TimeoutError:
                 if deadline.expired():
                     raise upstream_timeout(reg.id, first_byte_s) from None
-                raise _Retryable("connect timeout") from None
+                raise _Retryable("connect timeout", True) from None
             except aiohttp.ClientError as exc:
                 raise upstream_failed(reg.id, f"{type(exc).__name__}: {exc}") from None
             handle.first_byte()
