@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcore.index import make_index
+from kvcore.index.errors import IndexUnavailable
 from router.config import GatewayConfig, WorkerConfig, load_config
 from router.embedded_events import embedded_ingest_task
 from router.metrics import GatewayMetrics
@@ -99,7 +100,10 @@ class Gateway:
         """Unregister a worker and purge its index entries; its in-flight requests finish.
         Raises KeyError when unknown."""
         reg = await self.registry.remove(worker_id)
-        await self.index.clear_worker(worker_id)
+        try:
+            await self.index.clear_worker(worker_id)
+        except IndexUnavailable as exc:  # a shared index that is down: its agent purges on restart
+            log.error("worker %s removed but its index entries were not purged: %s", worker_id, exc)
         return reg
 
     def drain_worker(self, worker_id: str) -> WorkerRegistration:

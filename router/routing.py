@@ -16,12 +16,7 @@ import orjson
 import xxhash
 
 from kvcore.index.base import KVIndex, TierMatch
-
-try:
-    from kvcore.index.errors import IndexUnavailable
-except ImportError:  # an index without a networked backend never raises it
-    class IndexUnavailable(RuntimeError):  # type: ignore[no-redef]
-        """Placeholder until :mod:`kvcore.index.errors` exists."""
+from kvcore.index.errors import IndexUnavailable
 from kvcore.tokenization import BadPrompt
 from router.config import ModelConfig, RoutingConfig
 from router.errors import GatewayError, bad_request, no_healthy_worker, unknown_model
