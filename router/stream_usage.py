@@ -14,13 +14,14 @@ without changing what the client gets, except in one documented case.
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
 
 _TAIL_BYTES = 16384
-_USAGE_MARK = b'"usage":{'
-_EMPTY_CHOICES = b'"choices":[]'
+_USAGE = re.compile(rb'"usage":\s*\{')           # vLLM writes compact JSON; spaces tolerated
+_USAGE_ONLY = re.compile(rb'"choices":\s*\[\s*\]')  # the usage chunk has no choices
 _USAGE_OPTION = b',"stream_options":{"include_usage":true}'
 
 
@@ -54,7 +55,7 @@ def cached_tokens_of_usage(usage: Any) -> int | None:
 
 def cached_tokens_of_body(body: bytes) -> int | None:
     """Cached tokens from a non-streamed JSON response body, None when absent or unparsable."""
-    if _USAGE_MARK not in body:
+    if not _USAGE.search(body):
         return None
     try:
         obj = orjson.loads(body)
@@ -65,7 +66,7 @@ def cached_tokens_of_body(body: bytes) -> int | None:
 
 def _usage_of_event(event: bytes) -> dict[str, Any] | None:
     for line in event.split(b"\n"):
-        if line.startswith(b"data:") and _USAGE_MARK in line:
+        if line.startswith(b"data:") and _USAGE.search(line):
             try:
                 obj = orjson.loads(line[5:].strip())
             except orjson.JSONDecodeError:
@@ -91,7 +92,7 @@ class UsageTap:
     def finish(self) -> bytes:
         """End of stream: parse the last usage chunk seen; returns b"" (nothing held)."""
         for event in reversed(self._tail.split(b"\n\n")):
-            if _USAGE_MARK in event:
+            if _USAGE.search(event):
                 self.cached_tokens = cached_tokens_of_usage(_usage_of_event(event))
                 break
         self._tail = b""
@@ -115,14 +116,14 @@ class UsageStrip:
             return b""
         self._pending = data[cut:]
         done = data[:cut]
-        if _EMPTY_CHOICES in done and _USAGE_MARK in done:
+        if _USAGE_ONLY.search(done) and _USAGE.search(done):
             done = self._drop_usage_events(done)
         return done
 
     def _drop_usage_events(self, data: bytes) -> bytes:
         kept = []
         for event in data[:-2].split(b"\n\n"):
-            if _EMPTY_CHOICES in event and _USAGE_MARK in event:
+            if _USAGE_ONLY.search(event) and _USAGE.search(event):
                 usage = _usage_of_event(event)
                 if usage is not None:
                     self.cached_tokens = cached_tokens_of_usage(usage)

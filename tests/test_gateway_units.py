@@ -106,6 +106,15 @@ def test_usage_strip_removes_only_the_usage_chunk(cut):
     assert strip.cached_tokens == 64
 
 
+def test_usage_strip_tolerates_spaced_json():
+    sent = (b'data: {"id": "c", "choices": [{"index": 0, "delta": {"content": "x"}}]}\n\n'
+            b'data: {"id": "c", "choices": [ ], "usage": {"prompt_tokens_details": {"cached_tokens": 96}}}\n\n'
+            b"data: [DONE]\n\n")
+    strip = UsageStrip()
+    got = strip.feed(sent) + strip.finish()
+    assert got == sent.split(b"\n\n")[0] + b"\n\ndata: [DONE]\n\n" and strip.cached_tokens == 96
+
+
 def test_usage_tap_passes_bytes_and_reads_usage():
     sent, _ = _stream_bytes()
     tap = UsageTap()
