@@ -270,3 +270,17 @@ def test_planner_reannounces_after_prefix_cache_reset():
                                                                          ("stored", "cpu", 51)]
     pl.forget(ks[1], "cpu")
     assert [(c.op, c.engine_hash) for c in pl.take_changes()] == [("removed", 51)]
+
+
+def test_store_read_ssd_many_in_parallel_checks_each_block(tmp_path):
+    st = TierStore(bytearray(64), 1, 64, FP, tmp_path, io_threads=3)
+    ks = keys_of(range(24))
+    for i, k in enumerate(ks):
+        write_block_file(st.fp_dir, k, FPD, payload(i))
+    bad = block_path(st.fp_dir, ks[4])
+    bad.write_bytes(bad.read_bytes()[:-1])
+    outs = [bytearray(64) for _ in ks]
+    oks = st.read_ssd_many(ks, outs)
+    assert oks == [i != 4 for i in range(6)]
+    assert [bytes(o) for i, o in enumerate(outs) if i != 4] == [payload(i) for i in range(6) if i != 4]
+    assert st.take_failures() == [(ks[4], "ssd", None)] and not bad.exists()

@@ -140,7 +140,7 @@ class KVRouteTierConnector(KVConnectorBase_V1):
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        return True
+        return False  # no per-layer hooks: loads run before the forward pass, saves after it
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -379,13 +379,41 @@ class KVRouteTierConnector(KVConnectorBase_V1):
         cuda = self._device.type == "cuda"
         self._slab = torch.empty((self.num_slots, L.block_bytes), dtype=torch.uint8, pin_memory=cuda)
         self._slab_kv = self._slab.view(L.dtype).view(self.num_slots, len(views), -1)
-        self._staging = torch.empty((1, L.block_bytes), dtype=torch.uint8, pin_memory=cuda)
-        self._staging_kv = self._staging.view(L.dtype).view(1, len(views), -1)
+        self._staging_rows(1)
         self._stream = torch.cuda.Stream(device=self._device) if cuda else None
         ssd = Path(self.settings.ssd_tier_dir) if self.settings.ssd_tier_dir else None
         self._store = TierStore(self._slab.numpy(), self.num_slots, L.block_bytes, self.fingerprint, ssd)
         logger.info("kvroute tiers: worker slab %d x %d bytes on %s, %d layers", self.num_slots,
                     L.block_bytes, "pinned host memory" if cuda else "host memory", len(views))
+
+    def _staging_rows(self, n: int) -> None:
+        """Make the staging buffer (blocks read from SSD on their way to vLLM) hold ``n`` blocks."""
+        if getattr(self, "_staging", None) is not None and self._staging.shape[0] >= n:
+            return
+        L = self.layout
+        self._staging = torch.empty((n, L.block_bytes), dtype=torch.uint8, pin_memory=self._device.type == "cuda")
+        self._staging_kv = self._staging.view(L.dtype).view(n, len(self._kv), -1)
+
+    def _read_ahead(self, ops: list) -> dict[int, tuple[int, bool]]:
+        """Read the SSD files of this list's ``promote``/``load_ssd`` ops in parallel into staging
+        rows: ``{op index: (row, ok)}``. A key whose file an earlier op of the list writes or
+        deletes is left to be read in order."""
+        touched: set[bytes] = set()
+        picks: list[int] = []
+        for i, op in enumerate(ops):
+            if op[0] == "spill":
+                touched.add(op[2])
+            elif op[0] == "drop_ssd":
+                touched.add(op[1])
+            elif op[0] in ("promote", "load_ssd") and op[1] not in touched:
+                picks.append(i)
+        self._sync_row = len(picks)  # the row for reads done in order
+        self._staging_rows(len(picks) + 1)
+        if not picks:
+            return {}
+        oks = self._store.read_ssd_many([ops[i][1] for i in picks],
+                                        [self._staging[r].numpy() for r in range(len(picks))])
+        return {i: (r, ok) for r, (i, ok) in enumerate(zip(picks, oks))}
 
     def _copy_to_slab(self, slots: list[int], gpu_blocks: list[int]) -> None:
         idx = torch.tensor(gpu_blocks, dtype=torch.long, device=self._device)
@@ -415,7 +443,8 @@ class KVRouteTierConnector(KVConnectorBase_V1):
                 self._copy_from(self._slab_kv, [op[1] for op in batch], [op[3] for op in batch])
             batch.clear()
 
-        for op in ops:
+        ahead = {} if saving else self._read_ahead(ops)
+        for i, op in enumerate(ops):
             kind = op[0]
             if kind == "save":
                 if self._failed_step:
@@ -441,10 +470,19 @@ class KVRouteTierConnector(KVConnectorBase_V1):
             elif kind == "drop_ssd":
                 store.drop_ssd(op[1])
             elif kind == "promote":
-                store.promote(op[1], op[2])
+                if i not in ahead:
+                    store.promote(op[1], op[2])
+                elif ahead[i][1]:
+                    store.put(op[2], op[1], self._staging[ahead[i][0]].numpy())
+                else:
+                    store.mark(op[2], None)
+                    store.fail(op[1], CPU, op[2])
             elif kind == "load_ssd":
-                if store.read_ssd(op[1], self._staging.numpy()):
-                    self._copy_from(self._staging_kv, [0], [op[2]])
+                row, ok = ahead.get(i, (self._sync_row, None))
+                if ok is None:
+                    ok = store.read_ssd(op[1], self._staging[row].numpy())
+                if ok:
+                    self._copy_from(self._staging_kv, [row], [op[2]])
                 else:
                     self._load_failed(op[2])
             elif kind == "fail_block":

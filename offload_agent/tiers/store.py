@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from offload_agent.tiers.keys import TierFingerprint
@@ -28,11 +29,12 @@ class TierStore:
     ``ssd_root`` is given, the SSD folder ``ssd_root/<fingerprint dir>``.
 
     ``failures``: ``(key, tier, slot or None)`` of every failed read or write since the last
-    :meth:`take_failures`. Raises ValueError when the slab's size does not match.
+    :meth:`take_failures`. ``io_threads``: parallel file reads in :meth:`read_ssd_many` (the
+    reads and the checksum release the GIL). Raises ValueError when the slab's size does not match.
     """
 
     def __init__(self, slab, num_slots: int, block_bytes: int, fingerprint: TierFingerprint,
-                 ssd_root: Path | None = None) -> None:
+                 ssd_root: Path | None = None, io_threads: int = 4) -> None:
         self._slab = memoryview(slab).cast("B")
         if self._slab.nbytes != num_slots * block_bytes:
             raise ValueError(f"slab of {self._slab.nbytes} bytes, expected {num_slots} x {block_bytes}")
@@ -43,6 +45,8 @@ class TierStore:
         self._slot_keys: list[bytes | None] = [None] * num_slots
         self.failures: list[tuple[bytes, str, int | None]] = []
         self.fp_dir: Path | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._io_threads = max(1, io_threads)
         if ssd_root is not None:
             self.fp_dir = Path(ssd_root) / fingerprint.dir_name()
             self.fp_dir.mkdir(parents=True, exist_ok=True)
@@ -100,6 +104,19 @@ class TierStore:
             self.drop_ssd(key)
         self.fail(key, "ssd")
         return False
+
+    def read_ssd_many(self, keys: list[bytes], outs: list) -> list[bool]:
+        """:meth:`read_ssd` of each key into the matching buffer, up to ``io_threads`` at a time."""
+        if len(keys) <= 1 or self._io_threads == 1:
+            return [self.read_ssd(k, o) for k, o in zip(keys, outs)]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._io_threads, thread_name_prefix="kvroute-ssd")
+        return list(self._pool.map(self.read_ssd, keys, outs))
+
+    def put(self, slot: int, key: bytes, data) -> None:
+        """Copy ``data`` (``block_bytes``, e.g. a block read ahead from SSD) into ``slot`` as ``key``."""
+        self.slot(slot)[:] = memoryview(data).cast("B")
+        self.mark(slot, key)
 
     def promote(self, key: bytes, slot: int) -> bool:
         """Read ``key``'s file into ``slot``; on failure the slot holds nothing and both the SSD
