@@ -130,7 +130,7 @@ def make_admin_router(gateway: Any) -> APIRouter:
         raw = await request.body()
         body = parse_json_object(raw)
         kind = "chat" if "messages" in body else "completion"
-        plan = await gateway.router.plan(kind, body, request.scope["headers"], raw, always_tokenize=True)
+        plan = await gateway.router.plan(kind, body, request.scope["headers"], raw, explain=True)
         return _json(plan.explain())
 
     return api

@@ -1,19 +1,16 @@
 """The route step, shared by real requests and ``POST /admin/explain``.
 
 body -> model -> token ids -> block keys -> ``index.match`` -> candidates -> ``policy.choose``
--> :class:`RoutePlan`. Planning changes nothing; :meth:`Router.commit` then records the routed
+-> :class:`RoutePlan`. Planning changes nothing but the tie-break draw counter (see
+:meth:`Router._draw`); :meth:`Router.commit` then records the routed
 prompt's keys in the index as speculative entries for the worker actually used (short TTL when
 the worker publishes KV events, which confirm or drop them; long TTL in approximate mode).
 """
 from __future__ import annotations
 
-import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any
-
-import orjson
-import xxhash
 
 from kvcore.index.base import KVIndex, TierMatch
 from kvcore.index.errors import IndexUnavailable
@@ -27,26 +24,29 @@ from router.tokenize import PromptBlocks, PromptKind, TokenizerPool
 
 
 class PolicyHolder:
-    """The live policy and its config; :meth:`replace` validates first, then swaps both in one
+    """The live policy; :meth:`replace` builds (validates) the new one first, then swaps it in one
     assignment, so a request sees either the old policy or the new one, never a mix."""
 
     def __init__(self, cfg: dict[str, Any]) -> None:
-        self._current: tuple[Policy, dict[str, Any]] = (_make_policy(cfg), dict(cfg))
+        self._policy: Policy = _make_policy(cfg)
 
     @property
     def policy(self) -> Policy:
-        return self._current[0]
+        return self._policy
 
     @property
     def config(self) -> dict[str, Any]:
-        """The config the live policy was built from (a copy)."""
-        return dict(self._current[1])
+        """The live policy's effective config, defaults filled in (``GET /admin/policy``); the
+        same mapping given back to ``PUT /admin/policy`` builds an equal policy."""
+        from router.policies.factory import describe
+
+        return describe(self._policy)
 
     def replace(self, cfg: dict[str, Any]) -> Policy:
         """Build a policy from ``cfg`` and make it live. Raises ValueError when ``cfg`` is bad
         (the old policy stays)."""
         policy = _make_policy(cfg)
-        self._current = (policy, dict(cfg))
+        self._policy = policy
         return policy
 
 
@@ -115,22 +115,7 @@ class RoutePlan:
         }
 
 
-_TWO_64 = 18446744073709551616.0
-_U64X2 = struct.Struct("<QQ")
-
-
-def request_draw(blocks: PromptBlocks | None, block_size: int, raw: bytes) -> float:
-    """The policy's tie-break draw in [0, 1), fixed by the request: from the first prompt (its
-    last block key, length and the tokens of its partial last block) when tokens are known, else
-    from the body bytes. Same prompt, same draw, so explain and routing agree however the JSON is
-    spelled; different prompts spread over equal workers."""
-    if blocks is not None and blocks.token_ids is not None:
-        tokens = blocks.token_ids[0]
-        keys = blocks.first_keys
-        tail = tokens[len(keys) * block_size:]
-        data = _U64X2.pack(keys[-1] if keys else 0, len(tokens)) + orjson.dumps(tail)
-        return xxhash.xxh3_64_intdigest(data) / _TWO_64
-    return xxhash.xxh3_64_intdigest(raw) / _TWO_64
+_GOLDEN = 0.6180339887498949  # frac(golden ratio): n * _GOLDEN mod 1 covers [0, 1) evenly
 
 
 class Router:
@@ -150,6 +135,7 @@ class Router:
         self.policy = policy
         self.metrics = metrics
         self.routing = routing
+        self._draws = 0
 
     def resolve_model(self, body: dict[str, Any]) -> tuple[ModelConfig, str | None]:
         """``(base model, adapter name or None)`` for the body's ``model``. Raises GatewayError
@@ -175,21 +161,31 @@ class Router:
         user = body.get("user")
         return user if isinstance(user, str) and user else None
 
+    def _draw(self, consume: bool) -> float:
+        """The next tie-break draw (``RouteRequest.rand``): ``n x 0.618... mod 1`` for the n-th
+        routed request, a low-discrepancy sequence, so cold prompts that tie on cost alternate
+        over equal workers instead of piling up by chance; explain peeks at the draw the next
+        request will get without consuming it."""
+        n = self._draws + 1
+        if consume:
+            self._draws = n
+        return (n * _GOLDEN) % 1.0
+
     async def plan(self, kind: PromptKind, body: dict[str, Any], headers: list[tuple[bytes, bytes]],
-                   raw: bytes, always_tokenize: bool = False) -> RoutePlan:
-        """Decide where ``body`` goes; changes no state but metrics. ``raw``: the body's bytes,
-        whose hash is the policy's tie-break draw (``RouteRequest.rand``), so the same body gives
-        the same decision in explain and in routing while different bodies spread over equal
-        workers. ``always_tokenize``: make tokens and keys even when the policy does not use the
-        index (explain does). Raises GatewayError: 400 bad body, 404 unknown model, 503 no
-        routable worker."""
+                   raw: bytes, explain: bool = False) -> RoutePlan:
+        """Decide where ``body`` (whose bytes are ``raw``) goes. A real request consumes one
+        tie-break draw (:meth:`_draw`) and changes nothing else but metrics. ``explain``: for
+        ``POST /admin/explain``: tokens and keys are made even when the policy does not use the
+        index, and the draw is only peeked at, so explaining a body and then sending it give the
+        same decision when nothing else is routed in between. Raises GatewayError: 400 bad body,
+        404 unknown model, 503 no routable worker."""
         model, lora_name = self.resolve_model(body)
         regs = self.registry.routable(model.name)
         if not regs:
             raise no_healthy_worker(model.name)
         policy = self.policy.policy
         blocks: PromptBlocks | None = None
-        if policy.uses_index or always_tokenize:
+        if policy.uses_index or explain:
             t0 = time.perf_counter()
             try:
                 blocks = await self.tokenizers.prompt_blocks(
@@ -213,7 +209,7 @@ class Router:
         request = RouteRequest(model=model.name, prompt_tokens=first_tokens, block_size=model.block_size,
                                num_blocks=len(blocks.first_keys) if blocks is not None else 0,
                                session_key=self.session_key(policy, body, headers),
-                               rand=request_draw(blocks, model.block_size, raw))
+                               rand=self._draw(consume=not explain))
         regs = [r for r in regs if r.routable]  # a probe may have run during tokenization
         if not regs:
             raise no_healthy_worker(model.name)

@@ -128,6 +128,18 @@ def explain(cluster: Cluster, body: dict) -> dict:
     return r.json()
 
 
+def steer_to(cluster: Cluster, body: dict, worker: str, tries: int = 16) -> None:
+    """Send throwaway cold requests until explain says ``body`` goes to ``worker``: cold prompts
+    tie on cost, and each routed request moves the tie-break draw on. A throwaway never goes to
+    ``worker`` (it would have tied the same way as ``body``)."""
+    for i in range(tries):
+        if explain(cluster, body)["chosen"] == worker:
+            return
+        r = post(cluster, "/v1/chat/completions", chat_body(f"steer-{worker}-{time.monotonic_ns()}-{i}", "x"))
+        assert r.status_code == 200 and r.headers["x-kvroute-worker"] != worker
+    raise AssertionError(f"never steered to {worker}")
+
+
 def workers_by_id(cluster: Cluster) -> dict[str, dict]:
     r = admin(cluster, "GET", "/admin/workers")
     assert r.status_code == 200, r.text
@@ -467,6 +479,10 @@ def test_policy_swap_applies_to_next_request(cluster):
          .headers["x-kvroute-worker"] for i in range(4)}
     assert len(a) == 1
     assert admin(cluster, "PUT", "/admin/policy", {"name": "kv_aware"}).status_code == 200
+    full = admin(cluster, "GET", "/admin/policy").json()  # the effective config, defaults filled in
+    assert full["tier_credit"] == {"gpu": 1.0, "cpu": 0.75, "ssd": 0.25} and full["load_weight"] == 1.0
+    r = admin(cluster, "PUT", "/admin/policy", full)
+    assert r.status_code == 200 and r.json() == full
 
 
 def test_sighup_reloads_policy_and_workers(cluster):
@@ -497,7 +513,8 @@ def test_admin_add_drain_remove_worker(cluster):
     assert r.status_code == 201 and r.json()["id"] == "w2" and r.json()["healthy"] is True
     assert_openai_error(admin(cluster, "POST", "/admin/workers", {"id": "w2", "url": w2.url, "model": "tiny"}), 409)
     # give w2 a prefix of its own: the first cold body whose decision is w2
-    body = next(b for b in (chat_body(f"w2-{i}", "q") for i in range(64)) if explain(cluster, b)["chosen"] == "w2")
+    body = chat_body("w2-own", "q")
+    steer_to(cluster, body, "w2")
     assert post(cluster, "/v1/chat/completions", body).headers["x-kvroute-worker"] == "w2"
     assert explain(cluster, body)["chosen"] == "w2"
     # drain: no new requests, even for its own prefix
@@ -509,8 +526,8 @@ def test_admin_add_drain_remove_worker(cluster):
     assert admin(cluster, "DELETE", "/admin/workers/w2").status_code == 200
     r = admin(cluster, "POST", "/admin/workers", {"id": "w2", "url": w2.url, "model": "tiny"})
     assert r.status_code == 201 and r.json()["in_flight"] == 0
-    long_body = next(b for b in ({**_long_body(f"w2-long-{i}", True), "max_tokens": 300} for i in range(64))
-                     if explain(cluster, b)["chosen"] == "w2")
+    long_body = {**_long_body("w2-long", True), "max_tokens": 300}
+    steer_to(cluster, long_body, "w2")
     with httpx.stream("POST", cluster.base + "/v1/chat/completions", json=long_body, timeout=30) as s:
         assert s.headers["x-kvroute-worker"] == "w2"
         it = s.iter_raw()
@@ -536,8 +553,8 @@ def test_connect_failure_retried_on_next_best_then_502(cluster):
     r = admin(cluster, "POST", "/admin/workers", {"id": "w2", "url": w2.url, "model": "tiny"})
     assert r.status_code == 201 and r.json()["healthy"] is True
     # a stream under way when its worker dies: the client sees a truncated response, counts drop
-    long_body = next(b for b in (_long_body(f"broken-{i}", True) for i in range(64))
-                     if explain(cluster, b)["chosen"] == "w2")
+    long_body = _long_body("broken", True)
+    steer_to(cluster, long_body, "w2")
     with pytest.raises(httpx.RemoteProtocolError):
         with httpx.stream("POST", cluster.base + "/v1/chat/completions", json=long_body, timeout=30) as s:
             assert s.headers["x-kvroute-worker"] == "w2"
@@ -548,7 +565,8 @@ def test_connect_failure_retried_on_next_best_then_502(cluster):
             for _ in it:
                 pass
     wait_until(lambda: workers_by_id(cluster)["w2"]["in_flight"] == 0, what="in-flight released")
-    body = next(b for b in (chat_body(f"retry-{i}", "q") for i in range(64)) if explain(cluster, b)["chosen"] == "w2")
+    body = chat_body("retry", "q")
+    steer_to(cluster, body, "w2")
     before = metric_value(cluster, "kvroute_upstream_retries_total")
     r = post(cluster, "/v1/chat/completions", body)
     assert r.status_code == 200 and r.headers["x-kvroute-worker"] in ("w0", "w1")
