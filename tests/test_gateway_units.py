@@ -209,3 +209,34 @@ def test_registry_tasks_start_and_stop_with_the_worker():
 
     started, stopped, late, left = asyncio.run(go())
     assert started == ["a", "b"] and stopped == ["a"] and sorted(late) == ["a", "b"] and left == ["b"]
+
+
+# ---- routing draw ---------------------------------------------------------------------------------
+def test_cold_requests_alternate_and_explain_peeks():
+    """Equal cold workers share sequential traffic evenly; explain sees the decision the next real
+    request gets."""
+    from router.gateway import Gateway
+
+    cfg = parse_config(_cfg(workers=[{"id": "w0", "url": "http://127.0.0.1:9001", "model": "tiny"},
+                                     {"id": "w1", "url": "http://127.0.0.1:9002", "model": "tiny"}]))
+
+    async def go():
+        gw = Gateway(cfg)
+        try:
+            for w in cfg.workers:
+                gw.registry.add(w).healthy = True
+            body = {"model": "tiny", "prompt": "no tokenizer configured: routed by load"}
+            raw = orjson.dumps(body)
+            chosen = []
+            for _ in range(20):
+                peek = await gw.router.plan("completion", body, [], raw, explain=True)
+                real = await gw.router.plan("completion", body, [], raw)
+                assert peek.decision.worker_id == real.decision.worker_id
+                assert real.decision.reason == "no_tokens"
+                chosen.append(real.decision.worker_id)
+            return chosen
+        finally:
+            gw.tokenizers.close()
+
+    chosen = asyncio.run(go())
+    assert abs(chosen.count("w0") - chosen.count("w1")) <= 2, chosen
