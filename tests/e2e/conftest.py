@@ -24,13 +24,13 @@ from pathlib import Path
 import httpx
 import pytest
 from openai import OpenAI
-from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import ADMIN_TOKEN, Proc, free_port, kvroute_argv
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
 from model_cache import ensure_model  # noqa: E402
+from vllm_http import metric_samples, reset_prefix_cache  # noqa: E402
 
 from kvcore.index.base import TierMatch  # noqa: E402
 from kvcore.index.redis import RedisIndex  # noqa: E402
@@ -102,12 +102,7 @@ class VllmCluster:
     # ---- workers ------------------------------------------------------------------------------
     def metrics(self, worker_id: str) -> dict[str, float]:
         """A worker's Prometheus samples: ``name`` -> value summed over label sets."""
-        text = httpx.get(self.workers[worker_id].url + "/metrics", timeout=30).text
-        out: dict[str, float] = {}
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                out[s.name] = out.get(s.name, 0.0) + s.value
-        return out
+        return metric_samples(self.workers[worker_id].url)
 
     def reset_prefix_caches(self, timeout_s: float = 60) -> None:
         """``POST /reset_prefix_cache`` on every worker (plus one sub-block request each, which
@@ -116,16 +111,7 @@ class VllmCluster:
         entries expired). Fails the test after ``timeout_s``."""
         end = time.monotonic() + timeout_s
         for w in self.workers.values():
-            # {"success": false} while a finished request's blocks are not freed yet: retry.
-            while not httpx.post(w.url + "/reset_prefix_cache", timeout=60).json().get("success"):
-                if time.monotonic() > end:
-                    pytest.fail(f"{w.id}: /reset_prefix_cache kept failing for {timeout_s}s")
-                time.sleep(0.25)
-            # vLLM publishes the AllBlocksCleared event with its next engine step: make one with a
-            # prompt shorter than a block (it stores nothing).
-            r = httpx.post(w.url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 1},
-                           timeout=60)
-            assert r.status_code == 200, r.text
+            reset_prefix_cache(w.url, MODEL_NAME, timeout_s)
         while time.monotonic() < end:
             idx = self.admin("GET", "/admin/index").json()["workers"]
             gw_blocks = sum(sum(e["blocks"].values()) + e.get("speculative_blocks", 0) for e in idx.values())

@@ -1,0 +1,303 @@
+"""kv_aware against round_robin on two real vLLM workers (CPU build) with the generated "small"
+model, printed side by side in one run.
+
+    .venv/bin/python benchmarks/bench_e2e_vllm.py [--vllm-python PY] [--conversations 16]
+        [--turns 6] [--system-prompts 4] [--system-tokens 800] [--concurrency 4]
+        [--blocks 512] [--pressure-blocks 160] [--skip-pressure]
+
+Workload: multi-turn chat. ``--conversations`` conversations of ``--turns`` turns; conversation i
+uses system prompt i mod ``--system-prompts`` (each about ``--system-tokens`` tokens), then user
+turns of ~60 tokens and fixed assistant replies of ~40 tokens (so every policy gets identical
+bodies). Turns go round by round (turn t of every conversation, in a shuffled order, before turn
+t+1), ``--concurrency`` requests in flight, streaming with ``max_tokens`` 16 (``ignore_eos``), so
+every conversation stays live for the whole run.
+
+Two clusters are started one after the other with ``kvroute up --engine vllm`` (gateway with its
+embedded index): one with ``--blocks`` KV blocks per worker (the workload fits), one with
+``--pressure-blocks`` (the live conversations need more blocks than both workers hold: vLLM
+evicts, and a router that does not learn evictions mispredicts). On each, both policies run on
+the same requests, each after ``/reset_prefix_cache`` on both workers.
+
+Figures per run: TTFT p50/p95 (client side, first streamed chunk), wall time, cluster prefix-hit
+rate from vLLM's own counters (``vllm:prefix_cache_hits_total / queries_total``) and from the
+responses' ``cached_tokens``, the ideal rate for these requests (infinite cache, perfect
+stickiness, from the token ids), and the gateway's prediction accuracy (its
+``kvroute_predicted_cached_tokens`` against vLLM's reported ``cached_tokens``: totals and mean
+absolute error per request).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from openai import OpenAI
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+from model_cache import ensure_model  # noqa: E402
+from vllm_http import metric_samples, reset_prefix_cache  # noqa: E402
+
+from kvcore.tokenization import PromptTokenizer  # noqa: E402
+
+MODEL = "small"
+BLOCK_SIZE = 32
+MAX_TOKENS = 16
+ADMIN_TOKEN = "bench-admin-token"
+_WORDS = ("cache block token prefix route worker server request model prompt weather city search "
+          "answer question data file order price customer account policy latency memory the of and "
+          "to in is for with on as by at from").split()
+
+
+def text_of_tokens(tok: PromptTokenizer, n_tokens: int, seed: int) -> str:
+    """Words (deterministic for ``seed``) until the text is at least ``n_tokens`` tokens long."""
+    rnd = random.Random(seed)
+    words: list[str] = []
+    while len(tok.encode_text(" ".join(words), False)) < n_tokens:
+        words += [rnd.choice(_WORDS) for _ in range(16)]
+    return " ".join(words)
+
+
+def make_conversations(tok: PromptTokenizer, args: argparse.Namespace) -> list[list[dict]]:
+    """Per conversation, the chat body of each turn."""
+    systems = [f"System prompt {s}. " + text_of_tokens(tok, args.system_tokens, 10 + s)
+               for s in range(args.system_prompts)]
+    out = []
+    for c in range(args.conversations):
+        messages = [{"role": "system", "content": systems[c % args.system_prompts]}]
+        turns = []
+        for t in range(args.turns):
+            messages.append({"role": "user", "content": f"[{c}.{t}] " + text_of_tokens(tok, 60, 1000 * c + t)})
+            turns.append([dict(m) for m in messages])
+            messages.append({"role": "assistant", "content": text_of_tokens(tok, 40, 5000 + 1000 * c + t)})
+        out.append(turns)
+    return out
+
+
+def ideal_cached(ids: list[list[int]]) -> int:
+    """Tokens an infinite, perfectly shared cache would hit over requests sent in this order."""
+    total = 0
+    seen: list[list[int]] = []
+    for p in ids:
+        best = 0
+        for q in seen:
+            n = min(len(p), len(q))
+            lcp = next((i for i in range(n) if p[i] != q[i]), n)
+            best = max(best, lcp)
+        total += min(best // BLOCK_SIZE, (len(p) - 1) // BLOCK_SIZE) * BLOCK_SIZE
+        seen.append(p)
+    return total
+
+
+@dataclass
+class Cluster:
+    proc: subprocess.Popen
+    base: str
+    workers: dict[str, str] = field(default_factory=dict)  # id -> url
+
+    def admin(self, method: str, path: str, json=None) -> httpx.Response:
+        return httpx.request(method, self.base + path, json=json, timeout=60,
+                             headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+
+
+def start_cluster(args: argparse.Namespace, model_dir: Path, blocks: int, log_dir: Path) -> Cluster:
+    """``kvroute up --engine vllm`` with ``blocks`` KV blocks per worker; waits for its ready line."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = open(log_dir / f"up-{blocks}.log", "w")
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "KVROUTE_ADMIN_TOKEN": ADMIN_TOKEN}
+    vllm_args = f"--dtype {args.dtype} --max-num-seqs 8" + ("" if args.compile else " --enforce-eager")
+    proc = subprocess.Popen(
+        ["timeout", "-s", "INT", "-k", "30", str(args.deadline_s), sys.executable, "-m", "kvroute", "up",
+         "--engine", "vllm", "--vllm-python", args.vllm_python, "--workers", "2", "--model", str(model_dir),
+         "--served-model-name", MODEL, "--port", str(port), "--block-size", str(BLOCK_SIZE),
+         "--num-gpu-blocks-override", str(blocks), "--max-model-len", "2048", "--vllm-args", vllm_args,
+         "--log-dir", str(log_dir / f"up-{blocks}")],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 900:
+        m = re.search(r"gateway ready: (http://\S+)/v1", (log_dir / f"up-{blocks}.log").read_text())
+        if m:
+            c = Cluster(proc, m.group(1))
+            c.workers = {w["id"]: w["url"] for w in c.admin("GET", "/admin/workers").json()["workers"]}
+            print(f"  cluster with {blocks} blocks/worker ready in {time.monotonic() - t0:.0f}s", flush=True)
+            return c
+        if proc.poll() is not None:
+            raise RuntimeError(f"kvroute up exited {proc.returncode}; see {log_dir}")
+        time.sleep(1)
+    proc.terminate()
+    raise TimeoutError(f"kvroute up not ready after 900s; see {log_dir}")
+
+
+def stop_cluster(c: Cluster) -> None:
+    os.killpg(c.proc.pid, 2)  # SIGINT: `kvroute up` stops every process it started
+    try:
+        c.proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(c.proc.pid, 9)
+
+
+def prefill_ms(url: str, n_tokens: int = 2048 - 8) -> float:
+    """Time of one uncached ``n_tokens``-token prefill (``max_tokens`` 1) sent straight to a worker."""
+    rnd = random.Random(n_tokens)
+    ids = [6 + rnd.randrange(2000) for _ in range(n_tokens)]
+    t0 = time.perf_counter()
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": ids, "max_tokens": 1}, timeout=600)
+    r.raise_for_status()
+    return 1000 * (time.perf_counter() - t0)
+
+
+def _pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
+
+
+def run_policy(c: Cluster, policy: str, conversations: list[list[list[dict]]], concurrency: int) -> dict:
+    """Every turn, round by round, through the gateway under ``policy``; returns the figures."""
+    r = c.admin("PUT", "/admin/policy", {"name": policy})
+    r.raise_for_status()
+    for url in c.workers.values():
+        reset_prefix_cache(url, MODEL)
+    time.sleep(6.0)  # the clears reach the index; speculative entries (5 s TTL) of a last run expire
+    vllm_before = {w: metric_samples(u) for w, u in c.workers.items()}
+    gw_before = metric_samples(c.base)
+    cli = OpenAI(base_url=c.base + "/v1", api_key="x", max_retries=0, timeout=600)
+    lock = threading.Lock()
+    ttft: list[float] = []
+    cached = prompt = 0
+    per_worker: dict[str, int] = {}
+
+    def one(messages: list[dict]) -> None:
+        nonlocal cached, prompt
+        t0 = time.perf_counter()
+        first = None
+        usage = None
+        with cli.chat.completions.with_streaming_response.create(
+                model=MODEL, messages=messages, max_tokens=MAX_TOKENS, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True}) as resp:
+            worker = resp.headers["x-kvroute-worker"]
+            for chunk in resp.parse():
+                if first is None and chunk.choices:
+                    first = time.perf_counter() - t0
+                if chunk.usage is not None:
+                    usage = chunk.usage
+        with lock:
+            ttft.append(first if first is not None else time.perf_counter() - t0)
+            prompt += usage.prompt_tokens
+            cached += (usage.prompt_tokens_details.cached_tokens or 0) if usage.prompt_tokens_details else 0
+            per_worker[worker] = per_worker.get(worker, 0) + 1
+
+    t_start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        for t in range(len(conversations[0])):
+            order = list(range(len(conversations)))
+            random.Random(t).shuffle(order)
+            list(pool.map(one, [conversations[i][t] for i in order]))
+    wall = time.perf_counter() - t_start
+
+    time.sleep(1.0)
+    hits = queries = 0.0
+    for w, u in c.workers.items():
+        after = metric_samples(u)
+        hits += after["vllm:prefix_cache_hits_total"] - vllm_before[w]["vllm:prefix_cache_hits_total"]
+        queries += after["vllm:prefix_cache_queries_total"] - vllm_before[w]["vllm:prefix_cache_queries_total"]
+    gw = metric_samples(c.base)
+
+    def delta(name: str) -> float:
+        return gw.get(name, 0.0) - gw_before.get(name, 0.0)
+
+    n_pred = delta("kvroute_predicted_cached_tokens_count")
+    return {"ttft_p50_ms": 1000 * statistics.median(ttft), "ttft_p95_ms": 1000 * _pct(ttft, 0.95),
+            "wall_s": wall, "hit_vllm_metrics": hits / queries if queries else 0.0,
+            "hit_usage": cached / prompt if prompt else 0.0, "prompt_tokens": prompt,
+            "cached_tokens": cached, "predicted_tokens": delta("kvroute_predicted_cached_tokens_sum"),
+            "reported_tokens": delta("kvroute_actual_cached_tokens_sum"),
+            "mae_tokens": delta("kvroute_cached_tokens_error_tokens_sum") / n_pred if n_pred else float("nan"),
+            "n_predictions": n_pred, "split": per_worker}
+
+
+def print_table(title: str, results: dict[str, dict], ideal: float) -> None:
+    print(f"\n== {title} (ideal prefix-hit rate {ideal:.3f}: infinite cache, perfect stickiness)")
+    names = list(results)
+    rows = [("TTFT p50 ms", "ttft_p50_ms", "{:.0f}"), ("TTFT p95 ms", "ttft_p95_ms", "{:.0f}"),
+            ("wall s", "wall_s", "{:.1f}"), ("prefix-hit rate (vLLM metrics)", "hit_vllm_metrics", "{:.3f}"),
+            ("prefix-hit rate (usage cached_tokens)", "hit_usage", "{:.3f}"),
+            ("predicted cached tokens", "predicted_tokens", "{:.0f}"),
+            ("reported cached tokens", "reported_tokens", "{:.0f}"),
+            ("prediction MAE tokens/request", "mae_tokens", "{:.1f}"), ("requests per worker", "split", "{}")]
+    print(f"{'':40s}" + "".join(f"{n:>18s}" for n in names))
+    for label, key, fmt in rows:
+        print(f"{label:40s}" + "".join(f"{fmt.format(results[n][key]):>18s}" for n in names))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--vllm-python", default=os.environ.get("KVR_VLLM_PYTHON", ""))
+    ap.add_argument("--conversations", type=int, default=16)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--system-prompts", type=int, default=4)
+    ap.add_argument("--system-tokens", type=int, default=800)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--blocks", type=int, default=512, help="KV blocks per worker, roomy run")
+    ap.add_argument("--pressure-blocks", type=int, default=160, help="KV blocks per worker, pressure run")
+    ap.add_argument("--skip-pressure", action="store_true")
+    ap.add_argument("--skip-roomy", action="store_true")
+    ap.add_argument("--dtype", default="float32", help="vLLM --dtype (float32: this CPU has no bf16 instructions)")
+    ap.add_argument("--compile", action="store_true", help="let vLLM torch.compile (slower start)")
+    ap.add_argument("--deadline-s", type=int, default=1800, help="hard limit per cluster")
+    args = ap.parse_args()
+    if not args.vllm_python:
+        ap.error("--vllm-python (or KVR_VLLM_PYTHON) must name an interpreter with vLLM")
+
+    model_dir = ensure_model("small", args.vllm_python)
+    tok = PromptTokenizer(model_dir)
+    conversations = make_conversations(tok, args)
+    order_ids = []
+    for t in range(args.turns):
+        order = list(range(args.conversations))
+        random.Random(t).shuffle(order)
+        order_ids += [tok.encode_chat({"messages": conversations[i][t]}) for i in order]
+    prompt_total = sum(len(p) for p in order_ids)
+    ideal = ideal_cached(order_ids) / prompt_total
+    live_blocks = len({tuple(p[:k * BLOCK_SIZE]) for p in order_ids[-args.conversations:]
+                       for k in range(1, len(p) // BLOCK_SIZE + 1)})
+    print(f"workload: {args.conversations} conversations x {args.turns} turns, {args.system_prompts} system prompts "
+          f"of ~{args.system_tokens} tokens, {len(order_ids)} requests, {prompt_total} prompt tokens; "
+          f"final prompts need {live_blocks} distinct KV blocks; model {model_dir}")
+
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-e2e-vllm-"))
+    scenarios = []
+    if not args.skip_roomy:
+        scenarios.append((f"roomy: {args.blocks} blocks/worker", args.blocks))
+    if not args.skip_pressure:
+        scenarios.append((f"KV pressure: {args.pressure_blocks} blocks/worker "
+                          f"({2 * args.pressure_blocks} in the cluster < {live_blocks} live)", args.pressure_blocks))
+    for title, blocks in scenarios:
+        c = start_cluster(args, model_dir, blocks, log_dir)
+        try:
+            if blocks == scenarios[0][1]:
+                print(f"  2k-token prefill on one worker: {prefill_ms(next(iter(c.workers.values()))):.0f} ms "
+                      f"(uncached, one core)", flush=True)
+            results = {p: run_policy(c, p, conversations, args.concurrency) for p in ("kv_aware", "round_robin")}
+        finally:
+            stop_cluster(c)
+        print_table(title, results, ideal)
+    print(f"\nlogs: {log_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
