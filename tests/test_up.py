@@ -1,7 +1,10 @@
 """`kvroute up` (simulated engine): starts workers + gateway, prints the URL, routes, and stops every
 process it started on SIGINT or when a child dies."""
+import json
+import os
 import re
 import signal
+import subprocess
 import time
 
 import httpx
@@ -74,3 +77,45 @@ def test_up_stops_everything_when_a_child_dies(up):
     gone, alive = psutil.wait_procs(children, timeout=15)
     assert alive == []
     assert "exited with" in proc.log_path.read_text()
+
+
+def test_up_vllm_command_line_and_environment(monkeypatch, tmp_path):
+    """The vLLM launch line `up --engine vllm` uses (the e2e suite runs it for real)."""
+    from kvroute.cli import build_parser
+    from kvroute.up import vllm_argv, vllm_env
+
+    args = build_parser().parse_args([
+        "up", "--engine", "vllm", "--vllm-python", "/opt/vllm/bin/python", "--model", str(tmp_path),
+        "--served-model-name", "m", "--block-size", "64", "--num-gpu-blocks-override", "100",
+        "--max-model-len", "2048", "--vllm-args", "--enforce-eager --dtype 'float32'"])
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
+              "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}
+    argv = vllm_argv(args, 8101, events)
+    assert argv[:3] == ["/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert "--enable-prefix-caching" in argv and "--enable-prompt-tokens-details" in argv
+    assert argv[argv.index("--model") + 1] == str(tmp_path.resolve())
+    assert argv[argv.index("--port") + 1] == "8101" and argv[argv.index("--block-size") + 1] == "64"
+    assert argv[argv.index("--num-gpu-blocks-override") + 1] == "100"
+    assert argv[argv.index("--max-model-len") + 1] == "2048"
+    assert json.loads(argv[argv.index("--kv-events-config") + 1]) == events
+    assert argv[-3:] == ["--enforce-eager", "--dtype", "float32"]
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    envs = [vllm_env(i, 2) for i in range(2)]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["3", "5"]
+    assert all(e["VLLM_CPU_KVCACHE_SPACE"] == "1" for e in envs)
+    binds = [e["VLLM_CPU_OMP_THREADS_BIND"] for e in envs]
+    assert len(set(binds)) == 2 or len(os.sched_getaffinity(0)) == 1  # own cores when there are enough
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "all")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # fewer GPUs than workers: left alone
+    assert vllm_env(1, 2) == {}
+
+
+def test_up_vllm_refuses_a_missing_interpreter(tmp_path):
+    done = subprocess.run(kvroute_argv("up", "--engine", "vllm", "--vllm-python", str(tmp_path / "nope"),
+                                       "--model", str(tmp_path)), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "--vllm-python" in done.stderr and "KVR_VLLM_PYTHON" in done.stderr

@@ -15,6 +15,7 @@ import asyncio
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from openai import OpenAI
 
@@ -234,7 +236,18 @@ def cluster(e2e_model, redis_url, tmp_path_factory) -> VllmCluster:
                 "--heartbeat-ttl-s", "60"), log_dir, deadline_s=UP_DEADLINE_S))
         _wait_for("agent heartbeats in Redis", lambda: _redis_live(redis_url) >= set(workers), 60, procs, log_dir)
         c = VllmCluster(base, workers, e2e_model, redis_url, log_dir, procs)
+        # Everything `kvroute up` started (vLLM API servers, their engine processes, the gateway).
+        started = psutil.Process(up.popen.pid).children(recursive=True)
         yield c
     finally:
         for p in reversed(procs):
             p.stop(timeout_s=30)
+    # `kvroute up` stopped on SIGTERM: no process it started outlives it, no worker port stays bound.
+    _, alive = psutil.wait_procs(started, timeout=30)
+    for proc in alive:
+        proc.kill()
+    assert alive == [], f"left running after kvroute up stopped: {[p.pid for p in alive]}"
+    for w in workers.values():
+        host, port = w.url.removeprefix("http://").split(":")
+        with socket.socket() as sock:
+            assert sock.connect_ex((host, int(port))) != 0, f"{w.id} port {port} still accepts connections"
