@@ -8,7 +8,7 @@
 | POST /admin/workers/{id}/drain | 200 the entry (``draining: true``); 404 unknown |
 | GET /admin/policy | the live policy mapping (the config's ``policy`` section) |
 | PUT /admin/policy | body: a policy mapping; validated and swapped atomically; 200 the new mapping, 400 bad |
-| GET /admin/index | ``{"backend", "workers": {id: {"blocks", "speculative_blocks", "kv_events"}}}`` (``kv_events``: the embedded ingestor's seq, event age, gaps, replays, resyncs; null without one) |
+| GET /admin/index | ``{"backend", "workers": {id: {"blocks", "speculative_blocks", "kv_events"}}}`` (``kv_events``: the embedded ingestor's, or with Redis the worker's agent's, seq, event age, gaps, replays, resyncs; null without one) |
 | POST /admin/explain | a chat or completions body -> ``{"prompt_tokens", "blocks", "candidates", "chosen", "reason", ...}``; nothing is sent |
 
 Errors use the OpenAI error shape.
@@ -21,6 +21,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request, Response
 from pydantic import ValidationError
 
+from kvcore.index.base import SupportsWorkerStates
+from kvcore.index.errors import IndexUnavailable
 from router.config import WorkerConfig
 from router.endpoints import parse_json_object
 from router.errors import GatewayError, bad_request
@@ -52,12 +54,24 @@ def make_admin_router(gateway: Any) -> APIRouter:
     async def index_stats() -> dict[str, Any]:
         return await gateway.index.stats()
 
+    async def agent_states() -> dict[str, dict[str, Any]]:
+        # a shared index (Redis): each worker's agent publishes its ingest state there
+        if not isinstance(gateway.index, SupportsWorkerStates):
+            return {}
+        try:
+            return await gateway.index.worker_states()
+        except IndexUnavailable:
+            return {}
+
     @api.get("/workers")
     async def list_workers() -> Response:
         stats = await index_stats()
+        agents = await agent_states()
         out = []
         for reg in gateway.registry.all():
             entry = reg.describe()
+            if entry.get("kv_events") is None:
+                entry["kv_events"] = agents.get(reg.id)
             st = stats.get(reg.id)
             entry["blocks"] = dict(st.blocks) if st else {"gpu": 0, "cpu": 0, "ssd": 0}
             entry["speculative_blocks"] = st.speculative_blocks if st else 0
@@ -115,9 +129,13 @@ def make_admin_router(gateway: Any) -> APIRouter:
         workers: dict[str, Any] = {}
         for wid, st in stats.items():
             workers[wid] = {"blocks": dict(st.blocks), "speculative_blocks": st.speculative_blocks}
-        for reg in gateway.registry.all():
-            entry = workers.setdefault(reg.id, {"blocks": {"gpu": 0, "cpu": 0, "ssd": 0}, "speculative_blocks": 0})
-            entry["kv_events"] = reg.event_state()
+        agents = await agent_states()  # with Redis: also workers whose agent runs but not registered here
+        for wid in [reg.id for reg in gateway.registry.all()] + list(agents):
+            workers.setdefault(wid, {"blocks": {"gpu": 0, "cpu": 0, "ssd": 0}, "speculative_blocks": 0})
+        for wid, entry in workers.items():
+            reg = gateway.registry.get(wid)
+            state = reg.event_state() if reg is not None else None
+            entry["kv_events"] = state if state is not None else agents.get(wid)
         out: dict[str, Any] = {"backend": gateway.cfg.index.backend, "workers": workers}
         if hasattr(gateway.index, "__len__"):
             out["keys"] = len(gateway.index)

@@ -27,7 +27,7 @@ class ReplayPublisher:
         self.topic = topic
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self.seq = 0
-        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub = self.ctx.socket(zmq.XPUB)  # a PUB that also hears subscriptions (see subscribed())
         self.pub.setsockopt(zmq.LINGER, 0)
         self.pub.bind(f"tcp://127.0.0.1:{pub_port}")
         self.events_url = f"tcp://127.0.0.1:{pub_port}"
@@ -39,6 +39,18 @@ class ReplayPublisher:
             self.router.setsockopt(zmq.LINGER, 0)
             self.router.bind(f"tcp://127.0.0.1:{replay_port}")
             self._task = asyncio.get_running_loop().create_task(self._serve_replay())
+
+    async def subscribed(self, timeout_s: float = 10.0) -> None:
+        """Wait until a subscriber's subscription has reached this socket (ZMQ drops what a PUB
+        sends before that). Each call consumes one subscription message."""
+        end = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            left = end - asyncio.get_running_loop().time()
+            if left <= 0 or not await self.pub.poll(left * 1000):
+                raise AssertionError("no subscriber subscribed")
+            msg = await self.pub.recv()
+            if msg[:1] == b"\x01":
+                return
 
     async def publish(self, payload: bytes, drop: bool = False) -> int:
         """Buffer ``payload`` under the next seq and send it (unless ``drop``); returns its seq."""

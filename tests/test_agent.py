@@ -60,6 +60,15 @@ async def test_agent_writes_the_gateway_keys_to_redis_and_stops_counting_when_ki
         assert await holds(keys_of(capture, "completion_B_evicts"), 16)
         stats = (await reader.stats())[worker]
         assert stats.blocks == {"gpu": 4 + 6 + 16 + 1 + 18, "cpu": 0, "ssd": 0}
+        # the agent publishes its view with its heartbeats (gateways show it in /admin)
+
+        async def published():
+            st = (await reader.worker_states()).get(worker)
+            return st is not None and st["last_seq"] == publisher.seq - 1
+        await until(published, timeout_s=10, what="agent state in Redis")
+        st = (await reader.worker_states())[worker]
+        assert st["blocks"] == stats.blocks and st["index_synced"] is True
+        assert st["gaps"] == 0 and st["resyncs"] == 0 and st["batches_applied"] == 6
         agent.signal(signal.SIGKILL)
         agent.popen.wait(10)
         # nobody heartbeats any more: within the TTL (1 s) the worker stops counting

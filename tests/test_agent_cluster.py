@@ -1,7 +1,7 @@
 """The whole shared-index path as real processes: a gateway (`kvroute serve`, index Redis),
 2 simulated vLLM workers (`kvroute sim`) publishing real-format KV events, 2 agents (`kvroute agent`)
-writing Redis, and a real redis-server. The tests run in file order on one cluster: prefix routing
-through events, eviction, a prefix-cache reset on one worker, a restarted simulator, a killed
+writing Redis, and a real redis-server. The tests run in file order on one cluster: each agent's view
+in the gateway's admin API, prefix routing through events, eviction, a prefix-cache reset on one worker, a restarted simulator, a killed
 agent, then Redis stopped mid-run."""
 from __future__ import annotations
 
@@ -14,8 +14,11 @@ import time
 import httpx
 import pytest
 import redis
+import zmq
 from conftest import ADMIN_TOKEN, Proc, free_port, kvroute_argv, wait_http
 from openai import OpenAI
+
+from kvcore.events import REPLAY_END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, seq_bytes, seq_from_bytes
 
 BLOCK = 32
 TTL_S = 1.5
@@ -122,6 +125,39 @@ class Cluster:
                     f"--- {p.name}\n{p.log_tail(15)}" for p in self.procs.values() if "agent" in p.name))
             time.sleep(0.1)
 
+    def published(self, name: str) -> tuple[int, int]:
+        """What simulator ``name`` has published, read back over its replay socket (from seq 0):
+        (last seq or -1, distinct gpu blocks those events leave held)."""
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, 5000)
+        try:
+            sock.connect(f"tcp://127.0.0.1:{self.sims[name]['rp']}")
+            sock.send_multipart([b"", seq_bytes(0)])
+            last, held = -1, set()
+            while True:
+                _, _, seq_raw, payload = sock.recv_multipart()
+                seq = seq_from_bytes(seq_raw)
+                if seq == REPLAY_END_SEQ:
+                    return last, len(held)
+                last = seq
+                for ev in decode_batch(payload).events:
+                    if isinstance(ev, BlockStored) and ev.medium in (None, "GPU"):
+                        held.update(ev.block_hashes)
+                    elif isinstance(ev, BlockRemoved) and ev.medium in (None, "GPU"):
+                        held.difference_update(ev.block_hashes)
+                    elif isinstance(ev, AllBlocksCleared):
+                        held.clear()
+        finally:
+            sock.close(0)
+            ctx.term()
+
+    def admin(self, path: str) -> dict:
+        r = httpx.get(self.base + path, headers=AUTH, timeout=10)
+        assert r.status_code == 200, r.text
+        return r.json()
+
     def route(self, seed: int) -> str:
         r = OpenAI(base_url=self.base + "/v1", api_key="x").chat.completions.with_raw_response.create(
             model="tiny", messages=_messages(seed), max_tokens=2)
@@ -136,6 +172,41 @@ def cluster(tmp_path_factory, tiny_model):
         yield c
     finally:
         c.down()
+
+
+def test_admin_shows_each_agents_view_of_its_worker(cluster):
+    # w0 gets one prompt straight from a client; w1 none. Each agent publishes its view into Redis
+    # with its heartbeats; the gateway's /admin/workers and /admin/index show it as kv_events.
+    cluster.warm("w0", 3)
+    explain = httpx.post(cluster.base + "/admin/explain", headers=AUTH, timeout=10,
+                         json={"model": "tiny", "messages": _messages(3, "warm"), "max_tokens": 2}).json()
+    prompt_blocks = explain["prompt_tokens"] // BLOCK
+    # the one decode step (max_tokens 2) fills no further block, so the cache holds the prompt's full blocks
+    assert explain["prompt_tokens"] % BLOCK + 1 < BLOCK
+    expected = {name: cluster.published(name) for name in ("w0", "w1")}
+    assert expected["w0"] == (expected["w0"][0], prompt_blocks) and expected["w0"][0] >= 0
+    assert expected["w1"] == (-1, 0)
+    end = time.monotonic() + 15
+    while True:
+        seen = {w["id"]: w["kv_events"] for w in cluster.admin("/admin/workers")["workers"]}
+        if all(seen.get(n) and seen[n]["last_seq"] == expected[n][0] for n in expected):
+            break
+        assert time.monotonic() < end, f"agents' states in /admin/workers: {seen}"
+        time.sleep(0.1)
+    index = cluster.admin("/admin/index")
+    assert index["backend"] == "redis"
+    for name, (last_seq, gpu_blocks) in expected.items():
+        for view in (seen[name], index["workers"][name]["kv_events"]):
+            assert view["worker"] == name and view["last_seq"] == last_seq
+            assert view["blocks"] == {"gpu": gpu_blocks, "cpu": 0, "ssd": 0}
+            assert view["index_synced"] is True
+            # one replay: the catch-up from seq 0 when the agent started; no loss since
+            assert view["replays"] == 1 and view["gaps"] == 0 and view["resyncs"] == 0
+            assert isinstance(view["published_age_s"], float) and view["published_age_s"] >= 0
+    assert index["workers"]["w0"]["blocks"]["gpu"] == prompt_blocks  # the index itself agrees
+    assert seen["w0"]["batches_applied"] == expected["w0"][0] + 1  # every batch since seq 0
+    assert isinstance(seen["w0"]["last_event_age_s"], float) and seen["w0"]["last_event_age_s"] >= 0
+    assert seen["w1"]["last_event_age_s"] is None  # nothing published yet
 
 
 def test_prefix_cached_behind_the_gateway_attracts_the_prompt(cluster):
@@ -192,6 +263,8 @@ def test_killed_agent_entries_stop_counting_after_the_ttl(cluster):
     t0 = time.monotonic()
     cluster.wait_matched(40, lambda m: m.get("w1", 0) == 0, "TTL expiry", timeout_s=TTL_S + 10)
     assert time.monotonic() - t0 < TTL_S + 10
+    # its published view expired with it (it is written with the heartbeats)
+    assert {w["id"]: w["kv_events"] for w in cluster.admin("/admin/workers")["workers"]}["w1"] is None
     cluster.start_agent("w1")  # back: it catches up through vLLM's replay buffer
     cluster.wait_matched(40, lambda m: m.get("w1", 0) >= 8, "restarted agent republished")
 

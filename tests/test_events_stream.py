@@ -51,7 +51,8 @@ class Setup:
 
     async def connected(self) -> None:
         await until(lambda: self.ingestor.subscriber.connected, what="SUB connected")
-        await _sleep(0.3)  # the subscription reaches the PUB side shortly after the connect
+        if self.pub is not None:
+            await self.pub.subscribed()  # the subscription reaches the PUB side shortly after the connect
 
     async def applied(self, seq: int) -> None:
         await until(lambda: self.ingestor.subscriber.last_seq >= seq, what=f"seq {seq} applied")
@@ -156,8 +157,7 @@ async def test_publisher_restart_is_detected_and_the_worker_resynced(index, capt
     await pub.close()
     s.pub = None
     pub = s.start_publisher()  # vLLM restarted: empty cache, seq from 0
-    await until(lambda: s.ingestor.subscriber.connected, what="reconnect")
-    await _sleep(0.3)
+    await s.connected()
     await pub.publish(payloads[3])
     await until(lambda: s.ingestor.subscriber.restarts >= 1 and s.ingestor.subscriber.last_seq == 0,
                 what="restart handled")

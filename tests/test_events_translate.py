@@ -108,6 +108,7 @@ async def test_unknown_removal_is_counted_and_does_not_abort_the_batch():
     assert tr.counters.unknown_removals == 2  # 999, and the second removal of 12
     assert (await index.match(keys))["w"].gpu == 1
     assert set(index._masks) == {keys[0]}
+    assert tr.held_blocks() == {"gpu": 1, "cpu": 0, "ssd": 0}
 
 
 async def test_chain_continues_through_parent_hash_like_one_event():
@@ -161,6 +162,7 @@ async def test_tokenless_placeholder_resolved_through_the_map_into_its_tier():
     # block 0 now in ssd, block 1 in cpu: the run from block 0 is only complete counting ssd
     assert (await index.match(keys))["w"].as_dict() == {"gpu": 0, "cpu": 0, "ssd": 2}
     assert (await index.stats())["w"].blocks == {"gpu": 0, "cpu": 1, "ssd": 1}
+    assert tr.held_blocks() == {"gpu": 0, "cpu": 1, "ssd": 1}
 
 
 async def test_wrong_block_size_other_groups_and_unknown_medium_are_skipped():
@@ -183,8 +185,10 @@ async def test_all_blocks_cleared_op_and_snapshot_rebuilds_the_index(frames):
     await write_ops(rebuilt, "w0", tr.snapshot())
     assert set(rebuilt._masks) == set(index._masks)
     assert (await rebuilt.stats())["w0"].blocks == (await index.stats())["w0"].blocks
+    assert tr.held_blocks() == (await index.stats())["w0"].blocks
     ops = tr.translate(EventBatch(0.0, [AllBlocksCleared()]))
     assert ops == [("clear", None, [])] and tr.snapshot() == []
+    assert tr.held_blocks() == {"gpu": 0, "cpu": 0, "ssd": 0}
 
 
 async def test_older_array_shaped_events_translate_like_the_map_shaped_ones():

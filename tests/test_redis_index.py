@@ -49,6 +49,32 @@ async def test_published_marker_tells_the_agent_to_republish(rindex):
     assert await rindex.heartbeat("w") is False
 
 
+async def test_published_ingest_state_is_read_back_with_its_age_and_expires_with_the_heartbeat(rindex):
+    state = {"worker": "w", "last_seq": 41, "gaps": 2, "replays": 1, "resyncs": 0, "last_event_age_s": 0.5,
+             "blocks": {"gpu": 7, "cpu": 1, "ssd": 0}}
+    assert await rindex.worker_states() == {}
+    await rindex.heartbeat("w", ttl_s=30, state=state)
+    await rindex.heartbeat("quiet", ttl_s=30)  # a heartbeat without a state publishes none
+    await asyncio.sleep(0.1)
+    got = await rindex.worker_states()
+    assert list(got) == ["w"]
+    w = got["w"]
+    assert {k: w[k] for k in state if k != "last_event_age_s"} == {k: v for k, v in state.items() if k != "last_event_age_s"}
+    # ages measured on Redis's clock: at least the 0.1 s slept since the heartbeat
+    assert w["published_age_s"] >= 0.1
+    assert w["last_event_age_s"] == pytest.approx(0.5 + w["published_age_s"], abs=0.002)
+    await rindex.heartbeat("w", ttl_s=30)  # a heartbeat without a state keeps the last one
+    assert (await rindex.worker_states())["w"]["last_seq"] == 41
+    await rindex.heartbeat("w", ttl_s=0.2, state=dict(state, last_seq=42))
+    assert (await rindex.worker_states())["w"]["last_seq"] == 42
+    await asyncio.sleep(0.4)  # past the TTL: the agent is gone, and so is its state
+    assert await rindex.worker_states() == {}
+    await rindex.heartbeat("w", ttl_s=30, state=state)
+    assert list(await rindex.worker_states()) == ["w"]
+    await rindex.clear_worker("w")  # a purge drops it at once
+    assert await rindex.worker_states() == {}
+
+
 async def test_removing_a_worker_purges_its_keys(rindex):
     await rindex.store("a", "gpu", K)
     await rindex.store("a", "gpu", K[:2])
@@ -129,7 +155,7 @@ async def test_agent_state_is_republished_into_a_restarted_redis(procs, capture)
     try:
         await ing.start()
         await until(lambda: ing.subscriber.connected)
-        await asyncio.sleep(0.3)
+        await pub.subscribed()
         await pub.publish(payloads[0])
         await until(lambda: ing.subscriber.last_seq == 0)
         assert (await reader.match(keys_a))["w0"].gpu == 18

@@ -23,6 +23,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
 
 TIERS: tuple[str, ...] = ("gpu", "cpu", "ssd")
 TIER_GPU, TIER_CPU, TIER_SSD = TIERS
@@ -89,3 +90,14 @@ class KVIndex(abc.ABC):
 
     async def close(self) -> None:
         """Release connections (no-op for in-memory)."""
+
+
+@runtime_checkable
+class SupportsWorkerStates(Protocol):
+    """An index written by agents in other processes (Redis) that also keeps each agent's
+    published KV-event ingest state: worker id -> the dict of
+    :meth:`kvcore.kv_events.EventIngestor.state` (last seq, event age, gaps, replays, resyncs,
+    blocks by tier), for workers whose agent is alive. The gateway's admin API shows it as the
+    worker's ``kv_events``. Raises :class:`kvcore.index.errors.IndexUnavailable`."""
+
+    async def worker_states(self) -> dict[str, dict[str, Any]]: ...

@@ -20,7 +20,11 @@ big-endian, ``raw(k)``; a worker gets a permanent slot number ``s`` on first use
   entries stay until the agent restarts (it clears them first) or the worker is removed
   (:meth:`clear_worker` purges everything);
 - ``P m: s`` STRING: set by the agent once its full state is published; a heartbeat that finds it
-  missing (Redis restarted or flushed, worker purged) tells the agent to publish again.
+  missing (Redis restarted or flushed, worker purged) tells the agent to publish again;
+- ``P st: s`` HASH ``{at: Redis TIME "sec.usec", state: JSON}`` with the heartbeat's TTL: the
+  agent's event-ingest state (:meth:`kvcore.kv_events.EventIngestor.state`: last seq, event age,
+  gaps, replays, resyncs, blocks by tier as its events say), written with its heartbeats, read by
+  the gateways' admin API (:meth:`RedisIndex.worker_states`). A few hundred bytes per worker.
 
 Bytes per block (Redis 7.0, jemalloc; ``INFO memory`` before/after populating 64 workers x 100k
 distinct blocks in ``benchmarks/bench_agent.py``): 178 B per (block, worker) entry held in one
@@ -46,6 +50,7 @@ the last call reached Redis; outages and recoveries are logged once each.
 from __future__ import annotations
 
 import heapq
+import json
 import logging
 import struct
 import time
@@ -137,7 +142,7 @@ local p = ARGV[1]
 local slot = slot_of(p, ARGV[2])
 local off = slot * 4 + tonumber(ARGV[3])
 if ARGV[5] == '1' then redis.call('DEL', p .. 'rc:' .. slot .. ':' .. ARGV[3]) end
-if ARGV[6] == '1' then redis.call('DEL', p .. 'hb:' .. slot, p .. 'm:' .. slot) end
+if ARGV[6] == '1' then redis.call('DEL', p .. 'hb:' .. slot, p .. 'm:' .. slot, p .. 'st:' .. slot) end
 local ks = redis.call('SPOP', p .. 'o:' .. slot .. ':' .. ARGV[3], tonumber(ARGV[4]))
 for _, k in ipairs(ks) do
   local bk = p .. 'b:' .. k
@@ -147,14 +152,39 @@ end
 return #ks
 """
 
-# ARGV: prefix, worker, ttl ms, mark ('1' sets the published marker). Returns 1 if it was set before.
+# ARGV: prefix, worker, ttl ms, mark ('1' sets the published marker), ingest state JSON ('' = keep
+# the last one). Returns 1 if the published marker was set before.
 _HEARTBEAT_LUA = _SLOT_OF + """
 local p = ARGV[1]
 local slot = slot_of(p, ARGV[2])
 redis.call('SET', p .. 'hb:' .. slot, '1', 'PX', ARGV[3])
 local had = redis.call('EXISTS', p .. 'm:' .. slot)
 if ARGV[4] == '1' then redis.call('SET', p .. 'm:' .. slot, '1') end
+if ARGV[5] ~= '' then
+  local t = redis.call('TIME')
+  local st = p .. 'st:' .. slot
+  redis.call('HSET', st, 'at', t[1] .. '.' .. string.format('%06d', tonumber(t[2])), 'state', ARGV[5])
+  redis.call('PEXPIRE', st, ARGV[3])
+end
 return had
+"""
+
+# ARGV: prefix. Returns {Redis TIME "sec.usec", [worker, at, state JSON, ...]} for every worker
+# whose agent's state has not expired.
+_STATES_LUA = """
+local p = ARGV[1]
+local t = redis.call('TIME')
+local slots = redis.call('HGETALL', p .. 'slots')
+local out = {}
+for i = 1, #slots, 2 do
+  local v = redis.call('HMGET', p .. 'st:' .. slots[i + 1], 'at', 'state')
+  if v[1] and v[2] then
+    out[#out + 1] = slots[i]
+    out[#out + 1] = v[1]
+    out[#out + 1] = v[2]
+  end
+end
+return {t[1] .. '.' .. string.format('%06d', tonumber(t[2])), out}
 """
 
 # ARGV: prefix, packed 8-byte keys, minimum number of keys to fetch, the caller's epoch and slot
@@ -255,6 +285,7 @@ class RedisIndex(KVIndex):
         self._apply_script = self._redis.register_script(_APPLY_LUA)
         self._clear_script = self._redis.register_script(_CLEAR_LUA)
         self._heartbeat_script = self._redis.register_script(_HEARTBEAT_LUA)
+        self._states_script = self._redis.register_script(_STATES_LUA)
         self._match_script = self._redis.register_script(_MATCH_LUA)
         self._epoch = b""
         self._names: dict[int, str] = {}  # slot -> worker, as of self._epoch
@@ -336,13 +367,18 @@ class RedisIndex(KVIndex):
                 if not self._spec[key]:
                     del self._spec[key]
 
-    async def heartbeat(self, worker: str, ttl_s: float | None = None, mark_published: bool = False) -> bool:
+    async def heartbeat(self, worker: str, ttl_s: float | None = None, mark_published: bool = False,
+                        state: dict[str, Any] | None = None) -> bool:
         """Keep ``worker`` counting for ``ttl_s`` (default ``heartbeat_ttl_s``) more seconds.
-        ``mark_published``: the caller just published its full state. Returns whether the
-        published marker was there before (False: Redis lost or purged the worker's entries, so the
-        agent should publish again). Raises IndexUnavailable."""
+        ``mark_published``: the caller just published its full state. ``state``: the agent's
+        ingest state (JSON-serialisable), kept for the same TTL for :meth:`worker_states`. Returns
+        whether the published marker was there before (False: Redis lost or purged the worker's
+        entries, so the agent should publish again). Raises IndexUnavailable; TypeError when
+        ``state`` is not JSON-serialisable."""
         ttl_ms = int((ttl_s or self.heartbeat_ttl_s) * 1000)
-        had = await self._script(self._heartbeat_script, [self.prefix, worker, ttl_ms, "1" if mark_published else "0"])
+        state_json = "" if state is None else json.dumps(state, separators=(",", ":"))
+        had = await self._script(self._heartbeat_script,
+                                 [self.prefix, worker, ttl_ms, "1" if mark_published else "0", state_json])
         return bool(had)
 
     async def store_speculative(self, worker: str, keys: Sequence[int], ttl_s: float) -> None:
@@ -472,6 +508,29 @@ class RedisIndex(KVIndex):
                 out[worker] = WorkerIndexStats(blocks={t: int(c[j]) for j, t in enumerate(TIERS)})
         for worker, n in spec_counts.items():  # like the memory backend: a worker holding nothing is absent
             out.setdefault(worker, WorkerIndexStats()).speculative_blocks = n
+        return out
+
+    async def worker_states(self) -> dict[str, dict[str, Any]]:
+        """Per worker whose agent published within the heartbeat TTL, that agent's ingest state
+        (the dict it passed to :meth:`heartbeat`) plus ``published_age_s`` (seconds since it was
+        written) and ``last_event_age_s`` advanced by that age; both ages use Redis's clock, so
+        the agent's and the gateway's clocks need not agree. One round trip. Raises
+        IndexUnavailable."""
+        now, flat = await self._script(self._states_script, [self.prefix])
+        now_s = float(now)
+        out: dict[str, dict[str, Any]] = {}
+        for i in range(0, len(flat), 3):
+            try:
+                state = json.loads(flat[i + 2])
+            except ValueError:
+                continue  # not written by this module
+            if not isinstance(state, dict):
+                continue
+            published_age_s = max(0.0, now_s - float(flat[i + 1]))
+            state["published_age_s"] = round(published_age_s, 3)
+            if isinstance(state.get("last_event_age_s"), (int, float)):
+                state["last_event_age_s"] = round(state["last_event_age_s"] + published_age_s, 3)
+            out[flat[i].decode()] = state
         return out
 
     async def live_workers(self) -> set[str]:

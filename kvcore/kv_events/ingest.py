@@ -7,8 +7,10 @@ Consistency: the translator's state is the truth; the index is written from it. 
 fails (:class:`kvcore.index.errors.IndexUnavailable`), writes stop, events keep updating the
 translator, and a maintenance task republishes the whole state (clear the worker, store the
 snapshot) once the index answers again. With an index that has heartbeats (Redis), the same task
-refreshes the worker's heartbeat every ``heartbeat_ttl_s / 3`` seconds and republishes when the
-index lost the worker's entries (Redis restarted or flushed, worker purged).
+refreshes the worker's heartbeat every ``heartbeat_ttl_s / 3`` seconds (at most
+``STATE_EVERY_S``), publishing :meth:`EventIngestor.state` with it so that the gateways' admin API
+shows the agent's view, and republishes when the index lost the worker's entries (Redis restarted
+or flushed, worker purged).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from kvcore.kv_events.subscriber import EventSubscriber
 from kvcore.kv_events.translate import EventTranslator, IndexOp
 
 log = logging.getLogger("kvroute.kv_events")
+STATE_EVERY_S = 1.0  # longest interval between heartbeats (each carries the ingest state)
 
 
 @runtime_checkable
@@ -38,9 +41,11 @@ class SupportsApplyOps(Protocol):
 
 @runtime_checkable
 class SupportsHeartbeat(Protocol):
-    """An index that forgets a worker whose writer stops heartbeating (Redis)."""
+    """An index that forgets a worker whose writer stops heartbeating (Redis); each heartbeat may
+    carry the writer's ingest state (a JSON-serialisable dict) for the gateways' admin API."""
 
-    async def heartbeat(self, worker: str, ttl_s: float | None = None, mark_published: bool = False) -> bool: ...
+    async def heartbeat(self, worker: str, ttl_s: float | None = None, mark_published: bool = False,
+                        state: dict[str, Any] | None = None) -> bool: ...
 
 
 _BATCHED: dict[type, bool] = {}  # isinstance() against a runtime Protocol is slow: cache per type
@@ -167,7 +172,9 @@ class EventIngestor:
                 await self.index.clear_worker(self.worker_id)
                 await write_ops(self.index, self.worker_id, self.translator.snapshot())
                 if isinstance(self.index, SupportsHeartbeat):
-                    await self.index.heartbeat(self.worker_id, self.heartbeat_ttl_s, mark_published=True)
+                    state = self.state()  # as it is once this heartbeat succeeds
+                    state.update(index_synced=True, republishes=self.republishes + 1)
+                    await self.index.heartbeat(self.worker_id, self.heartbeat_ttl_s, mark_published=True, state=state)
             except IndexUnavailable as exc:
                 self._synced = False
                 self.index_errors += 1
@@ -179,7 +186,7 @@ class EventIngestor:
             self._synced = True
 
     async def _maintain(self) -> None:
-        interval_s = max(0.05, self.heartbeat_ttl_s / 3)
+        interval_s = max(0.05, min(self.heartbeat_ttl_s / 3, STATE_EVERY_S))
         while True:
             await asyncio.sleep(interval_s)
             if not self._synced:
@@ -188,7 +195,7 @@ class EventIngestor:
             if not isinstance(self.index, SupportsHeartbeat):
                 continue
             try:
-                published = await self.index.heartbeat(self.worker_id, self.heartbeat_ttl_s)
+                published = await self.index.heartbeat(self.worker_id, self.heartbeat_ttl_s, state=self.state())
             except IndexUnavailable as exc:
                 self._synced = False
                 self.index_errors += 1
@@ -201,7 +208,7 @@ class EventIngestor:
     # ---- admin --------------------------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         """Per-worker ingest state for /admin: stream position and age, counters, blocks held by
-        tier (as this ingestor knows them), whether the index is in step."""
+        tier (as this ingestor knows them), whether the index is in step. JSON-serialisable."""
         sub = self.subscriber
         age = None if sub.last_batch_monotonic_s is None else round(time.monotonic() - sub.last_batch_monotonic_s, 3)
         out: dict[str, Any] = {

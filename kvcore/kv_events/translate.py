@@ -88,6 +88,7 @@ class EventTranslator:
         self.block_size = block_size
         self.counters = TranslatorCounters()
         self._entries: dict[EngineHash, list[Any]] = {}
+        self._held = [0] * len(TIERS)  # distinct engine blocks with a copy in each tier
         self._group: int | None = None
         self._warned: set[str] = set()
 
@@ -95,15 +96,11 @@ class EventTranslator:
     def reset(self) -> None:
         """Forget every block (the caller clears the index for this worker)."""
         self._entries.clear()
+        self._held = [0] * len(TIERS)
 
     def held_blocks(self) -> dict[str, int]:
-        """Distinct engine blocks held per tier."""
-        out = {t: 0 for t in TIERS}
-        for entry in self._entries.values():
-            for i, t in enumerate(TIERS):
-                if entry[2 + i]:
-                    out[t] += 1
-        return out
+        """Distinct engine blocks held per tier (kept up to date as events apply: O(1))."""
+        return dict(zip(TIERS, self._held))
 
     def lookup(self, engine_hash: EngineHash) -> tuple[int, int] | None:
         """``(block key, block index)`` of a held engine hash, or None."""
@@ -133,7 +130,7 @@ class EventTranslator:
             elif isinstance(ev, BlockRemoved):
                 self._removed(ev, ops)
             elif isinstance(ev, AllBlocksCleared):
-                self._entries.clear()
+                self.reset()
                 self.counters.clears += 1
                 ops.append(("clear", None, []))
             self.counters.events_applied += 1
@@ -173,6 +170,8 @@ class EventTranslator:
                 if entry is None:
                     self.counters.unresolved_tokenless += 1
                     continue
+                if not entry[2 + t]:
+                    self._held[t] += 1
                 entry[2 + t] += 1
                 keys.append(entry[_KEY])
             self._emit(ops, "store", TIERS[t], keys)
@@ -192,17 +191,22 @@ class EventTranslator:
         new_keys = self._block_keys(ev, parent_key, first)
         reannounce = ev.parent_block_hash is None and t == 0
         keys = []
+        fresh = 0
         for i, h in enumerate(ev.block_hashes):
             entry = entries.get(h)
             if entry is None:
                 entry = entries[h] = [new_keys[i], first + i, 0, 0, 0]
+                fresh += 1
             elif entry[2 + t]:
                 if reannounce:
                     self.counters.reannounced_blocks += 1
                     continue
                 self.counters.duplicate_blocks += 1
+            else:
+                fresh += 1
             entry[2 + t] += 1
             keys.append(entry[_KEY])
+        self._held[t] += fresh
         self._emit(ops, "store", TIERS[t], keys)
 
     def _removed(self, ev: BlockRemoved, ops: list[IndexOp]) -> None:
@@ -217,6 +221,8 @@ class EventTranslator:
                 self.counters.unknown_removals += 1
                 continue
             entry[2 + t] -= 1
+            if not entry[2 + t]:
+                self._held[t] -= 1
             keys.append(entry[_KEY])
             if not (entry[2] or entry[3] or entry[4]):
                 del entries[h]
