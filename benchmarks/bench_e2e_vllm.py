@@ -219,7 +219,7 @@ def run_policy(c: Cluster, policy: str, conversations: list[list[list[dict]]], c
     def delta(name: str) -> float:
         return gw.get(name, 0.0) - gw_before.get(name, 0.0)
 
-    n_pred = delta("kvroute_predicted_cached_tokens_count")
+    n_pred = delta("kvroute_predicted_cached_tokens_count")  # 0 for a policy without the index
     return {"ttft_p50_ms": 1000 * statistics.median(ttft), "ttft_p95_ms": 1000 * _pct(ttft, 0.95),
             "wall_s": wall, "hit_vllm_metrics": hits / queries if queries else 0.0,
             "hit_usage": cached / prompt if prompt else 0.0, "prompt_tokens": prompt,
@@ -238,9 +238,15 @@ def print_table(title: str, results: dict[str, dict], ideal: float) -> None:
             ("predicted cached tokens", "predicted_tokens", "{:.0f}"),
             ("reported cached tokens", "reported_tokens", "{:.0f}"),
             ("prediction MAE tokens/request", "mae_tokens", "{:.1f}"), ("requests per worker", "split", "{}")]
+    for r in results.values():
+        r["split"] = "/".join(str(r["split"].get(w, 0)) for w in ("w0", "w1"))
     print(f"{'':40s}" + "".join(f"{n:>18s}" for n in names))
     for label, key, fmt in rows:
-        print(f"{label:40s}" + "".join(f"{fmt.format(results[n][key]):>18s}" for n in names))
+        cells = []
+        for n in names:
+            no_prediction = key in ("predicted_tokens", "reported_tokens", "mae_tokens") and not results[n]["n_predictions"]
+            cells.append("-" if no_prediction else fmt.format(results[n][key]))
+        print(f"{label:40s}" + "".join(f"{c:>18s}" for c in cells))
 
 
 def main() -> int:

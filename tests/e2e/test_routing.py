@@ -64,8 +64,8 @@ def ideal_cached_tokens(ids_by_turn: list[list[int]]) -> list[int]:
 
 def run_phase(cluster, bodies, check_predictions: bool) -> dict:
     """Send every turn in :func:`schedule` order; returns per-request records and totals. With
-    ``check_predictions`` each request is first explained (round robin is not: explaining would
-    not move its turn, but keeps the phases' request streams identical either way)."""
+    ``check_predictions`` each request is first explained (``/admin/explain``) and the gateway's
+    choice and predicted hit are checked against what happened."""
     cli = cluster.openai()
     records = []
     for c, t in schedule():
