@@ -78,11 +78,15 @@ def request_id_of(headers: list[tuple[bytes, bytes]]) -> str:
     return uuid.uuid4().hex
 
 
-async def send_json(send, status: int, body: bytes, request_id: str | None = None) -> None:
-    """A complete JSON response through ASGI ``send``."""
+async def send_json(send, status: int, body: bytes, request_id: str | None = None,
+                    worker_id: str | None = None) -> None:
+    """A complete JSON response through ASGI ``send``; ``worker_id``: the worker the gateway
+    tried (502/504), sent as ``x-kvroute-worker``."""
     headers = _JSON_HEADERS + [(b"content-length", str(len(body)).encode())]
     if request_id is not None:
         headers.append((b"x-request-id", request_id.encode("latin-1")))
+    if worker_id is not None:
+        headers.append((b"x-kvroute-worker", worker_id.encode("latin-1")))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
@@ -157,7 +161,7 @@ class ProxyEndpoint:
             gw.metrics.requests.labels(worker, str(exc.status)).inc()
             log.warning("request %s: %s", request_id, exc.message)
             if not state.response_started:
-                await send_json(send, exc.status, exc.body(), request_id)
+                await send_json(send, exc.status, exc.body(), request_id, worker)
         except Exception as exc:
             if state.response_started:
                 # the worker broke an answer already under way: returning without completing it
@@ -170,7 +174,7 @@ class ProxyEndpoint:
                 log.exception("request %s failed", request_id)
                 err = GatewayError(500, f"internal gateway error: {exc}", "internal_error")
             gw.metrics.requests.labels(ranked[0].id, str(err.status)).inc()
-            await send_json(send, err.status, err.body(), request_id)
+            await send_json(send, err.status, err.body(), request_id, ranked[0].id)
         finally:
             watcher.cancel()
 

@@ -411,6 +411,7 @@ def test_first_byte_timeout_is_504(cluster):
     worker = explain(cluster, body)["chosen"]
     r = post(cluster, "/v1/chat/completions", body)
     assert assert_openai_error(r, 504)["code"] == "upstream_timeout"
+    assert r.headers["x-kvroute-worker"] == worker
     wait_until(lambda: workers_by_id(cluster)[worker]["in_flight"] == 0, what="in-flight released after 504")
     wait_until(lambda: sim_gauge(cluster.sims[worker], "vllm:num_requests_running") == 0,
                what="worker aborted the timed-out request")
@@ -575,4 +576,5 @@ def test_connect_failure_retried_on_next_best_then_502(cluster):
         assert admin(cluster, "POST", f"/admin/workers/{wid}/drain").status_code == 200
     r = post(cluster, "/v1/chat/completions", body)
     assert assert_openai_error(r, 502)["code"] == "upstream_failure"
+    assert r.headers["x-kvroute-worker"] == "w2"
     assert workers_by_id(cluster)["w2"]["in_flight"] == 0
