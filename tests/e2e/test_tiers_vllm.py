@@ -10,7 +10,9 @@ embedded index. The tests run in order on that one server (their state builds up
    one holding it on GPU over both;
 3. once the CPU tier is full, blocks spill to SSD and are served from there (source ``disk``);
 4. a corrupted and a truncated SSD block are detected, recomputed (identical output) and deleted;
-5. under a stream of distinct prompts both tiers stay within their byte limits.
+5. under a stream of distinct prompts both tiers stay within their byte limits;
+6. after a restart of vLLM the SSD tier is rebuilt from its files and serves a prompt computed
+   before the restart, with identical output.
 """
 from __future__ import annotations
 
@@ -62,9 +64,10 @@ def _tokens(seed: int, n: int = PROMPT_TOKENS) -> list[int]:
 class Tiers:
     """Handles on the running server, the sim worker, the gateway and the SSD folder."""
 
-    def __init__(self, vllm_url, sim_url, gateway, ssd_dir, vllm_proc):
+    def __init__(self, vllm_url, sim_url, gateway, ssd_dir, vllm_proc, start_vllm):
         self.vllm_url, self.sim_url, self.gateway, self.ssd_dir, self.vllm_proc = \
             vllm_url, sim_url, gateway, ssd_dir, vllm_proc
+        self.start_vllm = start_vllm      # () -> Proc: the same server again (same port and folders)
         self.first: dict[int, dict] = {}
 
     def complete(self, tokens: list[int], url: str | None = None) -> dict:
@@ -140,15 +143,19 @@ def tiers(tmp_path_factory):
         port, ev, rp = free_port(), free_port(), free_port()
         events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
                   "endpoint": f"tcp://*:{ev}", "replay_endpoint": f"tcp://*:{rp}"}
-        vllm = Proc("vllm", [py, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                             "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-                             "--max-model-len", "1024", "--block-size", str(BLOCK), "--enable-prefix-caching",
-                             "--dtype", "bfloat16", "--enforce-eager", "--num-gpu-blocks-override", str(GPU_BLOCKS),
-                             "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(events),
-                             "--kv-transfer-config", json.dumps(kv_transfer_config(CPU_BYTES, ssd_dir, SSD_BYTES))],
-                    log_dir, env={"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1",
-                                  "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0"),
-                                  **vllm_env()})
+
+        def start_vllm(name: str = "vllm") -> Proc:
+            argv = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                    "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+                    "--max-model-len", "1024", "--block-size", str(BLOCK), "--enable-prefix-caching",
+                    "--dtype", "bfloat16", "--enforce-eager", "--num-gpu-blocks-override", str(GPU_BLOCKS),
+                    "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(events),
+                    "--kv-transfer-config", json.dumps(kv_transfer_config(CPU_BYTES, ssd_dir, SSD_BYTES))]
+            return Proc(name, argv, log_dir, env={
+                "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1",
+                "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0"), **vllm_env()})
+
+        vllm = start_vllm()
         procs.append(vllm)
         sim_port, sev, srp = free_port(), free_port(), free_port()
         sim_events = {**events, "endpoint": f"tcp://*:{sev}", "replay_endpoint": f"tcp://*:{srp}"}
@@ -176,7 +183,14 @@ def tiers(tmp_path_factory):
         procs.append(gw)
         gateway = f"http://127.0.0.1:{gw_port}"
         wait_http(gateway + "/health", gw)
-        t = Tiers(vllm_url, sim_url, gateway, ssd_dir, vllm)
+
+        def restart() -> Proc:
+            p = start_vllm("vllm-restarted")
+            procs.append(p)
+            wait_http(vllm_url + "/health", p, timeout_s=480)
+            return p
+
+        t = Tiers(vllm_url, sim_url, gateway, ssd_dir, vllm, restart)
         assert _wait(lambda: all((w.get("kv_events") or {}).get("connected") for w in t.index().values()))
         yield t
     finally:
@@ -190,7 +204,8 @@ FILLERS = iter(range(100, 200))
 
 def _fill(t: Tiers, n: int) -> None:
     for _ in range(n):
-        t.complete(_tokens(next(FILLERS)))
+        seed = next(FILLERS)
+        t.first[seed] = t.complete(_tokens(seed))
 
 
 def test_cpu_tier_serves_after_reset_with_identical_logprobs(tiers):
@@ -282,3 +297,18 @@ def test_byte_limits_hold_under_a_stream_of_prompts(tiers):
     idx = t.index()["vllm"]["blocks"]
     assert 0 < idx["cpu"] <= CPU_BLOCKS and 0 < idx["ssd"] <= SSD_BLOCKS
     assert "Traceback" not in t.log()
+
+
+def test_restart_rebuilds_the_ssd_tier_from_disk(tiers):
+    t = tiers
+    keys = {seed: t.tier_keys(_tokens(seed)) for seed in t.first if isinstance(seed, int) and seed >= 100}
+    whole = [s for s, ks in keys.items() if all(block_path(t.fp_dir(), k).exists() for k in ks)]
+    assert whole, "no prompt entirely on SSD"
+    seed = whole[-1]
+    t.vllm_proc.stop()
+    t.vllm_proc = t.start_vllm()
+    again = t.complete(_tokens(seed))     # the CPU tier died with the process; SSD files remain
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 992
+    _same_output(t.first[seed], again)
+    assert t.cached_by_source().get("disk", 0) == 992
+    assert re.search(r"SSD tier \S+: \d+ blocks \(\d*[1-9]\d* found on disk\)", t.log())
