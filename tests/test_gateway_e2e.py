@@ -318,6 +318,35 @@ def test_non_stream_disconnect_releases_in_flight_and_aborts_upstream(cluster):
                what="worker aborted the request")
 
 
+def test_concurrent_streams_and_disconnects_leave_no_counts(cluster):
+    """16 streams at once, half of them dropped by their client after the first bytes: every
+    count (gateway in-flight, prefill, decoding; engine running) returns to 0."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(i: int) -> int:
+        body = {**_long_body(f"many-{i}", True), "max_tokens": 40 if i % 2 else 3500}
+        with httpx.stream("POST", cluster.base + "/v1/chat/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            it = r.iter_raw()
+            got = len(next(it))
+            if i % 2 == 0:
+                return got  # leave early: the client closes the connection
+            return got + sum(len(c) for c in it)
+
+    with ThreadPoolExecutor(16) as pool:
+        sizes = list(pool.map(one, range(16)))
+    assert all(n > 0 for n in sizes)
+
+    def idle() -> bool:
+        ws = workers_by_id(cluster)
+        return all(w["in_flight"] == 0 and w["prefill_tokens"] == 0 and w["decoding"] == 0 for w in ws.values())
+
+    wait_until(idle, what="gateway counts back to 0")
+    for name in ("w0", "w1"):
+        wait_until(lambda: sim_gauge(cluster.sims[name], "vllm:num_requests_running") == 0,
+                   what=f"{name} running back to 0")
+
+
 # ---- pass-through --------------------------------------------------------------------------------
 def test_unknown_fields_and_headers_reach_the_worker(cluster):
     cli = OpenAI(base_url=cluster.base + "/v1", api_key="sk-secret-123", max_retries=0)
