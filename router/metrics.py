@@ -79,6 +79,9 @@ class GatewayMetrics:
         self.cached_error = Histogram("kvroute_cached_tokens_error_tokens",
                                       "abs(actual - predicted) cached tokens per request", ["worker"],
                                       buckets=_TOKEN_BUCKETS, registry=r)
+        self.index_unavailable = Counter(
+            "kvroute_index_unavailable", "Lookups that found the shared index down (routed by load alone)",
+            registry=r)
         self.retries = Counter("kvroute_upstream_retries", "Connect failures retried on the next-best worker",
                                registry=r)
         r.register(_WorkerGauges(workers))

@@ -201,7 +201,7 @@ class Router:
             try:
                 matches = await self.index.match(blocks.first_keys)
             except IndexUnavailable:  # route on load alone for this request
-                self.metrics.tokenization_fallbacks.labels(model.name, "index_unavailable").inc()
+                self.metrics.index_unavailable.inc()
             self.metrics.lookup_s.observe(time.perf_counter() - t0)
         first_tokens = None
         if blocks is not None and blocks.token_ids is not None:

@@ -275,6 +275,9 @@ def test_redis_stopped_mid_run_requests_still_succeed(cluster):
     for seed in (50, 51, 52, 53):
         seen.add(cluster.route(seed))  # raises on a non-2xx
     assert seen <= {"w0", "w1"}
+    metrics = httpx.get(cluster.base + "/metrics", timeout=10).text
+    down = [ln for ln in metrics.splitlines() if ln.startswith("kvroute_index_unavailable_total ")]
+    assert down and float(down[0].split()[1]) >= 1  # counted, routed by load alone
     cluster.start_redis()  # back, empty: the agents publish their state again
     cluster.warm("w0", 54)
     cluster.wait_matched(54, lambda m: m.get("w0", 0) >= 8, "index recovered", timeout_s=20)
