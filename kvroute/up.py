@@ -19,7 +19,6 @@ import json
 import os
 import re
 import secrets
-import shlex
 import shutil
 import signal
 import socket
@@ -32,15 +31,25 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvroute.engines import kvroute_argv, sim_argv, vllm_argv, vllm_env
+
 STOP_GRACE_S = 10.0
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A currently free TCP port on ``host``."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct TCP ports free on ``host`` now (all held open while choosing, so one call
+    never returns the same port twice; another process may still take one before it is used)."""
+    socks = []
+    try:
+        for _ in range(n):
+            sock = socket.socket()
+            socks.append(sock)
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 @dataclass
@@ -136,10 +145,6 @@ def _tail(path: Path, n: int = 20) -> str:
         return ""
 
 
-def _kvroute(*args: str) -> list[str]:
-    return [sys.executable, "-m", "kvroute", *args]
-
-
 _LOG_PREFIX = re.compile(r"^(\(\S+ pid=\d+\)\s*)?(\w+\s+\d\d-\d\d \d\d:\d\d:\d\d(\.\d+)?\s+\[[^\]]*\]\s*)?")
 
 
@@ -196,80 +201,6 @@ def _wait_ready(cluster: Cluster, timeout_s: float, out, progress_every_s: float
         time.sleep(0.25)
 
 
-def sim_argv(args: argparse.Namespace, i: int, port: int, events_cfg: dict) -> list[str]:
-    """``kvroute sim`` command line of worker ``i``."""
-    argv = _kvroute("sim", "--model", str(args.model), "--served-model-name", args.served_model_name,
-                    "--host", "127.0.0.1", "--port", str(port), "--block-size", str(args.block_size),
-                    "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(events_cfg),
-                    "--seed", str(i))
-    if args.num_gpu_blocks_override:
-        argv += ["--num-gpu-blocks-override", str(args.num_gpu_blocks_override)]
-    if args.max_model_len:
-        argv += ["--max-model-len", str(args.max_model_len)]
-    if args.speedup != 1.0:
-        argv += ["--speedup", str(args.speedup)]
-    return argv
-
-
-def vllm_argv(args: argparse.Namespace, port: int, events_cfg: dict) -> list[str]:
-    """The vLLM OpenAI server's command line (run by ``--vllm-python``; the ``vllm`` console script
-    is avoided because some builds' package metadata breaks it): prefix caching, KV events with a
-    replay endpoint, ``usage.prompt_tokens_details`` and the block size, plus ``--vllm-args``."""
-    argv = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(Path(args.model).resolve()), "--served-model-name", args.served_model_name,
-            "--host", "127.0.0.1", "--port", str(port), "--block-size", str(args.block_size),
-            "--enable-prefix-caching", "--enable-prompt-tokens-details",
-            "--kv-events-config", json.dumps(events_cfg)]
-    if args.num_gpu_blocks_override:
-        argv += ["--num-gpu-blocks-override", str(args.num_gpu_blocks_override)]
-    if args.max_model_len:
-        argv += ["--max-model-len", str(args.max_model_len)]
-    return argv + shlex.split(args.vllm_args or "")
-
-
-def _cpu_slices(n_workers: int) -> list[str]:
-    """``VLLM_CPU_OMP_THREADS_BIND`` values giving each worker its own cores ("0", "1-3", ...)."""
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    per = max(1, len(cpus) // n_workers)
-    out = []
-    for i in range(n_workers):
-        mine = cpus[(i * per) % len(cpus):(i * per) % len(cpus) + per]
-        out.append(str(mine[0]) if len(mine) == 1 else f"{mine[0]}-{mine[-1]}")
-    return out
-
-
-def _gpu_ids() -> list[str]:
-    """The GPUs this process may use: ``CUDA_VISIBLE_DEVICES`` when set, else ``nvidia-smi -L``."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return [d for d in visible.split(",") if d.strip()]
-    if shutil.which("nvidia-smi") is None:
-        return []
-    try:
-        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return [str(i) for i, ln in enumerate(listing.splitlines()) if ln.startswith("GPU ")]
-
-
-def vllm_env(i: int, n_workers: int) -> dict[str, str]:
-    """Environment for vLLM worker ``i`` of ``n_workers``, never overriding what the user set.
-
-    CPU build: ``VLLM_CPU_KVCACHE_SPACE`` 1 (GiB) and ``VLLM_CPU_OMP_THREADS_BIND`` a slice of the
-    cores per worker. GPU hosts with at least one GPU per worker: ``CUDA_VISIBLE_DEVICES`` one GPU
-    per worker. (Variables of the other platform are ignored by vLLM.)
-    """
-    env: dict[str, str] = {}
-    if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
-        env["VLLM_CPU_KVCACHE_SPACE"] = "1"
-    if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = _cpu_slices(n_workers)[i]
-    gpus = _gpu_ids()
-    if len(gpus) >= n_workers:
-        env["CUDA_VISIBLE_DEVICES"] = gpus[i]
-    return env
-
-
 def gateway_config(args: argparse.Namespace, workers: list[dict], port: int) -> dict:
     """The gateway config (DESIGN.md schema) for the cluster ``up`` starts."""
     index = {"backend": "memory"} if args.index == "memory" else {"backend": "redis", "url": args.index}
@@ -306,9 +237,10 @@ def run(args: argparse.Namespace) -> int:
         token_note = os.environ["KVROUTE_ADMIN_TOKEN"]
     try:
         workers = []
+        ports = free_ports(3 * args.workers)
         for i in range(args.workers):
             wid = f"w{i}"
-            port, ev_port, replay_port = free_port(), free_port(), free_port()
+            port, ev_port, replay_port = ports[3 * i:3 * i + 3]
             events_cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
                           "endpoint": f"tcp://*:{ev_port}",
                           "replay_endpoint": f"tcp://*:{replay_port}"}
@@ -322,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
             workers.append({"id": wid, "url": url, "model": args.served_model_name,
                             "events": events, "replay": replay})
             if args.index != "memory":
-                cluster.start(f"agent-{wid}", _kvroute(
+                cluster.start(f"agent-{wid}", kvroute_argv(
                     "agent", "--worker-id", wid, "--events", events, "--replay", replay,
                     "--index", args.index, "--model", args.served_model_name,
                     "--block-size", str(args.block_size)), log_dir)
@@ -331,7 +263,7 @@ def run(args: argparse.Namespace) -> int:
             {k: v for k, v in w.items() if k not in ("events", "replay")} for w in workers]
         cfg_path.write_text(json.dumps(gateway_config(args, gw_workers, args.port), indent=2))
         base = f"http://{args.host if args.host != '0.0.0.0' else '127.0.0.1'}:{args.port}"
-        cluster.start("gateway", _kvroute("serve", "--config", str(cfg_path)), log_dir, base + "/health")
+        cluster.start("gateway", kvroute_argv("serve", "--config", str(cfg_path)), log_dir, base + "/health")
         print(f"[kvroute up] starting {args.workers} {args.engine} worker(s) and the gateway; logs in {log_dir}",
               file=out, flush=True)
         start = time.monotonic()

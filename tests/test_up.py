@@ -82,7 +82,7 @@ def test_up_stops_everything_when_a_child_dies(up):
 def test_up_vllm_command_line_and_environment(monkeypatch, tmp_path):
     """The vLLM launch line `up --engine vllm` uses (the e2e suite runs it for real)."""
     from kvroute.cli import build_parser
-    from kvroute.up import vllm_argv, vllm_env
+    from kvroute.engines import vllm_argv, vllm_env
 
     args = build_parser().parse_args([
         "up", "--engine", "vllm", "--vllm-python", "/opt/vllm/bin/python", "--model", str(tmp_path),

@@ -1,0 +1,96 @@
+"""How ``kvroute up`` starts each kind of worker: the command line and environment per engine.
+
+- ``sim``: ``kvroute sim`` with this interpreter (same flags as vLLM where they overlap);
+- ``vllm``: vLLM's OpenAI server run by ``--vllm-python`` (vLLM usually has its own virtualenv),
+  with prefix caching, ZMQ KV events plus a replay endpoint, ``usage.prompt_tokens_details`` and
+  the block size; one slice of the cores (CPU build) or one GPU per worker.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+
+def kvroute_argv(*args: str) -> list[str]:
+    """argv running the ``kvroute`` CLI with this interpreter."""
+    return [sys.executable, "-m", "kvroute", *args]
+
+
+def sim_argv(args: argparse.Namespace, i: int, port: int, events_cfg: dict) -> list[str]:
+    """``kvroute sim`` command line of worker ``i``."""
+    argv = kvroute_argv("sim", "--model", str(args.model), "--served-model-name", args.served_model_name,
+                    "--host", "127.0.0.1", "--port", str(port), "--block-size", str(args.block_size),
+                    "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(events_cfg),
+                    "--seed", str(i))
+    if args.num_gpu_blocks_override:
+        argv += ["--num-gpu-blocks-override", str(args.num_gpu_blocks_override)]
+    if args.max_model_len:
+        argv += ["--max-model-len", str(args.max_model_len)]
+    if args.speedup != 1.0:
+        argv += ["--speedup", str(args.speedup)]
+    return argv
+
+
+def vllm_argv(args: argparse.Namespace, port: int, events_cfg: dict) -> list[str]:
+    """The vLLM OpenAI server's command line (run by ``--vllm-python``; the ``vllm`` console script
+    is avoided because some builds' package metadata breaks it): prefix caching, KV events with a
+    replay endpoint, ``usage.prompt_tokens_details`` and the block size, plus ``--vllm-args``."""
+    argv = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(Path(args.model).resolve()), "--served-model-name", args.served_model_name,
+            "--host", "127.0.0.1", "--port", str(port), "--block-size", str(args.block_size),
+            "--enable-prefix-caching", "--enable-prompt-tokens-details",
+            "--kv-events-config", json.dumps(events_cfg)]
+    if args.num_gpu_blocks_override:
+        argv += ["--num-gpu-blocks-override", str(args.num_gpu_blocks_override)]
+    if args.max_model_len:
+        argv += ["--max-model-len", str(args.max_model_len)]
+    return argv + shlex.split(args.vllm_args or "")
+
+
+def _cpu_slices(n_workers: int) -> list[str]:
+    """``VLLM_CPU_OMP_THREADS_BIND`` values giving each worker its own cores ("0", "1-3", ...)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    per = max(1, len(cpus) // n_workers)
+    out = []
+    for i in range(n_workers):
+        mine = cpus[(i * per) % len(cpus):(i * per) % len(cpus) + per]
+        out.append(str(mine[0]) if len(mine) == 1 else f"{mine[0]}-{mine[-1]}")
+    return out
+
+
+def _gpu_ids() -> list[str]:
+    """The GPUs this process may use: ``CUDA_VISIBLE_DEVICES`` when set, else ``nvidia-smi -L``."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [d for d in visible.split(",") if d.strip()]
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        listing = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [str(i) for i, ln in enumerate(listing.splitlines()) if ln.startswith("GPU ")]
+
+
+def vllm_env(i: int, n_workers: int) -> dict[str, str]:
+    """Environment for vLLM worker ``i`` of ``n_workers``, never overriding what the user set.
+
+    CPU build: ``VLLM_CPU_KVCACHE_SPACE`` 1 (GiB) and ``VLLM_CPU_OMP_THREADS_BIND`` a slice of the
+    cores per worker. GPU hosts with at least one GPU per worker: ``CUDA_VISIBLE_DEVICES`` one GPU
+    per worker. (Variables of the other platform are ignored by vLLM.)
+    """
+    env: dict[str, str] = {}
+    if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = _cpu_slices(n_workers)[i]
+    gpus = _gpu_ids()
+    if len(gpus) >= n_workers:
+        env["CUDA_VISIBLE_DEVICES"] = gpus[i]
+    return env
