@@ -12,6 +12,7 @@ stops (and they get SIGTERM if it is killed), so nothing outlives the suite.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import re
 import shutil
@@ -48,8 +49,10 @@ READY_TIMEOUT_S = 600      # two vLLM servers load in 1-3 min on 2 shared cores
 VLLM_ARGS = "--enforce-eager --enable-scale-out --dtype bfloat16"  # eager: no 1-min torch.compile warm-up
 
 
+@functools.cache
 def vllm_python() -> str:
-    """``$KVR_VLLM_PYTHON`` checked to import vllm; fails the test (never skips) otherwise."""
+    """``$KVR_VLLM_PYTHON`` checked to import vllm (once per session); fails the test (never
+    skips) otherwise."""
     py = os.environ.get("KVR_VLLM_PYTHON", "")
     if not py or shutil.which(py) is None:
         pytest.fail("KVR_VLLM_PYTHON is not set to an interpreter with vLLM: run `make install-vllm` "
