@@ -125,13 +125,6 @@ class VllmCluster:
             time.sleep(0.25)
         pytest.fail(f"indexes not empty {timeout_s}s after /reset_prefix_cache: {idx}")
 
-    def log_tails(self) -> str:
-        out = []
-        for p in sorted(self.log_dir.glob("*.log")):
-            lines = p.read_text(errors="replace").splitlines()[-15:]
-            out.append(f"--- {p.name}\n" + "\n".join(lines))
-        return "\n".join(out)
-
 
 def redis_match(redis_url: str, keys: list[int]) -> dict[str, TierMatch]:
     """What the agents published: per worker, the run of ``keys`` held from block 0, by tier."""
