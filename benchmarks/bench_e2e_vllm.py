@@ -35,7 +35,7 @@ hit rates):
     predicted / reported cached   96480/96480  -                                85088/79040  -
     ideal (infinite cache)        0.859                                         0.859
 
-kv_aware keeps its hit-rate lead under pressure (it learns evictions from BlockRemoved events);
+kv_aware keeps its hit-rate lead under pressure (its index follows vLLM's BlockRemoved events);
 its predictions are exact when nothing is evicted and ~8 % high under pressure (66 tokens/request
 mean error: blocks evicted between routing and prefill by the 4 requests in flight). Its TTFT tail
 is worse than round robin's when the cache is roomy: requests sharing a system prompt gather on the
