@@ -53,6 +53,22 @@ def vllm_argv(args: argparse.Namespace, port: int, events_cfg: dict) -> list[str
     return argv + shlex.split(args.vllm_args or "")
 
 
+def tier_argv_env(args: argparse.Namespace, i: int) -> tuple[list[str], dict[str, str]]:
+    """The tiers' part of vLLM worker ``i``'s launch: ``--kv-transfer-config`` loading our KV
+    connector (offload_agent/connector) with ``--cpu-tier-bytes`` of RAM and, when
+    ``--ssd-tier-dir`` is given, ``--ssd-tier-bytes`` of block files in ``<dir>/w<i>`` (one folder
+    per worker: two servers sharing a folder would evict each other's files), plus the
+    ``PYTHONPATH`` vLLM needs to import the connector. Nothing when no tier flag is set.
+    Raises ValueError for sizes the connector rejects."""
+    if not args.cpu_tier_bytes:
+        return [], {}
+    from offload_agent.connector.config import kv_transfer_config, vllm_env as connector_env
+
+    ssd_dir = Path(args.ssd_tier_dir) / f"w{i}" if args.ssd_tier_dir else None
+    cfg = kv_transfer_config(args.cpu_tier_bytes, ssd_dir, args.ssd_tier_bytes or 0)
+    return ["--kv-transfer-config", json.dumps(cfg)], connector_env()
+
+
 def _cpu_slices(n_workers: int) -> list[str]:
     """``VLLM_CPU_OMP_THREADS_BIND`` values giving each worker its own cores ("0", "1-3", ...)."""
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))

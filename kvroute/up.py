@@ -31,7 +31,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvroute.engines import kvroute_argv, sim_argv, vllm_argv, vllm_env
+from kvroute.engines import kvroute_argv, sim_argv, tier_argv_env, vllm_argv, vllm_env
 
 STOP_GRACE_S = 10.0
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -246,6 +246,8 @@ def run(args: argparse.Namespace) -> int:
                           "replay_endpoint": f"tcp://*:{replay_port}"}
             if args.engine == "vllm":
                 argv, env = vllm_argv(args, port, events_cfg), vllm_env(i, args.workers)
+                tier_args, tier_env = tier_argv_env(args, i)
+                argv, env = argv + tier_args, {**env, **tier_env}
             else:
                 argv, env = sim_argv(args, i, port, events_cfg), None
             url = f"http://127.0.0.1:{port}"
@@ -263,10 +265,12 @@ def run(args: argparse.Namespace) -> int:
             {k: v for k, v in w.items() if k not in ("events", "replay")} for w in workers]
         cfg_path.write_text(json.dumps(gateway_config(args, gw_workers, args.port), indent=2))
         base = f"http://{args.host if args.host != '0.0.0.0' else '127.0.0.1'}:{args.port}"
-        cluster.start("gateway", kvroute_argv("serve", "--config", str(cfg_path)), log_dir, base + "/health")
-        print(f"[kvroute up] starting {args.workers} {args.engine} worker(s) and the gateway; logs in {log_dir}",
+        print(f"[kvroute up] starting {args.workers} {args.engine} worker(s), then the gateway; logs in {log_dir}",
               file=out, flush=True)
         start = time.monotonic()
+        _wait_ready(cluster, args.ready_timeout_s, out)
+        # the gateway starts once its workers answer, so its port never takes requests it must refuse
+        cluster.start("gateway", kvroute_argv("serve", "--config", str(cfg_path)), log_dir, base + "/health")
         _wait_ready(cluster, args.ready_timeout_s, out)
         while not _gateway_sees_workers(base, args.workers):  # health hysteresis: a few seconds
             dead = cluster.dead_child()
@@ -317,6 +321,11 @@ def register(subparsers) -> None:
                    help="interpreter with vLLM installed (default: $KVR_VLLM_PYTHON, else 'python')")
     p.add_argument("--vllm-args", default="", metavar="'ARGS'",
                    help="extra flags for each vLLM server, one shell-quoted string (e.g. '--dtype bfloat16')")
+    p.add_argument("--cpu-tier-bytes", type=int, default=None,
+                   help="vllm engine: RAM per worker for the CPU tier of KV blocks (enables the tiers)")
+    p.add_argument("--ssd-tier-dir", default=None,
+                   help="vllm engine: folder for the SSD tier (one subfolder per worker)")
+    p.add_argument("--ssd-tier-bytes", type=int, default=None, help="vllm engine: bytes of SSD tier per worker")
     p.add_argument("--policy", default="kv_aware", help="routing policy (default kv_aware)")
     p.add_argument("--speedup", type=float, default=1.0, help="simulated workers run this many times faster")
     p.add_argument("--log-dir", default=None, help="where each process logs (default: a temp dir)")
@@ -334,6 +343,14 @@ def register(subparsers) -> None:
             p.error(f"--vllm-python {args.vllm_python!r} is not an executable (set KVR_VLLM_PYTHON)")
         if args.index != "memory" and not args.index.startswith(("redis://", "rediss://", "unix://")):
             p.error("--index must be 'memory' or a redis:// URL")
+        tier_flags = (args.cpu_tier_bytes, args.ssd_tier_dir, args.ssd_tier_bytes)
+        if any(v is not None for v in tier_flags):
+            if args.engine != "vllm":
+                p.error("the CPU/SSD tiers need --engine vllm (they live behind vLLM's KV connector)")
+            if not args.cpu_tier_bytes or args.cpu_tier_bytes <= 0:
+                p.error("--cpu-tier-bytes must be > 0 when tiers are used")
+            if (args.ssd_tier_dir is None) != (args.ssd_tier_bytes is None) or (args.ssd_tier_bytes or 1) <= 0:
+                p.error("--ssd-tier-dir and --ssd-tier-bytes (> 0) go together")
         return run(args)
 
     p.set_defaults(func=func)

@@ -5,7 +5,9 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import psutil
@@ -119,3 +121,41 @@ def test_up_vllm_refuses_a_missing_interpreter(tmp_path):
                                        "--model", str(tmp_path)), capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "--vllm-python" in done.stderr and "KVR_VLLM_PYTHON" in done.stderr
+
+
+def test_up_vllm_tier_flags_load_our_connector_with_a_folder_per_worker(tmp_path):
+    """--cpu-tier-bytes/--ssd-tier-* become vLLM's --kv-transfer-config (tests/e2e runs it for real)."""
+    from kvroute.cli import build_parser
+    from kvroute.engines import tier_argv_env
+
+    args = build_parser().parse_args([
+        "up", "--engine", "vllm", "--vllm-python", "/opt/vllm/bin/python", "--model", str(tmp_path),
+        "--cpu-tier-bytes", str(64 << 20), "--ssd-tier-dir", str(tmp_path / "ssd"),
+        "--ssd-tier-bytes", str(256 << 20)])
+    argv, env = tier_argv_env(args, 1)
+    assert argv[0] == "--kv-transfer-config"
+    cfg = json.loads(argv[1])
+    assert cfg["kv_connector"] == "KVRouteTierConnector"
+    assert cfg["kv_connector_module_path"] == "offload_agent.connector.vllm_connector"
+    assert cfg["kv_role"] == "kv_both"
+    assert cfg["kv_connector_extra_config"] == {"cpu_tier_bytes": 64 << 20,
+                                                "ssd_tier_dir": str((tmp_path / "ssd" / "w1").resolve()),
+                                                "ssd_tier_bytes": 256 << 20}
+    repo_root = str(Path(__file__).resolve().parents[1])
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == repo_root
+    no_tiers = build_parser().parse_args(["up", "--engine", "vllm", "--model", str(tmp_path)])
+    assert tier_argv_env(no_tiers, 0) == ([], {})
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--cpu-tier-bytes", "1000"], "need --engine vllm"),
+    (["--engine", "vllm", "--vllm-python", sys.executable, "--ssd-tier-dir", "/tmp/x",
+      "--ssd-tier-bytes", "10"], "--cpu-tier-bytes must be > 0"),
+    (["--engine", "vllm", "--vllm-python", sys.executable, "--cpu-tier-bytes", "1000",
+      "--ssd-tier-dir", "/tmp/x"], "go together"),
+])
+def test_up_rejects_incomplete_tier_flags(tmp_path, flags, message):
+    done = subprocess.run(kvroute_argv("up", "--model", str(tmp_path), *flags),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert message in done.stderr
