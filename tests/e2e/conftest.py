@@ -42,10 +42,12 @@ MODEL_NAME = "tiny"
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 1024
 # KV capacity per worker, in blocks: more than max_model_len / block_size (vLLM reserves one
-# block), small enough that the routing test's 20 conversations do not fit on one worker.
-GPU_BLOCKS = 112
+# block), small enough that the routing test's 20 conversations (219 blocks) do not fit on one
+# worker, large enough that half of them fit on each.
+GPU_BLOCKS = 176
 UP_DEADLINE_S = 1200       # hard limit on the whole cluster's life
 READY_TIMEOUT_S = 600      # two vLLM servers load in 1-3 min on 2 shared cores
+REDIS_TIMEOUT_S = 10.0     # reads of the agents' index; the default 0.5 s is too short on a busy machine
 VLLM_ARGS = "--enforce-eager --enable-scale-out --dtype bfloat16"  # eager: no 1-min torch.compile warm-up
 
 
@@ -129,7 +131,7 @@ class VllmCluster:
 def redis_match(redis_url: str, keys: list[int]) -> dict[str, TierMatch]:
     """What the agents published: per worker, the run of ``keys`` held from block 0, by tier."""
     async def go() -> dict[str, TierMatch]:
-        index = RedisIndex(redis_url)
+        index = RedisIndex(redis_url, socket_timeout_s=REDIS_TIMEOUT_S)
         try:
             return await index.match(keys)
         finally:
@@ -140,7 +142,7 @@ def redis_match(redis_url: str, keys: list[int]) -> dict[str, TierMatch]:
 def redis_blocks(redis_url: str) -> int:
     """Blocks the agents hold in Redis over every worker and tier."""
     async def go() -> int:
-        index = RedisIndex(redis_url)
+        index = RedisIndex(redis_url, socket_timeout_s=REDIS_TIMEOUT_S)
         try:
             return sum(sum(st.blocks.values()) for st in (await index.stats()).values())
         finally:
@@ -150,7 +152,7 @@ def redis_blocks(redis_url: str) -> int:
 
 def _redis_live(redis_url: str) -> set[str]:
     async def go() -> set[str]:
-        index = RedisIndex(redis_url)
+        index = RedisIndex(redis_url, socket_timeout_s=REDIS_TIMEOUT_S)
         try:
             return await index.live_workers()
         finally:

@@ -2,8 +2,9 @@
 ``round_robin`` on the same requests (policy swapped with ``PUT /admin/policy``, both workers'
 prefix caches reset in between).
 
-Each conversation has its own system prompt; the assistant turns are fixed text, so both phases
-send identical bodies. The conversations' final prompts need more KV blocks than one worker has,
+Each conversation has its own system prompt (~7 blocks, so a turn's prefix credit outweighs the
+load one request that just finished on its worker still shows in the gateway's last metrics
+scrape); the assistant turns are fixed text, so both phases send identical bodies. The conversations' final prompts need more KV blocks than one worker has,
 and fit in the two together. Before each request ``/admin/explain`` gives the gateway's choice and
 predicted prefix-hit tokens; the response's ``x-kvroute-worker`` and vLLM's ``cached_tokens`` are
 checked against them. The ideal hit rate is computed from the token ids: every block of a prompt
@@ -29,7 +30,7 @@ def conversation_bodies() -> list[list[dict]]:
     """Per conversation, the chat body of each turn (history grows by the fixed assistant reply)."""
     out = []
     for c in range(N_CONVERSATIONS):
-        messages = [{"role": "system", "content": f"Conversation {c}. " + words(34, 1000 + c)}]
+        messages = [{"role": "system", "content": f"Conversation {c}. " + words(110, 1000 + c)}]
         turns = []
         for t in range(N_TURNS):
             messages.append({"role": "user", "content": words(11, 100 * c + t)})
