@@ -15,6 +15,10 @@ from kvcore.kv_events import EventIngestor
 
 log = logging.getLogger("kvroute.agent")
 STATUS_EVERY_S = 30.0
+# Redis command timeout for the agent. Longer than the gateway's (which falls back to load-only
+# routing fast): a republish writes the worker's whole state in one script call, and a timeout
+# shorter than that call on a busy host would make the agent republish over and over.
+REDIS_TIMEOUT_S = 5.0
 
 
 def check_args(args: argparse.Namespace) -> str | None:
@@ -34,7 +38,7 @@ def check_args(args: argparse.Namespace) -> str | None:
 
 async def run_agent(args: argparse.Namespace) -> None:
     """Run until a stop signal; never raises for an unreachable Redis or vLLM (it waits for both)."""
-    index = RedisIndex(args.index, heartbeat_ttl_s=args.heartbeat_ttl_s)
+    index = RedisIndex(args.index, heartbeat_ttl_s=args.heartbeat_ttl_s, socket_timeout_s=REDIS_TIMEOUT_S)
     ingestor = EventIngestor(args.worker_id, args.events, args.replay, index, args.model, args.block_size,
                              topic=args.topic.encode(), heartbeat_ttl_s=args.heartbeat_ttl_s)
     stop = asyncio.Event()

@@ -40,7 +40,7 @@ def agent_argv(pub: ReplayPublisher, redis_url: str, worker: str, ttl_s: float =
 async def test_agent_writes_the_gateway_keys_to_redis_and_stops_counting_when_killed(
         procs, redis_url, capture, publisher):
     worker = f"agent-{uuid.uuid4().hex[:6]}"
-    reader = RedisIndex(redis_url)
+    reader = RedisIndex(redis_url, socket_timeout_s=5)
     payloads = capture_payloads(capture)
     try:
         for p in payloads[:3]:  # before the agent starts: it must catch up through replay
@@ -68,7 +68,9 @@ async def test_agent_writes_the_gateway_keys_to_redis_and_stops_counting_when_ki
         await until(published, timeout_s=10, what="agent state in Redis")
         st = (await reader.worker_states())[worker]
         assert st["blocks"] == stats.blocks and st["index_synced"] is True
-        assert st["gaps"] == 0 and st["resyncs"] == 0 and st["batches_applied"] == 6
+        # every batch applied, none lost for good (a frame sent before the subscription reached the
+        # PUB socket would be a gap repaired by replay, so gaps is not pinned to 0)
+        assert st["batches_applied"] == 6 and st["resyncs"] == 0 and st["gaps"] < st["replays"]
         agent.signal(signal.SIGKILL)
         agent.popen.wait(10)
         # nobody heartbeats any more: within the TTL (1 s) the worker stops counting
@@ -84,7 +86,7 @@ async def _absent(reader: RedisIndex, keys: list[int], worker: str) -> bool:
 
 async def test_stopped_agent_purges_its_entries(procs, redis_url, capture, publisher):
     worker = f"agent-{uuid.uuid4().hex[:6]}"
-    reader = RedisIndex(redis_url)
+    reader = RedisIndex(redis_url, socket_timeout_s=5)
     try:
         await publisher.publish(capture_payloads(capture)[0])
         agent = procs("agent", agent_argv(publisher, redis_url, worker, ttl_s=30))

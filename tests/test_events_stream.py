@@ -28,7 +28,7 @@ async def index(request):
         yield MemoryIndex()
         return
     redis_url = request.getfixturevalue("redis_url")
-    idx = RedisIndex(redis_url, namespace=f"t{uuid.uuid4().hex[:8]}")
+    idx = RedisIndex(redis_url, namespace=f"t{uuid.uuid4().hex[:8]}", socket_timeout_s=5)
     yield idx
     await idx.close()
 

@@ -29,7 +29,9 @@ async def index(request, clock):
     if request.param == "memory":
         yield MemoryIndex(clock=clock)
         return
-    idx = RedisIndex(request.getfixturevalue("redis_url"), namespace=f"t{uuid.uuid4().hex[:8]}", clock=clock)
+    # a generous timeout: this machine is shared, and a slow answer is not what these tests check
+    idx = RedisIndex(request.getfixturevalue("redis_url"), namespace=f"t{uuid.uuid4().hex[:8]}", clock=clock,
+                     socket_timeout_s=5)
     yield idx
     await idx.close()
 
