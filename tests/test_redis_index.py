@@ -24,7 +24,7 @@ K = list(range(500, 510))
 
 @pytest.fixture
 async def rindex(redis_url):
-    idx = RedisIndex(redis_url, namespace=f"t{uuid.uuid4().hex[:8]}", heartbeat_ttl_s=0.4)
+    idx = RedisIndex(redis_url, namespace=f"t{uuid.uuid4().hex[:8]}", heartbeat_ttl_s=0.4, socket_timeout_s=5)
     yield idx
     await idx.close()
 
@@ -73,6 +73,24 @@ async def test_published_ingest_state_is_read_back_with_its_age_and_expires_with
     assert list(await rindex.worker_states()) == ["w"]
     await rindex.clear_worker("w")  # a purge drops it at once
     assert await rindex.worker_states() == {}
+
+
+async def test_a_reader_sees_a_worker_added_after_its_last_lookup(rindex, redis_url):
+    reader = RedisIndex(redis_url, namespace=rindex.prefix[:-1], socket_timeout_s=5)
+    try:
+        assert await reader.match(K) == {}  # nothing yet: an empty slot table
+        await rindex.store("a", "gpu", K[:3])
+        assert await reader.match(K) == {"a": TierMatch(3, 0, 0)}
+        await rindex.store("b", "cpu", K)  # a new slot: the reader's table is stale, the lookup notices
+        assert await reader.match(K) == {"a": TierMatch(3, 0, 0), "b": TierMatch(0, 10, 0)}
+        await rindex.store_speculative("c", K[:4], ttl_s=30)  # the writer's own guess, not the reader's
+        assert "c" not in await reader.match(K)
+        await reader.store_speculative("c", K[:4], ttl_s=30)
+        await reader.store_speculative("a", K[3:5], ttl_s=30)  # a's speculative blocks extend its gpu run
+        assert await reader.match(K) == {"a": TierMatch(5, 0, 0), "b": TierMatch(0, 10, 0), "c": TierMatch(4, 0, 0)}
+        assert await reader.match([999] + K) == {}
+    finally:
+        await reader.close()
 
 
 async def test_removing_a_worker_purges_its_keys(rindex):

@@ -1,20 +1,24 @@
-"""In-process index backend: bitmasks of worker slots per key, so a lookup costs
+"""In-process index backend: one int of worker bits per key, so a lookup costs
 O(prompt blocks + workers), whatever the number of workers holding each block.
 
 Layout and memory:
 
-- every worker gets a slot number (bit ``1 << slot``);
-- ``_masks[key]`` is a 4-list ``[gpu_mask, cpu_mask, ssd_mask, speculative_mask]``;
+- every worker gets a slot number ``s``; a key's entry ``_masks[key]`` is one int whose bit
+  ``4*s + t`` is set when worker ``s`` holds the key in tier ``t`` (0 gpu, 1 cpu, 2 ssd,
+  3 speculative), the same layout as the Redis backend's bitmaps. One int (not a list of four)
+  means one object per key: fewer memory loads per lookup step, and nothing for Python's cyclic
+  garbage collector to traverse (a list per key made every full collection walk millions of
+  objects while the gateway served);
 - ``_owned[slot][tier]`` is the set of keys the worker holds in that tier (for clear/stats);
 - a second (third...) copy of the same (key, slot, tier) goes to ``_extra_refs`` only when it
   happens (vLLM duplicates are rare), so the common case stores no counter at all.
 
-Measured with ``sys.getsizeof`` on CPython 3.11 (x86_64): a key held by one worker in one tier
-costs about 200 bytes (dict entry + int key + 4-list + small ints: ~120 B, plus the set entry in
-``_owned``: ~80 B); each further worker holding the same key adds ~80 B (set entry; the mask ints
-stay a few dozen bytes up to 64 workers). ``max_keys`` bounds the distinct keys: beyond it new
-keys are not indexed (the index may under-report, never over-report) and ``dropped_keys`` counts
-them.
+Memory (CPython 3.11, x86_64): ``benchmarks/bench_agent.py`` measures ~190 B of RSS per (block,
+worker) entry with 64 workers x 100k distinct blocks (dict entry + int key + int value, ~60 B of
+them the value int at 64 workers, plus the set entry in ``_owned``); a list of four masks per key
+cost ~270 B. Each further worker holding the same key adds a set entry (~80 B). ``max_keys``
+bounds the distinct keys: beyond it new keys are not indexed (the index may under-report, never
+over-report) and ``dropped_keys`` counts them.
 """
 from __future__ import annotations
 
@@ -24,8 +28,9 @@ from collections.abc import Callable, Sequence
 
 from kvcore.index.base import TIERS, KVIndex, TierMatch, WorkerIndexStats, check_tier
 
-_SPEC = 3  # position of the speculative mask in a key's mask list
-BYTES_PER_BLOCK_ESTIMATE = 200
+_SPEC = 3  # bit of a slot's nibble for speculative entries (after gpu, cpu, ssd)
+_STRIDE = 4  # bits per slot in a key's int
+BYTES_PER_BLOCK_ESTIMATE = 190  # measured RSS per (block, worker) entry, see above
 
 
 class MemoryIndex(KVIndex):
@@ -35,13 +40,14 @@ class MemoryIndex(KVIndex):
     def __init__(self, max_keys: int = 20_000_000, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_keys = max_keys
         self._clock = clock
-        self._masks: dict[int, list[int]] = {}
+        self._masks: dict[int, int] = {}
         self._slots: dict[str, int] = {}
         self._free_slots: list[int] = []
         self._owned: dict[int, list[set[int]]] = {}
         self._extra_refs: dict[tuple[int, int, int], int] = {}
         self._spec_expiry: dict[tuple[int, int], float] = {}
         self._spec_heap: list[tuple[float, int, int]] = []
+        self._gpu_sel = 0  # bit 4*s for every slot s below the highest one handed out
         self.dropped_keys = 0
 
     # ---- slots --------------------------------------------------------------------------------
@@ -51,6 +57,7 @@ class MemoryIndex(KVIndex):
             slot = heapq.heappop(self._free_slots) if self._free_slots else len(self._slots)
             self._slots[worker] = slot
             self._owned[slot] = [set() for _ in TIERS] + [set()]
+            self._gpu_sel |= 1 << (_STRIDE * slot)
         return slot
 
     # ---- writes -------------------------------------------------------------------------------
@@ -61,21 +68,21 @@ class MemoryIndex(KVIndex):
         """Synchronous :meth:`store` (the embedded agent calls it from its own loop)."""
         t = check_tier(tier)
         slot = self._slot(worker)
-        bit = 1 << slot
+        bit = 1 << (_STRIDE * slot + t)
         owned = self._owned[slot][t]
         masks = self._masks
         for key in keys:
-            entry = masks.get(key)
-            if entry is None:
+            v = masks.get(key)
+            if v is None:
                 if len(masks) >= self.max_keys:
                     self.dropped_keys += 1
                     continue
-                entry = masks[key] = [0, 0, 0, 0]
-            if entry[t] & bit:
+                v = 0
+            if v & bit:
                 ref = (key, slot, t)
                 self._extra_refs[ref] = self._extra_refs.get(ref, 1) + 1
             else:
-                entry[t] |= bit
+                masks[key] = v | bit
                 owned.add(key)
 
     async def remove(self, worker: str, tier: str, keys: Sequence[int]) -> int:
@@ -87,12 +94,13 @@ class MemoryIndex(KVIndex):
         slot = self._slots.get(worker)
         if slot is None:
             return len(keys)
-        bit = 1 << slot
+        bit = 1 << (_STRIDE * slot + t)
         owned = self._owned[slot][t]
+        masks = self._masks
         missing = 0
         for key in keys:
-            entry = self._masks.get(key)
-            if entry is None or not entry[t] & bit:
+            v = masks.get(key)
+            if v is None or not v & bit:
                 missing += 1
                 continue
             ref = (key, slot, t)
@@ -103,10 +111,12 @@ class MemoryIndex(KVIndex):
                 else:
                     del self._extra_refs[ref]
                 continue
-            entry[t] &= ~bit
             owned.discard(key)
-            if not any(entry):
-                del self._masks[key]
+            v ^= bit
+            if v:
+                masks[key] = v
+            else:
+                del masks[key]
         return missing
 
     async def clear_worker(self, worker: str, tier: str | None = None) -> None:
@@ -117,16 +127,19 @@ class MemoryIndex(KVIndex):
         slot = self._slots.get(worker)
         if slot is None:
             return
-        bit = 1 << slot
         positions = [check_tier(tier)] if tier is not None else [0, 1, 2, _SPEC]
+        masks = self._masks
         for t in positions:
+            keep = ~(1 << (_STRIDE * slot + t))
             for key in self._owned[slot][t]:
-                entry = self._masks.get(key)
-                if entry is None:
+                v = masks.get(key)
+                if v is None:
                     continue
-                entry[t] &= ~bit
-                if not any(entry):
-                    del self._masks[key]
+                v &= keep
+                if v:
+                    masks[key] = v
+                else:
+                    del masks[key]
             self._owned[slot][t].clear()
             if t == _SPEC:
                 for k in [k for k in self._spec_expiry if k[1] == slot]:
@@ -147,17 +160,18 @@ class MemoryIndex(KVIndex):
         now = self._clock()
         self._expire(now)
         slot = self._slot(worker)
-        bit = 1 << slot
+        bit = 1 << (_STRIDE * slot + _SPEC)
         owned = self._owned[slot][_SPEC]
+        masks = self._masks
         expiry = now + ttl_s
         for key in keys:
-            entry = self._masks.get(key)
-            if entry is None:
-                if len(self._masks) >= self.max_keys:
+            v = masks.get(key)
+            if v is None:
+                if len(masks) >= self.max_keys:
                     self.dropped_keys += 1
                     continue
-                entry = self._masks[key] = [0, 0, 0, 0]
-            entry[_SPEC] |= bit
+                v = 0
+            masks[key] = v | bit
             owned.add(key)
             self._spec_expiry[(key, slot)] = expiry
             heapq.heappush(self._spec_heap, (expiry, key, slot))
@@ -170,10 +184,12 @@ class MemoryIndex(KVIndex):
             if current is None or current > now:
                 continue  # refreshed since, or already cleared
             del self._spec_expiry[(key, slot)]
-            entry = self._masks.get(key)
-            if entry is not None:
-                entry[_SPEC] &= ~(1 << slot)
-                if not any(entry):
+            v = self._masks.get(key)
+            if v is not None:
+                v &= ~(1 << (_STRIDE * slot + _SPEC))
+                if v:
+                    self._masks[key] = v
+                else:
                     del self._masks[key]
             owned = self._owned.get(slot)
             if owned is not None:
@@ -184,43 +200,40 @@ class MemoryIndex(KVIndex):
         return self.match_sync(keys)
 
     def match_sync(self, keys: Sequence[int]) -> dict[str, TierMatch]:
-        """Synchronous :meth:`match`. Three running ANDs of bitmasks from block 0: gpu
-        (+speculative), gpu|cpu, and any tier; a worker's run in a chain ends where its bit drops
-        out. One pass that stops at the first block no worker holds; a block held only in gpu by
-        every still-running worker costs one AND and a compare."""
+        """Synchronous :meth:`match`. Three running ANDs of worker bits (at position ``4*slot``)
+        from block 0: gpu (+speculative), gpu|cpu, and any tier; a worker's run in a chain ends
+        where its bit drops out. One pass that stops at the first block no worker holds; a block
+        that every still-running worker holds in gpu costs one AND and a compare."""
         if self._spec_heap:
             self._expire(self._clock())
         if not keys or not self._slots:
             return {}
         get = self._masks.get
-        e = get(keys[0])
-        if e is None:
+        v = get(keys[0])
+        if v is None:
             return {}
-        g = e[0] | e[3]
-        gc = g | e[1]
-        a = gc | e[2]
+        sel = self._gpu_sel
+        g = (v | v >> 3) & sel
+        gc = (v | v >> 1 | v >> 3) & sel
+        a = (v | v >> 1 | v >> 2 | v >> 3) & sel
         drops: list[tuple[int, int, int, int]] = []
         end = len(keys)
-        for i, e in enumerate(map(get, keys[1:]), 1):
-            if e is None:
+        for i, v in enumerate(map(get, keys[1:]), 1):
+            if v is None:
                 end = i
                 break
-            if e[1] or e[2] or e[3]:
-                ng, ngc, na = g & (e[0] | e[3]), gc & (e[0] | e[1] | e[3]), a & (e[0] | e[1] | e[2] | e[3])
-                if ng == g and ngc == gc and na == a:
-                    continue
-            else:
-                m = e[0]
-                if a & m == a:  # every running worker holds it (g and gc are subsets of a)
-                    continue
-                ng, ngc, na = g & m, gc & m, a & m
+            if a & v == a:  # every running worker holds it in gpu (g and gc are subsets of a)
+                continue
+            ng, ngc, na = g & (v | v >> 3), gc & (v | v >> 1 | v >> 3), a & (v | v >> 1 | v >> 2 | v >> 3)
+            if ng == g and ngc == gc and na == a:
+                continue
             drops.append((g & ~ng, gc & ~ngc, a & ~na, i))
             g, gc, a = ng, ngc, na
             if not a:
                 end = i
                 break
         names = {slot: name for name, slot in self._slots.items()}
-        return tier_matches(drops, (g, gc, a), end, names, 1)
+        return tier_matches(drops, (g, gc, a), end, names, _STRIDE)
 
     async def stats(self) -> dict[str, WorkerIndexStats]:
         return self.stats_sync()
@@ -270,11 +283,14 @@ def tier_matches(drops: Sequence[tuple[int, int, int, int]], alive: tuple[int, i
             continue
         g = gpu_run.get(pos, 0)
         gc = max(gc_run.get(pos, 0), g)
-        out[worker] = TierMatch(gpu=g, cpu=gc - g, ssd=total - gc)
+        out[worker] = TierMatch(g, gc - g, total - gc)  # gpu, cpu, ssd
     return out
 
 
 def _record(lengths: dict[int, int], bits: int, length: int) -> None:
+    if not bits & (bits - 1):  # one worker (the common case): no loop
+        lengths[bits.bit_length() - 1] = length
+        return
     while bits:
         low = bits & -bits
         lengths[low.bit_length() - 1] = length
