@@ -264,34 +264,44 @@ def tier_matches(drops: Sequence[tuple[int, int, int, int]], alive: tuple[int, i
     ``alive``: the chains' bits still set after block ``end - 1``. A worker's bit sits at position
     ``stride * slot``; ``names``: slot -> worker id (unknown slots are left out).
     """
-    runs: tuple[dict[int, int], dict[int, int], dict[int, int]] = ({}, {}, {})
-    for dg, dgc, da, i in drops:
+    # run length per chain, keyed by bit position + 1 (int.bit_length of a one-bit int)
+    gpu_run: dict[int, int] = {}
+    gc_run: dict[int, int] = {}
+    any_run: dict[int, int] = {}
+    for dg, dgc, da, i in drops:  # mostly one worker per chain per drop: no loop, no call
         if dg:
-            _record(runs[0], dg, i)
+            if dg & (dg - 1):
+                _record(gpu_run, dg, i)
+            else:
+                gpu_run[dg.bit_length()] = i
         if dgc:
-            _record(runs[1], dgc, i)
+            if dgc & (dgc - 1):
+                _record(gc_run, dgc, i)
+            else:
+                gc_run[dgc.bit_length()] = i
         if da:
-            _record(runs[2], da, i)
-    for chain, bits in enumerate(alive):
+            if da & (da - 1):
+                _record(any_run, da, i)
+            else:
+                any_run[da.bit_length()] = i
+    for run, bits in zip((gpu_run, gc_run, any_run), alive):
         if bits:
-            _record(runs[chain], bits, end)
-    gpu_run, gc_run, any_run = runs
+            _record(run, bits, end)
     out: dict[str, TierMatch] = {}
     for pos, total in any_run.items():
-        worker = names.get(pos // stride)
+        worker = names.get((pos - 1) // stride)
         if worker is None:
             continue
         g = gpu_run.get(pos, 0)
-        gc = max(gc_run.get(pos, 0), g)
+        gc = gc_run.get(pos, 0)
+        if gc < g:
+            gc = g
         out[worker] = TierMatch(g, gc - g, total - gc)  # gpu, cpu, ssd
     return out
 
 
 def _record(lengths: dict[int, int], bits: int, length: int) -> None:
-    if not bits & (bits - 1):  # one worker (the common case): no loop
-        lengths[bits.bit_length() - 1] = length
-        return
     while bits:
         low = bits & -bits
-        lengths[low.bit_length() - 1] = length
+        lengths[low.bit_length()] = length
         bits ^= low

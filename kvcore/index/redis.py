@@ -458,16 +458,17 @@ class RedisIndex(KVIndex):
         n_rows = max(count, spec_reach)
         # Rows only change where a bitmap changes or speculative bits apply; visit just those.
         points = sorted(set(starts) | set(range(spec_reach + 1))) if spec_reach else starts
-        gpu_sel = sum(1 << (4 * s) for s in range(max(names, default=0) + 1))
+        gpu_sel = ((1 << (4 * (max(names, default=0) + 1))) - 1) // 15  # bit 4*s for every slot s
         other_sel = (gpu_sel << 1) | (gpu_sel << 2)
         g = gc = a = 0
         drops: list[tuple[int, int, int, int]] = []
         end = n_rows
         seg = -1
+        last_seg = len(starts) - 1
         for i in points:
             if i >= n_rows:
                 break
-            while seg + 1 < len(starts) and starts[seg + 1] <= i:
+            while seg < last_seg and starts[seg + 1] <= i:
                 seg += 1
             bits = int.from_bytes(bitmaps[seg].translate(_REV_BITS), "little") & alive_mask if i < count else 0
             if i < spec_reach:
