@@ -52,7 +52,10 @@ def make_admin_router(gateway: Any) -> APIRouter:
     api = APIRouter(prefix="/admin", dependencies=[Depends(require_token)])
 
     async def index_stats() -> dict[str, Any]:
-        return await gateway.index.stats()
+        try:
+            return await gateway.index.stats()
+        except IndexUnavailable as exc:  # Redis down: routing goes on on load alone; say so here
+            raise GatewayError(503, str(exc), "service_unavailable", "index_unavailable") from None
 
     async def agent_states() -> dict[str, dict[str, Any]]:
         # a shared index (Redis): each worker's agent publishes its ingest state there

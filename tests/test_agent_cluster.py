@@ -278,6 +278,8 @@ def test_redis_stopped_mid_run_requests_still_succeed(cluster):
     metrics = httpx.get(cluster.base + "/metrics", timeout=10).text
     down = [ln for ln in metrics.splitlines() if ln.startswith("kvroute_index_unavailable_total ")]
     assert down and float(down[0].split()[1]) >= 1  # counted, routed by load alone
+    r = httpx.get(cluster.base + "/admin/index", headers=AUTH, timeout=10)  # the admin says why
+    assert r.status_code == 503 and r.json()["error"]["code"] == "index_unavailable"
     cluster.start_redis()  # back, empty: the agents publish their state again
     cluster.warm("w0", 54)
     cluster.wait_matched(54, lambda m: m.get("w0", 0) >= 8, "index recovered", timeout_s=20)
