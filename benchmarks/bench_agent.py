@@ -26,8 +26,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import os
 import random
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -188,8 +190,17 @@ def start_redis() -> tuple[subprocess.Popen, str]:
                     return proc, f"redis://127.0.0.1:{port}/0"
         except OSError:
             time.sleep(0.05)
-    proc.kill()
+    stop_group(proc)
     raise SystemExit("redis-server did not start")
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """Kill ``timeout`` and the redis-server under it (killing ``timeout`` alone orphans it)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(10)
 
 
 async def used_memory(index: RedisIndex) -> int:
@@ -293,8 +304,7 @@ async def main() -> None:
             + (f", redis {redis_bytes:.0f} B (INFO used_memory)" if redis_bytes is not None else ""))
     finally:
         if proc is not None:
-            proc.kill()
-            proc.wait(10)
+            stop_group(proc)
 
 
 if __name__ == "__main__":
