@@ -21,8 +21,6 @@ import json
 import os
 import random
 import signal
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -31,16 +29,12 @@ from pathlib import Path
 
 import aiohttp
 
+from kvroute.up import free_ports
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tests/fixtures/tiny-model"
 DEADLINE_S = 1800
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(argv: list[str], log: Path) -> subprocess.Popen:
@@ -200,7 +194,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     procs: list[subprocess.Popen] = []
     try:
-        sim_port, gw_port = free_port(), free_port()
+        sim_port, gw_port, sg_port = free_ports(3)
         sim_url = f"http://127.0.0.1:{sim_port}"
         procs.append(start([sys.executable, "-m", "kvroute", "sim", "--model", str(TINY), "--served-model-name",
                             "tiny", "--host", "127.0.0.1", "--port", str(sim_port), "--block-size", "32",
@@ -217,7 +211,6 @@ def main() -> int:
         targets = {"direct": sim_url, "kvroute": f"http://127.0.0.1:{gw_port}"}
         target_procs: dict[str, subprocess.Popen | None] = {"direct": None, "kvroute": procs[-1]}
         if importlib.util.find_spec("sglang_router") is not None:
-            sg_port = free_port()
             procs.append(start([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
                                 "--port", str(sg_port), "--worker-urls", sim_url, "--policy", "round_robin",
                                 "--log-level", "warn"], tmp / "sglang.log"))

@@ -15,7 +15,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,16 +22,12 @@ from pathlib import Path
 
 import aiohttp
 
+from kvroute.up import free_ports
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tests" / "fixtures" / "tiny-model"
 GOAL_SIMS = 16
 IDLE_WINDOW_S = 5.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_bytes(pid: int) -> int:
@@ -78,8 +73,7 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,16,64")
     ap.add_argument("--speedup", type=float, default=1000.0)
     args = ap.parse_args()
-    port = free_port()
-    ev_port = free_port()
+    port, ev_port = free_ports(2)
     argv = [sys.executable, "-m", "kvroute", "sim", "--model", str(TINY), "--served-model-name", "tiny",
             "--host", "127.0.0.1", "--port", str(port), "--block-size", "32", "--max-model-len", "4096",
             "--num-gpu-blocks-override", "4096", "--speedup", str(args.speedup),

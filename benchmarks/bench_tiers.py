@@ -38,6 +38,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 from model_cache import ensure_model  # noqa: E402
 
+from kvroute.up import free_ports  # noqa: E402
 from offload_agent.connector.config import kv_transfer_config, vllm_env  # noqa: E402
 from offload_agent.tiers import TierFingerprint, TierStore, write_block_file  # noqa: E402
 from offload_agent.tiers.ssd_file import CHECKSUM_CRC32, CHECKSUM_XXH3_64, block_path  # noqa: E402
@@ -45,13 +46,6 @@ from offload_agent.tiers.ssd_file import CHECKSUM_CRC32, CHECKSUM_XXH3_64, block
 BLOCK = 32
 PROMPT_TOKENS = 2048
 SMALL_BLOCK_BYTES = 8 * 2 * BLOCK * 4 * 64 * 2   # 8 layers x (K, V) x 32 tokens x 4 KV heads x 64 x bf16
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def tokens(seed: int) -> list[int]:
@@ -142,7 +136,7 @@ def main() -> int:
                 print(f"  {name:34s} {threads} thread(s): tier {checked:5.2f} GB/s (one-at-a-time raw read "
                       f"{raw:5.2f})  dd {dd:5.2f} GB/s  ratio {checked / dd:5.2f}x  (aim >= 0.8x)", flush=True)
         model = ensure_model("small", args.vllm_python)
-        port = free_port()
+        port, = free_ports(1)
         cpu_blocks = PROMPT_TOKENS // BLOCK + 4       # one prompt and a little: the next one spills it
         cfg = kv_transfer_config(cpu_blocks * SMALL_BLOCK_BYTES, work / "ssd", 1 << 30)
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND":
