@@ -19,6 +19,7 @@ from router.config import ModelConfig, RoutingConfig
 from router.errors import GatewayError, bad_request, no_healthy_worker, unknown_model
 from router.metrics import GatewayMetrics
 from router.policies.base import Candidate, Decision, Policy, RouteRequest
+from router.policies.factory import describe, make_policy
 from router.registry import WorkerRegistration, WorkerRegistry
 from router.tokenize import PromptBlocks, PromptKind, TokenizerPool
 
@@ -38,8 +39,6 @@ class PolicyHolder:
     def config(self) -> dict[str, Any]:
         """The live policy's effective config, defaults filled in (``GET /admin/policy``); the
         same mapping given back to ``PUT /admin/policy`` builds an equal policy."""
-        from router.policies.factory import describe
-
         return describe(self._policy)
 
     def replace(self, cfg: dict[str, Any]) -> Policy:
@@ -51,8 +50,6 @@ class PolicyHolder:
 
 
 def _make_policy(cfg: dict[str, Any]) -> Policy:
-    from router.policies.factory import make_policy  # written by the policies' owner
-
     if not isinstance(cfg, dict):
         raise ValueError("policy must be an object")
     return make_policy(cfg)
