@@ -18,7 +18,7 @@ VLLM_DEP := $(VLLM_STAMP)
 endif
 export KVR_VLLM_PYTHON
 
-.PHONY: install install-vllm run run-vllm test bench
+.PHONY: install install-vllm install-peers run run-vllm test bench
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -49,3 +49,10 @@ run-vllm: $(PY) install-vllm
 
 test: $(PY) install-vllm
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+# The peer routers `kvroute bench rig` compares with: sglang-router and vllm-router into .venv,
+# smg into .venv-peers-smg (its console script has the same name as sglang-router's).
+install-peers: $(PY)
+	$(PY) -m pip install -q -e '.[bench]'
+	test -x .venv-peers-smg/bin/python || python3 -m venv .venv-peers-smg
+	.venv-peers-smg/bin/python -m pip install -q smg==1.13.0

@@ -64,7 +64,7 @@ from openai import OpenAI
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 from model_cache import ensure_model  # noqa: E402
-from vllm_http import metric_samples, reset_prefix_cache  # noqa: E402
+from kvroute.bench.workers import metric_samples, reset_prefix_cache  # noqa: E402
 
 from kvcore.tokenization import PromptTokenizer  # noqa: E402
 

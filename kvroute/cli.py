@@ -16,6 +16,7 @@ _PARTS = (
     "router.cli",
     "offload_agent.cli",
     "kvroute.up",
+    "kvroute.bench.cli",
 )
 
 

@@ -6,7 +6,7 @@ import argparse
 
 from simulator.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_GPU_BLOCKS
 from simulator.timing import (DEFAULT_DECODE_MS_PER_TOKEN, DEFAULT_PREFILL_MS_PER_TOKEN,
-                              DEFAULT_PREFILL_OVERHEAD_MS)
+                              DEFAULT_PREFILL_OVERHEAD_MS, PRESETS)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -34,13 +34,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "\"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv\"}'")
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="report usage.prompt_tokens_details.cached_tokens")
-    p.add_argument("--prefill-overhead-ms", type=float, default=DEFAULT_PREFILL_OVERHEAD_MS,
+    p.add_argument("--timing-preset", choices=sorted(PRESETS), default=None,
+                   help="named timing costs; the flags below override single values. "
+                        + "; ".join(f"{k}: {v.source} ({v.prefill_overhead_ms:g} ms + {v.prefill_ms_per_token:g} "
+                                    f"ms/token prefill, {v.decode_ms_per_token:g} ms decode step + "
+                                    f"{v.decode_ms_per_seq:g} ms per extra sequence)" for k, v in PRESETS.items()))
+    p.add_argument("--prefill-overhead-ms", type=float, default=None,
                    help=f"fixed cost of a step with prefill (default {DEFAULT_PREFILL_OVERHEAD_MS})")
-    p.add_argument("--prefill-ms-per-token", type=float, default=DEFAULT_PREFILL_MS_PER_TOKEN,
+    p.add_argument("--prefill-ms-per-token", type=float, default=None,
                    help=f"cost per uncached prompt token (default {DEFAULT_PREFILL_MS_PER_TOKEN})")
-    p.add_argument("--decode-ms-per-token", type=float, default=DEFAULT_DECODE_MS_PER_TOKEN,
-                   help=f"cost of a decode step at batch 1; grows with the batch (default "
-                        f"{DEFAULT_DECODE_MS_PER_TOKEN})")
+    p.add_argument("--decode-ms-per-token", type=float, default=None,
+                   help=f"cost of a decode step at batch 1 (default {DEFAULT_DECODE_MS_PER_TOKEN})")
+    p.add_argument("--decode-ms-per-seq", type=float, default=None,
+                   help="decode-step cost added by each running sequence beyond the first (default: "
+                        "decode-ms-per-token / 64)")
     p.add_argument("--speedup", type=float, default=1.0, help="divide all simulated times by this (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the engine hashes and output text (default 0)")
     p.set_defaults(func=_run)

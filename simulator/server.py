@@ -7,9 +7,18 @@ import sys
 
 from simulator.config import SimConfig
 from simulator.events import KVEventsConfig
-from simulator.timing import TimingModel
+from simulator.timing import TimingModel, preset_timing
 
 GRACEFUL_SHUTDOWN_S = 2
+
+
+def timing_from_args(args: argparse.Namespace) -> TimingModel:
+    """The timing model of ``--timing-preset`` (if any) with the single timing flags applied."""
+    overrides = {"prefill_overhead_ms": args.prefill_overhead_ms, "prefill_ms_per_token": args.prefill_ms_per_token,
+                 "decode_ms_per_token": args.decode_ms_per_token, "decode_ms_per_seq": args.decode_ms_per_seq}
+    if args.timing_preset:
+        return preset_timing(args.timing_preset, args.speedup, **overrides)
+    return TimingModel(speedup=args.speedup, **{k: v for k, v in overrides.items() if v is not None})
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -24,8 +33,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         kv_events=KVEventsConfig.from_json(args.kv_events_config),
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-        timing=TimingModel(args.prefill_overhead_ms, args.prefill_ms_per_token, args.decode_ms_per_token,
-                           args.speedup),
+        timing=timing_from_args(args),
         seed=args.seed)
 
 

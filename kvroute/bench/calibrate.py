@@ -1,0 +1,2 @@
+def add_calibrate_parser(sub):
+    pass

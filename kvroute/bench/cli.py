@@ -1,0 +1,211 @@
+"""``kvroute bench``: ``run`` replays a workload against OpenAI endpoints; ``rig`` starts workers
+and routers and runs ``run``'s measurement through each router in turn; ``calibrate`` fits the
+simulator's timing model to a real worker.
+
+The workload, arrival and report flags are shared by ``run`` and ``rig`` (see ``--help``).
+Heavy imports happen inside the subcommands so ``kvroute --help`` stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+WORKLOADS = ("trace", "shared-prefix", "multiturn")
+
+
+def _name_url(text: str) -> tuple[str, str]:
+    name, sep, url = text.partition("=")
+    if not sep or not name or not url.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"expected NAME=http://host:port, got {text!r}")
+    return name, url
+
+
+def add_workload_flags(p: argparse.ArgumentParser, default_block_size: int) -> None:
+    """The flags that choose and shape the workload, the arrivals and the report."""
+    w = p.add_argument_group("workload")
+    w.add_argument("--workload", choices=WORKLOADS, required=True,
+                   help="trace: a Mooncake-format trace expanded into prompts; shared-prefix: groups of "
+                        "prompts sharing a prefix (SGLang's generated-shared-prefix); multiturn: chats "
+                        "re-sending their history each turn")
+    w.add_argument("--model", required=True, help="model name sent in each request (the served model name)")
+    w.add_argument("--tokenizer", required=True, metavar="DIR",
+                   help="model directory whose tokenizer the workers use (prompts are built from its "
+                        "one-token words and token counts are exact in it)")
+    w.add_argument("--block-size", type=int, default=default_block_size,
+                   help=f"the engines' KV block size in tokens, the granularity of the ideal hit rate "
+                        f"(default {default_block_size}; a smaller value than the engines' only loosens "
+                        f"the ideal)")
+    w.add_argument("--seed", type=int, default=0, help="seed of generated prompts and Poisson gaps (default 0)")
+    w.add_argument("--output-tokens", type=int, default=None,
+                   help="tokens generated per request (ignore_eos); default: the trace's output length "
+                        "scaled like its blocks, 16 for generated workloads")
+    t = p.add_argument_group("trace workload")
+    t.add_argument("--trace", type=Path, default=None,
+                   help="Mooncake JSONL trace (timestamp ms, input_length, output_length, hash_ids of "
+                        "512-token blocks); default: the first 1,000 requests of Mooncake's public "
+                        "conversation trace, shipped with kvroute")
+    t.add_argument("--limit", type=int, default=None, help="use only the first N requests of the trace")
+    t.add_argument("--block-tokens", type=int, default=64,
+                   help="prompt tokens per 512-token trace block (default 64: 8x smaller prompts, so CPU or "
+                        "simulated workers can serve them); a multiple of --block-size keeps shared trace "
+                        "blocks on engine block boundaries")
+    t.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="cut longer trace prompts to their leading whole blocks (fit the model's context)")
+    g = p.add_argument_group("shared-prefix workload")
+    g.add_argument("--groups", type=int, default=4, help="prefix groups (default 4)")
+    g.add_argument("--prompts-per-group", type=int, default=16, help="prompts per group (default 16)")
+    g.add_argument("--shared-tokens", type=int, default=1536, help="tokens of each group's shared prefix (default 1536)")
+    g.add_argument("--own-tokens", type=int, default=300, help="tokens of each prompt's own suffix (default 300)")
+    m = p.add_argument_group("multiturn workload")
+    m.add_argument("--conversations", type=int, default=16, help="conversations (default 16)")
+    m.add_argument("--turns", type=int, default=4, help="turns per conversation (default 4)")
+    m.add_argument("--system-prompts", type=int, default=None,
+                   help="distinct system prompts, conversation c uses c mod this (default: one per conversation)")
+    m.add_argument("--system-tokens", type=int, default=740, help="tokens of a system prompt (default 740)")
+    m.add_argument("--user-tokens", type=int, default=60, help="tokens of a user turn (default 60)")
+    m.add_argument("--reply-tokens", type=int, default=40,
+                   help="tokens of the fixed assistant reply added to the history after a turn (default 40)")
+    k = p.add_argument_group("KV pressure (generated workloads)")
+    k.add_argument("--kv-pressure", type=float, default=None, metavar="RATIO",
+                   help="make the workload's distinct KV blocks RATIO times what the cluster holds: more "
+                        "groups or conversations (bench run, with --cluster-kv-blocks) or, in the rig, "
+                        "smaller worker caches (any workload)")
+    k.add_argument("--cluster-kv-blocks", type=int, default=None,
+                   help="bench run: KV blocks of all workers together, for --kv-pressure")
+    a = p.add_argument_group("arrivals (one of; default: trace timestamps for a trace, else concurrency 4)")
+    ex = a.add_mutually_exclusive_group()
+    ex.add_argument("--time-scale", type=float, default=None,
+                    help="send at the trace's timestamps divided by X (2 = twice the trace's rate)")
+    ex.add_argument("--rate", type=float, default=None, help="Poisson arrivals at R requests/s")
+    ex.add_argument("--concurrency", type=int, default=None, help="closed loop: C requests in flight")
+    o = p.add_argument_group("report")
+    o.add_argument("--ttft-target-ms", type=float, default=1000.0,
+                   help="goodput counts requests with TTFT at most this (default 1000)")
+    o.add_argument("--request-timeout-s", type=float, default=600.0, help="per-request limit (default 600)")
+    o.add_argument("--json", type=Path, default=None, metavar="FILE",
+                   help="write the report with every per-request record as JSON")
+    o.add_argument("--plot", type=Path, default=None, metavar="DIR",
+                   help="write PNGs: TTFT CDF per target, hit rate over time, per-worker load (needs matplotlib)")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``kvroute bench`` with its ``run``, ``rig`` and ``calibrate`` subcommands."""
+    bench = subparsers.add_parser("bench", help="benchmark routers on a workload (run, rig, calibrate)",
+                                  description=__doc__.split("\n\n")[0])
+    sub = bench.add_subparsers(dest="bench_command", metavar="SUBCOMMAND")
+
+    run = sub.add_parser("run", help="replay a workload against OpenAI endpoints, one after another",
+                         description="Replay a workload against one or more OpenAI endpoints, one after "
+                                     "another, streaming; print a table (TTFT, ITL, throughput, goodput, "
+                                     "prefix-hit rate vs the workload's ideal, per-worker load).")
+    run.add_argument("--target", action="append", type=_name_url, required=True, metavar="NAME=URL",
+                     help="an endpoint to measure (its OpenAI API under URL/v1); repeat for several")
+    run.add_argument("--worker", action="append", type=_name_url, default=[], metavar="NAME=URL",
+                     help="a worker behind the targets: its vLLM counters give per-worker figures when a "
+                          "router does not name the worker (x-kvroute-worker); repeat for each")
+    run.add_argument("--reset-cache", action="store_true",
+                     help="empty every --worker's prefix cache before each target (POST /reset_prefix_cache, "
+                          "needs VLLM_SERVER_DEV_MODE=1 on vLLM)")
+    run.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    add_workload_flags(run, default_block_size=16)
+    run.set_defaults(func=_run)
+
+    from kvroute.bench.rig_cli import add_rig_parser
+    from kvroute.bench.calibrate import add_calibrate_parser
+
+    add_rig_parser(sub)
+    add_calibrate_parser(sub)
+    bench.set_defaults(func=lambda _args: bench.print_help() or 2)
+
+
+def arrivals_from_args(args: argparse.Namespace, workload_name: str):
+    """The arrival process the flags choose (default: trace timestamps, or concurrency 4)."""
+    from kvroute.bench.arrivals import Arrivals
+
+    if args.rate is not None:
+        return Arrivals("rate", rate=args.rate, seed=args.seed)
+    if args.concurrency is not None:
+        return Arrivals("concurrency", concurrency=args.concurrency)
+    if args.time_scale is not None or workload_name == "trace":
+        return Arrivals("trace")
+    return Arrivals("concurrency", concurrency=4)
+
+
+def workload_from_args(args: argparse.Namespace, cluster_kv_blocks: int | None = None,
+                       max_model_len: int | None = None):
+    """Expand the workload the flags describe; trace prompts are cut to fit ``max_model_len`` (the
+    engines' context, when known). Raises ValueError on inconsistent flags."""
+    from kvcore.tokenization import PromptTokenizer
+    from kvroute.bench import synthetic, trace
+    from kvroute.bench.words import OneTokenWords
+
+    words = OneTokenWords(PromptTokenizer(args.tokenizer))
+    bs = args.block_size
+    if args.workload == "trace":
+        if args.kv_pressure and cluster_kv_blocks:
+            raise ValueError("--kv-pressure on a trace: size the workers' caches instead (bench rig does)")
+        rows = trace.read_trace(args.trace or trace.DEFAULT_TRACE, args.limit)
+        if not rows:
+            raise ValueError("the trace has no requests")
+        return trace.expand_trace(rows, words, args.block_tokens, bs, args.time_scale or 1.0,
+                                  args.output_tokens, args.max_prompt_tokens, max_model_len)
+    out = args.output_tokens or 16
+    if args.workload == "shared-prefix":
+        def make(groups: int):
+            return synthetic.shared_prefix(words, bs, groups, args.prompts_per_group, args.shared_tokens,
+                                           args.own_tokens, out, args.seed)
+        base = args.groups
+    else:
+        def make(conversations: int):
+            return synthetic.multiturn(words, bs, conversations, args.turns, args.system_prompts or conversations,
+                                       args.system_tokens, args.user_tokens, args.reply_tokens, out, args.seed)
+        base = args.conversations
+    if args.kv_pressure and cluster_kv_blocks:
+        return synthetic.scale_for_kv_pressure(make, base, cluster_kv_blocks, args.kv_pressure)
+    return make(base)
+
+
+def finish_report(report: dict, args: argparse.Namespace) -> None:
+    """Print the table; write the JSON and the plots when asked."""
+    from kvroute.bench.report import table, write_json
+
+    print(table(report), flush=True)
+    if args.json:
+        write_json(report, args.json)
+        print(f"json: {args.json}")
+    if args.plot:
+        from kvroute.bench.plots import write_plots
+
+        for path in write_plots(report, args.plot):
+            print(f"plot: {path}")
+
+
+def _run(args: argparse.Namespace) -> int:
+    from kvroute.bench.runner import RunSettings, Target, run_target
+    from kvroute.bench.workers import served_max_model_len
+
+    if args.kv_pressure and not args.cluster_kv_blocks and args.workload != "trace":
+        print("kvroute bench run: --kv-pressure needs --cluster-kv-blocks", file=sys.stderr)
+        return 2
+    try:
+        lens = [served_max_model_len(url, args.model) for _, url in args.target]
+        max_model_len = min((n for n in lens if n), default=None)
+        workload = workload_from_args(args, args.cluster_kv_blocks, max_model_len)
+        arrivals = arrivals_from_args(args, workload.name)
+        arrivals.send_times_s(workload)  # fails early on trace timing without timestamps
+    except (ValueError, OSError) as exc:
+        print(f"kvroute bench run: {exc}", file=sys.stderr)
+        return 2
+    settings = RunSettings(model=args.model, arrivals=arrivals, timeout_s=args.request_timeout_s,
+                           headers={"Authorization": f"Bearer {args.api_key}"} if args.api_key else {},
+                           ttft_target_ms=args.ttft_target_ms, workers=dict(args.worker),
+                           reset_cache=args.reset_cache, progress=not args.no_progress)
+    summary = workload.summary()
+    print(f"workload {workload.name}: {summary['requests']} requests, {summary['prompt_tokens']} prompt tokens, "
+          f"{summary['distinct_blocks']} distinct blocks of {workload.block_size}, ideal hit rate "
+          f"{summary['ideal_hit_rate']:.3f}; {arrivals.describe()}", file=sys.stderr, flush=True)
+    targets = [run_target(Target(name, url), workload, settings) for name, url in args.target]
+    finish_report({"workload": summary, "arrivals": arrivals.describe(), "targets": targets}, args)
+    return 1 if any(t["errors"] == t["requests"] for t in targets) else 0

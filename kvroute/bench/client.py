@@ -1,0 +1,123 @@
+"""One streamed OpenAI request, timed: the client side of ``kvroute bench``.
+
+What is measured, per request (times from a monotonic clock, in ms):
+
+- TTFT: from sending the request to the first SSE event carrying generated text (a chat stream's
+  role-only first chunk does not count; vLLM sends it with the first token, some servers before);
+- ITL: the gaps between successive text-carrying events after the first;
+- end-to-end latency: to the end of the stream;
+- ``prompt_tokens``, ``cached_tokens`` (``usage.prompt_tokens_details.cached_tokens``, the prefix
+  hit vLLM reports with ``--enable-prompt-tokens-details``) and ``completion_tokens`` from the
+  usage chunk (``stream_options.include_usage``);
+- the worker that served it: the ``x-kvroute-worker`` response header when the router sets one.
+
+An HTTP status other than 200, an error event in the stream, a stream without ``[DONE]`` or a
+transport error makes an error record (``error`` set), never an exception.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+
+from kvroute.bench.workload import BenchRequest
+
+WORKER_HEADER = "x-kvroute-worker"
+
+
+@dataclass
+class RequestRecord:
+    """The outcome of one request. ``start_s``: send time from the start of the run;
+    ``*_ms`` None when not reached; ``status``: HTTP status (0 on a transport error)."""
+
+    index: int
+    group: str
+    start_s: float
+    status: int = 0
+    ttft_ms: float | None = None
+    e2e_ms: float | None = None
+    itl_ms: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    worker: str | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["itl_ms"] = [round(x, 3) for x in self.itl_ms]
+        return d
+
+
+def request_body(req: BenchRequest, model: str) -> dict[str, Any]:
+    """The JSON body sent for ``req``: its body plus model, streaming with usage, and exactly
+    ``output_tokens`` tokens (``max_tokens`` with vLLM's ``ignore_eos``)."""
+    return {"model": model, **req.body, "max_tokens": req.output_tokens, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+
+
+def _has_text(choices: list[dict]) -> bool:
+    for c in choices:
+        delta = c.get("delta")
+        text = delta.get("content") if isinstance(delta, dict) else c.get("text")
+        if text or c.get("finish_reason"):
+            return True
+    return False
+
+
+async def send(session: aiohttp.ClientSession, base_url: str, req: BenchRequest, model: str,
+               start_s: float, timeout_s: float, headers: dict[str, str] | None = None) -> RequestRecord:
+    """POST ``req`` to ``base_url`` (``http://host:port``, the OpenAI API under ``/v1``), read the
+    stream to its end, return the record. Never raises on HTTP or transport failures."""
+    path = "/v1/chat/completions" if req.endpoint == "chat" else "/v1/completions"
+    rec = RequestRecord(index=req.index, group=req.group, start_s=start_s)
+    t0 = time.monotonic()
+    last_text_at: float | None = None
+    done = False
+    try:
+        async with session.post(base_url + path, data=orjson.dumps(request_body(req, model)),
+                                headers={"Content-Type": "application/json", **(headers or {})},
+                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            rec.status = resp.status
+            rec.worker = resp.headers.get(WORKER_HEADER)
+            if resp.status != 200:
+                rec.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                return rec
+            async for line in resp.content:
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    done = True
+                    break
+                event = orjson.loads(payload)
+                if "error" in event:
+                    rec.error = f"stream error: {str(event['error'])[:300]}"
+                    break
+                now = time.monotonic()
+                if _has_text(event.get("choices") or []):
+                    if last_text_at is None:
+                        rec.ttft_ms = 1000 * (now - t0)
+                    else:
+                        rec.itl_ms.append(1000 * (now - last_text_at))
+                    last_text_at = now
+                usage = event.get("usage")
+                if usage:
+                    rec.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                    rec.completion_tokens = int(usage.get("completion_tokens") or 0)
+                    details = usage.get("prompt_tokens_details") or {}
+                    rec.cached_tokens = int(details.get("cached_tokens") or 0)
+    except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError, ValueError) as exc:
+        rec.error = f"{type(exc).__name__}: {exc}"[:300]
+    rec.e2e_ms = 1000 * (time.monotonic() - t0)
+    if rec.error is None and not done:
+        rec.error = "stream ended without [DONE]"
+    return rec

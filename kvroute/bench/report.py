@@ -1,0 +1,54 @@
+"""The report of a bench run: the side-by-side table printed at the end and the JSON file
+(DESIGN.md ``kvroute bench run``: ``{"workload": {..., "ideal_hit_rate"}, "targets": [...]}``)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+_COLUMNS = (  # (header, getter, format)
+    ("requests", lambda t: t["requests"], "{:d}"),
+    ("errors", lambda t: t["errors"], "{:d}"),
+    ("TTFT p50", lambda t: t["ttft_ms"]["p50"], "{:.0f}"),
+    ("p90", lambda t: t["ttft_ms"]["p90"], "{:.0f}"),
+    ("p99", lambda t: t["ttft_ms"]["p99"], "{:.0f}"),
+    ("ITL p50", lambda t: t["itl_ms"]["p50"], "{:.1f}"),
+    ("p99", lambda t: t["itl_ms"]["p99"], "{:.1f}"),
+    ("tok/s", lambda t: t["throughput_tokens_per_s"], "{:.0f}"),
+    ("goodput", lambda t: t["goodput"], "{:.2f}"),
+    ("hit rate", lambda t: t["hit_rate"], "{:.3f}"),
+    ("of ideal", lambda t: t["hit_rate_of_ideal"], "{:.2f}"),
+    ("req max/mean", lambda t: t["requests_max_over_mean"], "{:.2f}"),
+    ("prefill max/mean", lambda t: t["prefill_max_over_mean"], "{:.2f}"),
+)
+
+
+def _cell(fmt: str, value: Any) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def table(report: dict[str, Any]) -> str:
+    """The side-by-side table of every target (times in ms), with a header line naming the
+    workload, its ideal hit rate and the goodput target."""
+    w = report["workload"]
+    targets = report["targets"]
+    lines = [f"workload {w['name']}: {w['requests']} requests, {w['mean_prompt_tokens']:.0f} prompt tokens "
+             f"on average, ideal hit rate {w['ideal_hit_rate']:.3f}; arrivals: {report['arrivals']}; "
+             f"times in ms; goodput = share with TTFT <= {targets[0]['ttft_target_ms']:.0f} ms"
+             if targets else f"workload {w['name']}: no targets"]
+    name_w = max([len("target")] + [len(t["name"]) for t in targets])
+    widths = [max(len(h), 7) for h, _, _ in _COLUMNS]
+    lines.append("target".ljust(name_w) + "".join(f"  {h:>{wd}}" for (h, _, _), wd in zip(_COLUMNS, widths)))
+    for t in targets:
+        cells = [_cell(fmt, get(t)) for _, get, fmt in _COLUMNS]
+        lines.append(t["name"].ljust(name_w) + "".join(f"  {c:>{wd}}" for c, wd in zip(cells, widths)))
+        if t.get("note"):
+            lines.append(" " * name_w + f"  note: {t['note']}")
+    return "\n".join(lines)
+
+
+def write_json(report: dict[str, Any], path: Path) -> None:
+    """Write ``report`` (records included) to ``path``, creating its folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1))

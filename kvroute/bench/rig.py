@@ -1,0 +1,172 @@
+"""``kvroute bench rig``: N workers, then each router in turn on the same workers, the same
+workload through each, one table.
+
+Sequence: start the workers (``kvroute sim`` or vLLM, launched as ``kvroute up`` launches them,
+with ``VLLM_SERVER_DEV_MODE=1`` so their prefix caches can be reset); for each router: start it in
+front of every worker, wait until it routes, empty every worker's prefix cache (and, for kvroute,
+wait until its index has heard the clears), replay the workload with the workers' counters read
+before and after, stop the router. The workers run through the whole rig, so every router meets the
+same engines; only their caches are reset.
+
+Routers are named ``kvroute:<policy>`` (a gateway started with ``kvroute serve``, its embedded index
+fed by the workers' KV events; ``<policy>`` a policy name or a label given by ``--policy-config``)
+or a key of :data:`kvroute.bench.peers.PEERS` (peers that are not installed are skipped, and said so).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvroute.bench import workers as worker_http
+from kvroute.bench.peers import PEERS, RigWorker, RouterLaunch
+from kvroute.bench.runner import RunSettings, Target, run_target
+from kvroute.bench.workload import Workload
+from kvroute.up import Cluster, _wait_ready, free_ports
+
+ADMIN_TOKEN_ENV = "KVROUTE_ADMIN_TOKEN"
+INDEX_CLEAR_TIMEOUT_S = 15.0
+ROUTER_READY_TIMEOUT_S = 120.0
+
+
+@dataclass
+class RigSpec:
+    """What the rig starts. ``engine``: ``sim`` or ``vllm``; ``worker_argv``: builds worker i's
+    (argv, env) from its ports; ``policy_configs``: kvroute policy label -> policy config."""
+
+    workers: int
+    engine: str
+    model_dir: Path
+    served_model_name: str
+    block_size: int
+    log_dir: Path
+    worker_argv: Any  # callable (i, port, events_cfg) -> (argv, env)
+    policy_configs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    ready_timeout_s: float = 900.0
+
+
+def start_workers(spec: RigSpec, cluster: Cluster) -> list[RigWorker]:
+    """Start every worker and wait until each answers ``/health``. Raises RuntimeError /
+    TimeoutError (from :func:`kvroute.up._wait_ready`) when one dies or never answers."""
+    ports = free_ports(3 * spec.workers)
+    out = []
+    for i in range(spec.workers):
+        port, ev, replay = ports[3 * i:3 * i + 3]
+        events_cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
+                      "endpoint": f"tcp://*:{ev}", "replay_endpoint": f"tcp://*:{replay}"}
+        argv, env = spec.worker_argv(i, port, events_cfg)
+        url = f"http://127.0.0.1:{port}"
+        cluster.start(f"w{i}", argv, spec.log_dir, url + "/health", {**(env or {}), "VLLM_SERVER_DEV_MODE": "1"})
+        out.append(RigWorker(f"w{i}", url, f"tcp://127.0.0.1:{ev}", f"tcp://127.0.0.1:{replay}"))
+    _wait_ready(cluster, spec.ready_timeout_s, sys.stderr)
+    return out
+
+
+def kvroute_launch(spec: RigSpec, policy: dict[str, Any], port: int, workers: list[RigWorker],
+                   label: str) -> RouterLaunch:
+    """A ``kvroute serve`` gateway in front of ``workers`` with ``policy`` (embedded index)."""
+    cfg = {
+        "listen": {"host": "127.0.0.1", "port": port},
+        "admin": {"token_env": ADMIN_TOKEN_ENV},
+        "models": [{"name": spec.served_model_name, "tokenizer": str(spec.model_dir.resolve()),
+                    "block_size": spec.block_size}],
+        "index": {"backend": "memory"},
+        "workers": [{"id": w.id, "url": w.url, "model": spec.served_model_name, "events": w.events,
+                     "replay": w.replay} for w in workers],
+        "policy": policy,
+    }
+    path = spec.log_dir / f"{label.replace(':', '-')}.yaml"
+    path.write_text(json.dumps(cfg, indent=1))  # JSON is YAML
+    return RouterLaunch([sys.executable, "-m", "kvroute", "serve", "--config", str(path)], {},
+                        f"http://127.0.0.1:{port}", "/health", f"http://127.0.0.1:{port}/metrics")
+
+
+def _admin_get(base: str, path: str) -> dict[str, Any]:
+    r = httpx.get(base + path, headers={"Authorization": f"Bearer {os.environ[ADMIN_TOKEN_ENV]}"}, timeout=10)
+    r.raise_for_status()
+    return r.json()
+
+
+def _wait_until(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} not within {timeout_s:.0f}s")
+        time.sleep(0.2)
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _kvroute_ready(base: str, n: int) -> bool:
+    try:
+        ws = _admin_get(base, "/admin/workers")["workers"]
+    except (httpx.HTTPError, KeyError, ValueError):
+        return False
+    return len(ws) == n and all(w.get("healthy") for w in ws)
+
+
+def _index_empty(base: str) -> bool:
+    try:
+        ws = _admin_get(base, "/admin/index")["workers"]
+    except (httpx.HTTPError, KeyError, ValueError):
+        return False
+    return all(sum(w["blocks"].values()) == 0 for w in ws.values())
+
+
+def launch_router(name: str, spec: RigSpec, workers: list[RigWorker], port: int) -> RouterLaunch:
+    """The launch of router ``name`` (module docstring). Raises KeyError for an unknown name."""
+    if name.startswith("kvroute:"):
+        label = name.split(":", 1)[1]
+        policy = spec.policy_configs.get(label, {"name": label})
+        return kvroute_launch(spec, policy, port, workers, name)
+    return PEERS[name].launch(port, workers, spec.model_dir, spec.served_model_name, spec.block_size)
+
+
+def run_router(name: str, spec: RigSpec, workers: list[RigWorker], workload: Workload,
+               settings: RunSettings, cluster: Cluster) -> dict[str, Any]:
+    """Start router ``name``, reset the caches, replay the workload, stop it; its report entry
+    (a ``note`` says what a peer's metrics tell of its KV-event path)."""
+    port = free_ports(1)[0]
+    launch = launch_router(name, spec, workers, port)
+    child = cluster.start(f"router-{name.replace(':', '-')}", launch.argv, spec.log_dir,
+                          launch.base_url + launch.ready_path, launch.env)
+    try:
+        _wait_ready(cluster, ROUTER_READY_TIMEOUT_S, sys.stderr)
+        if name.startswith("kvroute:"):
+            _wait_until(lambda: _kvroute_ready(launch.base_url, len(workers)), ROUTER_READY_TIMEOUT_S,
+                        f"{name} seeing every worker healthy")
+        for w in workers:
+            worker_http.reset_prefix_cache(w.url, spec.served_model_name)
+        if name.startswith("kvroute:"):
+            _wait_until(lambda: _index_empty(launch.base_url), INDEX_CLEAR_TIMEOUT_S, f"{name}'s index emptied")
+        result = run_target(Target(name, launch.base_url), workload, settings)
+        if not name.startswith("kvroute:") and launch.metrics_url:
+            try:
+                note = PEERS[name].event_path(httpx.get(launch.metrics_url, timeout=10).text)
+            except httpx.HTTPError as exc:
+                note = f"metrics unreadable: {exc}"
+            if note:
+                result["note"] = note
+        return result
+    finally:
+        _stop_child(cluster, child)
+
+
+def _stop_child(cluster: Cluster, child) -> None:
+    """Stop one router (its process group) and forget it."""
+    one = Cluster([child])
+    one.stop()
+    cluster.children.remove(child)

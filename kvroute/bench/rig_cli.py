@@ -1,0 +1,163 @@
+"""``kvroute bench rig``: its flags and its run (the sequence is in :mod:`kvroute.bench.rig`)."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import secrets
+import sys
+import tempfile
+from pathlib import Path
+
+DEFAULT_KVROUTE_ROUTERS = ("kvroute:kv_aware", "kvroute:round_robin")
+
+
+def add_rig_parser(sub: argparse._SubParsersAction) -> None:
+    """Add ``kvroute bench rig`` to the ``bench`` subparsers."""
+    from kvroute.bench.cli import add_workload_flags
+    from simulator.timing import PRESETS
+
+    p = sub.add_parser(
+        "rig", help="start workers and routers, run the workload through each router in turn",
+        description="Start N workers (simulated or real vLLM), then one router after another in front of "
+                    "the same workers (kvroute's policies and every installed peer router), reset the "
+                    "workers' prefix caches between routers, replay the same requests in the same order "
+                    "through each, and print one table.")
+    r = p.add_argument_group("rig")
+    r.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")
+    r.add_argument("--engine", choices=["sim", "vllm"], default="sim",
+                   help="kvroute sim (default) or real vLLM run by --vllm-python")
+    r.add_argument("--routers", default=None, metavar="LIST",
+                   help="comma-separated routers: kvroute:<policy> (kv_aware, round_robin, least_load, session, "
+                        "or a --policy-config label) and peers sglang:cache_aware, sglang:round_robin, "
+                        "smg:cache_aware, vllm-router:kv_aware; default: kvroute:kv_aware, "
+                        "kvroute:round_robin and every installed peer")
+    r.add_argument("--policy-config", action="append", default=[], metavar="LABEL=JSON",
+                   help="a kvroute policy variant, e.g. 'kv_nolw={\"name\": \"kv_aware\", \"load_weight\": 0}', "
+                        "then named kvroute:kv_nolw in --routers; repeatable")
+    r.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N",
+                   help="KV blocks per worker (default: the engine's own, or sized by --kv-pressure)")
+    r.add_argument("--max-model-len", type=int, default=None, help="workers' context length (vLLM's flag)")
+    r.add_argument("--timing-preset", choices=sorted(PRESETS), default="gpu",
+                   help="sim engine: timing model preset (default gpu; see kvroute sim --help)")
+    r.add_argument("--speedup", type=float, default=1.0, help="sim engine: run simulated time this many times faster")
+    r.add_argument("--vllm-python", default=os.environ.get("KVR_VLLM_PYTHON", "python"),
+                   help="vllm engine: interpreter with vLLM (default $KVR_VLLM_PYTHON)")
+    r.add_argument("--vllm-args", default="", metavar="'ARGS'",
+                   help="vllm engine: extra flags for each server, one shell-quoted string")
+    r.add_argument("--log-dir", type=Path, default=None, help="every process's log (default: a temp dir)")
+    add_workload_flags(p, default_block_size=32)
+    p.set_defaults(func=_rig)
+
+
+def _router_list(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """(routers to run, lines about peers left out)."""
+    from kvroute.bench.peers import PEERS
+
+    wanted = ([n.strip() for n in args.routers.split(",") if n.strip()] if args.routers
+              else list(DEFAULT_KVROUTE_ROUTERS) + list(PEERS))
+    run, skipped = [], []
+    for name in wanted:
+        if name.startswith("kvroute:"):
+            run.append(name)
+        elif name not in PEERS:
+            raise ValueError(f"unknown router {name!r}; peers are {', '.join(PEERS)}")
+        elif not PEERS[name].installed():
+            skipped.append(f"{name}: not installed (pip install 'kvroute[bench]')")
+        else:
+            run.append(name)
+    return run, skipped
+
+
+def _policy_configs(items: list[str]) -> dict[str, dict]:
+    from router.policies.factory import make_policy
+
+    out = {}
+    for item in items:
+        label, sep, text = item.partition("=")
+        if not sep:
+            raise ValueError(f"--policy-config wants LABEL=JSON, got {item!r}")
+        cfg = json.loads(text)
+        make_policy(cfg)  # validated now, not after the workers have started
+        out[label] = cfg
+    return out
+
+
+def _model_max_len(model_dir: Path) -> int | None:
+    try:
+        return int(json.loads((model_dir / "config.json").read_text())["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _rig(args: argparse.Namespace) -> int:
+    from kvroute.bench.cli import arrivals_from_args, finish_report, workload_from_args
+    from kvroute.bench.rig import RigSpec, run_router, start_workers
+    from kvroute.bench.runner import RunSettings
+    from kvroute.engines import sim_argv, vllm_argv, vllm_env
+    from kvroute.up import Cluster
+
+    model_dir = Path(args.tokenizer)
+    try:
+        routers, skipped = _router_list(args)
+        policy_configs = _policy_configs(args.policy_config)
+        max_len = args.max_model_len or _model_max_len(model_dir)
+        workload = workload_from_args(args, None, max_len)
+        arrivals = arrivals_from_args(args, workload.name)
+        arrivals.send_times_s(workload)
+        blocks = args.num_gpu_blocks_override
+        if args.kv_pressure:
+            if blocks:
+                raise ValueError("--kv-pressure sizes the workers' caches: drop --num-gpu-blocks-override")
+            # the cluster holds 1/RATIO of the workload's distinct blocks (+1: vLLM's null block)
+            blocks = max(16, math.ceil(workload.distinct_blocks() / (args.workers * args.kv_pressure))) + 1
+    except (ValueError, OSError) as exc:
+        print(f"kvroute bench rig: {exc}", file=sys.stderr)
+        return 2
+    for line in skipped:
+        print(f"[rig] skipped {line}", file=sys.stderr)
+    if not routers:
+        print("kvroute bench rig: no router to run", file=sys.stderr)
+        return 2
+    os.environ.setdefault("KVROUTE_ADMIN_TOKEN", secrets.token_urlsafe(18))
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="kvroute-rig-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    up_args = argparse.Namespace(model=str(model_dir), served_model_name=args.model, block_size=args.block_size,
+                                 num_gpu_blocks_override=blocks, max_model_len=args.max_model_len,
+                                 speedup=args.speedup, vllm_python=args.vllm_python,
+                                 vllm_args=args.vllm_args + " --enable-scale-out")
+
+    def worker_argv(i: int, port: int, events_cfg: dict):
+        if args.engine == "vllm":
+            return vllm_argv(up_args, port, events_cfg), vllm_env(i, args.workers)
+        return sim_argv(up_args, i, port, events_cfg) + ["--timing-preset", args.timing_preset], None
+
+    spec = RigSpec(args.workers, args.engine, model_dir, args.model, args.block_size, log_dir, worker_argv,
+                   policy_configs)
+    summary = workload.summary()
+    print(f"[rig] {args.workers} {args.engine} workers x {blocks or 'default'} KV blocks of {args.block_size}; "
+          f"workload {workload.name}: {summary['requests']} requests, {summary['distinct_blocks']} distinct blocks, "
+          f"ideal hit rate {summary['ideal_hit_rate']:.3f}; {arrivals.describe()}; routers: {', '.join(routers)}; "
+          f"logs in {log_dir}", file=sys.stderr, flush=True)
+    cluster = Cluster()
+    try:
+        workers = start_workers(spec, cluster)
+        settings = RunSettings(model=args.model, arrivals=arrivals, timeout_s=args.request_timeout_s,
+                               ttft_target_ms=args.ttft_target_ms, workers={w.id: w.url for w in workers},
+                               progress=not args.no_progress)
+        targets = [run_router(name, spec, workers, workload, settings, cluster) for name in routers]
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"kvroute bench rig: {exc} (logs in {log_dir})", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("kvroute bench rig: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        cluster.stop()
+    report = {"workload": summary, "arrivals": arrivals.describe(), "targets": targets,
+              "rig": {"workers": args.workers, "engine": args.engine, "kv_blocks_per_worker": blocks,
+                      "block_size": args.block_size, "timing_preset": args.timing_preset if args.engine == "sim" else None,
+                      "routers": routers, "skipped": skipped}}
+    finish_report(report, args)
+    return 0

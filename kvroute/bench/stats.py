@@ -1,0 +1,94 @@
+"""Figures of one target's run, computed from its request records (pure; no I/O).
+
+- TTFT p50/p90/p99 and mean, ITL p50/p99 (over every gap of every request), end-to-end p50/p99;
+  percentiles interpolate linearly between order statistics (NumPy's default method);
+- throughput: output tokens / s and requests / s over the run's wall time;
+- goodput: the share of all requests (errors count as failed) with TTFT at most the target;
+- hit rate: cached prompt tokens / prompt tokens over successful requests, and its ratio to the
+  workload's ideal (an infinite cache shared by every worker, :mod:`kvroute.bench.workload`);
+- per worker (from the ``x-kvroute-worker`` header, or from the workers' own counters when the
+  router does not say): requests and prefill tokens (prompt tokens not served from cache), and
+  max/mean of each over the workers (1.0 is a perfect spread).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from kvroute.bench.client import RequestRecord
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The ``q``-th percentile (0..100) with linear interpolation; None for no values."""
+    if not values:
+        return None
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def _max_over_mean(values: list[float]) -> float | None:
+    if not values:
+        return None
+    mean = sum(values) / len(values)
+    return max(values) / mean if mean else None
+
+
+def per_worker_from_records(records: list[RequestRecord]) -> dict[str, dict[str, int]]:
+    """``{worker: {"requests", "prefill_tokens", "cached_tokens"}}`` from the worker header of
+    successful records; empty when no record names a worker."""
+    out: dict[str, dict[str, int]] = {}
+    for r in records:
+        if not r.ok or r.worker is None:
+            continue
+        w = out.setdefault(r.worker, {"requests": 0, "prefill_tokens": 0, "cached_tokens": 0})
+        w["requests"] += 1
+        w["prefill_tokens"] += r.prompt_tokens - r.cached_tokens
+        w["cached_tokens"] += r.cached_tokens
+    return out
+
+
+def summarize(name: str, records: list[RequestRecord], duration_s: float, ideal_cached_tokens: list[int],
+              ttft_target_ms: float, per_worker: dict[str, dict[str, int]] | None = None) -> dict[str, Any]:
+    """The target's entry of the JSON report (DESIGN.md ``bench run``), records included.
+
+    ``ideal_cached_tokens``: per request (by ``index``), what an infinite shared cache would hit;
+    ``hit_rate_of_ideal`` compares the hit rate with the ideal over the same (successful) requests.
+    ``per_worker``: counters read from the workers (other routers); when None they come from the
+    records' worker header. Durations in ms, rates per second."""
+    ok = [r for r in records if r.ok]
+    ttft = [r.ttft_ms for r in ok if r.ttft_ms is not None]
+    itl = [x for r in ok for x in r.itl_ms]
+    e2e = [r.e2e_ms for r in ok if r.e2e_ms is not None]
+    prompt = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
+    out_tokens = sum(r.completion_tokens for r in ok)
+    hit = cached / prompt if prompt else 0.0
+    ideal = sum(ideal_cached_tokens[r.index] for r in ok) / prompt if prompt else 0.0
+    workers = per_worker if per_worker is not None else per_worker_from_records(records)
+    good = sum(1 for r in ok if r.ttft_ms is not None and r.ttft_ms <= ttft_target_ms)
+    n = len(records)
+    return {
+        "name": name,
+        "requests": n,
+        "errors": n - len(ok),
+        "duration_s": duration_s,
+        "ttft_ms": {"p50": percentile(ttft, 50), "p90": percentile(ttft, 90), "p99": percentile(ttft, 99),
+                    "mean": sum(ttft) / len(ttft) if ttft else None},
+        "itl_ms": {"p50": percentile(itl, 50), "p99": percentile(itl, 99)},
+        "e2e_ms": {"p50": percentile(e2e, 50), "p99": percentile(e2e, 99)},
+        "throughput_tokens_per_s": out_tokens / duration_s if duration_s > 0 else 0.0,
+        "requests_per_s": len(ok) / duration_s if duration_s > 0 else 0.0,
+        "goodput": good / n if n else 0.0,
+        "ttft_target_ms": ttft_target_ms,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "hit_rate": hit,
+        "ideal_hit_rate": ideal,
+        "hit_rate_of_ideal": hit / ideal if ideal else None,
+        "per_worker": workers,
+        "requests_max_over_mean": _max_over_mean([w["requests"] for w in workers.values()]),
+        "prefill_max_over_mean": _max_over_mean([w["prefill_tokens"] for w in workers.values()]),
+        "records": [r.to_json() for r in records],
+    }

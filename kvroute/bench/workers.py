@@ -1,0 +1,86 @@
+"""Small HTTP helpers for running vLLM OpenAI servers (or ``kvroute sim``): their metrics and
+``/reset_prefix_cache``. Used by ``kvroute bench`` (worker counters, caches reset between
+routers), the e2e tests and the benchmarks.
+
+Uses httpx and prometheus-client (the gateway's dependencies), nothing from vLLM.
+"""
+from __future__ import annotations
+
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def metric_samples(url: str, timeout_s: float = 30) -> dict[str, float]:
+    """``GET url/metrics`` as ``sample name -> value`` summed over label sets (e.g.
+    ``vllm:prefix_cache_hits_total``, ``vllm:num_requests_running``)."""
+    text = httpx.get(url.rstrip("/") + "/metrics", timeout=timeout_s).text
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def reset_prefix_cache(url: str, model: str, timeout_s: float = 60) -> None:
+    """Empty the server's prefix cache (``POST /reset_prefix_cache``, needs
+    ``VLLM_SERVER_DEV_MODE=1``), retrying while vLLM answers ``{"success": false}`` (blocks of a
+    finished request not freed yet). vLLM publishes the ``AllBlocksCleared`` KV event with its next
+    engine step, so one request shorter than a block (which stores nothing) follows.
+    Raises TimeoutError after ``timeout_s``, httpx.HTTPError on transport errors."""
+    end = time.monotonic() + timeout_s
+    while True:
+        r = httpx.post(url.rstrip("/") + "/reset_prefix_cache", timeout=timeout_s)
+        r.raise_for_status()
+        if r.json().get("success"):
+            break
+        if time.monotonic() > end:
+            raise TimeoutError(f"{url}: /reset_prefix_cache kept failing for {timeout_s}s")
+        time.sleep(0.25)
+    r = httpx.post(url.rstrip("/") + "/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 1},
+                   timeout=timeout_s)
+    r.raise_for_status()
+
+
+# vLLM counters read per worker before and after a run (``vllm:*_total`` samples).
+COUNTERS = {"requests": "vllm:request_success_total", "prompt_tokens": "vllm:prompt_tokens_total",
+            "cached_tokens": "vllm:prefix_cache_hits_total"}
+
+
+def worker_counters(urls: dict[str, str], timeout_s: float = 30) -> dict[str, dict[str, float]]:
+    """``{worker: {"requests", "prompt_tokens", "cached_tokens"}}`` now, from each worker's
+    ``/metrics`` (vLLM 0.32 names, see :data:`COUNTERS`). Raises httpx.HTTPError when a worker
+    does not answer."""
+    out = {}
+    for name, url in urls.items():
+        samples = metric_samples(url, timeout_s)
+        out[name] = {k: samples.get(metric, 0.0) for k, metric in COUNTERS.items()}
+    return out
+
+
+def counters_delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, dict[str, int]]:
+    """Per worker, what a run added: ``{"requests", "prefill_tokens", "cached_tokens"}`` (prefill
+    tokens = prompt tokens not served from the prefix cache)."""
+    out = {}
+    for name, a in after.items():
+        b = before.get(name, {})
+        d = {k: int(round(a[k] - b.get(k, 0.0))) for k in COUNTERS}
+        out[name] = {"requests": d["requests"], "prefill_tokens": d["prompt_tokens"] - d["cached_tokens"],
+                     "cached_tokens": d["cached_tokens"]}
+    return out
+
+
+def served_max_model_len(base_url: str, model: str, timeout_s: float = 10) -> int | None:
+    """The ``max_model_len`` a server (or a router in front of servers) reports for ``model`` in
+    ``GET /v1/models`` (vLLM adds it to each entry), or None when it does not say or does not
+    answer."""
+    try:
+        r = httpx.get(base_url.rstrip("/").removesuffix("/v1") + "/v1/models", timeout=timeout_s)
+        entries = r.json().get("data", []) if r.status_code == 200 else []
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    for e in entries:
+        if isinstance(e, dict) and e.get("id") == model and isinstance(e.get("max_model_len"), int):
+            return e["max_model_len"]
+    return None
