@@ -38,11 +38,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="named timing costs; the flags below override single values. "
                         + "; ".join(f"{k}: {v.source} ({v.prefill_overhead_ms:g} ms + {v.prefill_ms_per_token:g} "
                                     f"ms/token prefill, {v.decode_ms_per_token:g} ms decode step + "
-                                    f"{v.decode_ms_per_seq:g} ms per extra sequence)" for k, v in PRESETS.items()))
+                                    f"{v.decode_ms_per_seq:g} ms per extra sequence, {v.prefill_ms_per_token_sq:g} ms per "
+                                    f"token x token of attention)" for k, v in PRESETS.items()))
     p.add_argument("--prefill-overhead-ms", type=float, default=None,
                    help=f"fixed cost of a step with prefill (default {DEFAULT_PREFILL_OVERHEAD_MS})")
     p.add_argument("--prefill-ms-per-token", type=float, default=None,
                    help=f"cost per uncached prompt token (default {DEFAULT_PREFILL_MS_PER_TOKEN})")
+    p.add_argument("--prefill-ms-per-token-sq", type=float, default=None,
+                   help="attention cost: ms per (uncached token x prompt token) of each prefill (default 0)")
     p.add_argument("--decode-ms-per-token", type=float, default=None,
                    help=f"cost of a decode step at batch 1 (default {DEFAULT_DECODE_MS_PER_TOKEN})")
     p.add_argument("--decode-ms-per-seq", type=float, default=None,

@@ -171,8 +171,9 @@ class Engine:
 
     def schedule(self) -> "Step":
         """Start a step: pick the requests, take their blocks, cache newly full blocks."""
-        scheduled, prefill_tokens, num_prefills = self._schedule()
-        return Step(scheduled, self.timing.step_s(prefill_tokens, num_prefills, len(scheduled) - num_prefills))
+        scheduled, prefill_tokens, num_prefills, attention = self._schedule()
+        return Step(scheduled, self.timing.step_s(prefill_tokens, num_prefills, len(scheduled) - num_prefills,
+                                                  attention))
 
     def complete(self, step: "Step") -> None:
         """End a step: publish its KV events as one batch, hand out one token per request."""
@@ -182,8 +183,9 @@ class Engine:
             self.publish(events)
         self._advance(step.scheduled)
 
-    def _schedule(self) -> tuple[list[SimRequest], int, int]:
-        """Pick this step's requests; returns (scheduled, uncached prefill tokens, prefills)."""
+    def _schedule(self) -> tuple[list[SimRequest], int, int, int]:
+        """Pick this step's requests; returns (scheduled, uncached prefill tokens, prefills, and
+        the prefills' attention work: sum over them of uncached x prompt tokens)."""
         scheduled: list[SimRequest] = []
         bs = self.pool.block_size
         for req in list(self.running):
@@ -204,6 +206,7 @@ class Engine:
             scheduled.append(req)
         prefill_tokens = 0
         num_prefills = 0
+        attention = 0
         while self.waiting and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             tokens = req.all_token_ids()
@@ -226,10 +229,11 @@ class Engine:
             req.num_computed_tokens = len(tokens)
             self._cache_blocks(req)
             prefill_tokens += len(tokens) - hit_tokens
+            attention += (len(tokens) - hit_tokens) * len(tokens)
             num_prefills += 1
             self.running.append(req)
             scheduled.append(req)
-        return scheduled, prefill_tokens, num_prefills
+        return scheduled, prefill_tokens, num_prefills, attention
 
     def _extend_hashes(self, req: SimRequest, tokens: list[int]) -> None:
         have = len(req.block_hashes)

