@@ -92,7 +92,8 @@ class SimServer:
         self.sampler = OutputSampler(text_pieces(self.tokenizer.decode, self.tokenizer.vocab_size), cfg.seed)
         self.pool = BlockPool(cfg.num_gpu_blocks, cfg.block_size, enable_events=cfg.kv_events.active)
         self.publisher = None
-        self.engine = Engine(self.pool, cfg.timing, cfg.max_num_seqs, cfg.seed, publish=self._publish)
+        self.engine = Engine(self.pool, cfg.timing, cfg.max_num_seqs, cfg.seed, publish=self._publish,
+                             max_num_batched_tokens=cfg.max_num_batched_tokens)
         self.registry = make_registry(self)
         self.created = int(time.time())  # one value per process, so identical requests give identical bytes
         self.recorded: deque[dict[str, Any]] = deque(maxlen=cfg.recorded_requests)

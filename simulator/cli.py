@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from simulator.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_SEQS, DEFAULT_NUM_GPU_BLOCKS
+from simulator.config import (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
+                              DEFAULT_NUM_GPU_BLOCKS)
 from simulator.timing import (DEFAULT_DECODE_MS_PER_TOKEN, DEFAULT_PREFILL_MS_PER_TOKEN,
                               DEFAULT_PREFILL_OVERHEAD_MS, PRESETS)
 
@@ -28,6 +29,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="context length (default: the model's max_position_embeddings)")
     p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS, metavar="N",
                    help=f"most sequences running at once; more wait (default {DEFAULT_MAX_NUM_SEQS})")
+    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS, metavar="N",
+                   help=f"token budget of one engine step; longer prefills are chunked (default "
+                        f"{DEFAULT_MAX_NUM_BATCHED_TOKENS}, vLLM's on an H100; vLLM's CPU build uses 2048)")
     p.add_argument("--kv-events-config", default=None, metavar="JSON",
                    help="vLLM's KVEventsConfig as JSON, e.g. '{\"enable_kv_cache_events\": true, "
                         "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "

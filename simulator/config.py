@@ -11,6 +11,7 @@ from simulator.timing import TimingModel
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default on GPUs
 DEFAULT_NUM_GPU_BLOCKS = 8192
 DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # vLLM 0.32's API-server default on an H100 (arg_utils.py)
 FALLBACK_MAX_MODEL_LEN = 4096
 RECORDED_REQUESTS = 100  # bodies kept for GET /sim/requests
 
@@ -28,6 +29,7 @@ class SimConfig:
     num_gpu_blocks: int = DEFAULT_NUM_GPU_BLOCKS
     max_model_len: int | None = None
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     enable_prompt_tokens_details: bool = False
     timing: TimingModel = field(default_factory=TimingModel)

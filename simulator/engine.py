@@ -5,9 +5,13 @@ Each step (one asyncio iteration of :meth:`Engine.run`):
 1. every running request gets a slot for one more token (a new block when it crosses a block
    boundary; if none is free, the most recently admitted request is preempted: its blocks are
    freed and it goes back to the front of the queue to be recomputed, as vLLM's recompute
-   preemption);
+   preemption); a request still in a chunked prefill gets its next chunk instead;
 2. waiting requests are admitted first come first served while fewer than ``max_num_seqs`` run and
    their blocks fit: prefix hit from the pool, new blocks for the rest;
+   the step's tokens (one per decode, the uncached prompt tokens of each prefill) stay within
+   ``max_num_batched_tokens``: a prefill that does not fit is chunked over the next steps, as vLLM
+   V1's scheduler does (``vllm/v1/core/sched/scheduler.py``), and emits its first token with the
+   step that finishes it;
 3. newly full blocks get engine hashes (``BlockStored``); the step lasts
    :meth:`TimingModel.step_s`; then its KV events are published as one batch and each scheduled
    request receives its next output token.
@@ -53,6 +57,7 @@ class SimRequest:
     num_computed_tokens: int = 0
     num_hashed_blocks: int = 0
     num_cached_tokens: int | None = None  # prefix hit tokens at first schedule
+    prefill_target: int = 0  # tokens to compute before the first output token of this admission
     blocks: list[Block] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)
     finished: bool = False
@@ -82,6 +87,7 @@ class Step:
 
     scheduled: list[SimRequest]
     duration_s: float
+    worked: bool = True  # False when nothing ran (nothing fits yet)
 
 
 class RequestTooLong(ValueError):
@@ -93,11 +99,13 @@ class Engine:
     :meth:`reset_prefix_cache`, and :meth:`run` as a background task.
 
     ``publish(events)``: called with each step's KV events (skipped when a step has none).
+    ``max_num_batched_tokens``: the token budget of one step (None: unlimited).
     """
 
     def __init__(self, pool: BlockPool, timing: TimingModel, max_num_seqs: int, seed: int,
-                 publish: Callable[[list], Any] | None = None) -> None:
+                 publish: Callable[[list], Any] | None = None, max_num_batched_tokens: int | None = None) -> None:
         self.pool = pool
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.timing = timing
         self.max_num_seqs = max_num_seqs
         self.seed = seed
@@ -160,7 +168,7 @@ class Engine:
                 await self._wake.wait()
                 clock = loop.time()
             step = self.schedule()
-            if not step.scheduled:  # nothing fits yet: wait for an abort or a new request
+            if not step.worked:  # nothing fits yet: wait for an abort or a new request
                 self._wake.clear()
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), MAX_LAG_S)
@@ -172,8 +180,9 @@ class Engine:
     def schedule(self) -> "Step":
         """Start a step: pick the requests, take their blocks, cache newly full blocks."""
         scheduled, prefill_tokens, num_prefills, attention = self._schedule()
-        return Step(scheduled, self.timing.step_s(prefill_tokens, num_prefills, len(scheduled) - num_prefills,
-                                                  attention))
+        num_decodes = sum(1 for r in scheduled if r.num_computed_tokens > r.prefill_target)
+        return Step(scheduled, self.timing.step_s(prefill_tokens, num_prefills, num_decodes, attention),
+                    worked=bool(scheduled) or num_prefills > 0)
 
     def complete(self, step: "Step") -> None:
         """End a step: publish its KV events as one batch, hand out one token per request."""
@@ -188,9 +197,29 @@ class Engine:
         the prefills' attention work: sum over them of uncached x prompt tokens)."""
         scheduled: list[SimRequest] = []
         bs = self.pool.block_size
+        budget = self.max_num_batched_tokens or (1 << 62)
+        prefill_tokens = 0
+        num_prefills = 0
+        attention = 0
         for req in list(self.running):
             if req not in self.running:  # preempted by an earlier request this step
                 continue
+            if req.num_computed_tokens < req.prefill_target:  # the next chunk of its prefill
+                if budget <= 0:
+                    continue
+                chunk = min(req.prefill_target - req.num_computed_tokens, budget)
+                budget -= chunk
+                req.num_computed_tokens += chunk
+                self._cache_blocks(req)
+                prefill_tokens += chunk
+                attention += chunk * req.num_computed_tokens
+                num_prefills += 1
+                if req.num_computed_tokens == req.prefill_target:
+                    scheduled.append(req)
+                continue
+            if budget <= 0:
+                continue
+            budget -= 1
             need = -(-(req.num_computed_tokens + 1) // bs) - len(req.blocks)
             while need > 0 and self.pool.num_free_blocks < need:
                 victim = self.running[-1]
@@ -204,10 +233,7 @@ class Engine:
             req.num_computed_tokens += 1
             self._cache_blocks(req)
             scheduled.append(req)
-        prefill_tokens = 0
-        num_prefills = 0
-        attention = 0
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             req = self.waiting[0]
             tokens = req.all_token_ids()
             self._extend_hashes(req, tokens)
@@ -226,13 +252,17 @@ class Engine:
             if req.report_full and hit:
                 self.pool.announce(req.block_hashes, tokens, len(hit), req.extra_keys)
             req.num_hashed_blocks = len(hit)
-            req.num_computed_tokens = len(tokens)
+            chunk = min(len(tokens) - hit_tokens, budget)
+            budget -= chunk
+            req.prefill_target = len(tokens)
+            req.num_computed_tokens = hit_tokens + chunk
             self._cache_blocks(req)
-            prefill_tokens += len(tokens) - hit_tokens
-            attention += (len(tokens) - hit_tokens) * len(tokens)
+            prefill_tokens += chunk
+            attention += chunk * req.num_computed_tokens
             num_prefills += 1
             self.running.append(req)
-            scheduled.append(req)
+            if req.num_computed_tokens == req.prefill_target:
+                scheduled.append(req)
         return scheduled, prefill_tokens, num_prefills, attention
 
     def _extend_hashes(self, req: SimRequest, tokens: list[int]) -> None:

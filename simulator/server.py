@@ -24,14 +24,17 @@ def timing_from_args(args: argparse.Namespace) -> TimingModel:
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     """The :class:`SimConfig` for parsed ``kvroute sim`` flags. Raises ValueError on bad values."""
-    if args.block_size < 1 or args.num_gpu_blocks_override < 2 or args.max_num_seqs < 1:
-        raise ValueError("--block-size, --max-num-seqs must be >= 1 and --num-gpu-blocks-override >= 2")
+    if (args.block_size < 1 or args.num_gpu_blocks_override < 2 or args.max_num_seqs < 1
+            or args.max_num_batched_tokens < 1):
+        raise ValueError("--block-size, --max-num-seqs, --max-num-batched-tokens must be >= 1 and "
+                         "--num-gpu-blocks-override >= 2")
     if args.max_model_len is not None and args.max_model_len < 1:
         raise ValueError("--max-model-len must be >= 1")
     return SimConfig(
         model_dir=args.model, served_model_name=args.served_model_name, host=args.host, port=args.port,
         block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks_override,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         kv_events=KVEventsConfig.from_json(args.kv_events_config),
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         timing=timing_from_args(args),

@@ -163,3 +163,35 @@ def test_percentile_and_summary_figures():
     assert s["requests_max_over_mean"] == pytest.approx(2 / 1.5)
     assert s["prefill_max_over_mean"] == pytest.approx(100 / 70)
     assert len(s["records"]) == 4 and s["records"][3]["status"] == 502
+
+
+def test_repeats_aggregate_to_medians_and_keep_every_run():
+    from kvroute.bench.stats import aggregate_repeats
+
+    def run(p50, hit, errors, w0):
+        return {"name": "r", "requests": 10, "errors": errors, "ttft_ms": {"p50": p50, "p90": None},
+                "hit_rate": hit, "per_worker": {"w0": {"requests": w0}}, "records": [{"index": 0}]}
+    agg = aggregate_repeats([run(100.0, 0.5, 0, 4), run(300.0, 0.1, 1, 6), run(200.0, 0.3, 0, 5)])
+    assert agg["ttft_ms"] == {"p50": 200.0, "p90": None}
+    assert agg["hit_rate"] == pytest.approx(0.3) and agg["per_worker"] == {"w0": {"requests": 5}}
+    assert (agg["errors"], agg["runs"], agg["requests"]) == (1, 3, 10)
+    assert [r["ttft_ms"]["p50"] for r in agg["repeats"]] == [100.0, 300.0, 200.0]
+    assert [r["repeat"] for r in agg["records"]] == [0, 1, 2]
+    assert aggregate_repeats([run(1.0, 0.2, 0, 1)])["runs"] == 1
+
+
+def test_kendall_tau_and_rank_agreement():
+    from kvroute.bench.compare import agreement, kendall_tau
+
+    assert kendall_tau([1, 2, 3], [10, 20, 30]) == 1.0
+    assert kendall_tau([1, 2, 3], [3, 2, 1]) == -1.0
+    assert kendall_tau([1, 2, 3, 4], [1, 2, 4, 3]) == pytest.approx(4 / 6)
+
+    def rep(vals):
+        return {"targets": [{"name": n, "ttft_ms": {"p50": p, "p90": p}, "hit_rate": h} for n, p, h in vals]}
+    rows = agreement(rep([("a", 100, 0.5), ("b", 200, 0.4), ("c", 300, 0.1)]),
+                     rep([("b", 20, 0.3), ("a", 10, 0.6), ("c", 30, 0.35), ("d", 1, 0.9)]))
+    assert [r["figure"] for r in rows] == ["TTFT p50", "TTFT p90", "hit rate"]
+    assert rows[0]["order_a"] == rows[0]["order_b"] == ["a", "b", "c"] and rows[0]["kendall_tau"] == 1.0
+    assert rows[2]["order_a"] == ["a", "b", "c"] and rows[2]["order_b"] == ["a", "c", "b"]
+    assert rows[2]["kendall_tau"] == pytest.approx(1 / 3)

@@ -187,3 +187,29 @@ def test_output_sampler_is_deterministic_per_seed():
     natural, reason = s.sample([1, 2, 3], 0, None)
     assert reason == "stop" and 16 <= len(natural) <= 96 and natural[:5] == a
     assert s.text(a) == "".join(pieces[t] for t in a)
+
+
+def test_a_prefill_over_the_step_budget_is_chunked_and_decodes_keep_going():
+    published: list[list] = []
+    timing = TimingModel(prefill_overhead_ms=0, prefill_ms_per_token=1.0, decode_ms_per_token=10.0,
+                         decode_ms_per_seq=0.0)
+    engine = Engine(BlockPool(64, BS), timing, 8, SEED, publish=published.append, max_num_batched_tokens=8)
+    short = make_request(list(range(100, 105)), [50, 51, 52, 53, 54], "short")
+    engine.add(short)
+    s = engine.schedule()
+    assert s.scheduled == [short] and s.duration_s * 1e3 == pytest.approx(5.0)  # 5 prefill tokens
+    engine.complete(s)
+    long = make_request(list(range(200, 218)), [60], "long")  # 18 tokens: budget 8 - 1 decode = 7 a step
+    engine.add(long)
+    durations, emitted = [], []
+    for _ in range(3):
+        s = engine.schedule()
+        durations.append(s.duration_s * 1e3)
+        emitted.append([r.request_id for r in s.scheduled])
+        engine.complete(s)
+    # chunks of 7, 7, 4 prompt tokens beside short's decode; long's token only after its last chunk
+    assert emitted == [["short"], ["short"], ["short", "long"]]
+    assert durations == pytest.approx([7 + 10, 7 + 10, 4 + 10])
+    assert drain(long) == [60, None] and long.num_cached_tokens == 0
+    stored = [ev for batch in published for ev in batch if isinstance(ev, BlockStored)]
+    assert sum(len(ev.block_hashes) for ev in stored if ev.token_ids[0] >= 200) == 18 // BS  # all full blocks cached

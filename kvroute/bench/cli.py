@@ -1,6 +1,6 @@
 """``kvroute bench``: ``run`` replays a workload against OpenAI endpoints; ``rig`` starts workers
 and routers and runs ``run``'s measurement through each router in turn; ``calibrate`` fits the
-simulator's timing model to a real worker.
+simulator's timing model to a real worker; ``compare`` tells whether two reports rank alike.
 
 The workload, arrival and report flags are shared by ``run`` and ``rig`` (see ``--help``).
 Heavy imports happen inside the subcommands so ``kvroute --help`` stays fast.
@@ -114,9 +114,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     from kvroute.bench.rig_cli import add_rig_parser
     from kvroute.bench.calibrate import add_calibrate_parser
+    from kvroute.bench.compare import add_compare_parser
 
     add_rig_parser(sub)
     add_calibrate_parser(sub)
+    add_compare_parser(sub)
     bench.set_defaults(func=lambda _args: bench.print_help() or 2)
 
 

@@ -69,7 +69,7 @@ def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for t in targets:
-        series = hit_rate_series(t["records"])
+        series = hit_rate_series([r for r in t["records"] if r.get("repeat", 0) == 0])  # the first run
         if series:
             ax.plot([x for x, _ in series], [y for _, y in series], marker=".", label=t["name"])
     ax.axhline(report["workload"]["ideal_hit_rate"], color="grey", linestyle="--", label="ideal (whole run)")

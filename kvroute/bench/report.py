@@ -35,6 +35,7 @@ def table(report: dict[str, Any]) -> str:
     lines = [f"workload {w['name']}: {w['requests']} requests, {w['mean_prompt_tokens']:.0f} prompt tokens "
              f"on average, ideal hit rate {w['ideal_hit_rate']:.3f}; arrivals: {report['arrivals']}; "
              f"times in ms; goodput = share with TTFT <= {targets[0]['ttft_target_ms']:.0f} ms"
+             + (f"; medians of {targets[0]['runs']} runs" if targets[0].get("runs", 1) > 1 else "")
              if targets else f"workload {w['name']}: no targets"]
     name_w = max([len("target")] + [len(t["name"]) for t in targets])
     widths = [max(len(h), 7) for h, _, _ in _COLUMNS]

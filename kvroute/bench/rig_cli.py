@@ -50,6 +50,9 @@ def add_rig_parser(sub: argparse._SubParsersAction) -> None:
                    help="vllm engine: interpreter with vLLM (default $KVR_VLLM_PYTHON)")
     r.add_argument("--vllm-args", default="", metavar="'ARGS'",
                    help="vllm engine: extra flags for each server, one shell-quoted string")
+    r.add_argument("--repeats", type=int, default=1,
+                   help="run the whole sequence of routers this many times (interleaved: every router once, "
+                        "then again); the table shows medians, the JSON every run (default 1)")
     r.add_argument("--log-dir", type=Path, default=None, help="every process's log (default: a temp dir)")
     add_workload_flags(p, default_block_size=32)
     p.set_defaults(func=_rig)
@@ -99,6 +102,7 @@ def _rig(args: argparse.Namespace) -> int:
     from kvroute.bench.cli import arrivals_from_args, finish_report, workload_from_args
     from kvroute.bench.rig import RigSpec, run_router, start_workers
     from kvroute.bench.runner import RunSettings
+    from kvroute.bench.stats import aggregate_repeats
     from kvroute.engines import sim_argv, vllm_argv, vllm_env
     from kvroute.up import Cluster
 
@@ -118,6 +122,9 @@ def _rig(args: argparse.Namespace) -> int:
             blocks = max(16, math.ceil(workload.distinct_blocks() / (args.workers * args.kv_pressure))) + 1
     except (ValueError, OSError) as exc:
         print(f"kvroute bench rig: {exc}", file=sys.stderr)
+        return 2
+    if args.repeats < 1:
+        print("kvroute bench rig: --repeats must be >= 1", file=sys.stderr)
         return 2
     for line in skipped:
         print(f"[rig] skipped {line}", file=sys.stderr)
@@ -151,7 +158,13 @@ def _rig(args: argparse.Namespace) -> int:
         settings = RunSettings(model=args.model, arrivals=arrivals, timeout_s=args.request_timeout_s,
                                ttft_target_ms=args.ttft_target_ms, workers={w.id: w.url for w in workers},
                                progress=not args.no_progress)
-        targets = [run_router(name, spec, workers, workload, settings, cluster) for name in routers]
+        runs: dict[str, list[dict]] = {name: [] for name in routers}
+        for rep in range(args.repeats):
+            for name in routers:
+                if args.repeats > 1:
+                    print(f"[rig] run {rep + 1}/{args.repeats}: {name}", file=sys.stderr, flush=True)
+                runs[name].append(run_router(name, spec, workers, workload, settings, cluster))
+        targets = [aggregate_repeats(runs[name]) for name in routers]
     except (RuntimeError, TimeoutError) as exc:
         print(f"kvroute bench rig: {exc} (logs in {log_dir})", file=sys.stderr)
         return 1
@@ -163,6 +176,6 @@ def _rig(args: argparse.Namespace) -> int:
     report = {"workload": summary, "arrivals": arrivals.describe(), "targets": targets,
               "rig": {"workers": args.workers, "engine": args.engine, "kv_blocks_per_worker": blocks,
                       "block_size": args.block_size, "timing_preset": args.timing_preset if args.engine == "sim" else None,
-                      "routers": routers, "skipped": skipped}}
+                      "routers": routers, "skipped": skipped, "repeats": args.repeats}}
     finish_report(report, args)
     return 0

@@ -92,3 +92,31 @@ def summarize(name: str, records: list[RequestRecord], duration_s: float, ideal_
         "prefill_max_over_mean": _max_over_mean([w["prefill_tokens"] for w in workers.values()]),
         "records": [r.to_json() for r in records],
     }
+
+
+def _median_tree(values: list[Any]) -> Any:
+    """Median of numbers; per key of dicts (recursively); the first value otherwise."""
+    first = values[0]
+    if isinstance(first, dict):
+        keys = [k for k in first if all(isinstance(v, dict) and k in v for v in values)]
+        return {k: _median_tree([v[k] for v in values]) for k in keys}
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        nums = [v for v in values if isinstance(v, (int, float))]
+        return percentile(nums, 50) if len(nums) == len(values) else None
+    return first
+
+
+def aggregate_repeats(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One entry for a target measured ``len(results)`` times (repeats of the same workload):
+    every figure is the median over the repeats, ``errors`` the total, ``runs`` the count,
+    ``repeats`` each run's figures (records left out) and ``records`` every run's records, each
+    with its ``repeat`` number (0-based). A single result is returned with ``runs`` 1."""
+    if len(results) == 1:
+        return {**results[0], "runs": 1}
+    figures = [{k: v for k, v in r.items() if k != "records"} for r in results]
+    out = _median_tree(figures)
+    out["errors"] = sum(r["errors"] for r in results)
+    out["runs"] = len(results)
+    out["repeats"] = figures
+    out["records"] = [{**rec, "repeat": i} for i, r in enumerate(results) for rec in r["records"]]
+    return out
