@@ -20,7 +20,7 @@ def test_rig_runs_kv_aware_and_round_robin_on_the_same_sims(tiny_model, tmp_path
                         "--routers", "kvroute:kv_aware,kvroute:round_robin", "--workload", "shared-prefix",
                         "--model", "tiny", "--tokenizer", str(tiny_model), "--groups", "2",
                         "--prompts-per-group", "6", "--shared-tokens", "256", "--own-tokens", "40",
-                        "--output-tokens", "8", "--concurrency", "2", "--no-progress", "--json", str(out),
+                        "--output-tokens", "8", "--concurrency", "2", "--repeats", "2", "--no-progress", "--json", str(out),
                         "--plot", str(tmp_path / "plots"), "--log-dir", str(tmp_path / "logs"))
     r = subprocess.run(["timeout", "-s", "INT", "-k", "20", str(RIG_TIMEOUT_S), *argv],
                        capture_output=True, text=True)
@@ -34,12 +34,14 @@ def test_rig_runs_kv_aware_and_round_robin_on_the_same_sims(tiny_model, tmp_path
     assert [t["name"] for t in report["targets"]] == ["kvroute:kv_aware", "kvroute:round_robin"]
     lengths = [len(q.prompt_token_ids) for q in workload.requests]
     for t in report["targets"]:
-        assert (t["requests"], t["errors"]) == (12, 0)
-        recs = t["records"]
-        assert [rec["prompt_tokens"] for rec in recs] == lengths  # token counts exact, as vLLM counts them
+        assert (t["requests"], t["errors"], t["runs"]) == (12, 0, 2)  # per run; medians of 2 runs
+        assert [rec["repeat"] for rec in t["records"]] == [0] * 12 + [1] * 12
+        assert [run["requests"] for run in t["repeats"]] == [12, 12]
+        recs = t["records"][:12]
+        assert [rec["prompt_tokens"] for rec in t["records"]] == lengths * 2  # exact, as vLLM counts them
         assert all(rec["completion_tokens"] == 8 and rec["status"] == 200 for rec in recs)
         assert {rec["worker"] for rec in recs} <= {"w0", "w1"}
-        assert sum(w["requests"] for w in t["per_worker"].values()) == 12
+        assert [sum(w["requests"] for w in run["per_worker"].values()) for run in t["repeats"]] == [12, 12]
         assert 0 < t["ttft_ms"]["p50"] <= t["ttft_ms"]["p90"] <= t["ttft_ms"]["p99"]
         assert t["hit_rate"] <= report["workload"]["ideal_hit_rate"] + 1e-9
     kv, rr = report["targets"]

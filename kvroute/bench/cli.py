@@ -170,18 +170,22 @@ def workload_from_args(args: argparse.Namespace, cluster_kv_blocks: int | None =
 
 
 def finish_report(report: dict, args: argparse.Namespace) -> None:
-    """Print the table; write the JSON and the plots when asked."""
+    """Write the JSON (first: nothing measured is lost), print the table, draw the plots."""
     from kvroute.bench.report import table, write_json
 
-    print(table(report), flush=True)
     if args.json:
         write_json(report, args.json)
+    print(table(report), flush=True)
+    if args.json:
         print(f"json: {args.json}")
     if args.plot:
         from kvroute.bench.plots import write_plots
 
-        for path in write_plots(report, args.plot):
-            print(f"plot: {path}")
+        try:
+            for path in write_plots(report, args.plot):
+                print(f"plot: {path}")
+        except RuntimeError as exc:
+            print(f"no plots: {exc}", file=sys.stderr)
 
 
 def _run(args: argparse.Namespace) -> int:

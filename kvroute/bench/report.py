@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 _COLUMNS = (  # (header, getter, format)
-    ("requests", lambda t: t["requests"], "{:d}"),
-    ("errors", lambda t: t["errors"], "{:d}"),
+    ("requests", lambda t: t["requests"], "{:.0f}"),
+    ("errors", lambda t: t["errors"], "{:.0f}"),
     ("TTFT p50", lambda t: t["ttft_ms"]["p50"], "{:.0f}"),
     ("p90", lambda t: t["ttft_ms"]["p90"], "{:.0f}"),
     ("p99", lambda t: t["ttft_ms"]["p99"], "{:.0f}"),

@@ -102,7 +102,10 @@ def _median_tree(values: list[Any]) -> Any:
         return {k: _median_tree([v[k] for v in values]) for k in keys}
     if isinstance(first, (int, float)) and not isinstance(first, bool):
         nums = [v for v in values if isinstance(v, (int, float))]
-        return percentile(nums, 50) if len(nums) == len(values) else None
+        if len(nums) != len(values):
+            return None
+        mid = percentile(nums, 50)
+        return int(mid) if all(isinstance(v, int) for v in nums) and mid == int(mid) else mid
     return first
 
 
