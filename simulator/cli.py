@@ -29,9 +29,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="context length (default: the model's max_position_embeddings)")
     p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS, metavar="N",
                    help=f"most sequences running at once; more wait (default {DEFAULT_MAX_NUM_SEQS})")
-    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS, metavar="N",
-                   help=f"token budget of one engine step; longer prefills are chunked (default "
-                        f"{DEFAULT_MAX_NUM_BATCHED_TOKENS}, vLLM's on an H100; vLLM's CPU build uses 2048)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help=f"token budget of one engine step; longer prefills are chunked (default: the timing "
+                        f"preset's, else {DEFAULT_MAX_NUM_BATCHED_TOKENS}, vLLM's on an H100; vLLM's CPU "
+                        f"build uses 2048)")
     p.add_argument("--kv-events-config", default=None, metavar="JSON",
                    help="vLLM's KVEventsConfig as JSON, e.g. '{\"enable_kv_cache_events\": true, "
                         "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", "

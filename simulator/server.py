@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from simulator.config import SimConfig
+from simulator.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, SimConfig
 from simulator.events import KVEventsConfig
-from simulator.timing import TimingModel, preset_timing
+from simulator.timing import PRESETS, TimingModel, preset_timing
 
 GRACEFUL_SHUTDOWN_S = 2
 
@@ -24,8 +24,12 @@ def timing_from_args(args: argparse.Namespace) -> TimingModel:
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     """The :class:`SimConfig` for parsed ``kvroute sim`` flags. Raises ValueError on bad values."""
+    budget = args.max_num_batched_tokens
+    if budget is None:
+        preset = PRESETS[args.timing_preset] if args.timing_preset else None
+        budget = (preset.max_num_batched_tokens if preset else None) or DEFAULT_MAX_NUM_BATCHED_TOKENS
     if (args.block_size < 1 or args.num_gpu_blocks_override < 2 or args.max_num_seqs < 1
-            or args.max_num_batched_tokens < 1):
+            or budget < 1):
         raise ValueError("--block-size, --max-num-seqs, --max-num-batched-tokens must be >= 1 and "
                          "--num-gpu-blocks-override >= 2")
     if args.max_model_len is not None and args.max_model_len < 1:
@@ -34,7 +38,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         model_dir=args.model, served_model_name=args.served_model_name, host=args.host, port=args.port,
         block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks_override,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_batched_tokens=budget,
         kv_events=KVEventsConfig.from_json(args.kv_events_config),
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         timing=timing_from_args(args),

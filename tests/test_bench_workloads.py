@@ -144,11 +144,11 @@ def test_percentile_and_summary_figures():
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
     assert percentile(list(range(101)), 99) == pytest.approx(99.0)
     recs = [RequestRecord(0, "g", 0.0, 200, ttft_ms=100.0, e2e_ms=300.0, itl_ms=[10.0, 20.0], prompt_tokens=100,
-                          cached_tokens=64, completion_tokens=3, worker="w0"),
+                          cached_tokens=64, completion_tokens=3, worker="w0", cached_reported=True),
             RequestRecord(1, "g", 0.1, 200, ttft_ms=900.0, e2e_ms=1000.0, itl_ms=[30.0], prompt_tokens=100,
-                          cached_tokens=0, completion_tokens=2, worker="w1"),
+                          cached_tokens=0, completion_tokens=2, worker="w1", cached_reported=True),
             RequestRecord(2, "g", 0.2, 200, ttft_ms=50.0, e2e_ms=80.0, prompt_tokens=100, cached_tokens=96,
-                          completion_tokens=1, worker="w0"),
+                          completion_tokens=1, worker="w0", cached_reported=True),
             RequestRecord(3, "g", 0.3, 502, error="HTTP 502")]
     s = summarize("t", recs, 2.0, [0, 64, 96, 96], ttft_target_ms=500.0)
     assert (s["requests"], s["errors"]) == (4, 1)
@@ -174,7 +174,7 @@ def test_repeats_aggregate_to_medians_and_keep_every_run():
     agg = aggregate_repeats([run(100.0, 0.5, 0, 4), run(300.0, 0.1, 1, 6), run(200.0, 0.3, 0, 5)])
     assert agg["ttft_ms"] == {"p50": 200.0, "p90": None}
     assert agg["hit_rate"] == pytest.approx(0.3) and agg["per_worker"] == {"w0": {"requests": 5}}
-    assert (agg["errors"], agg["runs"], agg["requests"]) == (1, 3, 10)
+    assert (agg["errors"], agg["runs"], agg["requests"]) == (1, 3, 30)  # totals over the runs
     assert [r["ttft_ms"]["p50"] for r in agg["repeats"]] == [100.0, 300.0, 200.0]
     assert [r["repeat"] for r in agg["records"]] == [0, 1, 2]
     assert aggregate_repeats([run(1.0, 0.2, 0, 1)])["runs"] == 1

@@ -14,6 +14,26 @@ from pathlib import Path
 WORKLOADS = ("trace", "shared-prefix", "multiturn")
 
 
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
+    return v
+
+
 def _name_url(text: str) -> tuple[str, str]:
     name, sep, url = text.partition("=")
     if not sep or not name or not url.startswith(("http://", "https://")):
@@ -32,12 +52,12 @@ def add_workload_flags(p: argparse.ArgumentParser, default_block_size: int) -> N
     w.add_argument("--tokenizer", required=True, metavar="DIR",
                    help="model directory whose tokenizer the workers use (prompts are built from its "
                         "one-token words and token counts are exact in it)")
-    w.add_argument("--block-size", type=int, default=default_block_size,
+    w.add_argument("--block-size", type=_positive_int, default=default_block_size,
                    help=f"the engines' KV block size in tokens, the granularity of the ideal hit rate "
                         f"(default {default_block_size}; a smaller value than the engines' only loosens "
                         f"the ideal)")
     w.add_argument("--seed", type=int, default=0, help="seed of generated prompts and Poisson gaps (default 0)")
-    w.add_argument("--output-tokens", type=int, default=None,
+    w.add_argument("--output-tokens", type=_positive_int, default=None,
                    help="tokens generated per request (ignore_eos); default: the trace's output length "
                         "scaled like its blocks, 16 for generated workloads")
     t = p.add_argument_group("trace workload")
@@ -45,44 +65,44 @@ def add_workload_flags(p: argparse.ArgumentParser, default_block_size: int) -> N
                    help="Mooncake JSONL trace (timestamp ms, input_length, output_length, hash_ids of "
                         "512-token blocks); default: the first 1,000 requests of Mooncake's public "
                         "conversation trace, shipped with kvroute")
-    t.add_argument("--limit", type=int, default=None, help="use only the first N requests of the trace")
-    t.add_argument("--block-tokens", type=int, default=64,
+    t.add_argument("--limit", type=_positive_int, default=None, help="use only the first N requests of the trace")
+    t.add_argument("--block-tokens", type=_positive_int, default=64,
                    help="prompt tokens per 512-token trace block (default 64: 8x smaller prompts, so CPU or "
                         "simulated workers can serve them); a multiple of --block-size keeps shared trace "
                         "blocks on engine block boundaries")
-    t.add_argument("--max-prompt-tokens", type=int, default=None,
+    t.add_argument("--max-prompt-tokens", type=_positive_int, default=None,
                    help="cut longer trace prompts to their leading whole blocks (fit the model's context)")
     g = p.add_argument_group("shared-prefix workload")
-    g.add_argument("--groups", type=int, default=4, help="prefix groups (default 4)")
-    g.add_argument("--prompts-per-group", type=int, default=16, help="prompts per group (default 16)")
-    g.add_argument("--shared-tokens", type=int, default=1536, help="tokens of each group's shared prefix (default 1536)")
+    g.add_argument("--groups", type=_positive_int, default=4, help="prefix groups (default 4)")
+    g.add_argument("--prompts-per-group", type=_positive_int, default=16, help="prompts per group (default 16)")
+    g.add_argument("--shared-tokens", type=_positive_int, default=1536, help="tokens of each group's shared prefix (default 1536)")
     g.add_argument("--own-tokens", type=int, default=300, help="tokens of each prompt's own suffix (default 300)")
     m = p.add_argument_group("multiturn workload")
-    m.add_argument("--conversations", type=int, default=16, help="conversations (default 16)")
-    m.add_argument("--turns", type=int, default=4, help="turns per conversation (default 4)")
-    m.add_argument("--system-prompts", type=int, default=None,
+    m.add_argument("--conversations", type=_positive_int, default=16, help="conversations (default 16)")
+    m.add_argument("--turns", type=_positive_int, default=4, help="turns per conversation (default 4)")
+    m.add_argument("--system-prompts", type=_positive_int, default=None,
                    help="distinct system prompts, conversation c uses c mod this (default: one per conversation)")
-    m.add_argument("--system-tokens", type=int, default=740, help="tokens of a system prompt (default 740)")
-    m.add_argument("--user-tokens", type=int, default=60, help="tokens of a user turn (default 60)")
+    m.add_argument("--system-tokens", type=_positive_int, default=740, help="tokens of a system prompt (default 740)")
+    m.add_argument("--user-tokens", type=_positive_int, default=60, help="tokens of a user turn (default 60)")
     m.add_argument("--reply-tokens", type=int, default=40,
                    help="tokens of the fixed assistant reply added to the history after a turn (default 40)")
     k = p.add_argument_group("KV pressure (generated workloads)")
-    k.add_argument("--kv-pressure", type=float, default=None, metavar="RATIO",
+    k.add_argument("--kv-pressure", type=_positive_float, default=None, metavar="RATIO",
                    help="make the workload's distinct KV blocks RATIO times what the cluster holds: more "
                         "groups or conversations (bench run, with --cluster-kv-blocks) or, in the rig, "
                         "smaller worker caches (any workload)")
-    k.add_argument("--cluster-kv-blocks", type=int, default=None,
+    k.add_argument("--cluster-kv-blocks", type=_positive_int, default=None,
                    help="bench run: KV blocks of all workers together, for --kv-pressure")
     a = p.add_argument_group("arrivals (one of; default: trace timestamps for a trace, else concurrency 4)")
     ex = a.add_mutually_exclusive_group()
-    ex.add_argument("--time-scale", type=float, default=None,
+    ex.add_argument("--time-scale", type=_positive_float, default=None,
                     help="send at the trace's timestamps divided by X (2 = twice the trace's rate)")
-    ex.add_argument("--rate", type=float, default=None, help="Poisson arrivals at R requests/s")
-    ex.add_argument("--concurrency", type=int, default=None, help="closed loop: C requests in flight")
+    ex.add_argument("--rate", type=_positive_float, default=None, help="Poisson arrivals at R requests/s")
+    ex.add_argument("--concurrency", type=_positive_int, default=None, help="closed loop: C requests in flight")
     o = p.add_argument_group("report")
-    o.add_argument("--ttft-target-ms", type=float, default=1000.0,
+    o.add_argument("--ttft-target-ms", type=_positive_float, default=1000.0,
                    help="goodput counts requests with TTFT at most this (default 1000)")
-    o.add_argument("--request-timeout-s", type=float, default=600.0, help="per-request limit (default 600)")
+    o.add_argument("--request-timeout-s", type=_positive_float, default=600.0, help="per-request limit (default 600)")
     o.add_argument("--json", type=Path, default=None, metavar="FILE",
                    help="write the report with every per-request record as JSON")
     o.add_argument("--plot", type=Path, default=None, metavar="DIR",
@@ -92,8 +112,11 @@ def add_workload_flags(p: argparse.ArgumentParser, default_block_size: int) -> N
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``kvroute bench`` with its ``run``, ``rig`` and ``calibrate`` subcommands."""
-    bench = subparsers.add_parser("bench", help="benchmark routers on a workload (run, rig, calibrate)",
-                                  description=__doc__.split("\n\n")[0])
+    bench = subparsers.add_parser("bench", help="benchmark routers on a workload (run, rig, calibrate, compare)",
+                                  description="run: replay a workload against OpenAI endpoints; rig: start "
+                                              "workers and routers and run the workload through each in turn; "
+                                              "calibrate: fit kvroute sim's timing to a real worker; compare: "
+                                              "whether two reports rank the targets alike.")
     sub = bench.add_subparsers(dest="bench_command", metavar="SUBCOMMAND")
 
     run = sub.add_parser("run", help="replay a workload against OpenAI endpoints, one after another",
@@ -169,6 +192,17 @@ def workload_from_args(args: argparse.Namespace, cluster_kv_blocks: int | None =
     return make(base)
 
 
+def prepare_outputs(args: argparse.Namespace) -> None:
+    """Create the folders of ``--json`` and ``--plot`` now, so a bad path fails before the run.
+    Raises OSError when one cannot be made (or ``--plot`` names a file)."""
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        if Path(args.json).is_dir():
+            raise OSError(f"--json {args.json} is a folder")
+    if args.plot:
+        Path(args.plot).mkdir(parents=True, exist_ok=True)
+
+
 def finish_report(report: dict, args: argparse.Namespace) -> None:
     """Write the JSON (first: nothing measured is lost), print the table, draw the plots."""
     from kvroute.bench.report import table, write_json
@@ -189,29 +223,50 @@ def finish_report(report: dict, args: argparse.Namespace) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from kvroute.bench.runner import RunSettings, Target, run_target
-    from kvroute.bench.workers import served_max_model_len
+    import httpx
 
-    if args.kv_pressure and not args.cluster_kv_blocks and args.workload != "trace":
-        print("kvroute bench run: --kv-pressure needs --cluster-kv-blocks", file=sys.stderr)
+    from kvcore.tokenization import UnsupportedPrompt
+    from kvroute.bench.runner import RunSettings, Target, run_target
+    from kvroute.bench.workers import reachable, served_max_model_len
+
+    if args.kv_pressure and (args.workload == "trace" or not args.cluster_kv_blocks):
+        print("kvroute bench run: --kv-pressure needs a generated workload and --cluster-kv-blocks "
+              "(for a trace, size the workers' caches: bench rig does)", file=sys.stderr)
+        return 2
+    if args.reset_cache and not args.worker:
+        print("kvroute bench run: --reset-cache needs the workers (--worker NAME=URL)", file=sys.stderr)
         return 2
     try:
+        prepare_outputs(args)
+        unreachable = [url for _, url in args.target if not reachable(url)]
+        if unreachable:
+            raise ValueError(f"no answer from {', '.join(unreachable)} (GET /v1/models)")
         lens = [served_max_model_len(url, args.model) for _, url in args.target]
         max_model_len = min((n for n in lens if n), default=None)
         workload = workload_from_args(args, args.cluster_kv_blocks, max_model_len)
         arrivals = arrivals_from_args(args, workload.name)
         arrivals.send_times_s(workload)  # fails early on trace timing without timestamps
-    except (ValueError, OSError) as exc:
+        summary = workload.summary()
+    except (ValueError, OSError, UnsupportedPrompt) as exc:
         print(f"kvroute bench run: {exc}", file=sys.stderr)
         return 2
     settings = RunSettings(model=args.model, arrivals=arrivals, timeout_s=args.request_timeout_s,
                            headers={"Authorization": f"Bearer {args.api_key}"} if args.api_key else {},
                            ttft_target_ms=args.ttft_target_ms, workers=dict(args.worker),
                            reset_cache=args.reset_cache, progress=not args.no_progress)
-    summary = workload.summary()
     print(f"workload {workload.name}: {summary['requests']} requests, {summary['prompt_tokens']} prompt tokens, "
           f"{summary['distinct_blocks']} distinct blocks of {workload.block_size}, ideal hit rate "
           f"{summary['ideal_hit_rate']:.3f}; {arrivals.describe()}", file=sys.stderr, flush=True)
-    targets = [run_target(Target(name, url), workload, settings) for name, url in args.target]
-    finish_report({"workload": summary, "arrivals": arrivals.describe(), "targets": targets}, args)
-    return 1 if any(t["errors"] == t["requests"] for t in targets) else 0
+    targets, failed = [], []
+    for name, url in args.target:
+        try:
+            targets.append(run_target(Target(name, url), workload, settings))
+        except (httpx.HTTPError, TimeoutError, OSError) as exc:  # the workers' counters or reset
+            failed.append(f"{name}: {type(exc).__name__}: {exc}")
+            print(f"kvroute bench run: {failed[-1]}", file=sys.stderr)
+    report = {"workload": summary, "arrivals": arrivals.describe(), "targets": targets}
+    if failed:
+        report["failed"] = failed
+    if targets:
+        finish_report(report, args)
+    return 1 if failed or any(t["errors"] == t["requests"] for t in targets) else 0

@@ -46,6 +46,7 @@ class RequestRecord:
     completion_tokens: int = 0
     worker: str | None = None
     error: str | None = None
+    cached_reported: bool = False  # usage carried prompt_tokens_details.cached_tokens
 
     @property
     def ok(self) -> bool:
@@ -99,6 +100,9 @@ async def send(session: aiohttp.ClientSession, base_url: str, req: BenchRequest,
                     done = True
                     break
                 event = orjson.loads(payload)
+                if not isinstance(event, dict):
+                    rec.error = f"stream event is not a JSON object: {payload[:100]!r}"
+                    break
                 if "error" in event:
                     rec.error = f"stream error: {str(event['error'])[:300]}"
                     break
@@ -110,12 +114,14 @@ async def send(session: aiohttp.ClientSession, base_url: str, req: BenchRequest,
                         rec.itl_ms.append(1000 * (now - last_text_at))
                     last_text_at = now
                 usage = event.get("usage")
-                if usage:
+                if isinstance(usage, dict) and usage:
                     rec.prompt_tokens = int(usage.get("prompt_tokens") or 0)
                     rec.completion_tokens = int(usage.get("completion_tokens") or 0)
-                    details = usage.get("prompt_tokens_details") or {}
-                    rec.cached_tokens = int(details.get("cached_tokens") or 0)
-    except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError, ValueError) as exc:
+                    details = usage.get("prompt_tokens_details")
+                    if isinstance(details, dict) and details.get("cached_tokens") is not None:
+                        rec.cached_tokens = int(details["cached_tokens"])
+                        rec.cached_reported = True
+    except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError, ValueError, TypeError) as exc:
         rec.error = f"{type(exc).__name__}: {exc}"[:300]
     rec.e2e_ms = 1000 * (time.monotonic() - t0)
     if rec.error is None and not done:

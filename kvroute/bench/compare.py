@@ -60,12 +60,13 @@ def _compare(args: argparse.Namespace) -> int:
 
     try:
         a, b = (json.loads(Path(p).read_text()) for p in (args.a, args.b))
-    except (OSError, ValueError) as exc:
-        print(f"kvroute bench compare: {exc}", file=sys.stderr)
+        tables = [f"== {path}\n{table(rep)}\n" for path, rep in ((args.a, a), (args.b, b))]
+        rows = agreement(a, b)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"kvroute bench compare: not two bench reports ({type(exc).__name__}: {exc})", file=sys.stderr)
         return 2
-    for path, rep in ((args.a, a), (args.b, b)):
-        print(f"== {path}\n{table(rep)}\n")
-    for row in agreement(a, b):
+    print("\n".join(tables))
+    for row in rows:
         print(f"{row['figure']:<9} tau {row['kendall_tau']:+.2f}   A: {' > '.join(row['order_a'])}\n"
               f"{'':<20}B: {' > '.join(row['order_b'])}")
     return 0

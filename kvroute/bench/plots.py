@@ -32,7 +32,7 @@ def hit_rate_series(records: list[dict[str, Any]], windows: int = WINDOWS) -> li
     ok = sorted((r for r in records if r["error"] is None), key=lambda r: r["start_s"])
     if not ok:
         return []
-    per = max(1, len(ok) // windows)
+    per = max(1, -(-len(ok) // windows))
     out = []
     for lo in range(0, len(ok), per):
         chunk = ok[lo:lo + per]

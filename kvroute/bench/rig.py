@@ -126,6 +126,28 @@ def _index_empty(base: str) -> bool:
     return all(sum(w["blocks"].values()) == 0 for w in ws.values())
 
 
+def kvroute_note(metrics_text: str) -> dict[str, Any]:
+    """What a kvroute gateway's ``/metrics`` tells of its run: decisions by reason
+    (``kvroute_route_decisions_total``) and predicted against worker-reported cached tokens
+    (``kvroute_predicted_cached_tokens`` / ``kvroute_actual_cached_tokens`` sums, and the mean
+    absolute error per request from ``kvroute_cached_tokens_error_tokens``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    reasons: dict[str, float] = {}
+    sums: dict[str, float] = {}
+    for fam in text_string_to_metric_families(metrics_text):
+        for smp in fam.samples:
+            if smp.name == "kvroute_route_decisions_total":
+                reasons[smp.labels.get("reason", "")] = reasons.get(smp.labels.get("reason", ""), 0) + smp.value
+            elif smp.name.endswith(("_sum", "_count")) and smp.name.startswith("kvroute_"):
+                sums[smp.name] = sums.get(smp.name, 0.0) + smp.value
+    n = sums.get("kvroute_cached_tokens_error_tokens_count", 0.0)
+    return {"decisions_by_reason": {k: int(v) for k, v in sorted(reasons.items())},
+            "predicted_cached_tokens": int(sums.get("kvroute_predicted_cached_tokens_sum", 0)),
+            "reported_cached_tokens": int(sums.get("kvroute_actual_cached_tokens_sum", 0)),
+            "cached_tokens_mae": sums.get("kvroute_cached_tokens_error_tokens_sum", 0.0) / n if n else None}
+
+
 def launch_router(name: str, spec: RigSpec, workers: list[RigWorker], port: int) -> RouterLaunch:
     """The launch of router ``name`` (module docstring). Raises KeyError for an unknown name."""
     if name.startswith("kvroute:"):
@@ -153,7 +175,13 @@ def run_router(name: str, spec: RigSpec, workers: list[RigWorker], workload: Wor
         if name.startswith("kvroute:"):
             _wait_until(lambda: _index_empty(launch.base_url), INDEX_CLEAR_TIMEOUT_S, f"{name}'s index emptied")
         result = run_target(Target(name, launch.base_url), workload, settings)
-        if not name.startswith("kvroute:") and launch.metrics_url:
+        if name.startswith("kvroute:"):
+            gw = kvroute_note(httpx.get(launch.metrics_url, timeout=10).text)
+            result["gateway"] = gw
+            reasons = ", ".join(f"{k} {v}" for k, v in gw["decisions_by_reason"].items())
+            result["note"] = (f"decisions: {reasons}; predicted cached tokens {gw['predicted_cached_tokens']}, "
+                              f"reported {gw['reported_cached_tokens']}")
+        elif launch.metrics_url:
             try:
                 note = PEERS[name].event_path(httpx.get(launch.metrics_url, timeout=10).text)
             except httpx.HTTPError as exc:

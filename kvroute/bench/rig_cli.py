@@ -16,7 +16,7 @@ DEFAULT_KVROUTE_ROUTERS = ("kvroute:kv_aware", "kvroute:round_robin")
 
 def add_rig_parser(sub: argparse._SubParsersAction) -> None:
     """Add ``kvroute bench rig`` to the ``bench`` subparsers."""
-    from kvroute.bench.cli import add_workload_flags
+    from kvroute.bench.cli import _positive_int, add_workload_flags
     from simulator.timing import PRESETS
 
     p = sub.add_parser(
@@ -26,7 +26,7 @@ def add_rig_parser(sub: argparse._SubParsersAction) -> None:
                     "workers' prefix caches between routers, replay the same requests in the same order "
                     "through each, and print one table.")
     r = p.add_argument_group("rig")
-    r.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")
+    r.add_argument("--workers", type=_positive_int, default=2, help="number of workers (default 2)")
     r.add_argument("--engine", choices=["sim", "vllm"], default="sim",
                    help="kvroute sim (default) or real vLLM run by --vllm-python")
     r.add_argument("--routers", default=None, metavar="LIST",
@@ -37,11 +37,12 @@ def add_rig_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--policy-config", action="append", default=[], metavar="LABEL=JSON",
                    help="a kvroute policy variant, e.g. 'kv_nolw={\"name\": \"kv_aware\", \"load_weight\": 0}', "
                         "then named kvroute:kv_nolw in --routers; repeatable")
-    r.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N",
+    r.add_argument("--num-gpu-blocks-override", type=_positive_int, default=None, metavar="N",
                    help="KV blocks per worker (default: the engine's own, or sized by --kv-pressure)")
     r.add_argument("--max-model-len", type=int, default=None, help="workers' context length (vLLM's flag)")
     r.add_argument("--timing-preset", choices=sorted(PRESETS), default="gpu",
-                   help="sim engine: timing model preset (default gpu; see kvroute sim --help)")
+                   help="sim engine: timing model and step token budget preset (default gpu; see kvroute sim "
+                        "--help); cpu was fitted on vLLM run with --max-num-seqs 8")
     r.add_argument("--speedup", type=float, default=1.0, help="sim engine: run simulated time this many times faster")
     r.add_argument("--sim-args", default="", metavar="'ARGS'",
                    help="sim engine: extra kvroute sim flags, one shell-quoted string (e.g. "
@@ -50,7 +51,7 @@ def add_rig_parser(sub: argparse._SubParsersAction) -> None:
                    help="vllm engine: interpreter with vLLM (default $KVR_VLLM_PYTHON)")
     r.add_argument("--vllm-args", default="", metavar="'ARGS'",
                    help="vllm engine: extra flags for each server, one shell-quoted string")
-    r.add_argument("--repeats", type=int, default=1,
+    r.add_argument("--repeats", type=_positive_int, default=1,
                    help="run the whole sequence of routers this many times (interleaved: every router once, "
                         "then again); the table shows medians, the JSON every run (default 1)")
     r.add_argument("--log-dir", type=Path, default=None, help="every process's log (default: a temp dir)")
@@ -58,20 +59,25 @@ def add_rig_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_rig)
 
 
-def _router_list(args: argparse.Namespace) -> tuple[list[str], list[str]]:
-    """(routers to run, lines about peers left out)."""
+def _router_list(args: argparse.Namespace, labels: dict) -> tuple[list[str], list[str]]:
+    """(routers to run, lines about peers left out); ``labels``: the --policy-config variants.
+    Raises ValueError for an unknown router or kvroute policy."""
     from kvroute.bench.peers import PEERS
+    from router.policies.factory import make_policy
 
     wanted = ([n.strip() for n in args.routers.split(",") if n.strip()] if args.routers
               else list(DEFAULT_KVROUTE_ROUTERS) + list(PEERS))
     run, skipped = [], []
-    for name in wanted:
+    for name in dict.fromkeys(wanted):  # each once, in order
         if name.startswith("kvroute:"):
+            label = name.split(":", 1)[1]
+            if label not in labels:
+                make_policy({"name": label})  # ValueError now, not after the workers started
             run.append(name)
         elif name not in PEERS:
             raise ValueError(f"unknown router {name!r}; peers are {', '.join(PEERS)}")
         elif not PEERS[name].installed():
-            skipped.append(f"{name}: not installed (pip install 'kvroute[bench]')")
+            skipped.append(f"{name}: not installed (make install-peers)")
         else:
             run.append(name)
     return run, skipped
@@ -99,7 +105,10 @@ def _model_max_len(model_dir: Path) -> int | None:
 
 
 def _rig(args: argparse.Namespace) -> int:
-    from kvroute.bench.cli import arrivals_from_args, finish_report, workload_from_args
+    import httpx
+
+    from kvcore.tokenization import UnsupportedPrompt
+    from kvroute.bench.cli import arrivals_from_args, finish_report, prepare_outputs, workload_from_args
     from kvroute.bench.rig import RigSpec, run_router, start_workers
     from kvroute.bench.runner import RunSettings
     from kvroute.bench.stats import aggregate_repeats
@@ -108,8 +117,10 @@ def _rig(args: argparse.Namespace) -> int:
 
     model_dir = Path(args.tokenizer)
     try:
-        routers, skipped = _router_list(args)
         policy_configs = _policy_configs(args.policy_config)
+        routers, skipped = _router_list(args, policy_configs)
+        sim_extra = shlex.split(args.sim_args)
+        prepare_outputs(args)
         max_len = args.max_model_len or _model_max_len(model_dir)
         workload = workload_from_args(args, None, max_len)
         arrivals = arrivals_from_args(args, workload.name)
@@ -118,13 +129,14 @@ def _rig(args: argparse.Namespace) -> int:
         if args.kv_pressure:
             if blocks:
                 raise ValueError("--kv-pressure sizes the workers' caches: drop --num-gpu-blocks-override")
-            # the cluster holds 1/RATIO of the workload's distinct blocks (+1: vLLM's null block)
-            blocks = max(16, math.ceil(workload.distinct_blocks() / (args.workers * args.kv_pressure))) + 1
-    except (ValueError, OSError) as exc:
+            # the cluster holds 1/RATIO of the workload's distinct blocks (+1: vLLM's null block),
+            # and each worker at least the longest request (else it could serve none of them)
+            longest = max(len(q.prompt_token_ids) + q.output_tokens for q in workload.requests)
+            blocks = max(math.ceil(workload.distinct_blocks() / (args.workers * args.kv_pressure)),
+                         math.ceil(longest / args.block_size) + 1) + 1
+        summary = workload.summary()
+    except (ValueError, OSError, UnsupportedPrompt) as exc:
         print(f"kvroute bench rig: {exc}", file=sys.stderr)
-        return 2
-    if args.repeats < 1:
-        print("kvroute bench rig: --repeats must be >= 1", file=sys.stderr)
         return 2
     for line in skipped:
         print(f"[rig] skipped {line}", file=sys.stderr)
@@ -142,17 +154,16 @@ def _rig(args: argparse.Namespace) -> int:
     def worker_argv(i: int, port: int, events_cfg: dict):
         if args.engine == "vllm":
             return vllm_argv(up_args, port, events_cfg), vllm_env(i, args.workers)
-        return (sim_argv(up_args, i, port, events_cfg) + ["--timing-preset", args.timing_preset]
-                + shlex.split(args.sim_args)), None
+        return sim_argv(up_args, i, port, events_cfg) + ["--timing-preset", args.timing_preset] + sim_extra, None
 
     spec = RigSpec(args.workers, args.engine, model_dir, args.model, args.block_size, log_dir, worker_argv,
                    policy_configs)
-    summary = workload.summary()
     print(f"[rig] {args.workers} {args.engine} workers x {blocks or 'default'} KV blocks of {args.block_size}; "
           f"workload {workload.name}: {summary['requests']} requests, {summary['distinct_blocks']} distinct blocks, "
           f"ideal hit rate {summary['ideal_hit_rate']:.3f}; {arrivals.describe()}; routers: {', '.join(routers)}; "
           f"logs in {log_dir}", file=sys.stderr, flush=True)
     cluster = Cluster()
+    failed: list[str] = []
     try:
         workers = start_workers(spec, cluster)
         settings = RunSettings(model=args.model, arrivals=arrivals, timeout_s=args.request_timeout_s,
@@ -163,9 +174,13 @@ def _rig(args: argparse.Namespace) -> int:
             for name in routers:
                 if args.repeats > 1:
                     print(f"[rig] run {rep + 1}/{args.repeats}: {name}", file=sys.stderr, flush=True)
-                runs[name].append(run_router(name, spec, workers, workload, settings, cluster))
-        targets = [aggregate_repeats(runs[name]) for name in routers]
-    except (RuntimeError, TimeoutError) as exc:
+                try:
+                    runs[name].append(run_router(name, spec, workers, workload, settings, cluster))
+                except (RuntimeError, TimeoutError, httpx.HTTPError, OSError) as exc:  # this router only
+                    failed.append(f"{name} (run {rep + 1}): {type(exc).__name__}: {exc}")
+                    print(f"[rig] {failed[-1]}; see {log_dir}", file=sys.stderr, flush=True)
+        targets = [aggregate_repeats(runs[name]) for name in routers if runs[name]]
+    except (RuntimeError, TimeoutError) as exc:  # the workers
         print(f"kvroute bench rig: {exc} (logs in {log_dir})", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
@@ -177,5 +192,8 @@ def _rig(args: argparse.Namespace) -> int:
               "rig": {"workers": args.workers, "engine": args.engine, "kv_blocks_per_worker": blocks,
                       "block_size": args.block_size, "timing_preset": args.timing_preset if args.engine == "sim" else None,
                       "routers": routers, "skipped": skipped, "repeats": args.repeats}}
-    finish_report(report, args)
-    return 0
+    if failed:
+        report["failed"] = failed
+    if targets:
+        finish_report(report, args)
+    return 1 if failed or any(t["errors"] == t["requests"] for t in targets) else 0

@@ -64,7 +64,8 @@ def summarize(name: str, records: list[RequestRecord], duration_s: float, ideal_
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
     out_tokens = sum(r.completion_tokens for r in ok)
-    hit = cached / prompt if prompt else 0.0
+    # None when no answer reported cached tokens (vLLM without --enable-prompt-tokens-details)
+    hit = cached / prompt if prompt and any(r.cached_reported for r in ok) else None
     ideal = sum(ideal_cached_tokens[r.index] for r in ok) / prompt if prompt else 0.0
     workers = per_worker if per_worker is not None else per_worker_from_records(records)
     good = sum(1 for r in ok if r.ttft_ms is not None and r.ttft_ms <= ttft_target_ms)
@@ -86,7 +87,7 @@ def summarize(name: str, records: list[RequestRecord], duration_s: float, ideal_
         "cached_tokens": cached,
         "hit_rate": hit,
         "ideal_hit_rate": ideal,
-        "hit_rate_of_ideal": hit / ideal if ideal else None,
+        "hit_rate_of_ideal": hit / ideal if ideal and hit is not None else None,
         "per_worker": workers,
         "requests_max_over_mean": _max_over_mean([w["requests"] for w in workers.values()]),
         "prefill_max_over_mean": _max_over_mean([w["prefill_tokens"] for w in workers.values()]),
@@ -111,13 +112,14 @@ def _median_tree(values: list[Any]) -> Any:
 
 def aggregate_repeats(results: list[dict[str, Any]]) -> dict[str, Any]:
     """One entry for a target measured ``len(results)`` times (repeats of the same workload):
-    every figure is the median over the repeats, ``errors`` the total, ``runs`` the count,
+    every figure is the median over the repeats, ``requests`` and ``errors`` the totals, ``runs`` the count,
     ``repeats`` each run's figures (records left out) and ``records`` every run's records, each
     with its ``repeat`` number (0-based). A single result is returned with ``runs`` 1."""
     if len(results) == 1:
         return {**results[0], "runs": 1}
     figures = [{k: v for k, v in r.items() if k != "records"} for r in results]
     out = _median_tree(figures)
+    out["requests"] = sum(r["requests"] for r in results)  # both totals over the runs
     out["errors"] = sum(r["errors"] for r in results)
     out["runs"] = len(results)
     out["repeats"] = figures

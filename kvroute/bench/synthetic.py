@@ -90,11 +90,11 @@ def scale_for_kv_pressure(make: Callable[[int], Workload], base_count: int, clus
     ``cluster_kv_blocks`` is not positive."""
     if ratio <= 0 or cluster_kv_blocks <= 0:
         raise ValueError("--kv-pressure and --cluster-kv-blocks must be > 0")
-    workload = make(base_count)
+    count = base_count
+    workload = make(count)
     need = ratio * cluster_kv_blocks
-    have = workload.distinct_blocks()
-    if have < need:
-        count = math.ceil(base_count * need / max(1, have))
+    while (have := workload.distinct_blocks()) < need:  # shared prefixes grow slower than the count
+        count = max(count + 1, math.ceil(count * need / max(1, have)))
         workload = make(count)
     workload.params["kv_pressure"] = {"ratio": ratio, "cluster_kv_blocks": cluster_kv_blocks,
                                       "distinct_blocks": workload.distinct_blocks()}

@@ -55,6 +55,8 @@ def read_trace(path: Path, limit: int | None = None) -> list[TraceRow]:
                                tuple(int(h) for h in d["hash_ids"]))
             except (ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"{path}:{line_no}: not a Mooncake trace row ({exc})") from None
+            if row.input_length < 1 or row.output_length < 0:
+                raise ValueError(f"{path}:{line_no}: input_length must be >= 1 and output_length >= 0")
             if len(row.hash_ids) != -(-row.input_length // TRACE_BLOCK_TOKENS):
                 raise ValueError(f"{path}:{line_no}: {len(row.hash_ids)} hash_ids for input_length "
                                  f"{row.input_length} (want ceil(input_length / {TRACE_BLOCK_TOKENS}))")

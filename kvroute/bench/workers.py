@@ -84,3 +84,12 @@ def served_max_model_len(base_url: str, model: str, timeout_s: float = 10) -> in
         if isinstance(e, dict) and e.get("id") == model and isinstance(e.get("max_model_len"), int):
             return e["max_model_len"]
     return None
+
+
+def reachable(base_url: str, timeout_s: float = 10) -> bool:
+    """Whether ``GET base_url/v1/models`` answers at all (any status)."""
+    try:
+        httpx.get(base_url.rstrip("/").removesuffix("/v1") + "/v1/models", timeout=timeout_s)
+    except httpx.HTTPError:
+        return False
+    return True
