@@ -50,6 +50,9 @@ def test_rig_runs_kv_aware_and_round_robin_on_the_same_sims(tiny_model, tmp_path
     # round robin spreads evenly; it recomputes each 256-token prefix on both workers
     assert rr["per_worker"]["w0"]["requests"] == rr["per_worker"]["w1"]["requests"] == 6
     assert kv["cached_tokens"] >= rr["cached_tokens"]
+    for run in kv["repeats"]:  # the gateway's own account of each run, from its /metrics
+        assert sum(run["gateway"]["decisions_by_reason"].values()) == 12
+        assert run["gateway"]["reported_cached_tokens"] == run["cached_tokens"]
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
         "hit_rate_over_time.png", "ttft_cdf.png", "worker_load.png"]
     assert "kvroute:kv_aware" in r.stdout and "hit rate" in r.stdout  # the table
