@@ -198,17 +198,26 @@ class Upstream:
         await send({"type": "http.response.start", "status": resp.status,
                     "headers": client_headers(resp.raw_headers, reg.id, request_id)})
         chunk = first
+        finished = False
         try:
             while chunk:
                 out = watcher.feed(chunk) if watcher is not None else chunk
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
                 chunk = await resp.content.readany()
+            rest = watcher.finish() if watcher is not None else b""
+            finished = True
+            state.response_done = True
+            await send({"type": "http.response.body", "body": rest, "more_body": False})
         except aiohttp.ClientError as exc:
             log.warning("worker %s broke the stream: %s", reg.id, exc)
             raise
-        rest = watcher.finish() if watcher is not None else b""
-        state.response_done = True
-        await send({"type": "http.response.body", "body": rest, "more_body": False})
-        if watcher is not None and watcher.cached_tokens is not None:
-            on_cached_tokens(reg.id, watcher.cached_tokens)
+        finally:
+            # Booked even when the client goes away after its last event (a client that closes on
+            # "data: [DONE]" cancels this relay while it waits for the worker's end of stream):
+            # the usage has been seen by then, and the prediction's error must not be lost.
+            if watcher is not None:
+                if not finished:
+                    watcher.finish()
+                if watcher.cached_tokens is not None:
+                    on_cached_tokens(reg.id, watcher.cached_tokens)

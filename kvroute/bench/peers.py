@@ -27,10 +27,11 @@ import glob
 import importlib.util
 import os
 import re
-import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvroute.up import free_ports
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,13 +61,6 @@ class RouterLaunch:
     base_url: str            # "http://127.0.0.1:PORT" (OpenAI API under /v1)
     ready_path: str          # GET base_url+ready_path answers 200 once it routes
     metrics_url: str | None = None  # its Prometheus text (feed it to PeerRouter.event_path)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A free TCP port (racy by nature: the router binds it right after)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _venvs() -> list[Path]:
@@ -170,7 +164,7 @@ class SglangRouter(_SglangFamily):
     def launch(self, port: int, workers: list[RigWorker], model_dir: Path, served_model_name: str,
                block_size: int) -> RouterLaunch:
         # sglang-router 0.3.2 over HTTP matches prompts as text (no block size to set).
-        metrics_port = free_port()
+        metrics_port = free_ports(1)[0]
         argv = self._common(port, metrics_port, workers, model_dir) + self._cache_aware()
         return RouterLaunch(argv=argv, env={}, base_url=f"http://127.0.0.1:{port}",
                             # 200 with {"healthy_workers": N} only once workers are registered
@@ -186,7 +180,7 @@ class SmgRouter(_SglangFamily):
 
     def launch(self, port: int, workers: list[RigWorker], model_dir: Path, served_model_name: str,
                block_size: int) -> RouterLaunch:
-        metrics_port = free_port()
+        metrics_port = free_ports(1)[0]
         argv = self._common(port, metrics_port, workers, model_dir) + self._cache_aware() + [
             # The engine's KV block size, so its tree is cut at the engine's page boundaries
             # (used by its event-driven index; HTTP workers fall back to its text tree).
@@ -209,7 +203,7 @@ class VllmRouterKvAware(PeerRouter):
 
     def launch(self, port: int, workers: list[RigWorker], model_dir: Path, served_model_name: str,
                block_size: int) -> RouterLaunch:
-        metrics_port = free_port()
+        metrics_port = free_ports(1)[0]
         argv = [
             self.python(), "-m", self.module,
             "--host", "127.0.0.1", "--port", str(port),
@@ -299,4 +293,4 @@ def installed_peers() -> list[str]:
     return [key for key, peer in PEERS.items() if peer.installed()]
 
 
-__all__ = ["RigWorker", "RouterLaunch", "PeerRouter", "PEERS", "installed_peers", "find_python", "free_port"]
+__all__ = ["RigWorker", "RouterLaunch", "PeerRouter", "PEERS", "installed_peers", "find_python"]

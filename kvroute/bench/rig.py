@@ -18,7 +18,6 @@ import json
 import os
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from kvroute.up import Cluster, _wait_ready, free_ports
 ADMIN_TOKEN_ENV = "KVROUTE_ADMIN_TOKEN"
 INDEX_CLEAR_TIMEOUT_S = 15.0
 ROUTER_READY_TIMEOUT_S = 120.0
+GATEWAY_SETTLE_S = 10.0
 
 
 @dataclass
@@ -102,14 +102,6 @@ def _wait_until(cond, timeout_s: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def _answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
 def _kvroute_ready(base: str, n: int) -> bool:
     try:
         ws = _admin_get(base, "/admin/workers")["workers"]
@@ -145,6 +137,7 @@ def kvroute_note(metrics_text: str) -> dict[str, Any]:
     return {"decisions_by_reason": {k: int(v) for k, v in sorted(reasons.items())},
             "predicted_cached_tokens": int(sums.get("kvroute_predicted_cached_tokens_sum", 0)),
             "reported_cached_tokens": int(sums.get("kvroute_actual_cached_tokens_sum", 0)),
+            "reported_requests": int(sums.get("kvroute_actual_cached_tokens_count", 0)),
             "cached_tokens_mae": sums.get("kvroute_cached_tokens_error_tokens_sum", 0.0) / n if n else None}
 
 
@@ -176,7 +169,14 @@ def run_router(name: str, spec: RigSpec, workers: list[RigWorker], workload: Wor
             _wait_until(lambda: _index_empty(launch.base_url), INDEX_CLEAR_TIMEOUT_S, f"{name}'s index emptied")
         result = run_target(Target(name, launch.base_url), workload, settings)
         if name.startswith("kvroute:"):
-            gw = kvroute_note(httpx.get(launch.metrics_url, timeout=10).text)
+            ok = result["requests"] - result["errors"]
+            # the gateway books a request's usage just after relaying its last bytes: wait for all
+            deadline = time.monotonic() + GATEWAY_SETTLE_S
+            while True:
+                gw = kvroute_note(httpx.get(launch.metrics_url, timeout=10).text)
+                if gw["reported_requests"] >= ok or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
             result["gateway"] = gw
             reasons = ", ".join(f"{k} {v}" for k, v in gw["decisions_by_reason"].items())
             result["note"] = (f"decisions: {reasons}; predicted cached tokens {gw['predicted_cached_tokens']}, "
