@@ -52,7 +52,9 @@ def test_rig_runs_kv_aware_and_round_robin_on_the_same_sims(tiny_model, tmp_path
     assert kv["cached_tokens"] >= rr["cached_tokens"]
     for run in kv["repeats"]:  # the gateway's own account of each run, from its /metrics
         assert sum(run["gateway"]["decisions_by_reason"].values()) == 12
+        # also for streams whose client closed on [DONE] before the worker's end of stream
         assert run["gateway"]["reported_cached_tokens"] == run["cached_tokens"]
+        assert run["gateway"]["reported_requests"] == 12
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
         "hit_rate_over_time.png", "ttft_cdf.png", "worker_load.png"]
     assert "kvroute:kv_aware" in r.stdout and "hit rate" in r.stdout  # the table

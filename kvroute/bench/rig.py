@@ -33,7 +33,7 @@ from kvroute.up import Cluster, _wait_ready, free_ports
 ADMIN_TOKEN_ENV = "KVROUTE_ADMIN_TOKEN"
 INDEX_CLEAR_TIMEOUT_S = 15.0
 ROUTER_READY_TIMEOUT_S = 120.0
-GATEWAY_SETTLE_S = 10.0
+GATEWAY_SETTLE_S = 3.0
 
 
 @dataclass
@@ -170,7 +170,7 @@ def run_router(name: str, spec: RigSpec, workers: list[RigWorker], workload: Wor
         result = run_target(Target(name, launch.base_url), workload, settings)
         if name.startswith("kvroute:"):
             ok = result["requests"] - result["errors"]
-            # the gateway books a request's usage just after relaying its last bytes: wait for all
+            # the gateway books a request's usage as its stream ends: wait until all are booked
             deadline = time.monotonic() + GATEWAY_SETTLE_S
             while True:
                 gw = kvroute_note(httpx.get(launch.metrics_url, timeout=10).text)
@@ -180,7 +180,8 @@ def run_router(name: str, spec: RigSpec, workers: list[RigWorker], workload: Wor
             result["gateway"] = gw
             reasons = ", ".join(f"{k} {v}" for k, v in gw["decisions_by_reason"].items())
             result["note"] = (f"decisions: {reasons}; predicted cached tokens {gw['predicted_cached_tokens']}, "
-                              f"reported {gw['reported_cached_tokens']}")
+                              f"reported {gw['reported_cached_tokens']} (usage booked for {gw['reported_requests']} "
+                              f"of {ok} requests)")
         elif launch.metrics_url:
             try:
                 note = PEERS[name].event_path(httpx.get(launch.metrics_url, timeout=10).text)

@@ -56,18 +56,13 @@ def test_client_disconnect_aborts_the_vllm_request(cluster):
         model=MODEL, messages=[{"role": "user", "content": "Write a very long story."}],
         max_tokens=DISCONNECT_MAX_TOKENS, stream=True, extra_body={"ignore_eos": True})
     worker = stream.response.headers["x-kvroute-worker"]
-    received = 0
-    for chunk in stream:
-        received += 1
-        if received == 3:
-            break
-    assert cluster.metrics(worker)["vllm:num_requests_running"] == 1
-    stream.close()  # the client goes away mid-stream
+    next(iter(stream))  # the first chunk: the request is under way
+    stream.close()  # the client goes away mid-stream, at once (900 tiny-model tokens take ~1 s idle)
 
     _wait_metric(cluster, worker, "vllm:num_requests_running", 0)
     after = cluster.metrics(worker)
     generated = after["vllm:generation_tokens_total"] - before[worker]["vllm:generation_tokens_total"]
-    assert 3 <= generated < DISCONNECT_MAX_TOKENS  # stopped early: aborted, not finished
+    assert 1 <= generated < DISCONNECT_MAX_TOKENS  # stopped early: aborted, not finished
     entry = next(w for w in cluster.admin("GET", "/admin/workers").json()["workers"] if w["id"] == worker)
     assert entry["in_flight"] == 0
 
