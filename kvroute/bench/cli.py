@@ -14,24 +14,22 @@ from pathlib import Path
 WORKLOADS = ("trace", "shared-prefix", "multiturn")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
-    return v
+def _positive(kind: type):
+    """An argparse ``type`` parsing ``kind`` (int or float) and refusing values not above 0."""
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        if not v > 0:
+            raise argparse.ArgumentTypeError(f"must be {'>= 1' if kind is int else '> 0'}, got {v}")
+        return v
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not v > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
-    return v
+_positive_int = _positive(int)
+_positive_float = _positive(float)
 
 
 def _name_url(text: str) -> tuple[str, str]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,11 +94,9 @@ def _admin_get(base: str, path: str) -> dict[str, Any]:
 
 
 def _wait_until(cond, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not within {timeout_s:.0f}s")
-        time.sleep(0.2)
+    _, ok = worker_http.poll_until(cond, bool, timeout_s, interval_s=0.2)
+    if not ok:
+        raise TimeoutError(f"{what} not within {timeout_s:.0f}s")
 
 
 def _kvroute_ready(base: str, n: int) -> bool:
@@ -171,12 +168,8 @@ def run_router(name: str, spec: RigSpec, workers: list[RigWorker], workload: Wor
         if name.startswith("kvroute:"):
             ok = result["requests"] - result["errors"]
             # the gateway books a request's usage as its stream ends: wait until all are booked
-            deadline = time.monotonic() + GATEWAY_SETTLE_S
-            while True:
-                gw = kvroute_note(httpx.get(launch.metrics_url, timeout=10).text)
-                if gw["reported_requests"] >= ok or time.monotonic() > deadline:
-                    break
-                time.sleep(0.1)
+            gw, _ = worker_http.poll_until(lambda: kvroute_note(httpx.get(launch.metrics_url, timeout=10).text),
+                                           lambda note: note["reported_requests"] >= ok, GATEWAY_SETTLE_S)
             result["gateway"] = gw
             reasons = ", ".join(f"{k} {v}" for k, v in gw["decisions_by_reason"].items())
             result["note"] = (f"decisions: {reasons}; predicted cached tokens {gw['predicted_cached_tokens']}, "

@@ -112,13 +112,11 @@ def _settled_counters(urls: dict[str, str], before: dict, expect_requests: int) 
     """The workers' counters once their request count reached ``before`` + ``expect_requests``
     (vLLM counts a request when its output is processed, a moment after the stream ends), or
     after :data:`COUNTERS_SETTLE_S`."""
-    deadline = time.monotonic() + COUNTERS_SETTLE_S
-    while True:
-        after = worker_http.worker_counters(urls)
-        got = sum(a["requests"] - before[w]["requests"] for w, a in after.items())
-        if got >= expect_requests or time.monotonic() > deadline:
-            return after
-        time.sleep(0.1)
+    after, _ = worker_http.poll_until(
+        lambda: worker_http.worker_counters(urls),
+        lambda now: sum(a["requests"] - before[w]["requests"] for w, a in now.items()) >= expect_requests,
+        COUNTERS_SETTLE_S)
+    return after
 
 
 def run_target(target: Target, workload: Workload, settings: RunSettings) -> dict[str, Any]:

@@ -7,6 +7,8 @@ Uses httpx and prometheus-client (the gateway's dependencies), nothing from vLLM
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -41,6 +43,23 @@ def reset_prefix_cache(url: str, model: str, timeout_s: float = 60) -> None:
     r = httpx.post(url.rstrip("/") + "/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 1},
                    timeout=timeout_s)
     r.raise_for_status()
+
+
+T = TypeVar("T")
+
+
+def poll_until(fetch: Callable[[], T], done: Callable[[T], bool], timeout_s: float,
+               interval_s: float = 0.1) -> tuple[T, bool]:
+    """Call ``fetch`` every ``interval_s`` until ``done(value)`` or ``timeout_s`` has passed;
+    returns (the last value, whether ``done`` held). Exceptions of ``fetch`` propagate."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = fetch()
+        if done(value):
+            return value, True
+        if time.monotonic() > deadline:
+            return value, False
+        time.sleep(interval_s)
 
 
 # vLLM counters read per worker before and after a run (``vllm:*_total`` samples).
