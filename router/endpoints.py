@@ -17,7 +17,9 @@ import orjson
 
 from router.errors import GatewayError, bad_request, body_too_large, error_body, upstream_failed
 from router.proxy import ClientState, upstream_headers
+from router.registry import InFlight
 from router.stream_usage import request_stream_usage
+from router.ttft_model import work_tokens
 
 log = logging.getLogger("kvroute.endpoints")
 
@@ -149,7 +151,8 @@ class ProxyEndpoint:
                 request_id, ranked, t0=t0,
                 uncached_tokens=plan.uncached_tokens if plan is not None else None,
                 on_attempt=(lambda reg: gw.router.commit(plan, reg)) if plan is not None else None,
-                on_cached_tokens=(lambda wid, n: _record_cached(gw, plan, wid, n)) if plan is not None else None,
+                on_cached_tokens=(lambda handle, n: record_usage(gw, plan, handle, n)) if plan is not None else None,
+                on_first_token=(lambda handle: record_first_token(gw, plan, handle)) if plan is not None else None,
                 strip_usage=strip if plan is not None else False)
         except asyncio.CancelledError:
             if state.disconnected:
@@ -179,9 +182,40 @@ class ProxyEndpoint:
             watcher.cancel()
 
 
-def _record_cached(gw: Any, plan: Any, worker_id: str, actual: int) -> None:
-    """Predicted vs reported cached tokens, for single-prompt requests (a completions body with
-    several prompts reports their sum, while the prediction covers the first)."""
-    predicted = plan.predicted_cached_tokens(worker_id)
-    if predicted is not None and len(plan.blocks.token_ids) == 1:
-        gw.metrics.record_cached_tokens(worker_id, predicted, actual)
+def record_first_token(gw: Any, plan: Any, handle: InFlight) -> None:
+    """A streamed single-prompt request's first token: its TTFT against the work it met teaches
+    the worker's prefill rate (at once, so a worker that slows down is seen within a few
+    requests, not after their decodes), and against the policy's prediction (metrics). Its own
+    prefill is the predicted uncached part; skipped while the worker's evidence is distrusted
+    (the prediction would be wrong)."""
+    reg = handle.reg
+    if handle.ttft_ms is None or plan.blocks is None or plan.blocks.token_ids is None \
+            or len(plan.blocks.token_ids) != 1:
+        return
+    predicted_ms = plan.predicted_ttft_ms(reg.id)
+    if predicted_ms is not None:
+        gw.metrics.record_ttft_prediction(reg.id, predicted_ms, handle.ttft_ms)
+    if reg.evidence.trusted:
+        reg.prefill_rate.observe(work_tokens(handle.queued_tokens, plan.uncached_tokens(reg.id), handle.decoding),
+                                 handle.ttft_ms)
+
+
+def record_usage(gw: Any, plan: Any, handle: InFlight, actual: int) -> None:
+    """What a finished request teaches, for single-prompt requests (a completions body with
+    several prompts reports their sum, while the prediction covers the first): predicted vs
+    reported cached tokens (metrics, and the worker's evidence trust, a warning when it
+    changes)."""
+    reg = handle.reg
+    predicted = plan.predicted_cached_tokens(reg.id)
+    if predicted is None or len(plan.blocks.token_ids) != 1:
+        return
+    gw.metrics.record_cached_tokens(reg.id, predicted, actual)
+    changed = reg.evidence.observe(predicted, actual)
+    if changed is False:
+        gw.metrics.evidence_distrust.labels(reg.id).inc()
+        log.warning("worker %s: reported cached tokens run far below the index's predictions "
+                    "(agreement %s); its prefix evidence is no longer credited", reg.id,
+                    reg.evidence.state()["agreement"])
+    elif changed is True:
+        log.warning("worker %s: reported cached tokens agree with the index again; its prefix "
+                    "evidence is credited", reg.id)

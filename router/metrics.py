@@ -14,6 +14,12 @@
 | kvroute_actual_cached_tokens | histogram | worker | the worker's ``usage.prompt_tokens_details.cached_tokens`` |
 | kvroute_cached_tokens_error_tokens | histogram | worker | ``abs(actual - predicted)`` per request |
 | kvroute_upstream_retries_total | counter | | connect failures retried on the next-best worker |
+| kvroute_route_off_longest_prefix_total | counter | policy, reason | decisions whose worker matched fewer blocks than the longest holder |
+| kvroute_predicted_ttft_seconds | histogram | worker | the policy's TTFT prediction for the chosen worker (streamed requests) |
+| kvroute_ttft_prediction_ratio | histogram | worker | observed / predicted TTFT from dispatch, per streamed request (1 = exact) |
+| kvroute_worker_prefill_ms_per_token | gauge | worker | learned prefill milliseconds per token (absent until learned) |
+| kvroute_evidence_trusted | gauge | worker | 1 while the worker's reported cached tokens agree with the index, 0 while its evidence is distrusted |
+| kvroute_evidence_distrust_total | counter | worker | times a worker's evidence became distrusted |
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ disable_created_metrics()  # no *_created series: they double the exposition for
 _LATENCY_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                       0.5, 1.0, 2.5, 5.0, 10.0)
 _TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, 8.0)
 _TOKEN_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 
@@ -45,11 +52,22 @@ class _WorkerGauges(Collector):
         in_flight = GaugeMetricFamily("kvroute_in_flight", "Requests sent to the worker and unfinished",
                                       labels=["worker"])
         healthy = GaugeMetricFamily("kvroute_worker_healthy", "1 when the worker is up", labels=["worker"])
+        trusted = GaugeMetricFamily("kvroute_evidence_trusted",
+                                    "1 while the worker's reported cached tokens agree with the index",
+                                    labels=["worker"])
+        rate = GaugeMetricFamily("kvroute_worker_prefill_ms_per_token",
+                                 "Learned prefill milliseconds per token", labels=["worker"])
         for reg in self._workers():
             in_flight.add_metric([reg.id], reg.in_flight)
             healthy.add_metric([reg.id], 1 if reg.healthy else 0)
+            trusted.add_metric([reg.id], 1 if reg.evidence.trusted else 0)
+            learned = reg.prefill_rate.learned
+            if learned is not None:
+                rate.add_metric([reg.id], learned.ms_per_token)
         yield in_flight
         yield healthy
+        yield trusted
+        yield rate
 
 
 class GatewayMetrics:
@@ -84,6 +102,19 @@ class GatewayMetrics:
             registry=r)
         self.retries = Counter("kvroute_upstream_retries", "Connect failures retried on the next-best worker",
                                registry=r)
+        self.off_longest_prefix = Counter(
+            "kvroute_route_off_longest_prefix",
+            "Decisions whose worker matched fewer prompt blocks than the longest holder",
+            ["policy", "reason"], registry=r)
+        self.predicted_ttft_s = Histogram("kvroute_predicted_ttft_seconds",
+                                          "Predicted TTFT from dispatch of the chosen worker", ["worker"],
+                                          buckets=_TTFT_BUCKETS_S, registry=r)
+        self.ttft_prediction_ratio = Histogram("kvroute_ttft_prediction_ratio",
+                                               "Observed over predicted TTFT from dispatch", ["worker"],
+                                               buckets=_RATIO_BUCKETS, registry=r)
+        self.evidence_distrust = Counter("kvroute_evidence_distrust",
+                                         "Times a worker's prefix evidence became distrusted", ["worker"],
+                                         registry=r)
         r.register(_WorkerGauges(workers))
         self._response_children: dict[tuple[str, int], tuple[Any, Any]] = {}
 
@@ -102,6 +133,12 @@ class GatewayMetrics:
         self.predicted_cached.labels(worker_id).observe(predicted)
         self.actual_cached.labels(worker_id).observe(actual)
         self.cached_error.labels(worker_id).observe(abs(actual - predicted))
+
+    def record_ttft_prediction(self, worker_id: str, predicted_ms: float, observed_ms: float) -> None:
+        """One streamed request's predicted and observed TTFT, both from dispatch."""
+        self.predicted_ttft_s.labels(worker_id).observe(predicted_ms / 1000.0)
+        if predicted_ms > 0:
+            self.ttft_prediction_ratio.labels(worker_id).observe(observed_ms / predicted_ms)
 
     def exposition(self) -> bytes:
         """The Prometheus text format of every metric."""

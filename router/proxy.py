@@ -26,7 +26,7 @@ import aiohttp
 from router.config import HealthConfig, TimeoutsConfig
 from router.errors import GatewayError, upstream_failed, upstream_timeout
 from router.metrics import GatewayMetrics
-from router.registry import WorkerRegistration
+from router.registry import InFlight, WorkerRegistration
 from router.stream_usage import UsageStrip, UsageTap, cached_tokens_of_body
 
 log = logging.getLogger("kvroute.proxy")
@@ -118,14 +118,17 @@ class Upstream:
                     ranked: list[WorkerRegistration], *, t0: float,
                     uncached_tokens: Callable[[str], int] | None = None,
                     on_attempt: Callable[[WorkerRegistration], Awaitable[None]] | None = None,
-                    on_cached_tokens: Callable[[str, int], None] | None = None,
+                    on_cached_tokens: Callable[[InFlight, int], None] | None = None,
+                    on_first_token: Callable[[InFlight], None] | None = None,
                     strip_usage: bool = False) -> None:
         """Send the request to ``ranked[0]`` (``ranked[1]`` after a connect failure) and relay
         the answer through ASGI ``send``. ``t0``: perf_counter at request receipt (TTFT).
         ``uncached_tokens(worker_id)``: prefill tokens to count as that worker's load;
         ``on_attempt(reg)``: awaited before each attempt (speculative index insert);
-        ``on_cached_tokens(worker_id, n)``: the worker's reported cached tokens, after the
-        response is complete. Raises GatewayError (502/504) when nothing reached the client."""
+        ``on_cached_tokens(handle, n)``: the worker's reported cached tokens, after the response
+        is complete; ``handle`` is the request's :class:`InFlight` on that worker (what it met at
+        dispatch, its TTFT); ``on_first_token(handle)``: a 200 event stream's first bytes arrived
+        (its TTFT is known). Raises GatewayError (502/504) when nothing reached the client."""
         attempts = ranked[:2]
         for i, reg in enumerate(attempts):
             if on_attempt is not None:
@@ -133,7 +136,7 @@ class Upstream:
             handle = reg.begin(uncached_tokens(reg.id) if uncached_tokens else 0)
             try:
                 await self._relay_one(send, state, reg, handle, method, path, body, headers, request_id, t0,
-                                      on_cached_tokens, strip_usage)
+                                      on_cached_tokens, on_first_token, strip_usage)
                 return
             except _Retryable as exc:
                 if exc.connect_failed:
@@ -148,7 +151,7 @@ class Upstream:
 
     async def _relay_one(self, send, state: ClientState, reg: WorkerRegistration, handle, method: str, path: str,
                          body: bytes, headers, request_id: str, t0: float, on_cached_tokens,
-                         strip_usage: bool) -> None:
+                         on_first_token, strip_usage: bool) -> None:
         session = self.session
         first_byte_s = self.timeouts.first_byte_s
         resp: aiohttp.ClientResponse | None = None
@@ -170,11 +173,14 @@ class Upstream:
                 raise _Retryable("connect timeout", True) from None
             except aiohttp.ClientError as exc:
                 raise upstream_failed(reg.id, f"{type(exc).__name__}: {exc}") from None
-            handle.first_byte()
             status = resp.status
+            handle.streamed = stream and status == 200
+            handle.first_byte()
             self.metrics.record_response(reg.id, status, time.perf_counter() - t0)
+            if handle.streamed and on_first_token is not None:
+                on_first_token(handle)
             if stream:
-                await self._relay_stream(send, state, resp, reg, first, request_id, on_cached_tokens,
+                await self._relay_stream(send, state, resp, reg, handle, first, request_id, on_cached_tokens,
                                          strip_usage and status == 200)
             else:
                 state.response_started = True
@@ -185,13 +191,14 @@ class Upstream:
                 if on_cached_tokens is not None and status == 200:
                     cached = cached_tokens_of_body(first)
                     if cached is not None:
-                        on_cached_tokens(reg.id, cached)
+                        on_cached_tokens(handle, cached)
         finally:
             if resp is not None:
                 resp.close() if not state.response_done else resp.release()
 
     async def _relay_stream(self, send, state: ClientState, resp: aiohttp.ClientResponse,
-                            reg: WorkerRegistration, first: bytes, request_id: str, on_cached_tokens,
+                            reg: WorkerRegistration, handle: InFlight, first: bytes, request_id: str,
+                            on_cached_tokens,
                             strip_usage: bool) -> None:
         watcher = (UsageStrip() if strip_usage else UsageTap()) if on_cached_tokens is not None else None
         state.response_started = True
@@ -220,4 +227,4 @@ class Upstream:
                 if not finished:
                     watcher.finish()
                 if watcher.cached_tokens is not None:
-                    on_cached_tokens(reg.id, watcher.cached_tokens)
+                    on_cached_tokens(handle, watcher.cached_tokens)

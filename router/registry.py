@@ -18,7 +18,9 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from router.config import WorkerConfig
+from router.evidence import EvidenceTrust
 from router.policies.base import WorkerLoad
+from router.ttft_model import PrefillRateEstimator
 
 log = logging.getLogger("kvroute.registry")
 
@@ -31,8 +33,11 @@ class WorkerRegistration:
     Health: ``healthy`` is None until the first probe, then follows :meth:`record_probe`.
     Load: ``in_flight`` requests sent and unfinished; ``prefill_tokens`` predicted uncached prompt
     tokens of in-flight requests still before their first byte; ``decoding`` in-flight requests
-    past it; ``engine_*`` from the worker's ``/metrics``. Event-ingest fields (``events_*``,
-    ``last_event_*``) are filled by a KV-event subscriber when one runs for this worker.
+    past it; ``engine_*`` from the worker's ``/metrics``, ``unseen_*`` the part of the scraped
+    running / waiting requests that were not the gateway's own at that moment. Event-ingest fields
+    (``events_*``, ``last_event_*``) are filled by a KV-event subscriber when one runs for this
+    worker. ``prefill_rate`` learns the worker's TTFT line from its streamed requests;
+    ``evidence`` judges its index entries by the cached tokens it reports.
     """
 
     def __init__(self, cfg: WorkerConfig) -> None:
@@ -52,6 +57,10 @@ class WorkerRegistration:
         self.engine_running: int | None = None
         self.engine_waiting: int | None = None
         self.kv_usage: float | None = None
+        self.unseen_running = 0
+        self.unseen_waiting = 0
+        self.prefill_rate = PrefillRateEstimator()
+        self.evidence = EvidenceTrust()
         self.last_scrape_monotonic: float | None = None
         self.ingest: Any = None  # the KV-event ingestor in embedded mode (kvcore.kv_events)
         self.tasks: list[asyncio.Task] = []
@@ -99,13 +108,30 @@ class WorkerRegistration:
         """A snapshot of the load the policies see."""
         return WorkerLoad(in_flight=self.in_flight, prefill_tokens=self.prefill_tokens,
                           decoding=self.decoding, engine_running=self.engine_running,
-                          engine_waiting=self.engine_waiting, kv_usage=self.kv_usage)
+                          engine_waiting=self.engine_waiting, kv_usage=self.kv_usage,
+                          unseen_running=self.unseen_running, unseen_waiting=self.unseen_waiting)
+
+    def record_scrape(self, running: int | None, waiting: int | None, kv_usage: float | None) -> None:
+        """Store one ``/metrics`` scrape, and how much of it was not the gateway's own requests
+        now: running beyond our in-flight, waiting beyond our requests before their first byte."""
+        self.engine_running, self.engine_waiting, self.kv_usage = running, waiting, kv_usage
+        self.unseen_running = max(0, (running or 0) - self.in_flight)
+        self.unseen_waiting = max(0, (waiting or 0) - (self.in_flight - self.decoding))
+        self.last_scrape_monotonic = time.monotonic()
+
+    def forget_scrape(self) -> None:
+        """The last scrape failed: the engine figures are unknown again (``scrape_age_s`` still
+        tells how old the last good one is)."""
+        self.engine_running = self.engine_waiting = self.kv_usage = None
+        self.unseen_running = self.unseen_waiting = 0
 
     def begin(self, prefill_tokens: int = 0) -> "InFlight":
-        """Count one request as in flight with ``prefill_tokens`` uncached prompt tokens."""
+        """Count one request as in flight with ``prefill_tokens`` uncached prompt tokens; the
+        handle remembers the queue it joined (for learning the worker's TTFT line)."""
+        handle = InFlight(self, prefill_tokens)
         self.in_flight += 1
         self.prefill_tokens += prefill_tokens
-        return InFlight(self, prefill_tokens)
+        return handle
 
     def describe(self) -> dict[str, Any]:
         """The ``GET /admin/workers`` entry (DESIGN.md)."""
@@ -120,7 +146,17 @@ class WorkerRegistration:
                        "scrape_age_s": _age(self.last_scrape_monotonic, now)},
             "last_probe_error": self.last_probe_error,
             "kv_events": self.event_state(),
+            "prefill_rate": _rate(self.prefill_rate),
+            "evidence": self.evidence.state(),
         }
+
+
+def _rate(estimator: PrefillRateEstimator) -> dict[str, Any]:
+    learned = estimator.learned
+    out: dict[str, Any] = {"learned": learned is not None, "observed": estimator.observed}
+    if learned is not None:
+        out.update(learned.as_dict())
+    return out
 
 
 def _age(t: float | None, now: float) -> float | None:
@@ -129,20 +165,33 @@ def _age(t: float | None, now: float) -> float | None:
 
 class InFlight:
     """One request's share of a registration's counts; :meth:`first_byte` and :meth:`finish` are
-    idempotent, so cancellation paths can call them freely."""
+    idempotent, so cancellation paths can call them freely.
 
-    __slots__ = ("reg", "_prefill", "_decoding", "_done")
+    What the request met at dispatch, for learning the worker's TTFT line: ``queued_tokens``
+    (the worker's predicted prefill tokens not yet past first byte, before this one),
+    ``decoding`` (requests past first byte), ``dispatch_s`` (monotonic seconds); ``ttft_ms``:
+    dispatch to first byte, None before it; ``streamed``: the answer was an event stream (only
+    then is the first byte the first token)."""
+
+    __slots__ = ("reg", "_prefill", "_decoding", "_done", "queued_tokens", "decoding", "dispatch_s",
+                 "ttft_ms", "streamed")
 
     def __init__(self, reg: WorkerRegistration, prefill_tokens: int) -> None:
         self.reg = reg
         self._prefill = prefill_tokens
         self._decoding = False
         self._done = False
+        self.queued_tokens = max(0, reg.prefill_tokens)
+        self.decoding = reg.decoding
+        self.dispatch_s = time.monotonic()
+        self.ttft_ms: float | None = None
+        self.streamed = False
 
     def first_byte(self) -> None:
         """The worker started answering: its prefill is done, the request now decodes."""
         if self._done or self._decoding:
             return
+        self.ttft_ms = (time.monotonic() - self.dispatch_s) * 1000.0
         self._decoding = True
         self.reg.prefill_tokens -= self._prefill
         self.reg.decoding += 1

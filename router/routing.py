@@ -91,6 +91,14 @@ class RoutePlan:
         bs = self.model.block_size
         return min(match.total, max(0, n - 1) // bs) * bs
 
+    def predicted_ttft_ms(self, worker_id: str) -> float | None:
+        """The policy's TTFT prediction (ms from dispatch) for ``worker_id``, None when the policy
+        makes none."""
+        for score in self.decision.scores:
+            if score.worker_id == worker_id:
+                return score.predicted_ttft_ms
+        return None
+
     def uncached_tokens(self, worker_id: str) -> int:
         """Prompt tokens the worker must prefill (all prompts), 0 when unknown."""
         if self.blocks is None or self.blocks.token_ids is None:
@@ -106,10 +114,15 @@ class RoutePlan:
             "candidates": [s.as_dict() for s in self.decision.scores],
             "chosen": self.decision.worker_id,
             "predicted_cached_tokens": self.predicted_cached_tokens(self.decision.worker_id),
+            "predicted_ttft_ms": _rounded(self.predicted_ttft_ms(self.decision.worker_id)),
             "reason": self.decision.reason,
             "policy": self.policy_name,
             "tokenization_fallback": self.blocks.fallback if self.blocks is not None else None,
         }
+
+
+def _rounded(ms: float | None) -> float | None:
+    return None if ms is None else round(ms, 3)
 
 
 _GOLDEN = 0.6180339887498949  # frac(golden ratio): n * _GOLDEN mod 1 covers [0, 1) evenly
@@ -210,14 +223,20 @@ class Router:
         regs = [r for r in regs if r.routable]  # a probe may have run during tokenization
         if not regs:
             raise no_healthy_worker(model.name)
-        candidates = [Candidate(r.id, r.load(), matches.get(r.id) or TierMatch()) for r in regs]
+        candidates = [Candidate(r.id, r.load(), matches.get(r.id) or TierMatch(), r.prefill_rate.learned,
+                                r.evidence.trusted, r.evidence.credit_weight) for r in regs]
         decision = policy.choose(request, candidates)
         return RoutePlan(model, lora_name, blocks, matches, request, decision, policy.name or "",
                          {r.id: r for r in regs})
 
     def record_decision(self, plan: RoutePlan) -> None:
-        """Count a real (not explained) decision."""
+        """Count a real (not explained) decision, and whether it went past the longest holder."""
         self.metrics.route_decisions.labels(plan.policy_name, plan.decision.reason).inc()
+        if plan.matches:
+            longest = max(m.total for m in plan.matches.values())
+            chosen = plan.matches.get(plan.decision.worker_id)
+            if (chosen.total if chosen is not None else 0) < longest:
+                self.metrics.off_longest_prefix.labels(plan.policy_name, plan.decision.reason).inc()
 
     async def commit(self, plan: RoutePlan, reg: WorkerRegistration) -> None:
         """Record the prompt's keys as speculative entries on the worker the request went to."""

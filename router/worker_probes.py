@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import aiohttp
 
@@ -70,12 +69,13 @@ async def probe_once(session: aiohttp.ClientSession, reg: WorkerRegistration, cf
 
 
 async def scrape_once(session: aiohttp.ClientSession, reg: WorkerRegistration, cfg: LoadScrapeConfig) -> bool:
-    """One ``GET {url}/metrics``; stores the engine load on ``reg``; returns success."""
+    """One ``GET {url}/metrics``; stores the engine load on ``reg``; returns success. A failed
+    scrape forgets the last figures (a dead worker's last queue must not weigh on routing)."""
     got = await _get(session, reg.url + cfg.path, cfg.timeout_s)
     if isinstance(got, str) or got[0] != 200:
+        reg.forget_scrape()
         return False
-    reg.engine_running, reg.engine_waiting, reg.kv_usage = parse_engine_load(got[1].decode(errors="replace"))
-    reg.last_scrape_monotonic = time.monotonic()
+    reg.record_scrape(*parse_engine_load(got[1].decode(errors="replace")))
     return True
 
 

@@ -281,14 +281,18 @@ class SimServer:
                       sink: asyncio.Queue, watcher: asyncio.Task):
         model, created = self.model, self.created
         try:
-            if chat:
-                for r in reqs:
-                    yield fmt.sse(fmt.chat_chunk(rid, created, model, r.index,
-                                                 {"role": "assistant", "content": ""}, None))
             received = [0] * len(reqs)
             open_choices = len(reqs)
+            opened = not chat
             while open_choices:
                 index, token = await sink.get()
+                if not opened:
+                    # vLLM sends the role deltas with its first engine output (after the prefill),
+                    # not at once: a router timing first bytes must see the prefill
+                    opened = True
+                    for r in reqs:
+                        yield fmt.sse(fmt.chat_chunk(rid, created, model, r.index,
+                                                     {"role": "assistant", "content": ""}, None))
                 r = reqs[index]
                 if token is None:
                     open_choices -= 1

@@ -4,7 +4,8 @@
   (``prompt_tokens_details`` is ``{"cached_tokens": n}`` only with
   ``--enable-prompt-tokens-details``, else null).
 - Streaming: Server-Sent Events ``b"data: {json}\\n\\n"`` per chunk, ``b"data: [DONE]\\n\\n"`` last.
-  Chat streams open each choice with a ``{"role": "assistant", "content": ""}`` delta; the last token
+  Chat streams open each choice with a ``{"role": "assistant", "content": ""}`` delta, sent with
+  the first engine output (after the prefill, as vLLM's serving_chat does); the last token
   chunk of a choice carries its ``finish_reason``; with ``stream_options.include_usage`` a final
   chunk has ``"choices": []`` and the usage.
 - Errors: ``{"error": {"message", "type", "param", "code"}}`` (vLLM's ``ErrorResponse``).

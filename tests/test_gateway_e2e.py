@@ -52,6 +52,18 @@ def _sim_argv(tiny_model: Path, port: int, model: str = "tiny") -> list[str]:
                         "--seed", "7")
 
 
+def start_gateway(cfg: dict, log_dir: Path, started: list[Proc]) -> tuple[str, Path, Proc]:
+    """Write ``cfg`` and start ``kvroute serve`` on it (appended to ``started``); wait until it
+    answers. Returns its base URL, config path and process."""
+    path = log_dir / "gateway.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    gw = Proc("gateway", kvroute_argv("serve", "--config", str(path)), log_dir)
+    started.append(gw)
+    base = f"http://127.0.0.1:{cfg['listen']['port']}"
+    wait_http(base + "/health", gw, timeout_s=180)
+    return base, path, gw
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_model):
     log_dir = tmp_path_factory.mktemp("gateway")
@@ -80,12 +92,7 @@ def cluster(tmp_path_factory, tiny_model):
             "health": {"interval_s": 60, "fail_threshold": 5, "rise_threshold": 1},
             "load_scrape": {"interval_s": 0.5},
         }
-        path = log_dir / "gateway.yaml"
-        path.write_text(yaml.safe_dump(cfg))
-        gw = Proc("gateway", kvroute_argv("serve", "--config", str(path)), log_dir)
-        started.append(gw)
-        base = f"http://127.0.0.1:{port}"
-        wait_http(base + "/health", gw, timeout_s=180)
+        base, path, gw = start_gateway(cfg, log_dir, started)
         yield Cluster(base, sims, path, cfg, gw)
     finally:
         for p in reversed(started):
@@ -117,7 +124,7 @@ def post(cluster: Cluster, path: str, body, headers: dict | None = None, timeout
 def settle(cluster: Cluster) -> None:
     """Wait until the gateway's last scrape of every worker shows an idle engine, so the load an
     explain sees is the load the next real request sees."""
-    wait_until(lambda: all(w["engine"]["running"] == 0 and not w["engine"]["waiting"]
+    wait_until(lambda: all(not w["engine"]["running"] and not w["engine"]["waiting"]
                            for w in workers_by_id(cluster).values()), what="idle engines")
 
 

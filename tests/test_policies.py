@@ -15,6 +15,7 @@ from router.policies.base import Candidate, RouteRequest, WorkerLoad
 from router.policies.factory import POLICY_NAMES, describe, make_policy
 from router.policies.kv_aware import KVAwarePolicy
 from router.policies.session import SessionPolicy
+from router.policies.ttft import TTFTPolicy
 
 BS = 16
 
@@ -268,10 +269,10 @@ def test_session_without_key_falls_back_to_least_load():
 # ---- factory ----------------------------------------------------------------------------------
 
 def test_factory_names_flags_and_describe_round_trip():
-    assert POLICY_NAMES == ("kv_aware", "round_robin", "least_load", "session")
-    assert [make_policy({"name": n}).uses_index for n in POLICY_NAMES] == [True, False, False, False]
-    assert isinstance(make_policy(None), KVAwarePolicy)
-    assert isinstance(make_policy({}), KVAwarePolicy)
+    assert POLICY_NAMES == ("ttft", "kv_aware", "round_robin", "least_load", "session")
+    assert [make_policy({"name": n}).uses_index for n in POLICY_NAMES] == [True, True, False, False, False]
+    assert isinstance(make_policy(None), TTFTPolicy)
+    assert isinstance(make_policy({}), TTFTPolicy)
     cfg = {"name": "kv_aware", "tier_credit": {"cpu": 0.5}, "load_weight": 2,
            "temperature": 0.1, "overload_guard": {"excess_tokens": 4096}}
     p = make_policy(cfg)
@@ -291,7 +292,7 @@ def test_factory_names_flags_and_describe_round_trip():
 
 
 @pytest.mark.parametrize("cfg, message", [
-    ({"name": "fastest"}, "unknown policy name 'fastest'; expected one of kv_aware, round_robin"),
+    ({"name": "fastest"}, "unknown policy name 'fastest'; expected one of ttft, kv_aware, round_robin"),
     ({"name": 3}, "unknown policy name 3"),
     ([("name", "kv_aware")], "policy must be a mapping"),
     ({"name": "kv_aware", "tier_credits": {}}, "unknown key(s) 'tier_credits' in policy 'kv_aware'"),
@@ -301,12 +302,12 @@ def test_factory_names_flags_and_describe_round_trip():
     ({"tier_credit": {"nvme": 0.5}}, "unknown key(s) 'nvme' in policy.tier_credit"),
     ({"tier_credit": [1, 0.75]}, "policy.tier_credit must be a mapping"),
     ({"tier_credit": {"ssd": "0.25"}}, "policy.tier_credit.ssd must be a finite number, got '0.25'"),
-    ({"load_weight": -1}, "policy.load_weight must be >= 0, got -1"),
-    ({"load_weight": True}, "policy.load_weight must be a finite number, got True"),
-    ({"temperature": float("inf")}, "policy.temperature must be a finite number"),
-    ({"overload_guard": {"ratio": 0.9}}, "policy.overload_guard.ratio must be >= 1"),
-    ({"overload_guard": {"enabled": "yes"}}, "policy.overload_guard.enabled must be true or false"),
-    ({"overload_guard": {"limit": 3}}, "unknown key(s) 'limit' in policy.overload_guard"),
+    ({"name": "kv_aware", "load_weight": -1}, "policy.load_weight must be >= 0, got -1"),
+    ({"name": "kv_aware", "load_weight": True}, "policy.load_weight must be a finite number, got True"),
+    ({"name": "kv_aware", "temperature": float("inf")}, "policy.temperature must be a finite number"),
+    ({"name": "kv_aware", "overload_guard": {"ratio": 0.9}}, "policy.overload_guard.ratio must be >= 1"),
+    ({"name": "kv_aware", "overload_guard": {"enabled": "yes"}}, "policy.overload_guard.enabled must be true or false"),
+    ({"name": "kv_aware", "overload_guard": {"limit": 3}}, "unknown key(s) 'limit' in policy.overload_guard"),
     ({"name": "least_load", "decode_tokens_per_request": -5},
      "policy.decode_tokens_per_request must be >= 0"),
     ({"name": "session", "session_header": "x session"}, "policy.session_header must be an HTTP header"),

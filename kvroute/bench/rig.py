@@ -119,19 +119,29 @@ def kvroute_note(metrics_text: str) -> dict[str, Any]:
     """What a kvroute gateway's ``/metrics`` tells of its run: decisions by reason
     (``kvroute_route_decisions_total``) and predicted against worker-reported cached tokens
     (``kvroute_predicted_cached_tokens`` / ``kvroute_actual_cached_tokens`` sums, and the mean
-    absolute error per request from ``kvroute_cached_tokens_error_tokens``)."""
+    absolute error per request from ``kvroute_cached_tokens_error_tokens``), decisions that went
+    past the longest prefix holder by reason (``kvroute_route_off_longest_prefix_total``), and
+    the mean observed / predicted TTFT (``kvroute_ttft_prediction_ratio``)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     reasons: dict[str, float] = {}
+    off_longest: dict[str, float] = {}
     sums: dict[str, float] = {}
     for fam in text_string_to_metric_families(metrics_text):
         for smp in fam.samples:
             if smp.name == "kvroute_route_decisions_total":
                 reasons[smp.labels.get("reason", "")] = reasons.get(smp.labels.get("reason", ""), 0) + smp.value
+            elif smp.name == "kvroute_route_off_longest_prefix_total":
+                label = smp.labels.get("reason", "")
+                off_longest[label] = off_longest.get(label, 0) + smp.value
             elif smp.name.endswith(("_sum", "_count")) and smp.name.startswith("kvroute_"):
                 sums[smp.name] = sums.get(smp.name, 0.0) + smp.value
     n = sums.get("kvroute_cached_tokens_error_tokens_count", 0.0)
+    ratio_n = sums.get("kvroute_ttft_prediction_ratio_count", 0.0)
     return {"decisions_by_reason": {k: int(v) for k, v in sorted(reasons.items())},
+            "off_longest_prefix_by_reason": {k: int(v) for k, v in sorted(off_longest.items())},
+            "ttft_observed_over_predicted_mean": (sums.get("kvroute_ttft_prediction_ratio_sum", 0.0) / ratio_n
+                                                  if ratio_n else None),
             "predicted_cached_tokens": int(sums.get("kvroute_predicted_cached_tokens_sum", 0)),
             "reported_cached_tokens": int(sums.get("kvroute_actual_cached_tokens_sum", 0)),
             "reported_requests": int(sums.get("kvroute_actual_cached_tokens_count", 0)),
@@ -171,10 +181,17 @@ def run_router(name: str, spec: RigSpec, workers: list[RigWorker], workload: Wor
             gw, _ = worker_http.poll_until(lambda: kvroute_note(httpx.get(launch.metrics_url, timeout=10).text),
                                            lambda note: note["reported_requests"] >= ok, GATEWAY_SETTLE_S)
             result["gateway"] = gw
+            gw["workers"] = {w["id"]: {k: w.get(k) for k in ("prefill_rate", "evidence")}
+                             for w in _admin_get(launch.base_url, "/admin/workers")["workers"]}
             reasons = ", ".join(f"{k} {v}" for k, v in gw["decisions_by_reason"].items())
             result["note"] = (f"decisions: {reasons}; predicted cached tokens {gw['predicted_cached_tokens']}, "
                               f"reported {gw['reported_cached_tokens']} (usage booked for {gw['reported_requests']} "
                               f"of {ok} requests)")
+            off = sum(gw["off_longest_prefix_by_reason"].values())
+            if off:
+                result["note"] += f"; {off} sent past the longest prefix holder"
+            if gw["ttft_observed_over_predicted_mean"] is not None:
+                result["note"] += f"; TTFT observed/predicted mean {gw['ttft_observed_over_predicted_mean']:.2f}"
         elif launch.metrics_url:
             try:
                 note = PEERS[name].event_path(httpx.get(launch.metrics_url, timeout=10).text)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcore.index.base import TierMatch
+from router.ttft_model import PrefillRate
 
 
 @dataclass
@@ -20,7 +21,9 @@ class WorkerLoad:
     first byte yet (predicted at routing time); ``decoding``: in-flight requests past their first
     byte; ``engine_running`` / ``engine_waiting`` / ``kv_usage`` (0..1): last scrape of the worker's
     ``/metrics`` (``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
-    ``vllm:kv_cache_usage_perc``), None before the first scrape.
+    ``vllm:kv_cache_usage_perc``), None before the first scrape; ``unseen_running`` /
+    ``unseen_waiting``: how many of the scraped running / waiting requests were not the gateway's
+    own at the moment of that scrape (other gateways' or clients'), 0 before the first scrape.
     """
 
     in_flight: int = 0
@@ -29,15 +32,27 @@ class WorkerLoad:
     engine_running: int | None = None
     engine_waiting: int | None = None
     kv_usage: float | None = None
+    unseen_running: int = 0
+    unseen_waiting: int = 0
 
 
 @dataclass
 class Candidate:
-    """One healthy, non-draining worker serving the request's model."""
+    """One healthy, non-draining worker serving the request's model.
+
+    ``prefill_rate``: the worker's learned TTFT line (:mod:`router.ttft_model`), None before it
+    has been learned; ``evidence_trusted``: False while the worker's reported cached tokens run
+    well below the index's predictions (:mod:`router.evidence`): policies then give its matches
+    no credit; ``evidence_weight`` (0..1): the share of its predicted hits it has been realising
+    (:attr:`router.evidence.EvidenceTrust.credit_weight`).
+    """
 
     worker_id: str
     load: WorkerLoad
     matched: TierMatch = field(default_factory=TierMatch)
+    prefill_rate: PrefillRate | None = None
+    evidence_trusted: bool = True
+    evidence_weight: float = 1.0
 
 
 @dataclass
@@ -61,17 +76,22 @@ class RouteRequest:
 @dataclass
 class CandidateScore:
     """How a policy scored one candidate: ``cost`` (lower wins; None when not scored) and
-    ``load`` (the policy's load figure), plus a note (e.g. "overloaded")."""
+    ``load`` (the policy's load figure), plus a note (e.g. "overloaded", "evidence distrusted");
+    ``predicted_ttft_ms``: the policy's TTFT prediction from dispatch, when it makes one."""
 
     worker_id: str
     matched: TierMatch
     load: float
     cost: float | None
     note: str = ""
+    predicted_ttft_ms: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {"worker": self.worker_id, "matched_blocks": self.matched.as_dict(),
-                "load": self.load, "cost": self.cost, "note": self.note}
+        out = {"worker": self.worker_id, "matched_blocks": self.matched.as_dict(),
+               "load": self.load, "cost": self.cost, "note": self.note}
+        if self.predicted_ttft_ms is not None:
+            out["predicted_ttft_ms"] = round(self.predicted_ttft_ms, 3)
+        return out
 
 
 @dataclass

@@ -3,6 +3,9 @@
 The config is the ``policy:`` mapping of DESIGN.md, the same for the YAML file and for
 ``PUT /admin/policy``::
 
+    {name: ttft, tier_credit: {gpu: 1.0, cpu: 0.75, ssd: 0.25}, prefill_overhead_ms: 25,
+     prefill_ms_per_token: 0.1, learn_prefill_rate: true, engine_waiting_prefill_tokens: 1024,
+     spread_margin: 1.3}
     {name: kv_aware, tier_credit: {gpu: 1.0, cpu: 0.75, ssd: 0.25}, load_weight: 1.0,
      temperature: 0.0, overload_guard: {enabled: true, excess_tokens: 32768, ratio: 1.5},
      decode_tokens_per_request: 128, engine_waiting_prefill_tokens: 1024}
@@ -10,7 +13,7 @@ The config is the ``policy:`` mapping of DESIGN.md, the same for the YAML file a
     {name: round_robin | least_load, ...load keys}
 
 Each policy accepts only its own keys (listed in the error message); ``name`` defaults to
-``kv_aware``. Adding a policy: one module with a ``Policy`` subclass that has ``from_config`` and
+``ttft`` (lowest predicted TTFT; ``kv_aware``, the cost in blocks it replaced, stays selectable). Adding a policy: one module with a ``Policy`` subclass that has ``from_config`` and
 ``config``, and one line in :data:`_POLICIES`.
 """
 from __future__ import annotations
@@ -24,14 +27,16 @@ from router.policies.kv_aware import KVAwarePolicy
 from router.policies.least_load import LeastLoadPolicy
 from router.policies.round_robin import RoundRobinPolicy
 from router.policies.session import SessionPolicy
+from router.policies.ttft import TTFTPolicy
 
-_POLICIES = {cls.name: cls for cls in (KVAwarePolicy, RoundRobinPolicy, LeastLoadPolicy, SessionPolicy)}
+_POLICIES = {cls.name: cls for cls in (TTFTPolicy, KVAwarePolicy, RoundRobinPolicy, LeastLoadPolicy,
+                                       SessionPolicy)}
 POLICY_NAMES: tuple[str, ...] = tuple(_POLICIES)
-DEFAULT_POLICY = KVAwarePolicy.name
+DEFAULT_POLICY = TTFTPolicy.name
 
 
 def make_policy(cfg: Mapping[str, Any] | None) -> Policy:
-    """A fresh policy from its config (None or {} -> ``kv_aware`` with defaults).
+    """A fresh policy from its config (None or {} -> ``ttft`` with defaults).
 
     Raises ValueError with a message fit for an HTTP 400 body: not a mapping, an unknown ``name``,
     a key the named policy does not take, or a value out of range. Nothing is shared between two

@@ -10,6 +10,7 @@ Cost of a candidate, in blocks (lower wins)::
 the worker's outstanding work in blocks (:mod:`router.policies.load`: predicted prefill tokens
 in flight, in-flight requests x ``decode_tokens_per_request``, the engine's queue when scraped).
 Absolute blocks, not a match ratio, so a long prompt's hit outweighs a short one's (GIE #2561).
+A candidate whose evidence is distrusted (:mod:`router.evidence`) gets no credit.
 The default tier credits (gpu 1.0, cpu 0.75, ssd 0.25) are Dynamo's device/host/disk weights.
 
 Selection, in order:
@@ -159,7 +160,7 @@ class KVAwarePolicy(Policy):
         scored = []
         for c in candidates:
             load = self.load_model.load_blocks(c.load, bs)
-            credit = self.credit_blocks(c.matched, num_blocks)
+            credit = self.credit_blocks(c.matched, num_blocks) if c.evidence_trusted else 0.0
             cost = (num_blocks - credit) + self.load_weight * load
             scored.append(_Scored(CandidateScore(c.worker_id, c.matched, load, cost), credit))
         min_load = min(s.load for s in scored)

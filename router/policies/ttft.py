@@ -1,0 +1,192 @@
+"""``ttft`` (the default): send a request to the worker that will give it its first token soonest.
+
+Predicted TTFT of a candidate, in milliseconds from dispatch (:mod:`router.ttft_model`)::
+
+    credit_tokens = min(gpu x tier_credit.gpu + cpu x tier_credit.cpu + ssd x tier_credit.ssd,
+                        (prompt_tokens - 1) // block_size) x block_size x evidence_weight
+    own_tokens    = prompt_tokens - credit_tokens
+    queued_tokens = load.prefill_tokens + load.unseen_waiting x engine_waiting_prefill_tokens
+    decoding      = load.decoding + load.unseen_running
+    ttft_ms       = rate.overhead_ms + rate.ms_per_token x work_tokens(queued, own, decoding)
+
+``rate`` is the worker's :class:`~router.ttft_model.PrefillRate` learned from its observed TTFTs
+(``learn_prefill_rate``), or the configured prior (``prefill_overhead_ms``,
+``prefill_ms_per_token``) until learned. ``evidence_weight`` is the share of its predicted hits
+the worker has been realising (:mod:`router.evidence`: 0 while distrusted; under heavy KV
+pressure a worker evicts part of a matched prefix before its prefill, and crediting all of it
+sends it more than it can take). ``gpu``/``cpu``/``ssd`` are matched blocks by tier; the
+``(prompt_tokens - 1) // block_size`` cap is vLLM's (the last prompt token is always computed).
+The tier credits say how much of a block's prefill a tier hit saves (default gpu 1.0, cpu 0.75,
+ssd 0.25, Dynamo's device/host/disk weights): a turn whose history left its holder's GPU but
+sits in that worker's CPU tier still goes there when that is fastest.
+
+The load is the gateway's own accounting (updated at dispatch, first byte and end, so it is never
+older than the last request), plus what the engine's last ``/metrics`` scrape showed beyond the
+gateway's own requests at that moment (other clients), so a stale scrape never counts the
+gateway's own requests twice.
+
+Selection: the lowest predicted TTFT, where a candidate with less prefix credit than the most any
+candidate has is ranked at ``spread_margin`` x its prediction (default 1.3): it must be that much
+faster to take a request from the longest holder. Ties (within 1e-9 ms) go to more prefix credit
+(no second copy of a prefix for nothing), then to less queued work; remaining ties in worker-id
+order, ``request.rand`` picking one. This is also the hot-prefix rule: when the longest holder's
+queue costs more than recomputing the prefix elsewhere (by the margin), another worker gets the
+request; it then holds the prefix as well, and its KV events tell the index so. A conversation
+stays where its history is for as long as that is the fastest place. Why a margin: moving a
+prefix costs more than this request's TTFT (a second copy evicts other prefixes, and the next turn
+has to follow), and the prediction itself errs; on the 8-worker Mooncake sim rig a margin of 1.3
+kept more hits than 1.0 or 2.0 at a TTFT p50/p90 no worse.
+
+Reasons: ``no_tokens`` (no exact tokens: queue alone), ``spread`` (a candidate with more prefix
+credit lost on its queue, by more than the margin), ``prefix_hit`` (the winner has more credit than the least), ``load``.
+Candidates whose evidence is distrusted are noted ``evidence distrusted``.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvcore.index.base import TIERS
+from router.policies._config import boolean, check_keys, mapping, number
+from router.policies.base import Candidate, CandidateScore, Decision, Policy, RouteRequest
+from router.policies.kv_aware import DEFAULT_TIER_CREDIT
+from router.policies.ranking import EPS, chosen_first, lowest
+from router.ttft_model import PrefillRate, work_tokens
+
+DEFAULT_PREFILL_OVERHEAD_MS = 25.0
+DEFAULT_PREFILL_MS_PER_TOKEN = 0.1  # 10k prefill tokens/s: an 8B model on one mid-size GPU
+DEFAULT_ENGINE_WAITING_PREFILL_TOKENS = 1024.0
+DEFAULT_SPREAD_MARGIN = 1.3  # measured on the 8-sim Mooncake rig: 1.0 -> hit 0.088, 1.3 -> 0.096, 2.0 -> 0.088
+
+
+@dataclass
+class _Scored:
+    score: CandidateScore
+    credit_tokens: float
+    queued_tokens: float
+    rank_ms: float = 0.0
+
+    @property
+    def worker_id(self) -> str:
+        return self.score.worker_id
+
+    @property
+    def ttft_ms(self) -> float:
+        return self.score.predicted_ttft_ms or 0.0
+
+
+class TTFTPolicy(Policy):
+    """Lowest predicted TTFT; see the module docstring."""
+
+    name = "ttft"
+    uses_index = True
+    CONFIG_KEYS: tuple[str, ...] = ("tier_credit", "prefill_overhead_ms", "prefill_ms_per_token",
+                                    "learn_prefill_rate", "engine_waiting_prefill_tokens", "spread_margin")
+
+    def __init__(self, tier_credit: Mapping[str, float] | None = None,
+                 prior: PrefillRate | None = None, learn_prefill_rate: bool = True,
+                 engine_waiting_prefill_tokens: float = DEFAULT_ENGINE_WAITING_PREFILL_TOKENS,
+                 spread_margin: float = DEFAULT_SPREAD_MARGIN) -> None:
+        self.tier_credit = {**DEFAULT_TIER_CREDIT, **(tier_credit or {})}
+        self.prior = prior or PrefillRate(DEFAULT_PREFILL_OVERHEAD_MS, DEFAULT_PREFILL_MS_PER_TOKEN)
+        self.learn_prefill_rate = learn_prefill_rate
+        self.engine_waiting_prefill_tokens = engine_waiting_prefill_tokens
+        self.spread_margin = spread_margin
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any]) -> TTFTPolicy:
+        """Build from the policy config without ``name``. Raises ValueError on unknown keys, a tier
+        credit outside [0, 1] or for an unknown tier, a negative figure or a zero
+        ``prefill_ms_per_token``."""
+        where = "policy"
+        check_keys(cfg, cls.CONFIG_KEYS, f"policy {cls.name!r}")
+        credit_cfg = mapping(cfg.get("tier_credit", {}), "policy.tier_credit")
+        check_keys(credit_cfg, TIERS, "policy.tier_credit")
+        tier_credit = {t: number(credit_cfg, t, DEFAULT_TIER_CREDIT[t], "policy.tier_credit", hi=1.0)
+                       for t in TIERS}
+        prior = PrefillRate(number(cfg, "prefill_overhead_ms", DEFAULT_PREFILL_OVERHEAD_MS, where),
+                            number(cfg, "prefill_ms_per_token", DEFAULT_PREFILL_MS_PER_TOKEN, where, lo=1e-6))
+        return cls(tier_credit=tier_credit, prior=prior,
+                   learn_prefill_rate=boolean(cfg, "learn_prefill_rate", True, where),
+                   engine_waiting_prefill_tokens=number(cfg, "engine_waiting_prefill_tokens",
+                                                        DEFAULT_ENGINE_WAITING_PREFILL_TOKENS, where),
+                   spread_margin=number(cfg, "spread_margin", DEFAULT_SPREAD_MARGIN, where, lo=1.0))
+
+    def config(self) -> dict[str, Any]:
+        """The effective config without ``name``."""
+        return {"tier_credit": dict(self.tier_credit), "prefill_overhead_ms": self.prior.overhead_ms,
+                "prefill_ms_per_token": self.prior.ms_per_token,
+                "learn_prefill_rate": self.learn_prefill_rate,
+                "engine_waiting_prefill_tokens": self.engine_waiting_prefill_tokens,
+                "spread_margin": self.spread_margin}
+
+    def rate_of(self, candidate: Candidate) -> PrefillRate:
+        """The TTFT line used for ``candidate``: its learned one, else the prior."""
+        if self.learn_prefill_rate and candidate.prefill_rate is not None:
+            return candidate.prefill_rate
+        return self.prior
+
+    def credit_tokens(self, candidate: Candidate, prompt_tokens: int, block_size: int) -> float:
+        """Prefill tokens the candidate's cache is expected to save (tier-weighted, vLLM's cap,
+        times its evidence weight; 0 when its evidence is distrusted)."""
+        if not candidate.evidence_trusted or prompt_tokens <= 0:
+            return 0.0
+        m, w = candidate.matched, self.tier_credit
+        credit_blocks = m.gpu * w["gpu"] + m.cpu * w["cpu"] + m.ssd * w["ssd"]
+        weight = min(1.0, max(0.0, candidate.evidence_weight))
+        return min(credit_blocks, (prompt_tokens - 1) // block_size) * block_size * weight
+
+    def predict(self, candidate: Candidate, prompt_tokens: int, block_size: int) -> tuple[float, float, float]:
+        """``(ttft_ms, credit_tokens, queued_tokens)`` of one candidate for a prompt of
+        ``prompt_tokens`` tokens (module docstring)."""
+        load = candidate.load
+        credit = self.credit_tokens(candidate, prompt_tokens, block_size)
+        queued = max(0, load.prefill_tokens) + max(0, load.unseen_waiting) * self.engine_waiting_prefill_tokens
+        decoding = max(0, load.decoding) + max(0, load.unseen_running)
+        work = work_tokens(queued, prompt_tokens - credit, decoding)
+        return self.rate_of(candidate).ttft_ms(work), credit, queued
+
+    def choose(self, request: RouteRequest, candidates: list[Candidate]) -> Decision:
+        prompt_tokens = request.prompt_tokens
+        scored: list[_Scored] = []
+        for c in candidates:
+            ttft_ms, credit, queued = self.predict(c, prompt_tokens or 0, max(1, request.block_size))
+            note = "" if c.evidence_trusted else "evidence distrusted"
+            score = CandidateScore(c.worker_id, c.matched, load=queued, cost=ttft_ms, note=note,
+                                   predicted_ttft_ms=ttft_ms)
+            scored.append(_Scored(score, credit, queued))
+        top_credit = max(s.credit_tokens for s in scored)
+        for s in scored:  # the spreading margin: a worker without the longest prefix must win by it
+            s.rank_ms = s.ttft_ms * (self.spread_margin if s.credit_tokens < top_credit - EPS else 1.0)
+        best = lowest(scored, [_rank, _uncredited, _queued], _worker, request.rand)
+        if prompt_tokens is None:
+            reason = "no_tokens"
+        elif max(s.credit_tokens for s in scored) > best.credit_tokens + EPS:
+            reason = "spread"
+        elif best.credit_tokens > min(s.credit_tokens for s in scored) + EPS:
+            reason = "prefix_hit"
+        else:
+            reason = "load"
+        ranked = chosen_first(scored, best, _order)
+        return Decision(best.worker_id, reason, [s.score for s in ranked])
+
+
+def _order(s: _Scored) -> tuple[float, float, float, str]:
+    return (s.rank_ms, -s.credit_tokens, s.queued_tokens, s.worker_id)
+
+
+def _rank(s: _Scored) -> float:
+    return s.rank_ms
+
+
+def _uncredited(s: _Scored) -> float:
+    return -s.credit_tokens
+
+
+def _queued(s: _Scored) -> float:
+    return s.queued_tokens
+
+
+def _worker(s: _Scored) -> str:
+    return s.worker_id

@@ -1,0 +1,115 @@
+"""Per-worker prefill speed, learned online from the TTFTs the gateway observes.
+
+The model (all times in milliseconds from dispatch to the worker's first streamed byte)::
+
+    work_tokens = queued_tokens + own_tokens + DECODE_INTERFERENCE_TOKENS x decoding
+    ttft_ms     = overhead_ms + ms_per_token x work_tokens
+
+- ``queued_tokens``: uncached prompt tokens of the gateway's own dispatches to the worker that had
+  not produced their first byte when this request was sent (prefill ahead of it);
+- ``own_tokens``: this request's uncached prompt tokens (the worker's reported ``cached_tokens``
+  when learning, the index's tier-weighted prediction when predicting);
+- ``decoding``: requests past their first byte on the worker at dispatch. Each adds a decode slot
+  to every step the prefill shares with them; :data:`DECODE_INTERFERENCE_TOKENS` prices one in
+  prefill tokens (vLLM's chunked prefill puts decodes and prefill chunks in one step; on the
+  simulator's GPU preset a decoding sequence adds 0.35 ms per step against 0.074 ms per prefill
+  token, about 5 tokens per step over two or three steps).
+
+Fit: Theil-Sen (the median of the pairwise slopes, intercept the median residual; Sen 1968) over
+the last :data:`WINDOW` samples, so a few outliers (a GC pause, a preemption, a request stuck
+behind a long decode) move neither figure, and memory is bounded. The fit is refreshed every
+:data:`REFIT_EVERY` samples. Until :data:`MIN_SAMPLES` samples with distinct work have been seen
+the caller's prior is used. Pure computation: no clock, no I/O.
+"""
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+DECODE_INTERFERENCE_TOKENS = 16.0
+WINDOW = 64
+MIN_SAMPLES = 8
+REFIT_EVERY = 4
+_MIN_MS_PER_TOKEN = 1e-5  # a fitted slope is never taken below this (prefill is never free)
+
+
+@dataclass(frozen=True)
+class PrefillRate:
+    """A worker's TTFT line: ``overhead_ms`` (>= 0) plus ``ms_per_token`` (> 0) per token of work.
+    ``samples``: observations behind it (0: a prior)."""
+
+    overhead_ms: float
+    ms_per_token: float
+    samples: int = 0
+
+    def ttft_ms(self, work_tokens: float) -> float:
+        """Predicted milliseconds to first token for ``work_tokens`` tokens of work (>= 0)."""
+        return self.overhead_ms + self.ms_per_token * max(0.0, work_tokens)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"overhead_ms": round(self.overhead_ms, 3), "ms_per_token": round(self.ms_per_token, 6),
+                "tokens_per_s": round(1000.0 / self.ms_per_token, 1), "samples": self.samples}
+
+
+def work_tokens(queued_tokens: float, own_tokens: float, decoding: float) -> float:
+    """The work ahead of a request's first token, in prefill tokens (module docstring)."""
+    return max(0.0, queued_tokens) + max(0.0, own_tokens) + DECODE_INTERFERENCE_TOKENS * max(0.0, decoding)
+
+
+def theil_sen(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
+    """``(intercept, slope)`` of the Theil-Sen line through the points, or None when fewer than
+    two points have distinct x. O(n^2) in the number of points."""
+    slopes = [(ys[j] - ys[i]) / (xs[j] - xs[i])
+              for i in range(len(xs)) for j in range(i + 1, len(xs)) if xs[j] != xs[i]]
+    if not slopes:
+        return None
+    slope = statistics.median(slopes)
+    intercept = statistics.median(y - slope * x for x, y in zip(xs, ys))
+    return intercept, slope
+
+
+class PrefillRateEstimator:
+    """Learns one worker's :class:`PrefillRate` from ``(work_tokens, ttft_ms)`` observations."""
+
+    def __init__(self, window: int = WINDOW) -> None:
+        self._samples: deque[tuple[float, float]] = deque(maxlen=window)
+        self._since_fit = 0
+        self._fit: PrefillRate | None = None
+        self.observed = 0
+
+    def observe(self, work: float, ttft_ms: float) -> None:
+        """One request: ``work`` tokens of work (:func:`work_tokens`) took ``ttft_ms`` from
+        dispatch to first byte. Negative or non-finite figures are ignored."""
+        if not (0.0 <= work < float("inf") and 0.0 <= ttft_ms < float("inf")):
+            return
+        self._samples.append((work, ttft_ms))
+        self.observed += 1
+        self._since_fit += 1
+        if self._since_fit >= REFIT_EVERY or self._fit is None:
+            self._refit()
+
+    def _refit(self) -> None:
+        self._since_fit = 0
+        if len({x for x, _ in self._samples}) < MIN_SAMPLES:
+            return
+        xs = [x for x, _ in self._samples]
+        ys = [y for _, y in self._samples]
+        line = theil_sen(xs, ys)
+        if line is None:
+            return
+        intercept, slope = line
+        slope = max(slope, _MIN_MS_PER_TOKEN)
+        # the intercept is re-taken with the clamped slope, so the line still runs through the data
+        intercept = statistics.median(y - slope * x for x, y in zip(xs, ys))
+        self._fit = PrefillRate(max(0.0, intercept), slope, len(xs))
+
+    def rate(self, prior: PrefillRate) -> PrefillRate:
+        """The learned line, or ``prior`` until enough samples have been seen."""
+        return self._fit if self._fit is not None else prior
+
+    @property
+    def learned(self) -> PrefillRate | None:
+        """The learned line, None before :data:`MIN_SAMPLES` distinct samples."""
+        return self._fit

@@ -1,0 +1,147 @@
+"""The default ``ttft`` policy in a real gateway in front of real `kvroute sim` subprocesses:
+predicted TTFT in ``/admin/explain``, the prefill rate learned from streamed requests and shown in
+``/admin/workers`` and ``/metrics``, and evidence trust: a worker whose reported cached tokens
+run far below the index's predictions loses its credit (admin view, metric, warning) and gets it
+back when they agree again. Tests run in file order on one module cluster.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import httpx
+import orjson
+import pytest
+
+from conftest import ADMIN_TOKEN, Proc, free_port, wait_http
+from test_gateway_e2e import BLOCK, Sim, _sim_argv, metric_value, start_gateway, system_prompt, wait_until
+
+
+@pytest.fixture(scope="module")
+def ttft_cluster(tmp_path_factory, tiny_model):
+    log_dir = tmp_path_factory.mktemp("gateway-ttft")
+    started: list[Proc] = []
+    sims: dict[str, Sim] = {}
+    try:
+        for name in ("w0", "w1"):
+            port = free_port()
+            proc = Proc(name, _sim_argv(tiny_model, port), log_dir)
+            started.append(proc)
+            sims[name] = Sim(name, f"http://127.0.0.1:{port}", proc)
+        for sim in sims.values():
+            wait_http(sim.url + "/health", sim.proc, timeout_s=180)
+        port = free_port()
+        cfg = {  # no policy: the default
+            "listen": {"host": "127.0.0.1", "port": port},
+            "models": [{"name": "tiny", "tokenizer": str(tiny_model), "block_size": BLOCK}],
+            "workers": [{"id": n, "url": sims[n].url, "model": "tiny"} for n in sims],
+            "load_scrape": {"interval_s": 0.5},
+        }
+        base, _, gw = start_gateway(cfg, log_dir, started)
+        yield base, sims, gw
+    finally:
+        for p in reversed(started):
+            p.stop()
+
+
+def metric(base: str, name: str, **labels) -> float:
+    return metric_value(SimpleNamespace(base=base), name, **labels)
+
+
+def admin(base: str, method: str, path: str, body=None) -> httpx.Response:
+    return httpx.request(method, base + path, json=body, timeout=30,
+                         headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+
+
+def workers(base: str) -> dict[str, dict]:
+    return {w["id"]: w for w in admin(base, "GET", "/admin/workers").json()["workers"]}
+
+
+def stream_chat(base: str, body: dict) -> tuple[str, int]:
+    """Stream ``body``; the worker that served it and the cached tokens it reported."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    cached = None
+    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        worker = r.headers["x-kvroute-worker"]
+        for line in r.iter_lines():
+            if line.startswith("data: {") and '"usage":{' in line.replace(" ", ""):
+                usage = orjson.loads(line[6:])["usage"]
+                if usage:
+                    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+    assert cached is not None
+    return worker, cached
+
+
+def chat(seed: str, words: int, question: str = "q") -> dict:
+    return {"model": "tiny", "max_tokens": 2, "messages": [
+        {"role": "system", "content": system_prompt(seed, words)}, {"role": "user", "content": question}]}
+
+
+def test_default_policy_is_ttft_and_explain_predicts_ttft(ttft_cluster):
+    base, _, _ = ttft_cluster
+    policy = admin(base, "GET", "/admin/policy").json()
+    assert policy["name"] == "ttft" and policy["learn_prefill_rate"] is True
+    r = admin(base, "POST", "/admin/explain", chat("explain", 200))
+    assert r.status_code == 200
+    out = r.json()
+    assert out["policy"] == "ttft" and out["reason"] in ("load", "prefix_hit", "spread")
+    by_worker = {c["worker"]: c for c in out["candidates"]}
+    assert set(by_worker) == {"w0", "w1"}
+    # idle, cold, prior line (25 ms + 0.1 ms per token): the prediction is the prompt's prefill
+    for c in by_worker.values():
+        assert c["predicted_ttft_ms"] == pytest.approx(25 + 0.1 * out["prompt_tokens"], abs=0.01)
+    assert out["predicted_ttft_ms"] == by_worker[out["chosen"]]["predicted_ttft_ms"]
+
+
+def test_streamed_requests_teach_each_worker_its_prefill_rate(ttft_cluster):
+    base, _, _ = ttft_cluster
+    sent = {"w0": 0, "w1": 0}
+    for i in range(40):
+        worker, _ = stream_chat(base, chat(f"learn-{i}", 20 + 25 * (i % 20)))
+        sent[worker] += 1
+    assert all(n > 0 for n in sent.values()), sent  # cold prompts share the idle workers
+    state = workers(base)
+    for wid, n in sent.items():
+        rate = state[wid]["prefill_rate"]
+        assert rate["observed"] == n
+        if n >= 12:  # enough distinct sizes for a line
+            # the line is refitted every 4 samples, from the last 64
+            assert rate["learned"] is True and rate["ms_per_token"] > 0 and min(n, 64) - 4 < rate["samples"] <= min(n, 64)
+    ratios = metric(base, "kvroute_ttft_prediction_ratio_count")
+    assert ratios == 40
+    assert metric(base, "kvroute_predicted_ttft_seconds_count") == 40
+    learned = [w for w, n in sent.items() if state[w]["prefill_rate"]["learned"]]
+    text = httpx.get(base + "/metrics", timeout=10).text
+    for wid in learned:
+        assert f'kvroute_worker_prefill_ms_per_token{{worker="{wid}"}}' in text
+
+
+def test_worker_whose_reports_fall_short_is_distrusted_then_trusted_again(ttft_cluster):
+    base, sims, gw = ttft_cluster
+    assert admin(base, "POST", "/admin/workers/w1/drain").status_code == 200
+    body = chat("trust", 300)
+    assert workers(base)["w0"]["evidence"]["trusted"] is True
+    # the worker's cache is wiped after every request, but the gateway's index still believes in
+    # its entries (no KV events: approximate mode): predicted hits, reported none; the first
+    # request predicts nothing, the next 8 are judged
+    for i in range(9):
+        worker, cached = stream_chat(base, body)
+        assert worker == "w0"
+        if i > 0:
+            assert cached == 0
+        assert httpx.post(sims["w0"].url + "/reset_prefix_cache", timeout=10).status_code == 200
+    ev = workers(base)["w0"]["evidence"]
+    assert ev["trusted"] is False and ev["agreement"] < 0.25 and ev["changes"] == 1
+    assert metric(base, "kvroute_evidence_trusted", worker="w0") == 0
+    assert metric(base, "kvroute_evidence_distrust_total", worker="w0") == 1
+    explained = admin(base, "POST", "/admin/explain", body).json()
+    w0 = next(c for c in explained["candidates"] if c["worker"] == "w0")
+    assert w0["note"] == "evidence distrusted" and w0["matched_blocks"]["gpu"] > 0
+    assert "no longer credited" in gw.log_tail(200)
+    # the cache is left alone again: the worker's reports catch up with the index
+    def trusted_again() -> bool:
+        stream_chat(base, body)
+        return workers(base)["w0"]["evidence"]["trusted"]
+    wait_until(trusted_again, timeout_s=60, what="evidence trusted again")
+    assert metric(base, "kvroute_evidence_trusted", worker="w0") == 1
+    assert "credited" in gw.log_tail(50)

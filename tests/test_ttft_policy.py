@@ -1,0 +1,284 @@
+"""The ``ttft`` policy's cost model, the spreading rule, the learned prefill rate and evidence
+trust: real predictions in milliseconds for constructed candidates (pure unit tests).
+
+Block size 16; the prior line is 25 ms + 0.1 ms per token of work; a decoding request weighs
+DECODE_INTERFERENCE_TOKENS (16) tokens.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvcore.index.base import TierMatch
+from router.evidence import EvidenceTrust
+from router.policies.base import Candidate, RouteRequest, WorkerLoad
+from router.policies.factory import DEFAULT_POLICY, describe, make_policy
+from router.ttft_model import DECODE_INTERFERENCE_TOKENS, PrefillRate, PrefillRateEstimator, theil_sen
+
+BS = 16
+
+
+def cand(worker: str, gpu: int = 0, cpu: int = 0, ssd: int = 0, prefill_tokens: int = 0,
+         decoding: int = 0, in_flight: int | None = None, unseen_waiting: int = 0, unseen_running: int = 0,
+         rate: PrefillRate | None = None, trusted: bool = True) -> Candidate:
+    if in_flight is None:
+        in_flight = decoding + (1 if prefill_tokens else 0)
+    load = WorkerLoad(in_flight=in_flight, prefill_tokens=prefill_tokens, decoding=decoding,
+                      unseen_waiting=unseen_waiting, unseen_running=unseen_running)
+    return Candidate(worker, load, TierMatch(gpu=gpu, cpu=cpu, ssd=ssd), rate, trusted)
+
+
+def req(prompt_tokens: int | None, rand: float = 0.0) -> RouteRequest:
+    blocks = (prompt_tokens or 0) // BS
+    return RouteRequest(model="tiny", prompt_tokens=prompt_tokens, block_size=BS, num_blocks=blocks, rand=rand)
+
+
+def ttfts(decision) -> dict[str, float]:
+    return {s.worker_id: s.predicted_ttft_ms for s in decision.scores}
+
+
+def test_ttft_is_the_default_policy():
+    assert DEFAULT_POLICY == "ttft"
+    assert make_policy(None).name == "ttft"
+    cfg = describe(make_policy({}))
+    assert cfg == {"name": "ttft", "tier_credit": {"gpu": 1.0, "cpu": 0.75, "ssd": 0.25},
+                   "prefill_overhead_ms": 25.0, "prefill_ms_per_token": 0.1, "learn_prefill_rate": True,
+                   "engine_waiting_prefill_tokens": 1024.0, "spread_margin": 1.3}
+    assert describe(make_policy(cfg)) == cfg  # round trip
+
+
+def test_prediction_counts_queue_own_prefill_and_decodes():
+    policy = make_policy({"name": "ttft"})
+    assert policy.spread_margin == 1.3
+    # 1000-token prompt; w0 holds 40 of 62 blocks in GPU and has 2000 tokens queued and 3 decoding
+    d = policy.choose(req(1000), [cand("w0", gpu=40, prefill_tokens=2000, decoding=3), cand("w1")])
+    # w0: 25 + 0.1 x (2000 + (1000 - 640) + 16 x 3) = 265.8 ms; w1: 25 + 0.1 x 1000 = 125 ms
+    assert ttfts(d) == pytest.approx({"w0": 265.8, "w1": 125.0})
+    assert (d.worker_id, d.reason) == ("w1", "spread")
+    assert d.scores[0].as_dict()["predicted_ttft_ms"] == 125.0
+
+
+def test_vllm_caps_a_full_hit_one_token_short():
+    policy = make_policy({"name": "ttft"})
+    # 64 tokens = 4 full blocks, all cached: vLLM still computes the last token, so 3 blocks count
+    d = policy.choose(req(64), [cand("w0", gpu=4)])
+    assert ttfts(d)["w0"] == pytest.approx(25 + 0.1 * (64 - 48))
+
+
+def test_holder_wins_while_its_queue_is_shorter_than_recomputing():
+    policy = make_policy({"name": "ttft", "spread_margin": 1.0})
+    # 2000-token prompt, 100 blocks (1600 tokens) cached on w0: recompute elsewhere costs 2000
+    # tokens, the holder 400 + its queue. Queue 1500: holder 1900 < 2000 -> prefix_hit.
+    d = policy.choose(req(2000), [cand("w0", gpu=100, prefill_tokens=1500), cand("w1")])
+    assert (d.worker_id, d.reason) == ("w0", "prefix_hit")
+    # Queue 1700: holder 2100 > 2000 -> the prefix is recomputed on w1 (spread)
+    d = policy.choose(req(2000), [cand("w0", gpu=100, prefill_tokens=1700), cand("w1")])
+    assert (d.worker_id, d.reason) == ("w1", "spread")
+    assert d.ranked_worker_ids() == ["w1", "w0"]
+
+
+def test_hot_prefix_spreads_to_a_second_holder_then_shares():
+    """A shared system prompt held by w0 only; requests arrive a little faster than one worker
+    prefills their own parts (160 tokens each, 120 drained between arrivals). w0 takes them until
+    its queue costs more than recomputing the prefix; then one cold worker recomputes it once and
+    holds it too (its events say so), and from then on the two holders share the requests. The
+    third worker is never used: the prefix is neither pinned nor scattered."""
+    policy = make_policy({"name": "ttft", "spread_margin": 1.0})
+    prompt, shared_blocks = 1600, 90  # 1440 shared tokens + 160 own
+    queue = {"w0": 0, "w1": 0, "w2": 0}
+    holders = {"w0"}
+    chosen, reasons, queue_at_spread = [], [], None
+    for i in range(80):
+        cands = [cand(w, gpu=shared_blocks if w in holders else 0, prefill_tokens=queue[w]) for w in queue]
+        d = policy.choose(req(prompt, rand=(i * 0.618) % 1), cands)
+        if d.reason == "spread" and queue_at_spread is None:
+            queue_at_spread = queue["w0"]
+        chosen.append(d.worker_id)
+        reasons.append(d.reason)
+        queue[d.worker_id] += prompt - (shared_blocks * BS if d.worker_id in holders else 0)
+        holders.add(d.worker_id)
+        queue = {w: max(0, q - 120) for w, q in queue.items()}
+    first = reasons.index("spread")
+    assert chosen[:first] == ["w0"] * first and first > 30
+    assert queue_at_spread + 160 > 1600  # the holder's queue had passed the recompute cost
+    assert reasons.count("spread") == 1  # the prefix was copied once
+    second = chosen[first]
+    assert len(holders) == 2 and second != "w0"
+    after = chosen[first + 1:]
+    assert set(after) == {"w0", second} and abs(after.count("w0") - after.count(second)) <= 1
+
+
+def test_conversation_follows_its_cpu_tier_when_that_is_fastest():
+    policy = make_policy({"name": "ttft", "spread_margin": 1.0})
+    # turn 3 of a chat: 3000 tokens, 150 blocks of history evicted from w0's GPU to its CPU tier
+    d = policy.choose(req(3000), [cand("w0", cpu=150, prefill_tokens=500), cand("w1")])
+    # w0: 25 + 0.1 x (500 + 3000 - 0.75 x 2400) = 195 ms; w1: 325 ms
+    assert ttfts(d) == pytest.approx({"w0": 195.0, "w1": 325.0})
+    assert (d.worker_id, d.reason) == ("w0", "prefix_hit")
+    # from SSD (credit 0.25: 600 tokens saved) with the same queue it no longer pays: 235 vs 325,
+    # but with 1500 queued it does not
+    d = policy.choose(req(3000), [cand("w0", ssd=150, prefill_tokens=1500), cand("w1")])
+    assert (d.worker_id, d.reason) == ("w1", "spread")
+
+
+def test_prefix_gone_everywhere_goes_by_queue():
+    policy = make_policy({"name": "ttft"})
+    d = policy.choose(req(800), [cand("w0", prefill_tokens=900), cand("w1", decoding=4),
+                                 cand("w2", prefill_tokens=100)])
+    assert ttfts(d) == pytest.approx({"w0": 195.0, "w1": 25 + 0.1 * (800 + 64), "w2": 115.0})
+    assert (d.worker_id, d.reason) == ("w1", "load")
+
+
+def test_learned_rates_make_a_faster_worker_win():
+    policy = make_policy({"name": "ttft", "spread_margin": 1.0})
+    slow, fast = PrefillRate(30.0, 0.4, 64), PrefillRate(10.0, 0.1, 64)
+    d = policy.choose(req(1000), [cand("slow", gpu=30, rate=slow), cand("fast", rate=fast)])
+    # slow: 30 + 0.4 x 520 = 238 ms; fast: 10 + 0.1 x 1000 = 110 ms
+    assert ttfts(d) == pytest.approx({"slow": 238.0, "fast": 110.0})
+    assert d.worker_id == "fast"
+    frozen = make_policy({"name": "ttft", "learn_prefill_rate": False})
+    assert frozen.choose(req(1000), [cand("slow", gpu=30, rate=slow), cand("fast", rate=fast)]).worker_id == "slow"
+
+
+def test_other_clients_requests_count_as_queue():
+    policy = make_policy({"name": "ttft", "engine_waiting_prefill_tokens": 500})
+    d = policy.choose(req(400), [cand("w0", gpu=20, unseen_waiting=2), cand("w1", unseen_running=3)])
+    # w0: 25 + 0.1 x (1000 + 400 - 320) = 133; w1: 25 + 0.1 x (400 + 48) = 69.8
+    assert ttfts(d) == pytest.approx({"w0": 133.0, "w1": 69.8})
+
+
+def test_distrusted_evidence_earns_no_credit():
+    policy = make_policy({"name": "ttft"})
+    d = policy.choose(req(2000), [cand("w0", gpu=120, trusted=False), cand("w1", gpu=10)])
+    assert d.worker_id == "w1"
+    scores = {s.worker_id: s for s in d.scores}
+    assert scores["w0"].note == "evidence distrusted"
+    assert scores["w0"].predicted_ttft_ms == pytest.approx(225.0)
+    kv = make_policy({"name": "kv_aware"}).choose(req(2000), [cand("w0", gpu=120, trusted=False),
+                                                              cand("w1", gpu=10)])
+    assert kv.worker_id == "w1"
+
+
+def test_credit_is_weighted_by_the_hits_a_worker_has_been_realising():
+    """Under KV pressure a worker evicts part of a matched prefix before its prefill: a holder
+    that realised 40 % of its predicted hits is credited 40 % of its match."""
+    policy = make_policy({"name": "ttft", "spread_margin": 1.0})
+    holder = cand("w0", gpu=60, prefill_tokens=600)  # 960 of a 1000-token prompt matched
+    d = policy.choose(req(1000), [holder, cand("w1")])
+    assert (d.worker_id, ttfts(d)["w0"]) == ("w0", pytest.approx(25 + 0.1 * (600 + 40)))
+    holder.evidence_weight = 0.4
+    d = policy.choose(req(1000), [holder, cand("w1")])
+    # w0: 25 + 0.1 x (600 + 1000 - 384) = 146.6 ms; w1: 125 ms
+    assert ttfts(d) == pytest.approx({"w0": 146.6, "w1": 125.0})
+    assert (d.worker_id, d.reason) == ("w1", "spread")
+
+
+def test_cold_ties_share_traffic_and_no_tokens_goes_by_queue():
+    policy = make_policy({"name": "ttft"})
+    picks = {policy.choose(req(500, rand=r), [cand("a"), cand("b")]).worker_id for r in (0.1, 0.9)}
+    assert picks == {"a", "b"}
+    d = policy.choose(req(None), [cand("a", prefill_tokens=300), cand("b")])
+    assert (d.worker_id, d.reason) == ("b", "no_tokens")
+
+
+def test_spread_margin_keeps_the_holder_until_the_other_is_that_much_faster():
+    # 2000-token prompt, 1600 cached on w0 with 1700 queued: w0 235 ms predicted, cold w1 225 ms
+    cands = [cand("w0", gpu=100, prefill_tokens=1700), cand("w1")]
+    d = make_policy({"name": "ttft", "spread_margin": 1.0}).choose(req(2000), cands)
+    assert (d.worker_id, d.reason) == ("w1", "spread")
+    d = make_policy({"name": "ttft"}).choose(req(2000), cands)  # 1.3 x 225 = 292.5 > 235: stay
+    assert (d.worker_id, d.reason) == ("w0", "prefix_hit")
+    assert ttfts(d) == pytest.approx({"w0": 235.0, "w1": 225.0})  # predictions are not scaled
+    # w0 at 25 + 0.1 x (queued + 400): 2200 queued -> 285 ms, stays; 2400 -> 305 ms, spread
+    for queued, winner in ((2200, "w0"), (2400, "w1")):
+        d = make_policy({"name": "ttft"}).choose(req(2000), [cand("w0", gpu=100, prefill_tokens=queued),
+                                                            cand("w1")])
+        assert d.worker_id == winner
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"spread_margin": 0.9}, "spread_margin"),
+    ({"prefill_ms_per_token": 0}, "prefill_ms_per_token"),
+    ({"prefill_overhead_ms": -1}, "prefill_overhead_ms"),
+    ({"tier_credit": {"cpu": 1.5}}, "tier_credit.cpu"),
+    ({"learn_prefill_rate": "yes"}, "learn_prefill_rate"),
+    ({"load_weight": 1}, "unknown key"),
+])
+def test_bad_config_is_refused(bad, message):
+    with pytest.raises(ValueError, match=message):
+        make_policy({"name": "ttft", **bad})
+
+
+# ---- the learned prefill rate ------------------------------------------------------------------
+
+def test_theil_sen_ignores_outliers():
+    xs = [float(x) for x in range(0, 2000, 100)]
+    ys = [20 + 0.05 * x for x in xs]
+    ys[3] += 5000  # a GC pause
+    ys[7] = 0.0  # a bogus sample
+    intercept, slope = theil_sen(xs, ys)
+    assert slope == pytest.approx(0.05, rel=1e-6) and intercept == pytest.approx(20.0, abs=1e-6)
+    assert theil_sen([5.0, 5.0], [1.0, 2.0]) is None
+
+
+def test_estimator_learns_a_noisy_line_with_bounded_memory():
+    rng = random.Random(7)
+    est = PrefillRateEstimator()
+    prior = PrefillRate(25.0, 0.1)
+    assert est.rate(prior) is prior
+    for i in range(500):
+        work = rng.uniform(100, 6000)
+        noise = rng.gauss(0, 8) + (3000 if i % 17 == 0 else 0)  # 6 % of requests hit a stall
+        est.observe(work, 40 + 0.074 * work + noise)
+    rate = est.rate(prior)
+    assert rate.ms_per_token == pytest.approx(0.074, rel=0.05)
+    assert rate.overhead_ms == pytest.approx(40, abs=10)
+    assert rate.samples == 64 and est.observed == 500  # the window bounds memory
+    est.observe(-1.0, 10.0)
+    est.observe(100.0, float("nan"))
+    assert est.observed == 500
+
+
+def test_estimator_needs_distinct_samples_before_it_trusts_itself():
+    est = PrefillRateEstimator()
+    for _ in range(20):
+        est.observe(100.0, 50.0)
+    assert est.learned is None  # one x value says nothing about the slope
+    for w in (200.0, 300.0, 400.0, 500.0, 600.0, 700.0, 800.0):
+        est.observe(w, 40 + 0.1 * w)
+    assert est.learned is not None and est.learned.ms_per_token > 0
+
+
+def test_decode_interference_is_priced_in_tokens():
+    assert DECODE_INTERFERENCE_TOKENS == 16.0
+    rate = PrefillRate(25.0, 0.1)
+    assert rate.ttft_ms(0) == 25.0 and rate.as_dict()["tokens_per_s"] == 10000.0
+
+
+# ---- evidence trust ----------------------------------------------------------------------------
+
+def test_evidence_distrusted_when_reports_run_below_predictions_then_trusted_again():
+    ev = EvidenceTrust()
+    for _ in range(7):
+        assert ev.observe(1024, 32) is None  # not enough seen yet to judge
+    assert ev.trusted and ev.state()["agreement"] is None
+    assert ev.observe(1024, 32) is False  # 8th: agreement 32/1024
+    assert not ev.trusted and ev.state() == {"trusted": False, "agreement": 0.031, "credit_weight": 0.0,
+                                             "requests": 8, "changes": 1}
+    ev.observe(0, 0)  # nothing predicted: no evidence either way
+    assert ev.state()["requests"] == 8
+    changed = [ev.observe(1024, 1024) for _ in range(32)]
+    assert changed.count(True) == 1 and ev.trusted
+    # hysteresis: agreement between 0.25 and 0.5 does not flip a trusted worker (an eviction race
+    # under KV pressure realises part of a matched prefix)
+    for _ in range(32):
+        assert ev.observe(1000, 400) is None
+    assert ev.trusted and ev.state()["agreement"] == 0.4 and ev.credit_weight == pytest.approx(0.4)
+
+
+def test_reports_above_predictions_are_agreement():
+    ev = EvidenceTrust()
+    for _ in range(10):
+        ev.observe(512, 4096)
+    assert ev.trusted and ev.agreement == 1.0
