@@ -153,6 +153,8 @@ class ProxyEndpoint:
                 on_attempt=(lambda reg: gw.router.commit(plan, reg)) if plan is not None else None,
                 on_cached_tokens=(lambda handle, n: record_usage(gw, plan, handle, n)) if plan is not None else None,
                 on_first_token=(lambda handle: record_first_token(gw, plan, handle)) if plan is not None else None,
+                presumed_ttft_ms=(plan.predicted_ttft_ms if plan is not None and body.get("stream") is not True
+                                  else None),
                 strip_usage=strip if plan is not None else False)
         except asyncio.CancelledError:
             if state.disconnected:
@@ -183,28 +185,43 @@ class ProxyEndpoint:
 
 
 def record_first_token(gw: Any, plan: Any, handle: InFlight) -> None:
-    """A streamed single-prompt request's first token: its TTFT against the work it met teaches
-    the worker's prefill rate (at once, so a worker that slows down is seen within a few
-    requests, not after their decodes), and against the policy's prediction (metrics). Its own
-    prefill is the predicted uncached part; skipped while the worker's evidence is distrusted
-    (the prediction would be wrong)."""
-    reg = handle.reg
-    if handle.ttft_ms is None or plan.blocks is None or plan.blocks.token_ids is None \
-            or len(plan.blocks.token_ids) != 1:
-        return
-    predicted_ms = plan.predicted_ttft_ms(reg.id)
-    if predicted_ms is not None:
-        gw.metrics.record_ttft_prediction(reg.id, predicted_ms, handle.ttft_ms)
-    if reg.evidence.trusted:
-        reg.prefill_rate.observe(work_tokens(handle.queued_tokens, plan.uncached_tokens(reg.id), handle.decoding),
-                                 handle.ttft_ms)
+    """A streamed request's first token: its TTFT against the policy's prediction (metrics), and
+    against the work it met, which teaches the worker's prefill rate. The work is the figure the
+    policy predicted with for that worker (the same terms, so the learned rate is the one the
+    prediction needs); a policy that predicts no TTFT leaves the gateway's own figures (queue at
+    dispatch, predicted uncached prompt, decodes). Learned at the first token rather than at the
+    end, so a decode's length never delays it; a lasting change of speed shows in the fit once
+    it holds about half of its window (some 30 requests). Skipped while the worker's evidence is
+    distrusted (the own-prefill figure would be wrong). Never raises (logged)."""
+    try:
+        reg = handle.reg
+        if handle.ttft_ms is None or plan.blocks is None or plan.blocks.token_ids is None:
+            return
+        predicted_ms = plan.predicted_ttft_ms(reg.id)
+        if predicted_ms is not None:
+            gw.metrics.record_ttft_prediction(reg.id, predicted_ms, handle.ttft_ms)
+        if not reg.evidence.trusted:
+            return
+        work = plan.predicted_work_tokens(reg.id)
+        if work is None:
+            work = work_tokens(handle.queued_tokens, plan.uncached_tokens(reg.id), handle.decoding)
+        reg.prefill_rate.observe(work, handle.ttft_ms)
+    except Exception:  # a bookkeeping bug must never break a response
+        log.exception("TTFT bookkeeping failed for worker %s", handle.reg.id)
 
 
 def record_usage(gw: Any, plan: Any, handle: InFlight, actual: int) -> None:
     """What a finished request teaches, for single-prompt requests (a completions body with
     several prompts reports their sum, while the prediction covers the first): predicted vs
     reported cached tokens (metrics, and the worker's evidence trust, a warning when it
-    changes)."""
+    changes). Never raises (logged)."""
+    try:
+        _record_usage(gw, plan, handle, actual)
+    except Exception:  # a bookkeeping bug must never break a response
+        log.exception("usage bookkeeping failed for worker %s", handle.reg.id)
+
+
+def _record_usage(gw: Any, plan: Any, handle: InFlight, actual: int) -> None:
     reg = handle.reg
     predicted = plan.predicted_cached_tokens(reg.id)
     if predicted is None or len(plan.blocks.token_ids) != 1:

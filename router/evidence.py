@@ -5,7 +5,7 @@ For every completed request the gateway knows the cached tokens it predicted fro
 the ``usage.prompt_tokens_details.cached_tokens`` vLLM reported. Over the last :data:`WINDOW`
 requests for which something was predicted::
 
-    agreement = sum(reported) / sum(predicted)
+    agreement = sum(min(reported, predicted)) / sum(predicted)
 
 Below ``distrust_below`` (0.25) the worker's evidence is *distrusted*: policies stop crediting its
 matches (its requests are still predicted and compared, so agreement is watched all the time);

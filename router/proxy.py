@@ -120,6 +120,7 @@ class Upstream:
                     on_attempt: Callable[[WorkerRegistration], Awaitable[None]] | None = None,
                     on_cached_tokens: Callable[[InFlight, int], None] | None = None,
                     on_first_token: Callable[[InFlight], None] | None = None,
+                    presumed_ttft_ms: Callable[[str], float | None] | None = None,
                     strip_usage: bool = False) -> None:
         """Send the request to ``ranked[0]`` (``ranked[1]`` after a connect failure) and relay
         the answer through ASGI ``send``. ``t0``: perf_counter at request receipt (TTFT).
@@ -128,12 +129,17 @@ class Upstream:
         ``on_cached_tokens(handle, n)``: the worker's reported cached tokens, after the response
         is complete; ``handle`` is the request's :class:`InFlight` on that worker (what it met at
         dispatch, its TTFT); ``on_first_token(handle)``: a 200 event stream's first bytes arrived
-        (its TTFT is known). Raises GatewayError (502/504) when nothing reached the client."""
+        (its TTFT is known); ``presumed_ttft_ms(worker_id)``: for a request whose answer is not
+        streamed, when to count its prefill as done (its first byte comes only with the whole
+        answer). Raises GatewayError (502/504) when nothing reached the client."""
         attempts = ranked[:2]
         for i, reg in enumerate(attempts):
             if on_attempt is not None:
                 await on_attempt(reg)
             handle = reg.begin(uncached_tokens(reg.id) if uncached_tokens else 0)
+            presumed = presumed_ttft_ms(reg.id) if presumed_ttft_ms is not None else None
+            timer = (asyncio.get_running_loop().call_later(presumed / 1000.0, handle.presume_prefilled)
+                     if presumed is not None else None)
             try:
                 await self._relay_one(send, state, reg, handle, method, path, body, headers, request_id, t0,
                                       on_cached_tokens, on_first_token, strip_usage)
@@ -147,6 +153,8 @@ class Upstream:
                     continue
                 raise upstream_failed(reg.id, str(exc)) from None
             finally:
+                if timer is not None:
+                    timer.cancel()
                 handle.finish()
 
     async def _relay_one(self, send, state: ClientState, reg: WorkerRegistration, handle, method: str, path: str,

@@ -113,10 +113,12 @@ class WorkerRegistration:
 
     def record_scrape(self, running: int | None, waiting: int | None, kv_usage: float | None) -> None:
         """Store one ``/metrics`` scrape, and how much of it was not the gateway's own requests
-        now: running beyond our in-flight, waiting beyond our requests before their first byte."""
+        now. Each of ours is taken off once: those before their first byte off ``waiting`` first
+        (as many as it shows), the rest of ours off ``running``."""
         self.engine_running, self.engine_waiting, self.kv_usage = running, waiting, kv_usage
-        self.unseen_running = max(0, (running or 0) - self.in_flight)
-        self.unseen_waiting = max(0, (waiting or 0) - (self.in_flight - self.decoding))
+        ours_waiting = min(waiting or 0, max(0, self.in_flight - self.decoding))
+        self.unseen_waiting = (waiting or 0) - ours_waiting
+        self.unseen_running = max(0, (running or 0) - (self.in_flight - ours_waiting))
         self.last_scrape_monotonic = time.monotonic()
 
     def forget_scrape(self) -> None:
@@ -192,6 +194,13 @@ class InFlight:
         if self._done or self._decoding:
             return
         self.ttft_ms = (time.monotonic() - self.dispatch_s) * 1000.0
+        self.presume_prefilled()
+
+    def presume_prefilled(self) -> None:
+        """Count the request as decoding without a first byte (a non-streamed answer shows none
+        before its end): called once its predicted TTFT has passed."""
+        if self._done or self._decoding:
+            return
         self._decoding = True
         self.reg.prefill_tokens -= self._prefill
         self.reg.decoding += 1

@@ -99,6 +99,14 @@ class RoutePlan:
                 return score.predicted_ttft_ms
         return None
 
+    def predicted_work_tokens(self, worker_id: str) -> float | None:
+        """The work (prefill tokens, :func:`router.ttft_model.work_tokens`) the policy predicted
+        ``worker_id``'s TTFT from, None when the policy makes no prediction."""
+        for score in self.decision.scores:
+            if score.worker_id == worker_id:
+                return score.work_tokens
+        return None
+
     def uncached_tokens(self, worker_id: str) -> int:
         """Prompt tokens the worker must prefill (all prompts), 0 when unknown."""
         if self.blocks is None or self.blocks.token_ids is None:
@@ -213,10 +221,12 @@ class Router:
             except IndexUnavailable:  # route on load alone for this request
                 self.metrics.index_unavailable.inc()
             self.metrics.lookup_s.observe(time.perf_counter() - t0)
-        first_tokens = None
+        first_tokens = all_tokens = None
         if blocks is not None and blocks.token_ids is not None:
             first_tokens = len(blocks.token_ids[0])
-        request = RouteRequest(model=model.name, prompt_tokens=first_tokens, block_size=model.block_size,
+            all_tokens = sum(len(t) for t in blocks.token_ids)
+        request = RouteRequest(model=model.name, prompt_tokens=first_tokens, all_prompt_tokens=all_tokens,
+                               block_size=model.block_size,
                                num_blocks=len(blocks.first_keys) if blocks is not None else 0,
                                session_key=self.session_key(policy, body, headers),
                                rand=self._draw(consume=not explain))
@@ -232,8 +242,9 @@ class Router:
     def record_decision(self, plan: RoutePlan) -> None:
         """Count a real (not explained) decision, and whether it went past the longest holder."""
         self.metrics.route_decisions.labels(plan.policy_name, plan.decision.reason).inc()
-        if plan.matches:
-            longest = max(m.total for m in plan.matches.values())
+        held = [m.total for w, m in plan.matches.items() if w in plan.workers]
+        if held:
+            longest = max(held)
             chosen = plan.matches.get(plan.decision.worker_id)
             if (chosen.total if chosen is not None else 0) < longest:
                 self.metrics.off_longest_prefix.labels(plan.policy_name, plan.decision.reason).inc()

@@ -142,6 +142,11 @@ def test_worker_whose_reports_fall_short_is_distrusted_then_trusted_again(ttft_c
     def trusted_again() -> bool:
         stream_chat(base, body)
         return workers(base)["w0"]["evidence"]["trusted"]
-    wait_until(trusted_again, timeout_s=60, what="evidence trusted again")
-    assert metric(base, "kvroute_evidence_trusted", worker="w0") == 1
-    assert "credited" in gw.log_tail(50)
+    try:
+        wait_until(trusted_again, timeout_s=60, what="evidence trusted again")
+        assert metric(base, "kvroute_evidence_trusted", worker="w0") == 1
+        assert "agree with the index again" in gw.log_tail(200)
+    finally:
+        admin(base, "DELETE", "/admin/workers/w1")  # undrain: re-add it fresh
+        assert admin(base, "POST", "/admin/workers", {"id": "w1", "url": sims["w1"].url,
+                                                      "model": "tiny"}).status_code == 201

@@ -13,7 +13,9 @@ import pytest
 from kvcore.index.base import TierMatch
 from router.evidence import EvidenceTrust
 from router.policies.base import Candidate, RouteRequest, WorkerLoad
+from router.config import WorkerConfig
 from router.policies.factory import DEFAULT_POLICY, describe, make_policy
+from router.registry import WorkerRegistration
 from router.ttft_model import DECODE_INTERFERENCE_TOKENS, PrefillRate, PrefillRateEstimator, theil_sen
 
 BS = 16
@@ -174,6 +176,28 @@ def test_credit_is_weighted_by_the_hits_a_worker_has_been_realising():
     assert (d.worker_id, d.reason) == ("w1", "spread")
 
 
+def test_two_holders_of_a_prefix_compete_on_time_whatever_their_evidence_weights():
+    """The margin guards the longest holder against workers holding less; two holders of the same
+    prefix with slightly different evidence weights are both holders: the faster one wins."""
+    policy = make_policy({"name": "ttft"})
+    a = cand("a", gpu=90, prefill_tokens=200)
+    b = cand("b", gpu=90)
+    a.evidence_weight, b.evidence_weight = 1.0, 0.97
+    d = policy.choose(req(1600), [a, b])
+    # a: 25 + 0.1 x (200 + 160) = 61 ms; b: 25 + 0.1 x (1600 - 0.97 x 1440) = 45.32 ms
+    assert ttfts(d) == pytest.approx({"a": 61.0, "b": 45.32})
+    assert (d.worker_id, d.reason) == ("b", "load")  # both hold the prefix: time alone decides
+
+
+def test_every_prompt_of_a_body_is_prefill_work():
+    policy = make_policy({"name": "ttft"})
+    r = RouteRequest(model="tiny", prompt_tokens=500, all_prompt_tokens=1500, block_size=BS, num_blocks=31)
+    d = policy.choose(r, [cand("w0", gpu=20)])
+    # credit on the first prompt only (320 tokens); all 1500 tokens are prefilled
+    assert ttfts(d)["w0"] == pytest.approx(25 + 0.1 * (1500 - 320))
+    assert d.scores[0].work_tokens == pytest.approx(1180)
+
+
 def test_cold_ties_share_traffic_and_no_tokens_goes_by_queue():
     policy = make_policy({"name": "ttft"})
     picks = {policy.choose(req(500, rand=r), [cand("a"), cand("b")]).worker_id for r in (0.1, 0.9)}
@@ -247,7 +271,7 @@ def test_estimator_needs_distinct_samples_before_it_trusts_itself():
     assert est.learned is None  # one x value says nothing about the slope
     for w in (200.0, 300.0, 400.0, 500.0, 600.0, 700.0, 800.0):
         est.observe(w, 40 + 0.1 * w)
-    assert est.learned is not None and est.learned.ms_per_token > 0
+    assert est.learned.ms_per_token == pytest.approx(0.1) and est.learned.overhead_ms == pytest.approx(40.0)
 
 
 def test_decode_interference_is_priced_in_tokens():
@@ -282,3 +306,42 @@ def test_reports_above_predictions_are_agreement():
     for _ in range(10):
         ev.observe(512, 4096)
     assert ev.trusted and ev.agreement == 1.0
+
+
+# ---- the gateway's accounting ------------------------------------------------------------------
+
+def registration() -> WorkerRegistration:
+    return WorkerRegistration(WorkerConfig(id="w0", url="http://127.0.0.1:9", model="tiny"))
+
+
+def test_scrape_counts_other_clients_requests_once():
+    reg = registration()
+    handles = [reg.begin(100) for _ in range(4)]  # four of ours, none past first byte
+    reg.record_scrape(running=4, waiting=4, kv_usage=0.5)
+    # ours are the 4 waiting; the 4 running are someone else's
+    assert (reg.unseen_running, reg.unseen_waiting) == (4, 0)
+    handles[0].first_byte()
+    handles[1].first_byte()
+    reg.record_scrape(running=3, waiting=3, kv_usage=0.5)
+    # 2 of ours before first byte take 2 of the 3 waiting; 2 of ours decode among the 3 running
+    assert (reg.unseen_running, reg.unseen_waiting) == (1, 1)
+    reg.forget_scrape()
+    assert (reg.engine_running, reg.unseen_running, reg.unseen_waiting) == (None, 0, 0)
+
+
+def test_in_flight_handle_books_the_queue_it_joined_and_its_ttft():
+    reg = registration()
+    first = reg.begin(1000)
+    second = reg.begin(300)
+    assert (second.queued_tokens, second.decoding, reg.prefill_tokens) == (1000, 0, 1300)
+    first.first_byte()
+    assert first.ttft_ms is not None and first.ttft_ms >= 0
+    assert (reg.prefill_tokens, reg.decoding) == (300, 1)
+    second.presume_prefilled()  # a non-streamed answer: prefill presumed done, no TTFT measured
+    assert (reg.prefill_tokens, reg.decoding, second.ttft_ms) == (0, 2, None)
+    second.first_byte()  # idempotent once decoding
+    assert reg.decoding == 2
+    first.finish()
+    second.finish()
+    second.finish()
+    assert (reg.in_flight, reg.prefill_tokens, reg.decoding) == (0, 0, 0)

@@ -59,7 +59,9 @@ class Candidate:
 class RouteRequest:
     """What a policy may know of the request.
 
-    ``prompt_tokens``: None when exact tokens could not be made (route by load);
+    ``prompt_tokens``: tokens of the (first) prompt, None when exact tokens could not be made
+    (route by load); ``all_prompt_tokens``: of every prompt of the body (a completions body may
+    carry several; the index is matched on the first), None when unknown;
     ``num_blocks``: full blocks of the prompt; ``session_key``: the sticky-session key (header or
     body ``user``), None when absent; ``rand``: a uniform [0, 1) draw supplied by the caller (used
     only by a softmax temperature > 0), so a decision is reproducible from its inputs.
@@ -69,6 +71,7 @@ class RouteRequest:
     prompt_tokens: int | None
     block_size: int
     num_blocks: int = 0
+    all_prompt_tokens: int | None = None
     session_key: str | None = None
     rand: float = 0.0
 
@@ -77,7 +80,8 @@ class RouteRequest:
 class CandidateScore:
     """How a policy scored one candidate: ``cost`` (lower wins; None when not scored) and
     ``load`` (the policy's load figure), plus a note (e.g. "overloaded", "evidence distrusted");
-    ``predicted_ttft_ms``: the policy's TTFT prediction from dispatch, when it makes one."""
+    ``predicted_ttft_ms``: the policy's TTFT prediction from dispatch, when it makes one, and
+    ``work_tokens``, the work it predicted from (:func:`router.ttft_model.work_tokens`)."""
 
     worker_id: str
     matched: TierMatch
@@ -85,6 +89,7 @@ class CandidateScore:
     cost: float | None
     note: str = ""
     predicted_ttft_ms: float | None = None
+    work_tokens: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         out = {"worker": self.worker_id, "matched_blocks": self.matched.as_dict(),

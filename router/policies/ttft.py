@@ -4,7 +4,7 @@ Predicted TTFT of a candidate, in milliseconds from dispatch (:mod:`router.ttft_
 
     credit_tokens = min(gpu x tier_credit.gpu + cpu x tier_credit.cpu + ssd x tier_credit.ssd,
                         (prompt_tokens - 1) // block_size) x block_size x evidence_weight
-    own_tokens    = prompt_tokens - credit_tokens
+    own_tokens    = all_prompt_tokens - credit_tokens      (every prompt of the body is prefilled)
     queued_tokens = load.prefill_tokens + load.unseen_waiting x engine_waiting_prefill_tokens
     decoding      = load.decoding + load.unseen_running
     ttft_ms       = rate.overhead_ms + rate.ms_per_token x work_tokens(queued, own, decoding)
@@ -21,13 +21,15 @@ ssd 0.25, Dynamo's device/host/disk weights): a turn whose history left its hold
 sits in that worker's CPU tier still goes there when that is fastest.
 
 The load is the gateway's own accounting (updated at dispatch, first byte and end, so it is never
-older than the last request), plus what the engine's last ``/metrics`` scrape showed beyond the
+older than the last request; a non-streamed request's prefill counts as done once its predicted
+TTFT has passed, since its first byte comes only with the whole answer), plus what the engine's last ``/metrics`` scrape showed beyond the
 gateway's own requests at that moment (other clients), so a stale scrape never counts the
 gateway's own requests twice.
 
-Selection: the lowest predicted TTFT, where a candidate with less prefix credit than the most any
-candidate has is ranked at ``spread_margin`` x its prediction (default 1.3): it must be that much
-faster to take a request from the longest holder. Ties (within 1e-9 ms) go to more prefix credit
+Selection: the lowest predicted TTFT, where a candidate holding less of the prompt than the
+longest holder (tier-weighted, by more than one block, evidence weights aside) is ranked at
+``spread_margin`` x its prediction (default 1.3): it must be that much faster to take a request
+from the longest holder; holders of the same prefix compete on predicted time alone. Ties (within 1e-9 ms) go to more prefix credit
 (no second copy of a prefix for nothing), then to less queued work; remaining ties in worker-id
 order, ``request.rand`` picking one. This is also the hot-prefix rule: when the longest holder's
 queue costs more than recomputing the prefix elsewhere (by the margin), another worker gets the
@@ -37,8 +39,8 @@ prefix costs more than this request's TTFT (a second copy evicts other prefixes,
 has to follow), and the prediction itself errs; on the 8-worker Mooncake sim rig a margin of 1.3
 kept more hits than 1.0 or 2.0 at a TTFT p50/p90 no worse.
 
-Reasons: ``no_tokens`` (no exact tokens: queue alone), ``spread`` (a candidate with more prefix
-credit lost on its queue, by more than the margin), ``prefix_hit`` (the winner has more credit than the least), ``load``.
+Reasons: ``no_tokens`` (no exact tokens: queue alone), ``spread`` (the longest holder lost on
+its queue, by more than the margin), ``prefix_hit`` (the winner has more credit than the least), ``load``.
 Candidates whose evidence is distrusted are noted ``evidence distrusted``.
 """
 from __future__ import annotations
@@ -65,6 +67,8 @@ class _Scored:
     score: CandidateScore
     credit_tokens: float
     queued_tokens: float
+    held_tokens: float = 0.0
+    holder: bool = True
     rank_ms: float = 0.0
 
     @property
@@ -127,44 +131,57 @@ class TTFTPolicy(Policy):
             return candidate.prefill_rate
         return self.prior
 
-    def credit_tokens(self, candidate: Candidate, prompt_tokens: int, block_size: int) -> float:
-        """Prefill tokens the candidate's cache is expected to save (tier-weighted, vLLM's cap,
-        times its evidence weight; 0 when its evidence is distrusted)."""
+    def held_tokens(self, candidate: Candidate, prompt_tokens: int, block_size: int) -> float:
+        """Prompt tokens the candidate holds by the index, tier-weighted, with vLLM's cap (0 when
+        its evidence is distrusted): who holds the longest prefix."""
         if not candidate.evidence_trusted or prompt_tokens <= 0:
             return 0.0
         m, w = candidate.matched, self.tier_credit
         credit_blocks = m.gpu * w["gpu"] + m.cpu * w["cpu"] + m.ssd * w["ssd"]
-        weight = min(1.0, max(0.0, candidate.evidence_weight))
-        return min(credit_blocks, (prompt_tokens - 1) // block_size) * block_size * weight
+        return min(credit_blocks, (prompt_tokens - 1) // block_size) * block_size
 
-    def predict(self, candidate: Candidate, prompt_tokens: int, block_size: int) -> tuple[float, float, float]:
-        """``(ttft_ms, credit_tokens, queued_tokens)`` of one candidate for a prompt of
-        ``prompt_tokens`` tokens (module docstring)."""
+    def credit_tokens(self, candidate: Candidate, prompt_tokens: int, block_size: int) -> float:
+        """Prefill tokens the candidate's cache is expected to save: :meth:`held_tokens` times its
+        evidence weight."""
+        weight = min(1.0, max(0.0, candidate.evidence_weight))
+        return self.held_tokens(candidate, prompt_tokens, block_size) * weight
+
+    def predict(self, candidate: Candidate, prompt_tokens: int, block_size: int,
+                all_prompt_tokens: int | None = None) -> tuple[float, float, float, float]:
+        """``(ttft_ms, credit_tokens, queued_tokens, work_tokens)`` of one candidate for a prompt
+        of ``prompt_tokens`` tokens (module docstring); ``all_prompt_tokens``: every prompt of
+        the body (default: the one), all of which are prefilled."""
         load = candidate.load
         credit = self.credit_tokens(candidate, prompt_tokens, block_size)
         queued = max(0, load.prefill_tokens) + max(0, load.unseen_waiting) * self.engine_waiting_prefill_tokens
         decoding = max(0, load.decoding) + max(0, load.unseen_running)
-        work = work_tokens(queued, prompt_tokens - credit, decoding)
-        return self.rate_of(candidate).ttft_ms(work), credit, queued
+        total = prompt_tokens if all_prompt_tokens is None else max(prompt_tokens, all_prompt_tokens)
+        work = work_tokens(queued, total - credit, decoding)
+        return self.rate_of(candidate).ttft_ms(work), credit, queued, work
 
     def choose(self, request: RouteRequest, candidates: list[Candidate]) -> Decision:
         prompt_tokens = request.prompt_tokens
+        bs = max(1, request.block_size)
         scored: list[_Scored] = []
         for c in candidates:
-            ttft_ms, credit, queued = self.predict(c, prompt_tokens or 0, max(1, request.block_size))
+            ttft_ms, credit, queued, work = self.predict(c, prompt_tokens or 0, bs, request.all_prompt_tokens)
             note = "" if c.evidence_trusted else "evidence distrusted"
             score = CandidateScore(c.worker_id, c.matched, load=queued, cost=ttft_ms, note=note,
-                                   predicted_ttft_ms=ttft_ms)
-            scored.append(_Scored(score, credit, queued))
-        top_credit = max(s.credit_tokens for s in scored)
-        for s in scored:  # the spreading margin: a worker without the longest prefix must win by it
-            s.rank_ms = s.ttft_ms * (self.spread_margin if s.credit_tokens < top_credit - EPS else 1.0)
+                                   predicted_ttft_ms=ttft_ms, work_tokens=work)
+            scored.append(_Scored(score, credit, queued, held_tokens=self.held_tokens(c, prompt_tokens or 0, bs)))
+        # the spreading margin: a worker holding less than the longest prefix (by more than a
+        # block; evidence weights aside, so two holders of one prefix compete on time alone)
+        # must be that much faster
+        top_held = max(s.held_tokens for s in scored)
+        for s in scored:
+            s.holder = s.held_tokens >= top_held - bs + EPS
+            s.rank_ms = s.ttft_ms * (1.0 if s.holder else self.spread_margin)
         best = lowest(scored, [_rank, _uncredited, _queued], _worker, request.rand)
         if prompt_tokens is None:
             reason = "no_tokens"
-        elif max(s.credit_tokens for s in scored) > best.credit_tokens + EPS:
+        elif not best.holder:
             reason = "spread"
-        elif best.credit_tokens > min(s.credit_tokens for s in scored) + EPS:
+        elif best.held_tokens > min(s.held_tokens for s in scored) + EPS:
             reason = "prefix_hit"
         else:
             reason = "load"
