@@ -22,25 +22,33 @@ sits in that worker's CPU tier still goes there when that is fastest.
 
 The load is the gateway's own accounting (updated at dispatch, first byte and end, so it is never
 older than the last request; a non-streamed request's prefill counts as done once its predicted
-TTFT has passed, since its first byte comes only with the whole answer), plus what the engine's last ``/metrics`` scrape showed beyond the
-gateway's own requests at that moment (other clients), so a stale scrape never counts the
-gateway's own requests twice.
+TTFT has passed, since its first byte comes only with the whole answer), plus what the engine's
+last ``/metrics`` scrape showed beyond the gateway's own requests at that moment (other clients),
+so a stale scrape never counts the gateway's own requests twice.
 
-Selection: the lowest predicted TTFT, where a candidate holding less of the prompt than the
-longest holder (tier-weighted, by more than one block, evidence weights aside) is ranked at
-``spread_margin`` x its prediction (default 1.3): it must be that much faster to take a request
-from the longest holder; holders of the same prefix compete on predicted time alone. Ties (within 1e-9 ms) go to more prefix credit
-(no second copy of a prefix for nothing), then to less queued work; remaining ties in worker-id
-order, ``request.rand`` picking one. This is also the hot-prefix rule: when the longest holder's
-queue costs more than recomputing the prefix elsewhere (by the margin), another worker gets the
-request; it then holds the prefix as well, and its KV events tell the index so. A conversation
-stays where its history is for as long as that is the fastest place. Why a margin: moving a
-prefix costs more than this request's TTFT (a second copy evicts other prefixes, and the next turn
-has to follow), and the prediction itself errs; on the 8-worker Mooncake sim rig a margin of 1.3
-kept more hits than 1.0 or 2.0 at a TTFT p50/p90 no worse.
+Selection: the lowest rank, where::
+
+    rank_ms = ttft_ms x (spread_margin if not a longest holder else 1)
+            + recompute_weight x rate.ms_per_token x (top_credit_tokens - credit_tokens)
+
+A longest holder holds (tier-weighted, evidence weights aside) within one block of the most any
+candidate holds; holders of one prefix compete on time alone. The second term charges the prefix
+a placement would compute again, beyond the best-credited candidate's, once more: greedy TTFT
+counts that work only in this request's own wait, yet every request queued behind it on that
+worker waits for it too, and a second copy of a prefix evicts others. On the 8-worker Mooncake
+sim rig without it (a multiplicative margin of 1.3 alone), 21 of the 43 follow-up turns went
+away from the worker holding their history and 21 of those missed; sglang's cache-aware router
+kept all 43 at home. Defaults: ``spread_margin`` 1.0, ``recompute_weight`` 1.0.
+
+Ties (within 1e-9 ms) go to more prefix credit (no second copy of a prefix for nothing), then to
+less queued work; remaining ties in worker-id order, ``request.rand`` picking one. This is also
+the hot-prefix rule: when the longest holder's queue costs more than recomputing the prefix
+elsewhere (charged twice), another worker gets the request; it then holds the prefix as well,
+and its KV events tell the index so; holders then share by time. A conversation stays where its
+history is for as long as that is the best place.
 
 Reasons: ``no_tokens`` (no exact tokens: queue alone), ``spread`` (the longest holder lost on
-its queue, by more than the margin), ``prefix_hit`` (the winner has more credit than the least), ``load``.
+its queue), ``prefix_hit`` (the winner has more credit than the least), ``load``.
 Candidates whose evidence is distrusted are noted ``evidence distrusted``.
 """
 from __future__ import annotations
@@ -59,7 +67,8 @@ from router.ttft_model import PrefillRate, work_tokens
 DEFAULT_PREFILL_OVERHEAD_MS = 25.0
 DEFAULT_PREFILL_MS_PER_TOKEN = 0.1  # 10k prefill tokens/s: an 8B model on one mid-size GPU
 DEFAULT_ENGINE_WAITING_PREFILL_TOKENS = 1024.0
-DEFAULT_SPREAD_MARGIN = 1.3  # measured on the 8-sim Mooncake rig: 1.0 -> hit 0.088, 1.3 -> 0.096, 2.0 -> 0.088
+DEFAULT_SPREAD_MARGIN = 1.0
+DEFAULT_RECOMPUTE_WEIGHT = 1.0
 
 
 @dataclass
@@ -69,6 +78,7 @@ class _Scored:
     queued_tokens: float
     held_tokens: float = 0.0
     holder: bool = True
+    ms_per_token: float = 0.0
     rank_ms: float = 0.0
 
     @property
@@ -86,17 +96,20 @@ class TTFTPolicy(Policy):
     name = "ttft"
     uses_index = True
     CONFIG_KEYS: tuple[str, ...] = ("tier_credit", "prefill_overhead_ms", "prefill_ms_per_token",
-                                    "learn_prefill_rate", "engine_waiting_prefill_tokens", "spread_margin")
+                                    "learn_prefill_rate", "engine_waiting_prefill_tokens", "spread_margin",
+                                    "recompute_weight")
 
     def __init__(self, tier_credit: Mapping[str, float] | None = None,
                  prior: PrefillRate | None = None, learn_prefill_rate: bool = True,
                  engine_waiting_prefill_tokens: float = DEFAULT_ENGINE_WAITING_PREFILL_TOKENS,
-                 spread_margin: float = DEFAULT_SPREAD_MARGIN) -> None:
+                 spread_margin: float = DEFAULT_SPREAD_MARGIN,
+                 recompute_weight: float = DEFAULT_RECOMPUTE_WEIGHT) -> None:
         self.tier_credit = {**DEFAULT_TIER_CREDIT, **(tier_credit or {})}
         self.prior = prior or PrefillRate(DEFAULT_PREFILL_OVERHEAD_MS, DEFAULT_PREFILL_MS_PER_TOKEN)
         self.learn_prefill_rate = learn_prefill_rate
         self.engine_waiting_prefill_tokens = engine_waiting_prefill_tokens
         self.spread_margin = spread_margin
+        self.recompute_weight = recompute_weight
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> TTFTPolicy:
@@ -115,7 +128,8 @@ class TTFTPolicy(Policy):
                    learn_prefill_rate=boolean(cfg, "learn_prefill_rate", True, where),
                    engine_waiting_prefill_tokens=number(cfg, "engine_waiting_prefill_tokens",
                                                         DEFAULT_ENGINE_WAITING_PREFILL_TOKENS, where),
-                   spread_margin=number(cfg, "spread_margin", DEFAULT_SPREAD_MARGIN, where, lo=1.0))
+                   spread_margin=number(cfg, "spread_margin", DEFAULT_SPREAD_MARGIN, where, lo=1.0),
+                   recompute_weight=number(cfg, "recompute_weight", DEFAULT_RECOMPUTE_WEIGHT, where))
 
     def config(self) -> dict[str, Any]:
         """The effective config without ``name``."""
@@ -123,7 +137,7 @@ class TTFTPolicy(Policy):
                 "prefill_ms_per_token": self.prior.ms_per_token,
                 "learn_prefill_rate": self.learn_prefill_rate,
                 "engine_waiting_prefill_tokens": self.engine_waiting_prefill_tokens,
-                "spread_margin": self.spread_margin}
+                "spread_margin": self.spread_margin, "recompute_weight": self.recompute_weight}
 
     def rate_of(self, candidate: Candidate) -> PrefillRate:
         """The TTFT line used for ``candidate``: its learned one, else the prior."""
@@ -168,14 +182,19 @@ class TTFTPolicy(Policy):
             note = "" if c.evidence_trusted else "evidence distrusted"
             score = CandidateScore(c.worker_id, c.matched, load=queued, cost=ttft_ms, note=note,
                                    predicted_ttft_ms=ttft_ms, work_tokens=work)
-            scored.append(_Scored(score, credit, queued, held_tokens=self.held_tokens(c, prompt_tokens or 0, bs)))
+            scored.append(_Scored(score, credit, queued, held_tokens=self.held_tokens(c, prompt_tokens or 0, bs),
+                                  ms_per_token=self.rate_of(c).ms_per_token))
         # the spreading margin: a worker holding less than the longest prefix (by more than a
         # block; evidence weights aside, so two holders of one prefix compete on time alone)
         # must be that much faster
+        # and the prefix it would recompute beyond the best-credited candidate's is charged once
+        # more: the requests queued behind it wait for that work too
         top_held = max(s.held_tokens for s in scored)
+        top_credit = max(s.credit_tokens for s in scored)
         for s in scored:
             s.holder = s.held_tokens >= top_held - bs + EPS
-            s.rank_ms = s.ttft_ms * (1.0 if s.holder else self.spread_margin)
+            s.rank_ms = (s.ttft_ms * (1.0 if s.holder else self.spread_margin)
+                         + self.recompute_weight * s.ms_per_token * (top_credit - s.credit_tokens))
         best = lowest(scored, [_rank, _uncredited, _queued], _worker, request.rand)
         if prompt_tokens is None:
             reason = "no_tokens"
