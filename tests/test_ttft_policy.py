@@ -136,14 +136,26 @@ def test_prefix_gone_everywhere_goes_by_queue():
 
 
 def test_learned_rates_make_a_faster_worker_win():
-    policy = make_policy({"name": "ttft", "spread_margin": 1.0})
+    policy = make_policy({"name": "ttft", "recompute_weight": 0})
     slow, fast = PrefillRate(30.0, 0.4, 64), PrefillRate(10.0, 0.1, 64)
     d = policy.choose(req(1000), [cand("slow", gpu=30, rate=slow), cand("fast", rate=fast)])
-    # slow: 30 + 0.4 x 520 = 238 ms; fast: 10 + 0.1 x 1000 = 110 ms
-    assert ttfts(d) == pytest.approx({"slow": 238.0, "fast": 110.0})
+    # each line shrunk halfway (64 samples) to the median line (20 ms, 0.25 ms/token):
+    # slow 25 + 0.325 x 520 = 194 ms; fast 15 + 0.175 x 1000 = 190 ms
+    assert ttfts(d) == pytest.approx({"slow": 194.0, "fast": 190.0})
     assert d.worker_id == "fast"
-    frozen = make_policy({"name": "ttft", "learn_prefill_rate": False})
+    frozen = make_policy({"name": "ttft", "learn_prefill_rate": False, "recompute_weight": 0})
     assert frozen.choose(req(1000), [cand("slow", gpu=30, rate=slow), cand("fast", rate=fast)]).worker_id == "slow"
+
+
+def test_one_noisy_fit_is_pulled_to_its_peers_and_new_workers_start_from_them():
+    policy = make_policy({"name": "ttft"})
+    peers = [PrefillRate(50.0, 0.6, 64), PrefillRate(60.0, 0.6, 64), PrefillRate(180.0, 0.25, 16)]
+    cands = [cand(f"w{i}", rate=r) for i, r in enumerate(peers)] + [cand("new")]
+    d = policy.choose(req(1000), cands)
+    t = ttfts(d)
+    # median line 60 ms + 0.6 ms/token; w2 (16 samples) keeps a fifth of its own
+    assert t["new"] == pytest.approx(60 + 0.6 * 1000)
+    assert t["w2"] == pytest.approx((0.2 * 180 + 0.8 * 60) + (0.2 * 0.25 + 0.8 * 0.6) * 1000)
 
 
 def test_other_clients_requests_count_as_queue():

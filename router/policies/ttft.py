@@ -10,7 +10,8 @@ Predicted TTFT of a candidate, in milliseconds from dispatch (:mod:`router.ttft_
     ttft_ms       = rate.overhead_ms + rate.ms_per_token x work_tokens(queued, own, decoding)
 
 ``rate`` is the worker's :class:`~router.ttft_model.PrefillRate` learned from its observed TTFTs
-(``learn_prefill_rate``), or the configured prior (``prefill_overhead_ms``,
+(``learn_prefill_rate``), shrunk toward the median line of the candidates (:func:`pooled_rate`),
+or the configured prior (``prefill_overhead_ms``,
 ``prefill_ms_per_token``) until learned. ``evidence_weight`` is the share of its predicted hits
 the worker has been realising (:mod:`router.evidence`: 0 while distrusted; under heavy KV
 pressure a worker evicts part of a matched prefix before its prefill, and crediting all of it
@@ -53,6 +54,7 @@ Candidates whose evidence is distrusted are noted ``evidence distrusted``.
 """
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +71,7 @@ DEFAULT_PREFILL_MS_PER_TOKEN = 0.1  # 10k prefill tokens/s: an 8B model on one m
 DEFAULT_ENGINE_WAITING_PREFILL_TOKENS = 1024.0
 DEFAULT_SPREAD_MARGIN = 1.0
 DEFAULT_RECOMPUTE_WEIGHT = 1.0
+POOL_SAMPLES = 64  # a worker's own line weighs samples / (samples + 64) against the pooled one
 
 
 @dataclass
@@ -139,11 +142,21 @@ class TTFTPolicy(Policy):
                 "engine_waiting_prefill_tokens": self.engine_waiting_prefill_tokens,
                 "spread_margin": self.spread_margin, "recompute_weight": self.recompute_weight}
 
-    def rate_of(self, candidate: Candidate) -> PrefillRate:
-        """The TTFT line used for ``candidate``: its learned one, else the prior."""
-        if self.learn_prefill_rate and candidate.prefill_rate is not None:
-            return candidate.prefill_rate
-        return self.prior
+    def rate_of(self, candidate: Candidate, pooled: PrefillRate | None = None) -> PrefillRate:
+        """The TTFT line used for ``candidate``: its learned one shrunk toward ``pooled`` (the
+        candidates' median line, :func:`pooled_rate`) with weight ``samples / (samples +
+        POOL_SAMPLES)``, so a worker's own line counts at most half over a full window; the
+        pooled line for a worker not learned yet; else the prior."""
+        if not self.learn_prefill_rate:
+            return self.prior
+        own = candidate.prefill_rate
+        if own is None:
+            return pooled or self.prior
+        if pooled is None:
+            return own
+        w = own.samples / (own.samples + POOL_SAMPLES)
+        return PrefillRate(w * own.overhead_ms + (1 - w) * pooled.overhead_ms,
+                           w * own.ms_per_token + (1 - w) * pooled.ms_per_token, own.samples)
 
     def held_tokens(self, candidate: Candidate, prompt_tokens: int, block_size: int) -> float:
         """Prompt tokens the candidate holds by the index, tier-weighted, with vLLM's cap (0 when
@@ -161,29 +174,32 @@ class TTFTPolicy(Policy):
         return self.held_tokens(candidate, prompt_tokens, block_size) * weight
 
     def predict(self, candidate: Candidate, prompt_tokens: int, block_size: int,
-                all_prompt_tokens: int | None = None) -> tuple[float, float, float, float]:
+                all_prompt_tokens: int | None = None,
+                pooled: PrefillRate | None = None) -> tuple[float, float, float, float]:
         """``(ttft_ms, credit_tokens, queued_tokens, work_tokens)`` of one candidate for a prompt
         of ``prompt_tokens`` tokens (module docstring); ``all_prompt_tokens``: every prompt of
-        the body (default: the one), all of which are prefilled."""
+        the body (default: the one), all of which are prefilled; ``pooled``: see :meth:`rate_of`."""
         load = candidate.load
         credit = self.credit_tokens(candidate, prompt_tokens, block_size)
         queued = max(0, load.prefill_tokens) + max(0, load.unseen_waiting) * self.engine_waiting_prefill_tokens
         decoding = max(0, load.decoding) + max(0, load.unseen_running)
         total = prompt_tokens if all_prompt_tokens is None else max(prompt_tokens, all_prompt_tokens)
         work = work_tokens(queued, total - credit, decoding)
-        return self.rate_of(candidate).ttft_ms(work), credit, queued, work
+        return self.rate_of(candidate, pooled).ttft_ms(work), credit, queued, work
 
     def choose(self, request: RouteRequest, candidates: list[Candidate]) -> Decision:
         prompt_tokens = request.prompt_tokens
         bs = max(1, request.block_size)
         scored: list[_Scored] = []
+        pooled = pooled_rate(candidates)
         for c in candidates:
-            ttft_ms, credit, queued, work = self.predict(c, prompt_tokens or 0, bs, request.all_prompt_tokens)
+            ttft_ms, credit, queued, work = self.predict(c, prompt_tokens or 0, bs, request.all_prompt_tokens,
+                                                         pooled)
             note = "" if c.evidence_trusted else "evidence distrusted"
             score = CandidateScore(c.worker_id, c.matched, load=queued, cost=ttft_ms, note=note,
                                    predicted_ttft_ms=ttft_ms, work_tokens=work)
             scored.append(_Scored(score, credit, queued, held_tokens=self.held_tokens(c, prompt_tokens or 0, bs),
-                                  ms_per_token=self.rate_of(c).ms_per_token))
+                                  ms_per_token=self.rate_of(c, pooled).ms_per_token))
         # the spreading margin: a worker holding less than the longest prefix (by more than a
         # block; evidence weights aside, so two holders of one prefix compete on time alone)
         # must be that much faster
@@ -206,6 +222,19 @@ class TTFTPolicy(Policy):
             reason = "load"
         ranked = chosen_first(scored, best, _order)
         return Decision(best.worker_id, reason, [s.score for s in ranked])
+
+
+def pooled_rate(candidates: list[Candidate]) -> PrefillRate | None:
+    """The median overhead and median ms/token of the candidates' learned lines, None with fewer
+    than two learned. Workers of one model are usually alike, and one worker's fit over a narrow
+    range of work trades overhead against slope (on the shared-prefix sim rig: 0.25 to 0.68 ms
+    per token among identical workers), which made cold recomputes look cheap on some."""
+    learned = [c.prefill_rate for c in candidates if c.prefill_rate is not None]
+    if len(learned) < 2:
+        return None
+    return PrefillRate(statistics.median(r.overhead_ms for r in learned),
+                       statistics.median(r.ms_per_token for r in learned),
+                       sum(r.samples for r in learned))
 
 
 def _order(s: _Scored) -> tuple[float, float, float, str]:
