@@ -76,7 +76,7 @@ def test_kvroute_commands_parse_and_gateway_config_validates(compose):
     config_path = services["gateway"]["command"][services["gateway"]["command"].index("--config") + 1]
     cfg = load_config(REPO / mounts[config_path])
     assert cfg.index.backend == "redis"
-    assert cfg.policy["name"] == "ttft"
+    assert cfg.policy["name"] == "kv_aware"
 
 
 def test_services_agree(compose):

@@ -1,4 +1,4 @@
-"""The default ``ttft`` policy in a real gateway in front of real `kvroute sim` subprocesses:
+"""The ``ttft`` policy in a real gateway in front of real `kvroute sim` subprocesses:
 predicted TTFT in ``/admin/explain``, the prefill rate learned from streamed requests and shown in
 ``/admin/workers`` and ``/metrics``, and evidence trust: a worker whose reported cached tokens
 run far below the index's predictions loses its credit (admin view, metric, warning) and gets it
@@ -30,11 +30,12 @@ def ttft_cluster(tmp_path_factory, tiny_model):
         for sim in sims.values():
             wait_http(sim.url + "/health", sim.proc, timeout_s=180)
         port = free_port()
-        cfg = {  # no policy: the default
+        cfg = {
             "listen": {"host": "127.0.0.1", "port": port},
             "models": [{"name": "tiny", "tokenizer": str(tiny_model), "block_size": BLOCK}],
             "workers": [{"id": n, "url": sims[n].url, "model": "tiny"} for n in sims],
             "load_scrape": {"interval_s": 0.5},
+            "policy": {"name": "ttft"},
         }
         base, _, gw = start_gateway(cfg, log_dir, started)
         yield base, sims, gw
@@ -77,7 +78,7 @@ def chat(seed: str, words: int, question: str = "q") -> dict:
         {"role": "system", "content": system_prompt(seed, words)}, {"role": "user", "content": question}]}
 
 
-def test_default_policy_is_ttft_and_explain_predicts_ttft(ttft_cluster):
+def test_explain_predicts_ttft(ttft_cluster):
     base, _, _ = ttft_cluster
     policy = admin(base, "GET", "/admin/policy").json()
     assert policy["name"] == "ttft" and policy["learn_prefill_rate"] is True

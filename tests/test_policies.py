@@ -271,8 +271,9 @@ def test_session_without_key_falls_back_to_least_load():
 def test_factory_names_flags_and_describe_round_trip():
     assert POLICY_NAMES == ("ttft", "kv_aware", "round_robin", "least_load", "session")
     assert [make_policy({"name": n}).uses_index for n in POLICY_NAMES] == [True, True, False, False, False]
-    assert isinstance(make_policy(None), TTFTPolicy)
-    assert isinstance(make_policy({}), TTFTPolicy)
+    assert isinstance(make_policy(None), KVAwarePolicy)
+    assert isinstance(make_policy({}), KVAwarePolicy)
+    assert isinstance(make_policy({"name": "ttft"}), TTFTPolicy)
     cfg = {"name": "kv_aware", "tier_credit": {"cpu": 0.5}, "load_weight": 2,
            "temperature": 0.1, "overload_guard": {"excess_tokens": 4096}}
     p = make_policy(cfg)

@@ -40,10 +40,9 @@ def ttfts(decision) -> dict[str, float]:
     return {s.worker_id: s.predicted_ttft_ms for s in decision.scores}
 
 
-def test_ttft_is_the_default_policy():
-    assert DEFAULT_POLICY == "ttft"
-    assert make_policy(None).name == "ttft"
-    cfg = describe(make_policy({}))
+def test_ttft_config_defaults_round_trip():
+    assert DEFAULT_POLICY == "kv_aware"  # ttft has not yet beaten it on the bench rig
+    cfg = describe(make_policy({"name": "ttft"}))
     assert cfg == {"name": "ttft", "tier_credit": {"gpu": 1.0, "cpu": 0.75, "ssd": 0.25},
                    "prefill_overhead_ms": 25.0, "prefill_ms_per_token": 0.1, "learn_prefill_rate": True,
                    "engine_waiting_prefill_tokens": 1024.0, "spread_margin": 1.0, "recompute_weight": 1.0}

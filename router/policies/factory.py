@@ -13,7 +13,7 @@ The config is the ``policy:`` mapping of DESIGN.md, the same for the YAML file a
     {name: round_robin | least_load, ...load keys}
 
 Each policy accepts only its own keys (listed in the error message); ``name`` defaults to
-``ttft`` (lowest predicted TTFT; ``kv_aware``, the cost in blocks it replaced, stays selectable). Adding a policy: one module with a ``Policy`` subclass that has ``from_config`` and
+``kv_aware`` (``ttft``, lowest predicted TTFT, did not yet beat it on the bench rig: see its module). Adding a policy: one module with a ``Policy`` subclass that has ``from_config`` and
 ``config``, and one line in :data:`_POLICIES`.
 """
 from __future__ import annotations
@@ -32,11 +32,11 @@ from router.policies.ttft import TTFTPolicy
 _POLICIES = {cls.name: cls for cls in (TTFTPolicy, KVAwarePolicy, RoundRobinPolicy, LeastLoadPolicy,
                                        SessionPolicy)}
 POLICY_NAMES: tuple[str, ...] = tuple(_POLICIES)
-DEFAULT_POLICY = TTFTPolicy.name
+DEFAULT_POLICY = KVAwarePolicy.name
 
 
 def make_policy(cfg: Mapping[str, Any] | None) -> Policy:
-    """A fresh policy from its config (None or {} -> ``ttft`` with defaults).
+    """A fresh policy from its config (None or {} -> ``kv_aware`` with defaults).
 
     Raises ValueError with a message fit for an HTTP 400 body: not a mapping, an unknown ``name``,
     a key the named policy does not take, or a value out of range. Nothing is shared between two

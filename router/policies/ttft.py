@@ -1,4 +1,5 @@
-"""``ttft`` (the default): send a request to the worker that will give it its first token soonest.
+"""``ttft``: send a request to the worker that will give it its first token soonest (selectable;
+on the bench rig it has not yet beaten ``kv_aware``, the default).
 
 Predicted TTFT of a candidate, in milliseconds from dispatch (:mod:`router.ttft_model`)::
 
