@@ -38,7 +38,7 @@ candidate holds; holders of one prefix compete on time alone. The second term ch
 a placement would compute again, beyond the best-credited candidate's, once more: greedy TTFT
 counts that work only in this request's own wait, yet every request queued behind it on that
 worker waits for it too, and a second copy of a prefix evicts others. On the 8-worker Mooncake
-sim rig without it (a multiplicative margin of 1.3 alone), 21 of the 43 follow-up turns went
+sim rig without it (a multiplicative margin of 1.3 alone), 22 of the 43 follow-up turns went
 away from the worker holding their history and 21 of those missed; sglang's cache-aware router
 kept all 43 at home. Defaults: ``spread_margin`` 1.0, ``recompute_weight`` 1.0.
 
