@@ -18,7 +18,7 @@ from kvcore.tokenization import BadPrompt
 from router.config import ModelConfig, RoutingConfig
 from router.errors import GatewayError, bad_request, no_healthy_worker, unknown_model
 from router.metrics import GatewayMetrics
-from router.policies.base import Candidate, Decision, Policy, RouteRequest
+from router.policies.base import Candidate, CandidateScore, Decision, Policy, RouteRequest
 from router.policies.factory import describe, make_policy
 from router.registry import WorkerRegistration, WorkerRegistry
 from router.tokenize import PromptBlocks, PromptKind, TokenizerPool
@@ -91,21 +91,20 @@ class RoutePlan:
         bs = self.model.block_size
         return min(match.total, max(0, n - 1) // bs) * bs
 
+    def _score(self, worker_id: str) -> CandidateScore | None:
+        return next((s for s in self.decision.scores if s.worker_id == worker_id), None)
+
     def predicted_ttft_ms(self, worker_id: str) -> float | None:
         """The policy's TTFT prediction (ms from dispatch) for ``worker_id``, None when the policy
         makes none."""
-        for score in self.decision.scores:
-            if score.worker_id == worker_id:
-                return score.predicted_ttft_ms
-        return None
+        score = self._score(worker_id)
+        return score.predicted_ttft_ms if score is not None else None
 
     def predicted_work_tokens(self, worker_id: str) -> float | None:
         """The work (prefill tokens, :func:`router.ttft_model.work_tokens`) the policy predicted
         ``worker_id``'s TTFT from, None when the policy makes no prediction."""
-        for score in self.decision.scores:
-            if score.worker_id == worker_id:
-                return score.work_tokens
-        return None
+        score = self._score(worker_id)
+        return score.work_tokens if score is not None else None
 
     def uncached_tokens(self, worker_id: str) -> int:
         """Prompt tokens the worker must prefill (all prompts), 0 when unknown."""

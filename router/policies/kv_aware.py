@@ -47,6 +47,19 @@ from router.policies.ranking import EPS, chosen_first, lowest, softmax_pick
 DEFAULT_TIER_CREDIT = {"gpu": 1.0, "cpu": 0.75, "ssd": 0.25}
 
 
+def tier_credit_from_config(cfg: Mapping[str, Any]) -> dict[str, float]:
+    """``policy.tier_credit`` with defaults filled in (every tier, each in [0, 1]). Raises
+    ValueError when it is not a mapping, names an unknown tier or has a bad value."""
+    credit_cfg = mapping(cfg.get("tier_credit", {}), "policy.tier_credit")
+    check_keys(credit_cfg, TIERS, "policy.tier_credit")
+    return {t: number(credit_cfg, t, DEFAULT_TIER_CREDIT[t], "policy.tier_credit", hi=1.0) for t in TIERS}
+
+
+def tier_weighted_blocks(matched: TierMatch, tier_credit: Mapping[str, float]) -> float:
+    """Matched blocks weighted by tier: ``gpu x credit.gpu + cpu x credit.cpu + ssd x credit.ssd``."""
+    return matched.gpu * tier_credit["gpu"] + matched.cpu * tier_credit["cpu"] + matched.ssd * tier_credit["ssd"]
+
+
 @dataclass(frozen=True)
 class OverloadGuard:
     """Skip a candidate whose load is more than ``excess_tokens`` above the least-loaded one's and
@@ -125,11 +138,7 @@ class KVAwarePolicy(Policy):
         """Build from the policy config without ``name``. Raises ValueError on unknown keys, a tier
         credit outside [0, 1] or for an unknown tier, or a negative weight or temperature."""
         check_keys(cfg, cls.CONFIG_KEYS, f"policy {cls.name!r}")
-        credit_cfg = mapping(cfg.get("tier_credit", {}), "policy.tier_credit")
-        check_keys(credit_cfg, TIERS, "policy.tier_credit")
-        tier_credit = {t: number(credit_cfg, t, DEFAULT_TIER_CREDIT[t], "policy.tier_credit", hi=1.0)
-                       for t in TIERS}
-        return cls(tier_credit=tier_credit,
+        return cls(tier_credit=tier_credit_from_config(cfg),
                    load_weight=number(cfg, "load_weight", 1.0, "policy"),
                    temperature=number(cfg, "temperature", 0.0, "policy"),
                    overload_guard=OverloadGuard.from_config(cfg.get("overload_guard", {})),
@@ -143,9 +152,7 @@ class KVAwarePolicy(Policy):
 
     def credit_blocks(self, matched: TierMatch, num_blocks: int) -> float:
         """Prefill blocks the candidate's cache saves, weighted by tier, at most ``num_blocks``."""
-        w = self.tier_credit
-        credit = matched.gpu * w["gpu"] + matched.cpu * w["cpu"] + matched.ssd * w["ssd"]
-        return min(float(max(0, num_blocks)), credit)
+        return min(float(max(0, num_blocks)), tier_weighted_blocks(matched, self.tier_credit))
 
     def choose(self, request: RouteRequest, candidates: list[Candidate]) -> Decision:
         bs = request.block_size

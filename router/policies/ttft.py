@@ -60,10 +60,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvcore.index.base import TIERS
-from router.policies._config import boolean, check_keys, mapping, number
+from router.policies._config import boolean, check_keys, number
 from router.policies.base import Candidate, CandidateScore, Decision, Policy, RouteRequest
-from router.policies.kv_aware import DEFAULT_TIER_CREDIT
+from router.policies.kv_aware import DEFAULT_TIER_CREDIT, tier_credit_from_config, tier_weighted_blocks
 from router.policies.ranking import EPS, chosen_first, lowest
 from router.ttft_model import PrefillRate, work_tokens
 
@@ -122,10 +121,7 @@ class TTFTPolicy(Policy):
         ``prefill_ms_per_token``."""
         where = "policy"
         check_keys(cfg, cls.CONFIG_KEYS, f"policy {cls.name!r}")
-        credit_cfg = mapping(cfg.get("tier_credit", {}), "policy.tier_credit")
-        check_keys(credit_cfg, TIERS, "policy.tier_credit")
-        tier_credit = {t: number(credit_cfg, t, DEFAULT_TIER_CREDIT[t], "policy.tier_credit", hi=1.0)
-                       for t in TIERS}
+        tier_credit = tier_credit_from_config(cfg)
         prior = PrefillRate(number(cfg, "prefill_overhead_ms", DEFAULT_PREFILL_OVERHEAD_MS, where),
                             number(cfg, "prefill_ms_per_token", DEFAULT_PREFILL_MS_PER_TOKEN, where, lo=1e-6))
         return cls(tier_credit=tier_credit, prior=prior,
@@ -164,15 +160,13 @@ class TTFTPolicy(Policy):
         its evidence is distrusted): who holds the longest prefix."""
         if not candidate.evidence_trusted or prompt_tokens <= 0:
             return 0.0
-        m, w = candidate.matched, self.tier_credit
-        credit_blocks = m.gpu * w["gpu"] + m.cpu * w["cpu"] + m.ssd * w["ssd"]
+        credit_blocks = tier_weighted_blocks(candidate.matched, self.tier_credit)
         return min(credit_blocks, (prompt_tokens - 1) // block_size) * block_size
 
     def credit_tokens(self, candidate: Candidate, prompt_tokens: int, block_size: int) -> float:
         """Prefill tokens the candidate's cache is expected to save: :meth:`held_tokens` times its
         evidence weight."""
-        weight = min(1.0, max(0.0, candidate.evidence_weight))
-        return self.held_tokens(candidate, prompt_tokens, block_size) * weight
+        return self.held_tokens(candidate, prompt_tokens, block_size) * _weight(candidate)
 
     def predict(self, candidate: Candidate, prompt_tokens: int, block_size: int,
                 all_prompt_tokens: int | None = None,
@@ -180,32 +174,34 @@ class TTFTPolicy(Policy):
         """``(ttft_ms, credit_tokens, queued_tokens, work_tokens)`` of one candidate for a prompt
         of ``prompt_tokens`` tokens (module docstring); ``all_prompt_tokens``: every prompt of
         the body (default: the one), all of which are prefilled; ``pooled``: see :meth:`rate_of`."""
+        s = self._score(candidate, prompt_tokens, block_size, all_prompt_tokens, pooled)
+        return s.ttft_ms, s.credit_tokens, s.queued_tokens, s.score.work_tokens or 0.0
+
+    def _score(self, candidate: Candidate, prompt_tokens: int, block_size: int,
+               all_prompt_tokens: int | None, pooled: PrefillRate | None) -> _Scored:
+        """One candidate's prediction and the figures its rank is made of."""
         load = candidate.load
-        credit = self.credit_tokens(candidate, prompt_tokens, block_size)
+        held = self.held_tokens(candidate, prompt_tokens, block_size)
+        credit = held * _weight(candidate)
+        rate = self.rate_of(candidate, pooled)
         queued = max(0, load.prefill_tokens) + max(0, load.unseen_waiting) * self.engine_waiting_prefill_tokens
         decoding = max(0, load.decoding) + max(0, load.unseen_running)
         total = prompt_tokens if all_prompt_tokens is None else max(prompt_tokens, all_prompt_tokens)
         work = work_tokens(queued, total - credit, decoding)
-        return self.rate_of(candidate, pooled).ttft_ms(work), credit, queued, work
+        ttft_ms = rate.ttft_ms(work)
+        note = "" if candidate.evidence_trusted else "evidence distrusted"
+        score = CandidateScore(candidate.worker_id, candidate.matched, load=queued, cost=ttft_ms, note=note,
+                               predicted_ttft_ms=ttft_ms, work_tokens=work)
+        return _Scored(score, credit, queued, held_tokens=held, ms_per_token=rate.ms_per_token)
 
     def choose(self, request: RouteRequest, candidates: list[Candidate]) -> Decision:
         prompt_tokens = request.prompt_tokens
         bs = max(1, request.block_size)
-        scored: list[_Scored] = []
         pooled = pooled_rate(candidates)
-        for c in candidates:
-            ttft_ms, credit, queued, work = self.predict(c, prompt_tokens or 0, bs, request.all_prompt_tokens,
-                                                         pooled)
-            note = "" if c.evidence_trusted else "evidence distrusted"
-            score = CandidateScore(c.worker_id, c.matched, load=queued, cost=ttft_ms, note=note,
-                                   predicted_ttft_ms=ttft_ms, work_tokens=work)
-            scored.append(_Scored(score, credit, queued, held_tokens=self.held_tokens(c, prompt_tokens or 0, bs),
-                                  ms_per_token=self.rate_of(c, pooled).ms_per_token))
-        # the spreading margin: a worker holding less than the longest prefix (by more than a
-        # block; evidence weights aside, so two holders of one prefix compete on time alone)
-        # must be that much faster
-        # and the prefix it would recompute beyond the best-credited candidate's is charged once
-        # more: the requests queued behind it wait for that work too
+        scored = [self._score(c, prompt_tokens or 0, bs, request.all_prompt_tokens, pooled) for c in candidates]
+        # the rank (module docstring): a worker holding less than the longest prefix (by more
+        # than a block, evidence weights aside) is scaled by the margin, and the prefix it would
+        # recompute beyond the best-credited candidate's is charged once more
         top_held = max(s.held_tokens for s in scored)
         top_credit = max(s.credit_tokens for s in scored)
         for s in scored:
@@ -223,6 +219,10 @@ class TTFTPolicy(Policy):
             reason = "load"
         ranked = chosen_first(scored, best, _order)
         return Decision(best.worker_id, reason, [s.score for s in ranked])
+
+
+def _weight(candidate: Candidate) -> float:
+    return min(1.0, max(0.0, candidate.evidence_weight))
 
 
 def pooled_rate(candidates: list[Candidate]) -> PrefillRate | None:
