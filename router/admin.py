@@ -23,9 +23,10 @@ from pydantic import ValidationError
 
 from kvcore.index.base import SupportsWorkerStates
 from kvcore.index.errors import IndexUnavailable
-from router.config import WorkerConfig
+from router.config import WorkerConfig, validation_message
 from router.endpoints import parse_json_object
 from router.errors import GatewayError, bad_request
+from router.gateway import Gateway, WorkerExists
 
 
 def _json(data: Any, status: int = 200) -> Response:
@@ -38,7 +39,13 @@ def _not_found(worker_id: str) -> GatewayError:
     return GatewayError(404, f"no worker {worker_id!r}", "not_found_error", "worker_not_found", "id")
 
 
-def make_admin_router(gateway: Any) -> APIRouter:
+def _first_field(exc: ValidationError) -> str | None:
+    errors = exc.errors()
+    loc = errors[0].get("loc") if errors else None
+    return str(loc[0]) if loc else None
+
+
+def make_admin_router(gateway: Gateway) -> APIRouter:
     """The admin routes bound to ``gateway`` (a :class:`router.gateway.Gateway`)."""
 
     def require_token(request: Request) -> None:
@@ -87,12 +94,11 @@ def make_admin_router(gateway: Any) -> APIRouter:
         try:
             wcfg = WorkerConfig.model_validate(body)
         except ValidationError as exc:
-            raise bad_request(f"invalid worker: {exc}") from None
-        if wcfg.id in gateway.registry:
-            raise GatewayError(409, f"worker {wcfg.id!r} already exists", "invalid_request_error",
-                               "worker_exists", "id")
+            raise bad_request(f"invalid worker: {validation_message(exc)}", _first_field(exc)) from None
         try:
             reg = await gateway.add_worker(wcfg)
+        except WorkerExists as exc:
+            raise GatewayError(409, str(exc), "invalid_request_error", "worker_exists", "id") from None
         except ValueError as exc:
             raise bad_request(str(exc), "model") from None
         return _json(reg.describe(), 201)
@@ -108,7 +114,7 @@ def make_admin_router(gateway: Any) -> APIRouter:
     @api.post("/workers/{worker_id}/drain")
     async def drain_worker(worker_id: str) -> Response:
         try:
-            reg = gateway.drain_worker(worker_id)
+            reg = await gateway.drain_worker(worker_id)
         except KeyError:
             raise _not_found(worker_id) from None
         return _json(reg.describe())

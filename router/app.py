@@ -23,9 +23,10 @@ from fastapi import FastAPI, Request, Response
 from starlette.routing import Route
 
 from router.admin import make_admin_router
-from router.endpoints import ProxyEndpoint, parse_json_object
+from router.endpoints import ProxyEndpoint
 from router.errors import GatewayError
 from router.gateway import Gateway
+from router.worker_probes import worker_models
 
 log = logging.getLogger("kvroute.app")
 
@@ -98,26 +99,21 @@ def create_app(gateway: Gateway) -> HotPathDispatch:
 
 
 async def _union_models(gateway: Gateway) -> dict[str, Any]:
-    """``{"object": "list", "data": [...]}``: every model card of every healthy worker, once per id."""
-    session = gateway.upstream.session
-    urls = sorted({r.url for r in gateway.registry.all() if r.healthy})
-
-    async def fetch(url: str) -> list[dict[str, Any]]:
-        try:
-            async with session.get(url + "/v1/models") as resp:
-                if resp.status != 200:
-                    return []
-                data = parse_json_object(await resp.read()).get("data")
-                return data if isinstance(data, list) else []
-        except Exception as exc:  # one bad worker must not break the listing
-            log.warning("GET %s/v1/models failed: %s", url, exc)
-            return []
-
+    """``{"object": "list", "data": [...]}``: every model card of every healthy worker, once per
+    id (first worker in id order wins). The workers are asked at once, each call bounded by
+    ``timeouts.worker_call_s``; a worker that fails or is slow is skipped (logged, counted in
+    ``kvroute_worker_call_failures_total{call="models"}``) and never delays the others' cards."""
+    regs = sorted((r for r in gateway.registry.all() if r.healthy), key=lambda r: r.id)
+    timeout_s = gateway.cfg.timeouts.worker_call_s
+    answers = await asyncio.gather(*[worker_models(gateway.upstream.session, r, timeout_s) for r in regs])
     seen: dict[str, dict[str, Any]] = {}
-    for cards in await asyncio.gather(*[fetch(u) for u in urls]):
+    for reg, cards in zip(regs, answers):
+        if isinstance(cards, str):
+            log.warning("GET %s/v1/models (worker %s) failed, its models are left out: %s", reg.url, reg.id, cards)
+            gateway.metrics.worker_call_failures.labels(reg.id, "models").inc()
+            continue
         for card in cards:
-            if isinstance(card, dict) and isinstance(card.get("id"), str):
-                seen.setdefault(card["id"], card)
+            seen.setdefault(card["id"], card)
     return {"object": "list", "data": list(seen.values())}
 
 

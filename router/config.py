@@ -13,7 +13,7 @@ Example (every section but ``models`` and ``workers`` has defaults)::
     workers:
       - {id: w0, url: http://127.0.0.1:8101, model: tiny, events: tcp://127.0.0.1:5557}
     policy: {name: kv_aware, tier_credit: {gpu: 1.0, cpu: 0.75, ssd: 0.25}, load_weight: 1.0}
-    timeouts: {connect_s: 5, first_byte_s: 300}   # no limit on a stream's total length
+    timeouts: {connect_s: 5, first_byte_s: 300, worker_call_s: 3}   # no limit on a stream's total length
     max_body_bytes: 67108864
     health: {interval_s: 2, timeout_s: 2, fail_threshold: 3, rise_threshold: 2}
     load_scrape: {interval_s: 1, timeout_s: 2}
@@ -89,9 +89,32 @@ class WorkerConfig(_Strict):
     @classmethod
     def _check_url(cls, v: str) -> str:
         parts = urlsplit(v)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"worker url must be http(s)://host:port, got {v!r}")
+        try:
+            port = parts.port  # raises on a port out of 0..65535 or not a number
+        except ValueError:
+            port = -1
+        if (parts.scheme not in ("http", "https") or not parts.hostname or port == 0 or port == -1
+                or parts.query or parts.fragment or parts.username or parts.password):
+            raise ValueError(f"worker url must be http(s)://host[:port] with a port in 1..65535 and no "
+                             f"query, fragment or credentials, got {v!r}")
         return v.rstrip("/")
+
+    @field_validator("events", "replay")
+    @classmethod
+    def _check_zmq_endpoint(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        scheme, sep, rest = v.partition("://")
+        ok = bool(sep) and bool(rest)
+        if ok and scheme == "tcp":
+            host, colon, port = rest.rpartition(":")
+            ok = bool(colon) and bool(host) and port.isdigit() and 1 <= int(port) <= 65535
+        elif ok:
+            ok = scheme in ("ipc", "inproc")
+        if not ok:
+            raise ValueError(f"a ZMQ endpoint must be tcp://host:port (port 1..65535), ipc://path or "
+                             f"inproc://name, got {v!r}")
+        return v
 
     @model_validator(mode="after")
     def _default_id(self) -> "WorkerConfig":
@@ -104,12 +127,15 @@ class WorkerConfig(_Strict):
 
 
 class TimeoutsConfig(_Strict):
-    """Upstream timeouts in seconds: TCP connect, and first byte of the response body (for a
-    non-streamed response that is the whole generation). ``total_s`` None: no limit."""
+    """Timeouts in seconds. For relayed requests: TCP connect, and first byte of the response
+    body (for a non-streamed response that is the whole generation); ``total_s`` None: no limit.
+    ``worker_call_s``: the whole of each call the gateway makes to a worker on its own behalf
+    (``GET /v1/models``); the health probe and the load scrape have their own ``timeout_s``."""
 
     connect_s: float = Field(5.0, gt=0)
     first_byte_s: float | None = Field(300.0, gt=0)
     total_s: float | None = Field(None, gt=0)
+    worker_call_s: float = Field(3.0, gt=0)
 
 
 class HealthConfig(_Strict):
@@ -195,6 +221,15 @@ def check_policy(cfg: dict[str, Any]) -> None:
     make_policy(cfg)
 
 
+def validation_message(exc: ValidationError) -> str:
+    """Every problem of a pydantic ValidationError on one line: ``field.path: message; ...``."""
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ())) or "body"
+        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts)
+
+
 def parse_config(data: Any) -> GatewayConfig:
     """Validate a parsed YAML document. Raises ValueError with every problem listed."""
     if not isinstance(data, dict):
@@ -202,7 +237,7 @@ def parse_config(data: Any) -> GatewayConfig:
     try:
         cfg = GatewayConfig.model_validate(data)
     except ValidationError as exc:
-        raise ValueError(f"invalid gateway config: {exc}") from None
+        raise ValueError(f"invalid gateway config: {validation_message(exc)}") from None
     check_policy(cfg.policy)
     return cfg
 

@@ -31,6 +31,10 @@ from router.worker_probes import health_probe_task, load_scrape_task
 log = logging.getLogger("kvroute.gateway")
 
 
+class WorkerExists(ValueError):
+    """A worker of that id is already registered."""
+
+
 class Gateway:
     """All gateway state. ``cfg``: validated config; ``config_path``: the file ``SIGHUP``
     re-reads (None: reload disabled); ``task_factories``: extra per-worker tasks."""
@@ -88,17 +92,28 @@ class Gateway:
             w.cancel()
 
     async def add_worker(self, wcfg: WorkerConfig) -> WorkerRegistration:
-        """Register a worker and wait for its first probe. Raises ValueError (id taken or model
+        """Register a worker and wait for its first probe; serialised with the other worker
+        changes (admin API, ``SIGHUP``). Raises WorkerExists (id taken) or ValueError (model
         unknown)."""
+        async with self._lock:
+            return await self._add_worker(wcfg)
+
+    async def _add_worker(self, wcfg: WorkerConfig) -> WorkerRegistration:
         if wcfg.model not in self.model_names:
             raise ValueError(f"unknown model {wcfg.model!r}; models: {sorted(self.model_names)}")
+        if wcfg.id in self.registry:
+            raise WorkerExists(f"worker {wcfg.id!r} already exists")
         reg = self.registry.add(wcfg)
         await self._wait_first_probe([reg])
         return reg
 
     async def remove_worker(self, worker_id: str) -> WorkerRegistration:
-        """Unregister a worker and purge its index entries; its in-flight requests finish.
-        Raises KeyError when unknown."""
+        """Unregister a worker and purge its index entries; its in-flight requests finish;
+        serialised with the other worker changes. Raises KeyError when unknown."""
+        async with self._lock:
+            return await self._remove_worker(worker_id)
+
+    async def _remove_worker(self, worker_id: str) -> WorkerRegistration:
         reg = await self.registry.remove(worker_id)
         try:
             await self.index.clear_worker(worker_id)
@@ -106,13 +121,15 @@ class Gateway:
             log.error("worker %s removed but its index entries were not purged: %s", worker_id, exc)
         return reg
 
-    def drain_worker(self, worker_id: str) -> WorkerRegistration:
-        """Send no new requests to the worker. Raises KeyError when unknown."""
-        reg = self.registry.get(worker_id)
-        if reg is None:
-            raise KeyError(worker_id)
-        reg.draining = True
-        return reg
+    async def drain_worker(self, worker_id: str) -> WorkerRegistration:
+        """Send no new requests to the worker; serialised with the other worker changes.
+        Raises KeyError when unknown."""
+        async with self._lock:
+            reg = self.registry.get(worker_id)
+            if reg is None:
+                raise KeyError(worker_id)
+            reg.draining = True
+            return reg
 
     def set_policy(self, cfg: dict[str, Any]) -> None:
         """Validate and swap the live policy atomically. Raises ValueError when ``cfg`` is bad."""
@@ -121,7 +138,9 @@ class Gateway:
 
     async def apply_config(self, new: GatewayConfig) -> dict[str, list[str]]:
         """Apply a re-read config's policy and workers (other sections need a restart): new ids
-        are added, missing ones removed, changed ones re-added. Returns what changed."""
+        are added, missing ones removed, changed ones re-added; one change at a time with the
+        admin API's (a DELETE racing a reload waits, then finds what the reload left). Returns
+        what changed."""
         async with self._lock:
             self.set_policy(new.policy)
             wanted = {w.id: w for w in new.workers if w.model in self.model_names}
@@ -129,15 +148,15 @@ class Gateway:
             for reg in self.registry.all():
                 target = wanted.get(reg.id)
                 if target is None:
-                    await self.remove_worker(reg.id)
+                    await self._remove_worker(reg.id)
                     changes["removed"].append(reg.id)
                 elif target != reg.cfg:
-                    await self.remove_worker(reg.id)
-                    await self.add_worker(target)
+                    await self._remove_worker(reg.id)
+                    await self._add_worker(target)
                     changes["replaced"].append(reg.id)
             for wid, wcfg in wanted.items():
                 if wid not in self.registry:
-                    await self.add_worker(wcfg)
+                    await self._add_worker(wcfg)
                     changes["added"].append(wid)
             self.cfg.workers = list(new.workers)
             return changes
@@ -148,9 +167,14 @@ class Gateway:
             return
         try:
             new = load_config(self.config_path)
-            changes = await self.apply_config(new)
         except (OSError, ValueError) as exc:
             log.error("config reload from %s failed, keeping the running config: %s", self.config_path, exc)
             return
-        log.warning("config reloaded from %s: policy %s, workers %s", self.config_path,
-                    new.policy.get("name"), changes)
+        try:
+            changes = await self.apply_config(new)
+        except Exception:  # runs in a task nobody awaits: never let it fail silently
+            log.exception("config reload from %s failed part-way; the workers are as listed in "
+                          "/admin/workers", self.config_path)
+            return
+        log.info("config reloaded from %s: policy %s, workers %s", self.config_path,
+                 new.policy.get("name"), changes)

@@ -20,6 +20,9 @@
 | kvroute_worker_prefill_ms_per_token | gauge | worker | learned prefill milliseconds per token (absent until learned) |
 | kvroute_evidence_trusted | gauge | worker | 1 while the worker's reported cached tokens agree with the index, 0 while its evidence is distrusted |
 | kvroute_evidence_distrust_total | counter | worker | times a worker's evidence became distrusted |
+| kvroute_index_unavailable_total | counter | | lookups that found the shared index down (routed by load alone) |
+| kvroute_index_write_failures_total | counter | | speculative inserts of a routed prompt's keys that found the shared index down |
+| kvroute_worker_call_failures_total | counter | worker, call | the gateway's own calls to a worker (``models``: ``GET /v1/models``) that failed or timed out; the answer skips that worker |
 """
 from __future__ import annotations
 
@@ -100,6 +103,12 @@ class GatewayMetrics:
         self.index_unavailable = Counter(
             "kvroute_index_unavailable", "Lookups that found the shared index down (routed by load alone)",
             registry=r)
+        self.index_write_failures = Counter(
+            "kvroute_index_write_failures",
+            "Speculative inserts of a routed prompt's keys that found the shared index down", registry=r)
+        self.worker_call_failures = Counter(
+            "kvroute_worker_call_failures", "The gateway's own calls to a worker that failed or timed out",
+            ["worker", "call"], registry=r)
         self.retries = Counter("kvroute_upstream_retries", "Connect failures retried on the next-best worker",
                                registry=r)
         self.off_longest_prefix = Counter(

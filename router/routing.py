@@ -142,6 +142,7 @@ class Router:
                  registry: WorkerRegistry, policy: PolicyHolder, metrics: GatewayMetrics,
                  routing: RoutingConfig) -> None:
         self._models: dict[str, tuple[ModelConfig, str | None]] = {}
+        self._bases = list(models)
         for m in models:
             self._models[m.name] = (m, None)
             for adapter in m.lora_adapters:
@@ -155,11 +156,19 @@ class Router:
         self._draws = 0
 
     def resolve_model(self, body: dict[str, Any]) -> tuple[ModelConfig, str | None]:
-        """``(base model, adapter name or None)`` for the body's ``model``. Raises GatewayError
-        400 (missing / not a string) or 404 (unknown)."""
+        """``(base model, adapter name or None)`` for the body's ``model``. A body without one
+        (absent, null or "") is served by the one configured model, as vLLM serves it with its
+        one served model (``_is_model_supported`` in vllm/entrypoints/serve/engine/serving.py,
+        0.32). Raises GatewayError 400 (not a string; or absent while several models are
+        configured: the message lists them) or 404 (unknown)."""
         name = body.get("model")
-        if not isinstance(name, str) or not name:
-            raise bad_request("'model' is required and must be a string", "model")
+        if name is None or name == "":
+            if len(self._bases) == 1:
+                return self._bases[0], None
+            raise bad_request(f"'model' is required: this gateway serves several models; choose one of "
+                              f"{', '.join(sorted(self._models))}", "model")
+        if not isinstance(name, str):
+            raise bad_request("'model' must be a string", "model")
         found = self._models.get(name)
         if found is None:
             raise unknown_model(name)
@@ -257,8 +266,8 @@ class Router:
             for keys in plan.blocks.keys:
                 if keys:
                     await self.index.store_speculative(reg.id, keys, ttl)
-        except IndexUnavailable:
-            pass  # the next lookup falls back to load as well
+        except IndexUnavailable:  # the next lookup falls back to load as well
+            self.metrics.index_write_failures.inc()
 
     def ranked_by_load(self, body: dict[str, Any]) -> list[WorkerRegistration]:
         """For endpoints forwarded without routing (embeddings, tokenize, ...): routable

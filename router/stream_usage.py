@@ -1,16 +1,26 @@
 """Reading the worker's usage (``usage.prompt_tokens_details.cached_tokens``) from a response
-without changing what the client gets, except in one documented case.
+without changing what the client gets. This module holds the gateway's only change to a request
+body and its undoing.
 
 - Non-streamed responses: the gateway forwards the body bytes first, then parses a copy
   (:func:`cached_tokens_of_body`).
-- Streams where the client asked for usage (``stream_options.include_usage``): bytes pass through
-  untouched; :class:`UsageTap` keeps the last few KiB and parses the usage chunk at the end.
-- Streams where it did not: the gateway asks the worker for usage (:func:`request_stream_usage`,
-  the one place the request body is changed) and :class:`UsageStrip` removes that usage-only
-  chunk (vLLM sends ``data: {..., "choices": [], "usage": {...}}`` before ``data: [DONE]``) so
-  the client sees what it would have seen from vLLM. Every other byte is forwarded unchanged and
-  in order; the only difference is that an SSE event split across two reads is held until its
-  end arrives (vLLM writes each event in one piece, so this is rare).
+- Streams where the client asked for usage (``stream_options.include_usage`` true): bytes pass
+  through untouched; :class:`UsageTap` keeps the last few KiB and parses the usage chunk at the end.
+- Streams of one sequence (``n`` 1, one prompt) where it did not: the gateway asks the worker for
+  usage (:func:`request_stream_usage`: ``include_usage`` true, ``continuous_usage_stats`` false)
+  and :class:`UsageStrip` undoes what that changes in vLLM's stream (0.32,
+  ``vllm/entrypoints/openai/{chat_completion,completion}/serving.py``, ``should_include_usage``):
+  (1) the usage-only chunk ``data: {..., "choices": [], "usage": {...}}`` before ``data: [DONE]``
+  is removed; (2) vLLM stamps ``system_fingerprint`` on the terminal chunk (the one with a
+  ``finish_reason``) only when no usage chunk follows, and on the usage chunk otherwise: the
+  terminal chunk is held until the usage chunk arrives (the next event) and gets the usage
+  chunk's fingerprint as its last field, where vLLM puts it. Every other byte is forwarded
+  unchanged, in order, as it arrives; an SSE event split across two reads is held until its end
+  arrives (vLLM writes each event in one piece, so this is rare).
+- Anything else (``n`` > 1, several prompts, ``stream_options`` values vLLM would coerce or
+  refuse): the body goes unchanged and the client's stream is only tapped. Holding one
+  sequence's terminal chunk would delay the other sequences' tokens, and guessing vLLM's
+  coercions could change the answer: those requests are not measured.
 """
 from __future__ import annotations
 
@@ -22,23 +32,45 @@ import orjson
 _TAIL_BYTES = 16384
 _USAGE = re.compile(rb'"usage":\s*\{')           # vLLM writes compact JSON; spaces tolerated
 _USAGE_ONLY = re.compile(rb'"choices":\s*\[\s*\]')  # the usage chunk has no choices
+_FINISHED = re.compile(rb'(?<!\\)"finish_reason":\s*"')  # a terminal chunk (not null; not in text)
+_FINGERPRINT = re.compile(rb'(?<!\\)"system_fingerprint":\s*("(?:[^"\\]|\\.)*")')
 _USAGE_OPTION = b',"stream_options":{"include_usage":true}'
 
 
+def _one_sequence(body: dict[str, Any]) -> bool:
+    """True when the stream carries one sequence: ``n`` absent or 1, and one prompt (chat, a
+    completions string, one token-id list, or a list of one of those)."""
+    n = body.get("n")
+    if n is not None and (n != 1 or isinstance(n, bool)):
+        return False
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
+        return len(prompt) == 1
+    return True
+
+
 def request_stream_usage(raw: bytes, body: dict[str, Any]) -> tuple[bytes, bool]:
-    """``(body bytes to send, strip)`` for a streaming request. When the client did not ask for
-    usage, the option is added: appended before the closing brace when ``stream_options`` is
-    absent (no re-serialization), else the parsed body is re-serialized with
-    ``include_usage: true``; ``strip`` is then True. Unchanged bytes and False otherwise."""
+    """``(body bytes to send, strip)`` for a streaming request (``raw``: its bytes, ``body``:
+    parsed). When the client did not ask for usage and the stream carries one sequence, usage
+    is asked for: ``,"stream_options":{"include_usage":true}`` appended before the closing brace
+    when ``stream_options`` is absent (no re-serialization), else the body re-serialized with
+    ``include_usage: true, continuous_usage_stats: false`` (per-chunk usage is gated by
+    ``include_usage`` in vLLM, so the client would have had none); ``strip`` is then True. The
+    unchanged bytes and False otherwise (see the module docstring)."""
     opts = body.get("stream_options")
-    if isinstance(opts, dict) and opts.get("include_usage") is True:
+    if opts is not None:
+        if not isinstance(opts, dict):
+            return raw, False  # vLLM refuses it: its own 400 must reach the client
+        include, continuous = opts.get("include_usage"), opts.get("continuous_usage_stats")
+        if not (include is None or include is False) or not (continuous is None or isinstance(continuous, bool)):
+            return raw, False  # usage asked for, or a value vLLM would coerce (0, "yes") or refuse
+    if not _one_sequence(body):
         return raw, False
     if "stream_options" not in body:
         end = raw.rfind(b"}")
         if end > 0:
             return raw[:end] + _USAGE_OPTION + raw[end:], True
-    new_opts = dict(opts) if isinstance(opts, dict) else {}
-    new_opts["include_usage"] = True
+    new_opts = {**(opts or {}), "include_usage": True, "continuous_usage_stats": False}
     return orjson.dumps({**body, "stream_options": new_opts}), True
 
 
@@ -100,15 +132,18 @@ class UsageTap:
 
 
 class UsageStrip:
-    """Forwards whole SSE events and drops the usage-only event the gateway asked for; its
-    cached tokens land in :attr:`cached_tokens`."""
+    """Forwards whole SSE events, drops the usage-only event the gateway asked for and gives its
+    ``system_fingerprint`` back to the terminal event (module docstring); the usage's cached
+    tokens land in :attr:`cached_tokens`."""
 
     def __init__(self) -> None:
         self._pending = b""
+        self._held: list[bytes] = []  # the terminal event and any after it, until the usage event
         self.cached_tokens: int | None = None
 
     def feed(self, chunk: bytes) -> bytes:
-        """Bytes to send now (possibly b""): every complete event so far, minus the usage one."""
+        """Bytes to send now (possibly b""): every complete event so far, minus the usage one
+        and the held ones."""
         data = self._pending + chunk if self._pending else chunk
         cut = data.rfind(b"\n\n") + 2
         if cut == 1:
@@ -116,22 +151,34 @@ class UsageStrip:
             return b""
         self._pending = data[cut:]
         done = data[:cut]
-        if _USAGE_ONLY.search(done) and _USAGE.search(done):
-            done = self._drop_usage_events(done)
-        return done
+        if not self._held and not _FINISHED.search(done) and not (_USAGE_ONLY.search(done) and _USAGE.search(done)):
+            return done  # the common case: content events only
+        return b"".join(self._event(e + b"\n\n") for e in done[:-2].split(b"\n\n"))
 
-    def _drop_usage_events(self, data: bytes) -> bytes:
-        kept = []
-        for event in data[:-2].split(b"\n\n"):
-            if _USAGE_ONLY.search(event) and _USAGE.search(event):
-                usage = _usage_of_event(event)
-                if usage is not None:
-                    self.cached_tokens = cached_tokens_of_usage(usage)
-                    continue
-            kept.append(event + b"\n\n")
-        return b"".join(kept)
+    def _event(self, event: bytes) -> bytes:
+        if _USAGE_ONLY.search(event) and _USAGE.search(event):
+            usage = _usage_of_event(event)
+            if usage is not None:
+                self.cached_tokens = cached_tokens_of_usage(usage)
+                found = _FINGERPRINT.search(event)
+                held, self._held = self._held, []
+                return b"".join(_with_fingerprint(e, found.group(1)) if found else e for e in held)
+        if self._held or (_FINISHED.search(event) and not _FINGERPRINT.search(event)):
+            self._held.append(event)
+            return b""
+        return event
 
     def finish(self) -> bytes:
-        """End of stream: whatever partial event is still held (normally b"")."""
-        rest, self._pending = self._pending, b""
+        """End of stream: whatever is still held, unchanged (normally b"")."""
+        rest = b"".join(self._held) + self._pending
+        self._held, self._pending = [], b""
         return rest
+
+
+def _with_fingerprint(event: bytes, fingerprint: bytes) -> bytes:
+    """A terminal event with ``"system_fingerprint": fingerprint`` (a JSON string's bytes) as
+    its JSON object's last field; other events (``[DONE]``) unchanged."""
+    if not _FINISHED.search(event) or _FINGERPRINT.search(event):
+        return event
+    end = event.rfind(b"}")
+    return event[:end] + b',"system_fingerprint":' + fingerprint + event[end:] if end > 0 else event

@@ -1,4 +1,5 @@
-"""Per-worker background loops: the health probe and the engine-load scrape.
+"""The gateway's own calls to workers: the per-worker background loops (health probe,
+engine-load scrape) and the ``GET /v1/models`` listing. Every call is bounded by a timeout.
 
 Both are registry task factories (``factory(registration) -> coroutine``) bound to the gateway's
 shared aiohttp session. The load comes from vLLM's Prometheus text at ``/metrics``:
@@ -11,6 +12,7 @@ import asyncio
 import logging
 
 import aiohttp
+import orjson
 
 from router.config import HealthConfig, LoadScrapeConfig
 from router.registry import WorkerRegistration
@@ -77,6 +79,26 @@ async def scrape_once(session: aiohttp.ClientSession, reg: WorkerRegistration, c
         return False
     reg.record_scrape(*parse_engine_load(got[1].decode(errors="replace")))
     return True
+
+
+async def worker_models(session: aiohttp.ClientSession, reg: WorkerRegistration,
+                        timeout_s: float) -> list[dict] | str:
+    """The model cards of ``GET {url}/v1/models`` (OpenAI list shape ``{"data": [card, ...]}``),
+    the whole call bounded by ``timeout_s`` seconds; the error text when it failed, timed out,
+    answered non-200 or not that shape."""
+    got = await _get(session, reg.url + "/v1/models", timeout_s)
+    if isinstance(got, str):
+        return got
+    status, body = got
+    if status != 200:
+        return f"status {status}"
+    try:
+        data = orjson.loads(body).get("data")
+    except (orjson.JSONDecodeError, AttributeError):
+        return "not a JSON object"
+    if not isinstance(data, list):
+        return "no 'data' list"
+    return [card for card in data if isinstance(card, dict) and isinstance(card.get("id"), str)]
 
 
 def periodic_task(step, session: aiohttp.ClientSession, cfg: HealthConfig | LoadScrapeConfig):

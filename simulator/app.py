@@ -156,9 +156,11 @@ class SimServer:
                               "headers": dict(request.headers), "body": body})
 
     def _check_model(self, body: dict[str, Any]) -> None:
+        """vLLM 0.32's check: no model (absent, null or "") means the served one; another name is
+        a 404 (``_is_model_supported``, vllm/entrypoints/serve/engine/serving.py)."""
         model = body.get("model")
-        if model is not None and model != self.model:
-            raise ApiError(404, f"The model `{model}` does not exist.", "model")
+        if model and model != self.model:
+            raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {self.model}.", "model")
 
     def _request_id(self, request: Request, prefix: str) -> str:
         """vLLM's id: the ``X-Request-Id`` header when given, else (here) a seeded counter hash."""

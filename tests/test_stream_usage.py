@@ -1,0 +1,128 @@
+"""The gateway's one change to a request body (asking a stream for usage) and its undoing, on
+streams captured from vLLM 0.32 (tests/fixtures/vllm_streams: the same request with and without
+``stream_options.include_usage``; the e2e suite checks the same against a live vLLM).
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import orjson
+import pytest
+
+from router.stream_usage import UsageStrip, request_stream_usage
+
+STREAMS = Path(__file__).parent / "fixtures" / "vllm_streams"
+_VOLATILE = re.compile(rb'"(id|created)":("[^"]*"|\d+)')
+
+
+def masked(stream: bytes) -> bytes:
+    """``stream`` with every ``id`` and ``created`` value blanked (they differ per request)."""
+    return _VOLATILE.sub(rb'"\1":0', stream)
+
+
+def _body(**fields) -> tuple[bytes, dict]:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True, **fields}
+    return orjson.dumps(body), body
+
+
+# (stream_options as the client sent it, or "absent") -> stream_options sent upstream, or None: unchanged
+ASKED = [
+    ("absent", {"include_usage": True}),
+    (None, {"include_usage": True, "continuous_usage_stats": False}),
+    ({}, {"include_usage": True, "continuous_usage_stats": False}),
+    ({"include_usage": False}, {"include_usage": True, "continuous_usage_stats": False}),
+    ({"continuous_usage_stats": True}, {"include_usage": True, "continuous_usage_stats": False}),
+    ({"continuous_usage_stats": False}, {"include_usage": True, "continuous_usage_stats": False}),
+    ({"include_usage": False, "continuous_usage_stats": True},
+     {"include_usage": True, "continuous_usage_stats": False}),
+    ({"include_usage": False, "continuous_usage_stats": False},
+     {"include_usage": True, "continuous_usage_stats": False}),
+    ({"include_usage": True}, None),
+    ({"include_usage": True, "continuous_usage_stats": True}, None),
+    ({"include_usage": True, "continuous_usage_stats": False}, None),
+    ({"include_usage": "yes"}, None),          # vLLM coerces or refuses: never guessed
+    ({"include_usage": 0}, None),
+    ({"continuous_usage_stats": "true"}, None),
+    ("not an object", None),                   # vLLM's own 400 must come back
+]
+
+
+@pytest.mark.parametrize("client,upstream", ASKED, ids=[str(a[0]) for a in ASKED])
+def test_usage_is_asked_for_only_when_the_client_would_get_none(client, upstream):
+    raw, body = _body() if client == "absent" else _body(stream_options=client)
+    out, strip = request_stream_usage(raw, body)
+    if upstream is None:
+        assert (out, strip) == (raw, False)
+        return
+    assert strip
+    sent = orjson.loads(out)
+    assert sent["stream_options"] == upstream
+    assert {k: v for k, v in sent.items() if k != "stream_options"} == {
+        k: v for k, v in body.items() if k != "stream_options"}
+
+
+@pytest.mark.parametrize("fields", [{"n": 2}, {"n": 3, "stream_options": {"include_usage": False}}])
+def test_several_choices_are_never_changed(fields):
+    raw, body = _body(**fields)
+    assert request_stream_usage(raw, body) == (raw, False)
+
+
+@pytest.mark.parametrize("prompt,changed", [("hi", True), ([1, 2, 3], True), (["hi"], True), ([[1, 2]], True),
+                                            (["a", "b"], False), ([[1], [2]], False)])
+def test_completions_with_several_prompts_are_never_changed(prompt, changed):
+    body = {"model": "tiny", "prompt": prompt, "stream": True}
+    raw = orjson.dumps(body)
+    out, strip = request_stream_usage(raw, body)
+    assert strip is changed and (out != raw) is changed
+
+
+@pytest.mark.parametrize("kind", ["chat", "cmpl"])
+@pytest.mark.parametrize("cut", [1, 9, 100, 100000])
+def test_strip_gives_the_client_vllms_stream_without_usage(kind, cut):
+    """vLLM 0.32 moves ``system_fingerprint`` from the terminal chunk to the usage chunk when usage
+    is asked for: the strip must give it back, byte for byte, however the reads are cut."""
+    with_usage = (STREAMS / f"{kind}_usage.sse").read_bytes()
+    plain = (STREAMS / f"{kind}_plain.sse").read_bytes()
+    assert b'"choices":[]' in with_usage and b"system_fingerprint" in plain  # the fixtures are what we think
+    strip = UsageStrip()
+    got = b"".join(strip.feed(with_usage[i:i + cut]) for i in range(0, len(with_usage), cut)) + strip.finish()
+    assert masked(got) == masked(plain)
+    assert strip.cached_tokens == 0
+
+
+def test_strip_without_fingerprint_forwards_the_terminal_chunk_unchanged():
+    """A server run with ``--fingerprint-mode none`` stamps no chunk: nothing is added."""
+    with_usage = re.sub(rb',"system_fingerprint":"[^"]*"', b"", (STREAMS / "chat_usage.sse").read_bytes())
+    strip = UsageStrip()
+    got = strip.feed(with_usage) + strip.finish()
+    events = with_usage.split(b"\n\n")
+    assert got == b"\n\n".join(e for e in events if b'"choices":[]' not in e)
+    assert b"system_fingerprint" not in got
+
+
+def test_strip_holds_the_terminal_chunk_only_until_the_usage_chunk():
+    plain_events = (STREAMS / "chat_usage.sse").read_bytes().split(b"\n\n")[:-1]
+    terminal = next(e for e in plain_events if b'"finish_reason":"length"' in e) + b"\n\n"
+    usage = next(e for e in plain_events if b'"choices":[]' in e) + b"\n\n"
+    strip = UsageStrip()
+    assert strip.feed(terminal) == b""  # held: its fingerprint comes with the usage chunk
+    out = strip.feed(usage)
+    assert out.endswith(b'"system_fingerprint":"vllm-0.32.0-ed75ccb3"}\n\n') and out.startswith(terminal[:-4])
+    assert strip.feed(b"data: [DONE]\n\n") == b"data: [DONE]\n\n"
+    assert strip.finish() == b""
+
+
+def test_strip_flushes_a_held_chunk_when_no_usage_comes():
+    terminal = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"x"},"finish_reason":"stop"}]}\n\n'
+    strip = UsageStrip()
+    assert strip.feed(terminal) == b""
+    assert strip.feed(b"data: [DONE]\n\n") == b""
+    assert strip.finish() == terminal + b"data: [DONE]\n\n"
+    assert strip.cached_tokens is None
+
+
+def test_finish_reason_inside_generated_text_is_not_a_terminal_chunk():
+    chunk = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"\\"finish_reason\\":\\"x\\""},"finish_reason":null}]}\n\n'
+    strip = UsageStrip()
+    assert strip.feed(chunk) == chunk
