@@ -7,10 +7,13 @@ simulation, printed side by side in one run.
 What is simulated (no model, no HTTP; the policies are the real ones, called as the gateway calls
 them):
 
-- The trace (kvcache-ai/Mooncake FAST'25 ``conversation_trace.jsonl``, see
-  /work/shared/traces/README.md): per request an arrival time, input and output token counts and
-  chained block ids of 512 tokens, used directly as block keys (full blocks only). All requests
-  share block 0 (a system prompt): the "hot shared prefix" case.
+- The trace (kvcache-ai/Mooncake FAST'25 ``conversation_trace.jsonl``): per request an arrival
+  time, input and output token counts and chained block ids of 512 tokens, used directly as block
+  keys (full blocks only). All requests share block 0 (a system prompt): the "hot shared prefix"
+  case. ``--trace`` defaults to the first 1,000 requests the repo ships
+  (``kvroute/bench/data/mooncake_conversation_1000.jsonl``); the whole trace, when the workspace
+  has it, is ``../shared/traces/mooncake_conversation_trace.jsonl`` from the repo root (see the
+  README.md there). A missing trace is an error (exit 2).
 - N workers, each with an LRU prefix cache of ``--gpu-blocks`` blocks and optionally a CPU tier of
   ``--cpu-blocks`` (blocks evicted from GPU go there; a hit there counts as cached, and the block
   moves back to GPU). A request hits the longest run of its blocks from block 0 that the worker
@@ -25,8 +28,8 @@ them):
 - ``session`` gets the conversation's first block after the shared one (``hash_ids[1]``) as its
   session key: a stand-in for a per-conversation header, since the trace has no ids.
 
-Figures: prefix-hit rate (cached prompt tokens / all prompt tokens; the trace's infinite-cache
-bound is 37.4 %), load imbalance as max/mean over workers of requests routed and of prefill tokens
+Figures: prefix-hit rate (cached prompt tokens / all prompt tokens; the whole trace's
+infinite-cache bound is 37.4 %), load imbalance as max/mean over workers of requests routed and of prefill tokens
 computed, and modelled TTFT p50/p90. Besides the four policies with default settings, three
 kv_aware variants show what the overload guard and the load term do: without a load term every
 request shares block 0 with every worker's cache, so all traffic piles onto one worker.
@@ -49,7 +52,16 @@ from kvcore.index.memory import MemoryIndex
 from router.policies.base import Candidate, Policy, RouteRequest, WorkerLoad
 from router.policies.factory import make_policy
 
-DEFAULT_TRACE = Path("/work/shared/traces/mooncake_conversation_trace.jsonl")
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED_TRACE = REPO / "kvroute" / "bench" / "data" / "mooncake_conversation_1000.jsonl"
+FULL_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+
+
+def default_trace() -> Path:
+    """The trace slice the repo ships, else the whole trace next to the repo (may be missing)."""
+    return SHIPPED_TRACE if SHIPPED_TRACE.exists() else FULL_TRACE
+
+
 TRACE_BLOCK_TOKENS = 512
 
 
@@ -223,7 +235,9 @@ def report(results: list[Result]) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake JSONL trace")
+    p.add_argument("--trace", type=Path, default=default_trace(),
+                   help="Mooncake JSONL trace (default: the repo's kvroute/bench/data/mooncake_conversation_1000.jsonl, "
+                        "else ../shared/traces/mooncake_conversation_trace.jsonl from the repo root)")
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--gpu-blocks", type=int, default=1000, help="per-worker GPU cache, 512-token blocks")
     p.add_argument("--cpu-blocks", type=int, default=0, help="per-worker CPU tier, 512-token blocks")
@@ -238,11 +252,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the comparison; 0 on success, 2 (with a message on stderr) when the trace is missing."""
     args = parse_args(argv)
-    if not args.trace.exists():
-        print(f"skipped: trace {args.trace} not found (pass --trace PATH to the Mooncake "
-              f"conversation_trace.jsonl)")
-        return 0
+    if not args.trace.is_file():
+        print(f"bench_routing_quality: error: trace {args.trace} not found (pass --trace PATH to a "
+              f"Mooncake conversation_trace.jsonl, e.g. {SHIPPED_TRACE.relative_to(REPO)} or "
+              f"../shared/traces/mooncake_conversation_trace.jsonl from the repo root)", file=sys.stderr)
+        return 2
     trace = load_trace(args.trace, args.limit or None, args.time_scale)
     kv = {"name": "kv_aware", **args.kv_config}
     variants = [

@@ -14,15 +14,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
+from collections.abc import Callable
 from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request, Response
+from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
 from router.admin import make_admin_router
+from router.config import CorsConfig
 from router.endpoints import ProxyEndpoint
 from router.errors import GatewayError
 from router.gateway import Gateway
@@ -35,20 +39,33 @@ FORWARDED = ("/v1/responses", "/v1/embeddings", "/tokenize", "/detokenize")
 
 
 class HotPathDispatch:
-    """ASGI front: ``POST`` to a proxied path goes straight to its endpoint; everything else
-    (other methods, other paths, lifespan) to the FastAPI ``app``."""
+    """ASGI front: ``POST`` to a proxied path goes straight to its endpoint (through ``cors``,
+    the CORS wrapper, only when the request names an ``Origin``); everything else (other methods,
+    other paths, lifespan) to the FastAPI ``app``, whose CORS middleware answers preflights."""
 
-    def __init__(self, app: FastAPI, endpoints: dict[str, ProxyEndpoint]) -> None:
+    def __init__(self, app: FastAPI, endpoints: dict[str, ProxyEndpoint],
+                 cors: Callable[[ProxyEndpoint], Any] | None = None) -> None:
         self.app = app
         self.endpoints = endpoints
+        self.cors_endpoints = {path: cors(e) for path, e in endpoints.items()} if cors else dict(endpoints)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             endpoint = self.endpoints.get(scope["path"])
             if endpoint is not None:
+                for name, _ in scope["headers"]:
+                    if name == b"origin":
+                        endpoint = self.cors_endpoints[scope["path"]]
+                        break
                 await endpoint(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def cors_wrapper(cfg: CorsConfig) -> Callable[[Any], CORSMiddleware]:
+    """``wrap(asgi_app)``: the app behind Starlette's CORS middleware with ``cfg``."""
+    return functools.partial(CORSMiddleware, allow_origins=cfg.allowed_origins, allow_methods=cfg.allowed_methods,
+                             allow_headers=cfg.allowed_headers, allow_credentials=cfg.allow_credentials)
 
 
 def create_app(gateway: Gateway) -> HotPathDispatch:
@@ -95,7 +112,9 @@ def create_app(gateway: Gateway) -> HotPathDispatch:
         return Response(orjson.dumps(await _union_models(gateway)), media_type="application/json")
 
     app.include_router(make_admin_router(gateway))
-    return HotPathDispatch(app, endpoints)
+    cors = cors_wrapper(gateway.cfg.cors)
+    app.add_middleware(CORSMiddleware, **cors.keywords)
+    return HotPathDispatch(app, endpoints, cors)
 
 
 async def _union_models(gateway: Gateway) -> dict[str, Any]:

@@ -18,6 +18,7 @@ Example (every section but ``models`` and ``workers`` has defaults)::
     health: {interval_s: 2, timeout_s: 2, fail_threshold: 3, rise_threshold: 2}
     load_scrape: {interval_s: 1, timeout_s: 2}
     routing: {speculative_ttl_s: 5, approx_ttl_s: 120}
+    cors: {allowed_origins: [], allow_credentials: false}   # vLLM's CORS flags and defaults
 """
 from __future__ import annotations
 
@@ -159,6 +160,18 @@ class LoadScrapeConfig(_Strict):
     timeout_s: float = Field(2.0, gt=0)
 
 
+class CorsConfig(_Strict):
+    """Cross-origin requests from browsers, answered by the gateway (the origin a browser sees)
+    with vLLM's flags and defaults (``--allowed-origins`` none, ``--allow-credentials`` false,
+    ``--allowed-methods`` and ``--allowed-headers`` all), so a gateway in front of default vLLM
+    answers a browser as vLLM would; a worker's own ``Access-Control-*`` headers are not relayed."""
+
+    allowed_origins: list[str] = Field(default_factory=list)
+    allow_credentials: bool = False
+    allowed_methods: list[str] = Field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = Field(default_factory=lambda: ["*"])
+
+
 class RoutingConfig(_Strict):
     """Routing knobs outside the policy.
 
@@ -193,6 +206,7 @@ class GatewayConfig(_Strict):
     health: HealthConfig = Field(default_factory=HealthConfig)
     load_scrape: LoadScrapeConfig = Field(default_factory=LoadScrapeConfig)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    cors: CorsConfig = Field(default_factory=CorsConfig)
 
     @model_validator(mode="after")
     def _cross_check(self) -> "GatewayConfig":

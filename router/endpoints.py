@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 import uuid
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import aiohttp
 import orjson
@@ -20,6 +20,10 @@ from router.proxy import ClientState, upstream_headers
 from router.registry import InFlight
 from router.stream_usage import request_stream_usage
 from router.ttft_model import work_tokens
+
+if TYPE_CHECKING:  # the gateway owns its endpoints: imported for types only
+    from router.gateway import Gateway
+    from router.routing import RoutePlan
 
 log = logging.getLogger("kvroute.endpoints")
 
@@ -108,7 +112,7 @@ class ProxyEndpoint:
     "forward" goes to the least-loaded healthy worker of the body's model. ``gateway``: the
     :class:`router.gateway.Gateway` (router, upstream, metrics, config)."""
 
-    def __init__(self, gateway: Any, kind: EndpointKind) -> None:
+    def __init__(self, gateway: Gateway, kind: EndpointKind) -> None:
         self.gw = gateway
         self.kind = kind
 
@@ -184,7 +188,7 @@ class ProxyEndpoint:
             watcher.cancel()
 
 
-def record_first_token(gw: Any, plan: Any, handle: InFlight) -> None:
+def record_first_token(gw: Gateway, plan: RoutePlan, handle: InFlight) -> None:
     """A streamed request's first token: its TTFT against the policy's prediction (metrics), and
     against the work it met, which teaches the worker's prefill rate. The work is the figure the
     policy predicted with for that worker (the same terms, so the learned rate is the one the
@@ -210,7 +214,7 @@ def record_first_token(gw: Any, plan: Any, handle: InFlight) -> None:
         log.exception("TTFT bookkeeping failed for worker %s", handle.reg.id)
 
 
-def record_usage(gw: Any, plan: Any, handle: InFlight, actual: int) -> None:
+def record_usage(gw: Gateway, plan: RoutePlan, handle: InFlight, actual: int) -> None:
     """What a finished request teaches, for single-prompt requests (a completions body with
     several prompts reports their sum, while the prediction covers the first): predicted vs
     reported cached tokens (metrics, and the worker's evidence trust, a warning when it
@@ -221,7 +225,7 @@ def record_usage(gw: Any, plan: Any, handle: InFlight, actual: int) -> None:
         log.exception("usage bookkeeping failed for worker %s", handle.reg.id)
 
 
-def _record_usage(gw: Any, plan: Any, handle: InFlight, actual: int) -> None:
+def _record_usage(gw: Gateway, plan: RoutePlan, handle: InFlight, actual: int) -> None:
     reg = handle.reg
     predicted = plan.predicted_cached_tokens(reg.id)
     if predicted is None or len(plan.blocks.token_ids) != 1:
@@ -234,5 +238,5 @@ def _record_usage(gw: Any, plan: Any, handle: InFlight, actual: int) -> None:
                     "(agreement %s); its prefix evidence is no longer credited", reg.id,
                     reg.evidence.state()["agreement"])
     elif changed is True:
-        log.warning("worker %s: reported cached tokens agree with the index again; its prefix "
+        log.info("worker %s: reported cached tokens agree with the index again; its prefix "
                     "evidence is credited", reg.id)

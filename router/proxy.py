@@ -5,8 +5,8 @@ see :mod:`router.stream_usage`), every client header but hop-by-hop ones, ``Host
 ``Content-Length`` (recomputed) and ``Accept-Encoding`` (we ask for ``identity`` so a copy of the
 body can be read); ``x-request-id`` is the client's or a new one.
 
-What reaches the client: the worker's status, headers (minus hop-by-hop and a stale
-``Content-Length``; ``Content-Encoding`` is kept because the body is passed raw) plus
+What reaches the client: the worker's status, headers (minus hop-by-hop, a stale
+``Content-Length`` and ``Access-Control-*``, which the gateway's own CORS policy sets; ``Content-Encoding`` is kept because the body is passed raw) plus
 ``x-kvroute-worker`` and ``x-request-id``; the body as it arrives (``iter_any``: each read is
 forwarded at once, never re-chunked). A connect failure before any byte reached the client is
 retried once on the next-best worker. Cancelling the relay (the client went away) closes the
@@ -18,8 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable
 
 import aiohttp
 
@@ -36,6 +35,7 @@ _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"pr
                          b"upgrade"})
 _REQUEST_DROP = _HOP_BY_HOP | {b"host", b"content-length", b"accept-encoding", b"expect", b"x-request-id"}
 _RESPONSE_DROP = _HOP_BY_HOP | {b"content-length", b"x-request-id", b"x-kvroute-worker"}
+_CORS_PREFIX = b"access-control-"  # the gateway's CORS policy answers browsers, not the worker's
 _SSE = b"text/event-stream"
 
 
@@ -59,10 +59,11 @@ def upstream_headers(client_headers: list[tuple[bytes, bytes]], request_id: str)
     return out
 
 
-def client_headers(raw: Any, worker_id: str, request_id: str,
+def client_headers(raw: Iterable[tuple[bytes, bytes]], worker_id: str, request_id: str,
                    content_length: int | None = None) -> list[tuple[bytes, bytes]]:
     """Response headers for the client from the worker's ``raw_headers``."""
-    out = [(k.lower(), v) for k, v in raw if k.lower() not in _RESPONSE_DROP]
+    out = [(k.lower(), v) for k, v in raw
+           if k.lower() not in _RESPONSE_DROP and not k.lower().startswith(_CORS_PREFIX)]
     out.append((b"x-kvroute-worker", worker_id.encode("latin-1")))
     out.append((b"x-request-id", request_id.encode("latin-1")))
     if content_length is not None:

@@ -15,12 +15,15 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from router.config import WorkerConfig
 from router.evidence import EvidenceTrust
 from router.policies.base import WorkerLoad
 from router.ttft_model import PrefillRateEstimator
+
+if TYPE_CHECKING:
+    from kvcore.kv_events import EventIngestor
 
 log = logging.getLogger("kvroute.registry")
 
@@ -62,7 +65,7 @@ class WorkerRegistration:
         self.prefill_rate = PrefillRateEstimator()
         self.evidence = EvidenceTrust()
         self.last_scrape_monotonic: float | None = None
-        self.ingest: Any = None  # the KV-event ingestor in embedded mode (kvcore.kv_events)
+        self.ingest: EventIngestor | None = None  # the KV-event ingestor in embedded mode
         self.tasks: list[asyncio.Task] = []
         self.first_probe = asyncio.Event()
 
@@ -95,8 +98,9 @@ class WorkerRegistration:
                 self.healthy = False
         self.first_probe.set()
         if before != self.healthy:
-            log.warning("worker %s is now %s%s", self.id, "up" if self.healthy else "down",
-                        f" ({error})" if error else "")
+            # down is for an operator to act on; up (also the first probe) is routine
+            log.log(logging.INFO if self.healthy else logging.WARNING, "worker %s is now %s%s", self.id,
+                    "up" if self.healthy else "down", f" ({error})" if error else "")
         return before != self.healthy
 
     def event_state(self) -> dict[str, Any] | None:

@@ -16,7 +16,7 @@ body and its undoing.
   terminal chunk is held until the usage chunk arrives (the next event) and gets the usage
   chunk's fingerprint as its last field, where vLLM puts it. Every other byte is forwarded
   unchanged, in order, as it arrives; an SSE event split across two reads is held until its end
-  arrives (vLLM writes each event in one piece, so this is rare).
+  arrives (vLLM writes each event in one piece, so this is rare), for any line ending SSE allows.
 - Anything else (``n`` > 1, several prompts, ``stream_options`` values vLLM would coerce or
   refuse): the body goes unchanged and the client's stream is only tapped. Holding one
   sequence's terminal chunk would delay the other sequences' tokens, and guessing vLLM's
@@ -35,6 +35,7 @@ _USAGE_ONLY = re.compile(rb'"choices":\s*\[\s*\]')  # the usage chunk has no cho
 _FINISHED = re.compile(rb'(?<!\\)"finish_reason":\s*"')  # a terminal chunk (not null; not in text)
 _FINGERPRINT = re.compile(rb'(?<!\\)"system_fingerprint":\s*("(?:[^"\\]|\\.)*")')
 _USAGE_OPTION = b',"stream_options":{"include_usage":true}'
+_EVENT_END = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r(?!\n)|\n)")  # a line end, then an empty line
 
 
 def _one_sequence(body: dict[str, Any]) -> bool:
@@ -145,15 +146,14 @@ class UsageStrip:
         """Bytes to send now (possibly b""): every complete event so far, minus the usage one
         and the held ones."""
         data = self._pending + chunk if self._pending else chunk
-        cut = data.rfind(b"\n\n") + 2
-        if cut == 1:
-            self._pending = data
+        events = _split_events(data)
+        self._pending = events.pop()
+        if not events:
             return b""
-        self._pending = data[cut:]
-        done = data[:cut]
+        done = b"".join(events)
         if not self._held and not _FINISHED.search(done) and not (_USAGE_ONLY.search(done) and _USAGE.search(done)):
             return done  # the common case: content events only
-        return b"".join(self._event(e + b"\n\n") for e in done[:-2].split(b"\n\n"))
+        return b"".join(self._event(e) for e in events)
 
     def _event(self, event: bytes) -> bytes:
         if _USAGE_ONLY.search(event) and _USAGE.search(event):
@@ -173,6 +173,19 @@ class UsageStrip:
         rest = b"".join(self._held) + self._pending
         self._held, self._pending = [], b""
         return rest
+
+
+def _split_events(data: bytes) -> list[bytes]:
+    """``data`` cut after each SSE event's end (a blank line, whatever the line ends: ``\\n``,
+    ``\\r\\n`` or ``\\r``, as the SSE spec allows): the complete events, each with its
+    terminator, then the incomplete rest (possibly b""). Joined, they are ``data``."""
+    out = []
+    start = 0
+    for m in _EVENT_END.finditer(data):
+        out.append(data[start:m.end()])
+        start = m.end()
+    out.append(data[start:])
+    return out
 
 
 def _with_fingerprint(event: bytes, fingerprint: bytes) -> bytes:

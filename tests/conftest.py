@@ -22,11 +22,36 @@ ADMIN_TOKEN = "test-admin-token"
 PROCESS_DEADLINE_S = 600  # no process a test starts outlives this
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free TCP ports on 127.0.0.1. All ``n`` sockets are bound at once before any
+    is closed, so the kernel cannot hand the same port out twice (separate ``free_port()`` calls
+    can); another process may still take one before the test's server binds it."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (racy by nature; tests start servers right after)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """One free TCP port on 127.0.0.1 (for a setup that needs several, use :func:`free_ports`)."""
+    return free_ports(1)[0]
+
+
+def wait_until(check, timeout_s: float = 20.0, what: str = "condition", interval_s: float = 0.1):
+    """Poll ``check()`` every ``interval_s`` until it returns something truthy and return that;
+    raise AssertionError naming ``what`` and the last value after ``timeout_s``."""
+    end = time.monotonic() + timeout_s
+    while True:
+        last = check()
+        if last:
+            return last
+        if time.monotonic() >= end:
+            raise AssertionError(f"{what} not reached in {timeout_s}s (last: {last!r})")
+        time.sleep(interval_s)
 
 
 class Proc:

@@ -3,12 +3,13 @@ Redis under the gateway's keys; a killed agent's worker stops counting after the
 stopped agent purges its entries; bad arguments exit 2."""
 from __future__ import annotations
 
+import asyncio
 import signal
 import subprocess
 import uuid
 
 import pytest
-from conftest import free_port, kvroute_argv
+from conftest import free_ports, kvroute_argv
 from kv_replay_publisher import ReplayPublisher, capture_payloads, until
 
 from kvcore.block_keys import BlockExtras, block_keys
@@ -25,7 +26,7 @@ def keys_of(capture, name: str, salt: str | None = None) -> list[int]:
 
 @pytest.fixture
 async def publisher():
-    pub = ReplayPublisher(free_port(), free_port())
+    pub = ReplayPublisher(*free_ports(2))
     yield pub
     await pub.close()
 
@@ -73,15 +74,30 @@ async def test_agent_writes_the_gateway_keys_to_redis_and_stops_counting_when_ki
         assert st["batches_applied"] == 6 and st["resyncs"] == 0 and st["gaps"] < st["replays"]
         agent.signal(signal.SIGKILL)
         agent.popen.wait(10)
-        # nobody heartbeats any more: within the TTL (1 s) the worker stops counting
-        await until(lambda: _absent(reader, keys_a, worker), timeout_s=10, what="TTL expiry")
+        # nobody heartbeats any more: the worker stops counting when its last heartbeat's TTL
+        # (1 s) runs out, not before (a kill purges nothing) and not long after
+        await _expires_with_the_last_heartbeat(reader, keys_a, worker, ttl_s=1.0)
         assert worker not in await reader.live_workers()
+        assert worker not in await reader.worker_states()  # its published state expired with it
     finally:
         await reader.close()
 
 
 async def _absent(reader: RedisIndex, keys: list[int], worker: str) -> bool:
     return worker not in await reader.match(keys)
+
+
+async def _expires_with_the_last_heartbeat(reader: RedisIndex, keys: list[int], worker: str, ttl_s: float) -> None:
+    """For a worker whose agent is dead: its entries stop counting ``ttl_s`` after its last
+    heartbeat (whose age Redis reports with the published state), within a polling margin."""
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    age = (await reader.worker_states())[worker]["published_age_s"]
+    assert 0 <= age < ttl_s
+    left = ttl_s - age  # the heartbeat key expires this long after t0, or a little later
+    await until(lambda: _absent(reader, keys, worker), timeout_s=left + 10, what="TTL expiry")
+    elapsed = loop.time() - t0
+    assert elapsed >= left - 0.05, (age, elapsed)  # not before the TTL (no upper bound: the machine is shared)
 
 
 async def test_stopped_agent_purges_its_entries(procs, redis_url, capture, publisher):

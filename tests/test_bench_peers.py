@@ -19,7 +19,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from conftest import Proc, free_port, kvroute_argv, wait_http
+from conftest import Proc, free_port, free_ports, kvroute_argv, wait_http
 from kvroute.bench.peers import PEERS, RigWorker, VllmRouterKvAware, installed_peers
 
 BLOCK = 32
@@ -44,8 +44,9 @@ def workers(tmp_path_factory, tiny_model):
     started: list[Proc] = []
     rig: list[RigWorker] = []
     try:
+        ports = iter(free_ports(6))  # 3 per simulator: HTTP, events, replay
         for i in range(2):
-            port, events, replay = free_port(), free_port(), free_port()
+            port, events, replay = next(ports), next(ports), next(ports)
             started.append(Proc(f"w{i}", _sim_argv(tiny_model, port, events, replay, seed=i), log_dir))
             rig.append(RigWorker(f"w{i}", f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{events}",
                                  f"tcp://127.0.0.1:{replay}"))

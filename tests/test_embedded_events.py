@@ -14,7 +14,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from conftest import ADMIN_TOKEN, free_port, kvroute_argv, wait_http
+from conftest import ADMIN_TOKEN, free_ports, kvroute_argv, wait_http
 
 BLOCK = 32
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
@@ -33,8 +33,9 @@ def cluster(tmp_path_factory, tiny_model):
     procs: list = []
     sims = {}
     try:
+        ports = iter(free_ports(7))  # 3 per simulator (HTTP, events, replay), then the gateway
         for name in ("w0", "w1"):
-            port, ev, rp = free_port(), free_port(), free_port()
+            port, ev, rp = next(ports), next(ports), next(ports)
             events_cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
                           "endpoint": f"tcp://*:{ev}", "replay_endpoint": f"tcp://*:{rp}"}
             p = Proc(name, kvroute_argv("sim", "--model", str(tiny_model), "--served-model-name", "tiny",
@@ -45,7 +46,7 @@ def cluster(tmp_path_factory, tiny_model):
             sims[name] = {"id": name, "url": f"http://127.0.0.1:{port}", "model": "tiny",
                           "events": f"tcp://127.0.0.1:{ev}", "replay": f"tcp://127.0.0.1:{rp}"}
             wait_http(sims[name]["url"] + "/health", p)
-        gw_port = free_port()
+        gw_port = next(ports)
         cfg = {"listen": {"host": "127.0.0.1", "port": gw_port},
                "models": [{"name": "tiny", "tokenizer": str(tiny_model), "block_size": BLOCK}],
                "index": {"backend": "memory"}, "workers": list(sims.values()),
@@ -113,13 +114,16 @@ def test_blocks_cached_behind_the_gateways_back_attract_the_prompt(cluster):
 
 def test_reset_prefix_cache_clears_the_workers_entries(cluster):
     base, sims = cluster
-    assert _index(base)["w1"]["blocks"]["gpu"] > 0
+    held = httpx.post(sims["w1"]["url"] + "/v1/completions",  # w1 holds a prompt of its own
+                      json={"model": "tiny", "prompt": _prompt(1), "max_tokens": 1}).json()["usage"]["prompt_tokens"]
+    assert _wait(lambda: _index(base)["w1"]["blocks"]["gpu"] >= held // BLOCK >= 4)
+    clears = _index(base)["w1"]["kv_events"]["clears"]
     assert httpx.post(sims["w1"]["url"] + "/reset_prefix_cache").status_code == 200
     # as in vLLM, AllBlocksCleared goes out with the next engine step's batch
     other = _prompt(9, words=100)
     n = httpx.post(sims["w1"]["url"] + "/v1/completions",
                    json={"model": "tiny", "prompt": other, "max_tokens": 1}).json()["usage"]["prompt_tokens"]
-    assert _wait(lambda: _index(base)["w1"]["kv_events"]["clears"] >= 1)
+    assert _wait(lambda: _index(base)["w1"]["kv_events"]["clears"] == clears + 1)
     assert _wait(lambda: _index(base)["w1"]["blocks"]["gpu"] == n // BLOCK)
     explain = httpx.post(base + "/admin/explain", headers=AUTH,
                          json={"model": "tiny", "prompt": _prompt(1), "max_tokens": 1}).json()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import uuid
 
 import pytest
-from conftest import free_port
+from conftest import free_ports
 from kv_replay_publisher import ReplayPublisher, capture_payloads, until
 
 from kvcore.block_keys import block_keys
@@ -36,7 +36,7 @@ async def index(request):
 class Setup:
     def __init__(self, index, replay: bool = True, buffer_steps: int = 10_000) -> None:
         self.index = index
-        self.pub_port, self.replay_port = free_port(), free_port()
+        self.pub_port, self.replay_port = free_ports(2)
         self.replay = replay
         self.buffer_steps = buffer_steps
         self.pub: ReplayPublisher | None = None
@@ -61,11 +61,6 @@ class Setup:
         await self.ingestor.stop()
         if self.pub is not None:
             await self.pub.close()
-
-
-async def _sleep(s: float) -> None:
-    import asyncio
-    await asyncio.sleep(s)
 
 
 @pytest.fixture
@@ -188,7 +183,10 @@ async def test_agent_started_before_vllm(index, capture, setup_factory):
     payloads = capture_payloads(capture)
     s = setup_factory(index)
     await s.ingestor.start()  # nothing listening on either port yet
-    await _sleep(0.2)
+    sub = s.ingestor.subscriber
+    # its catch-up asked the replay socket and got no answer (replay_timeout_s 0.5): vLLM not up
+    await until(lambda: sub.replay_failures == 1, what="the catch-up's replay request timed out")
+    assert (sub.connected, sub.replays, sub.last_seq) == (False, 0, -1)
     pub = s.start_publisher()
     await s.connected()
     await pub.publish(payloads[0])

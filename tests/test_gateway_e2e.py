@@ -3,7 +3,8 @@ SDK and raw HTTP: routing by prefix, predicted vs actual cached tokens, byte-exa
 disconnects, pass-through of unknown fields and headers, error statuses and shapes, the admin
 API (token, policy swap, workers add/remove/drain, explain), SIGHUP reload, and the retry of a
 connect failure. One cluster for the module; tests run in file order and the last one kills a
-worker.
+worker. Each test makes the traffic it checks (counters are compared before and after), so any
+one of them also runs alone (``-k``).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import pytest
 import yaml
 from openai import OpenAI
 
-from conftest import ADMIN_TOKEN, Proc, free_port, kvroute_argv, wait_http
+from conftest import ADMIN_TOKEN, Proc, free_ports, kvroute_argv, wait_http, wait_until
 
 BLOCK = 32
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
@@ -70,14 +71,13 @@ def cluster(tmp_path_factory, tiny_model):
     started: list[Proc] = []
     sims: dict[str, Sim] = {}
     try:
-        for name in ("w0", "w1", "w2"):
-            port = free_port()
-            proc = Proc(name, _sim_argv(tiny_model, port), log_dir)
+        *sim_ports, port = free_ports(4)  # 3 simulators, then the gateway
+        for name, sim_port in zip(("w0", "w1", "w2"), sim_ports):
+            proc = Proc(name, _sim_argv(tiny_model, sim_port), log_dir)
             started.append(proc)
-            sims[name] = Sim(name, f"http://127.0.0.1:{port}", proc)
+            sims[name] = Sim(name, f"http://127.0.0.1:{sim_port}", proc)
         for sim in sims.values():
             wait_http(sim.url + "/health", sim.proc, timeout_s=180)  # generous: CI machines are busy
-        port = free_port()
         cfg = {
             "listen": {"host": "127.0.0.1", "port": port},
             "admin": {"token_env": "KVROUTE_ADMIN_TOKEN"},
@@ -160,17 +160,6 @@ def sim_gauge(sim: Sim, name: str) -> float:
         if line.startswith(name + "{") or line.startswith(name + " "):
             total += float(line.rsplit(" ", 1)[1])
     return total
-
-
-def wait_until(check, timeout_s: float = 20.0, what: str = "condition"):
-    end = time.monotonic() + timeout_s
-    last = None
-    while time.monotonic() < end:
-        last = check()
-        if last:
-            return last
-        time.sleep(0.1)
-    raise AssertionError(f"{what} not reached in {timeout_s}s (last: {last!r})")
 
 
 def metric_value(cluster: Cluster, name: str, **labels) -> float:
@@ -455,19 +444,36 @@ def test_first_byte_timeout_is_504(cluster):
 
 # ---- metrics -------------------------------------------------------------------------------------
 def test_metrics_exposed(cluster):
-    post(cluster, "/v1/chat/completions", {"model": "tiny", "messages": [
+    """Every family is exposed, and this test's own requests move the counters by what they are
+    (deltas: the module's other tests count too)."""
+    def fallbacks() -> float:
+        return metric_value(cluster, "kvroute_tokenization_fallbacks_total", model="tiny", reason="unsupported_prompt")
+
+    before = fallbacks()
+    post(cluster, "/v1/chat/completions", {"model": "tiny", "messages": [  # not tokenizable here: a fallback
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}]})
+    assert fallbacks() - before == 1
+
+    def counts(worker: str) -> list[float]:
+        return [metric_value(cluster, "kvroute_requests_total", worker=worker, status="200"),
+                metric_value(cluster, "kvroute_requests_total", worker="none", status="404"),
+                metric_value(cluster, "kvroute_route_decisions_total", policy="kv_aware", reason="prefix_hit")]
+
+    body = chat_body("metrics", "q")
+    worker = explain(cluster, body)["chosen"]
+    before = counts(worker)
+    for _ in range(2):  # a cold request, then a prefix hit on the same worker
+        r = post(cluster, "/v1/chat/completions", body)
+        assert r.status_code == 200 and r.headers["x-kvroute-worker"] == worker
+    assert_openai_error(post(cluster, "/v1/chat/completions", {"model": "nope", "messages": [
+        {"role": "user", "content": "x"}]}), 404)
+    assert [a - b for a, b in zip(counts(worker), before)] == [2, 1, 1]
     text = httpx.get(cluster.base + "/metrics", timeout=10).text
     for name in ["kvroute_requests_total", "kvroute_route_decisions_total", "kvroute_index_lookup_seconds_bucket",
                  "kvroute_ttft_seconds_bucket", "kvroute_in_flight", "kvroute_tokenization_fallbacks_total",
                  "kvroute_predicted_cached_tokens_sum", "kvroute_actual_cached_tokens_sum", "kvroute_worker_healthy"]:
         assert name in text, name
-    assert metric_value(cluster, "kvroute_requests_total", worker="w0", status="200") > 0
-    assert metric_value(cluster, "kvroute_requests_total", worker="none", status="404") > 0
-    assert metric_value(cluster, "kvroute_route_decisions_total", policy="kv_aware", reason="prefix_hit") > 0
-    assert metric_value(cluster, "kvroute_tokenization_fallbacks_total", model="tiny",
-                        reason="unsupported_prompt") == 1
-    assert metric_value(cluster, "kvroute_in_flight", worker="w0") == 0
+    assert metric_value(cluster, "kvroute_in_flight", worker=worker) == 0
 
 
 # ---- admin ---------------------------------------------------------------------------------------
@@ -483,6 +489,10 @@ def test_admin_needs_token(cluster, method, path):
 
 
 def test_admin_workers_and_index(cluster):
+    body = chat_body("admin-w0", "q")  # w0 gets a request of its own: speculative entries
+    steer_to(cluster, body, "w0")
+    assert post(cluster, "/v1/chat/completions", body).headers["x-kvroute-worker"] == "w0"
+    settle(cluster)  # the engine figures below come from the gateway's load scrape
     w = workers_by_id(cluster)
     assert set(w) == {"w0", "w1"}
     entry = w["w0"]
@@ -522,6 +532,11 @@ def test_policy_swap_applies_to_next_request(cluster):
     assert r.status_code == 200 and r.json() == full
 
 
+def _reload_failures(cluster: Cluster) -> int:
+    """How many config reloads the gateway has logged as failed (it keeps the running config)."""
+    return cluster.gateway.log_path.read_text(errors="replace").count("keeping the running config")
+
+
 def test_sighup_reloads_policy_and_workers(cluster):
     original = cluster.config_path.read_text()
     changed = dict(cluster.config, policy={"name": "least_load"}, workers=cluster.config["workers"][:1])
@@ -531,9 +546,11 @@ def test_sighup_reloads_policy_and_workers(cluster):
         wait_until(lambda: admin(cluster, "GET", "/admin/policy").json()["name"] == "least_load", what="reload")
         wait_until(lambda: set(workers_by_id(cluster)) == {"w0"}, what="w1 removed")
         cluster.config_path.write_text("policy: [not, valid")  # a bad file is ignored
+        failed_before = _reload_failures(cluster)
         cluster.gateway.signal(signal.SIGHUP)
-        time.sleep(0.5)
+        wait_until(lambda: _reload_failures(cluster) == failed_before + 1, what="the bad reload logged")
         assert admin(cluster, "GET", "/admin/policy").json()["name"] == "least_load"
+        assert set(workers_by_id(cluster)) == {"w0"}
     finally:
         cluster.config_path.write_text(original)
         cluster.gateway.signal(signal.SIGHUP)

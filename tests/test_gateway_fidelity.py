@@ -20,6 +20,7 @@ from router.gateway import Gateway
 BLOCK = 32
 HERE = Path(__file__).resolve().parent
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+ALLOWED_ORIGIN = "http://app.example"
 CHAT = {"messages": [{"role": "user", "content": "hello there, how are you"}], "max_tokens": 2}
 
 
@@ -60,6 +61,7 @@ def setup(tmp_path_factory, tiny_model) -> Setup:
         base = {"admin": {"token_env": "KVROUTE_ADMIN_TOKEN"}, "load_scrape": {"enabled": False},
                 "timeouts": {"worker_call_s": 1.0}}
         one = _gateway("gw-one", {**base, "listen": {"host": "127.0.0.1", "port": gw1_port}, "models": [tiny],
+                                  "cors": {"allowed_origins": [ALLOWED_ORIGIN]},
                                   "workers": [{"id": "w0", "url": sim_url, "model": "tiny"}]}, log_dir, started)
         two = _gateway("gw-two", {**base, "listen": {"host": "127.0.0.1", "port": gw2_port},
                                   "models": [tiny, {**tiny, "name": "other"}],
@@ -116,6 +118,25 @@ def test_body_without_model_among_several_models_gets_400_listing_them(setup, pa
 def test_model_of_the_wrong_type_gets_400(setup, model):
     r = httpx.post(setup.one_model + "/v1/chat/completions", json={**CHAT, "model": model}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+
+
+# ---- CORS: the gateway's own policy (vLLM's flags), on the hot path too -------------------------
+@pytest.mark.parametrize("origin,allowed", [(ALLOWED_ORIGIN, True), ("http://evil.example", False)])
+def test_cors_follows_the_gateways_allowed_origins(setup, origin, allowed):
+    preflight = httpx.options(setup.one_model + "/v1/chat/completions", timeout=30, headers={
+        "origin": origin, "access-control-request-method": "POST", "access-control-request-headers": "content-type"})
+    assert preflight.status_code == (200 if allowed else 400)
+    assert preflight.headers.get("access-control-allow-origin") == (origin if allowed else None)
+    posted = httpx.post(setup.one_model + "/v1/chat/completions", json={**CHAT, "model": "tiny"},
+                        headers={"origin": origin}, timeout=60)
+    assert posted.status_code == 200 and posted.headers["x-kvroute-worker"] == "w0"
+    assert posted.headers.get("access-control-allow-origin") == (origin if allowed else None)
+    listed = httpx.get(setup.one_model + "/v1/models", headers={"origin": origin}, timeout=30)
+    assert listed.headers.get("access-control-allow-origin") == (origin if allowed else None)
+    # the default (vLLM's): no origin is allowed
+    default = httpx.options(setup.two_models + "/v1/chat/completions", timeout=30, headers={
+        "origin": ALLOWED_ORIGIN, "access-control-request-method": "POST"})
+    assert default.status_code == 400 and "access-control-allow-origin" not in default.headers
 
 
 # ---- one stuck worker ------------------------------------------------------------------------------

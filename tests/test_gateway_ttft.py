@@ -12,7 +12,7 @@ import httpx
 import orjson
 import pytest
 
-from conftest import ADMIN_TOKEN, Proc, free_port, wait_http
+from conftest import ADMIN_TOKEN, Proc, free_ports, wait_http
 from test_gateway_e2e import BLOCK, Sim, _sim_argv, metric_value, start_gateway, system_prompt, wait_until
 
 
@@ -22,14 +22,13 @@ def ttft_cluster(tmp_path_factory, tiny_model):
     started: list[Proc] = []
     sims: dict[str, Sim] = {}
     try:
-        for name in ("w0", "w1"):
-            port = free_port()
-            proc = Proc(name, _sim_argv(tiny_model, port), log_dir)
+        *sim_ports, port = free_ports(3)  # 2 simulators, then the gateway
+        for name, sim_port in zip(("w0", "w1"), sim_ports):
+            proc = Proc(name, _sim_argv(tiny_model, sim_port), log_dir)
             started.append(proc)
-            sims[name] = Sim(name, f"http://127.0.0.1:{port}", proc)
+            sims[name] = Sim(name, f"http://127.0.0.1:{sim_port}", proc)
         for sim in sims.values():
             wait_http(sim.url + "/health", sim.proc, timeout_s=180)
-        port = free_port()
         cfg = {
             "listen": {"host": "127.0.0.1", "port": port},
             "models": [{"name": "tiny", "tokenizer": str(tiny_model), "block_size": BLOCK}],
@@ -96,6 +95,9 @@ def test_explain_predicts_ttft(ttft_cluster):
 
 def test_streamed_requests_teach_each_worker_its_prefill_rate(ttft_cluster):
     base, _, _ = ttft_cluster
+    ratios0 = metric(base, "kvroute_ttft_prediction_ratio_count")
+    predicted0 = metric(base, "kvroute_predicted_ttft_seconds_count")
+    observed0 = {wid: w["prefill_rate"]["observed"] for wid, w in workers(base).items()}
     sent = {"w0": 0, "w1": 0}
     for i in range(40):
         worker, _ = stream_chat(base, chat(f"learn-{i}", 20 + 25 * (i % 20)))
@@ -104,13 +106,13 @@ def test_streamed_requests_teach_each_worker_its_prefill_rate(ttft_cluster):
     state = workers(base)
     for wid, n in sent.items():
         rate = state[wid]["prefill_rate"]
-        assert rate["observed"] == n
+        assert rate["observed"] - observed0[wid] == n
+        total = rate["observed"]
         if n >= 12:  # enough distinct sizes for a line
             # the line is refitted every 4 samples, from the last 64
-            assert rate["learned"] is True and rate["ms_per_token"] > 0 and min(n, 64) - 4 < rate["samples"] <= min(n, 64)
-    ratios = metric(base, "kvroute_ttft_prediction_ratio_count")
-    assert ratios == 40
-    assert metric(base, "kvroute_predicted_ttft_seconds_count") == 40
+            assert rate["learned"] is True and rate["ms_per_token"] > 0 and min(total, 64) - 4 < rate["samples"] <= min(total, 64)
+    assert metric(base, "kvroute_ttft_prediction_ratio_count") - ratios0 == 40
+    assert metric(base, "kvroute_predicted_ttft_seconds_count") - predicted0 == 40
     learned = [w for w, n in sent.items() if state[w]["prefill_rate"]["learned"]]
     text = httpx.get(base + "/metrics", timeout=10).text
     for wid in learned:
@@ -145,8 +147,7 @@ def test_worker_whose_reports_fall_short_is_distrusted_then_trusted_again(ttft_c
         return workers(base)["w0"]["evidence"]["trusted"]
     try:
         wait_until(trusted_again, timeout_s=60, what="evidence trusted again")
-        assert metric(base, "kvroute_evidence_trusted", worker="w0") == 1
-        assert "agree with the index again" in gw.log_tail(200)
+        assert metric(base, "kvroute_evidence_trusted", worker="w0") == 1  # (its log line is INFO: routine)
     finally:
         admin(base, "DELETE", "/admin/workers/w1")  # undrain: re-add it fresh
         assert admin(base, "POST", "/admin/workers", {"id": "w1", "url": sims["w1"].url,

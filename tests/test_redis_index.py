@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 import redis
-from conftest import free_port
+from conftest import free_port, free_ports
 from kv_replay_publisher import ReplayPublisher, capture_payloads, until
 
 from kvcore.block_keys import block_keys
@@ -30,12 +30,17 @@ async def rindex(redis_url):
 
 
 async def test_heartbeat_ttl_expiry_stops_a_worker_counting(rindex):
-    await rindex.store("dead", "gpu", K)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    await rindex.store("dead", "gpu", K)  # a store heartbeats (TTL 0.4 s): "dead" counts until then
     await rindex.store("live", "gpu", K[:5])
     assert set(await rindex.match(K)) == {"dead", "live"}
-    for _ in range(4):  # only "live" keeps heartbeating
-        await asyncio.sleep(0.2)
+
+    async def dead_expired() -> bool:  # only "live" keeps heartbeating
         assert await rindex.heartbeat("live") is False  # never marked as published
+        return "dead" not in await rindex.match(K)
+    await until(dead_expired, timeout_s=5, what='"dead" expired')
+    assert loop.time() - t0 >= 0.4 - 0.01  # not before its TTL
     assert await rindex.match(K) == {"live": TierMatch(5, 0, 0)}
     assert await rindex.live_workers() == {"live"}
     await rindex.heartbeat("dead")  # its agent comes back: entries count again
@@ -65,10 +70,15 @@ async def test_published_ingest_state_is_read_back_with_its_age_and_expires_with
     assert w["last_event_age_s"] == pytest.approx(0.5 + w["published_age_s"], abs=0.002)
     await rindex.heartbeat("w", ttl_s=30)  # a heartbeat without a state keeps the last one
     assert (await rindex.worker_states())["w"]["last_seq"] == 41
+    t0 = asyncio.get_running_loop().time()
     await rindex.heartbeat("w", ttl_s=0.2, state=dict(state, last_seq=42))
     assert (await rindex.worker_states())["w"]["last_seq"] == 42
-    await asyncio.sleep(0.4)  # past the TTL: the agent is gone, and so is its state
-    assert await rindex.worker_states() == {}
+
+    async def gone() -> bool:  # past the TTL the agent is gone, and so is its state
+        return await rindex.worker_states() == {}
+    await until(gone, timeout_s=5, what="the state expired")
+    assert asyncio.get_running_loop().time() - t0 >= 0.2 - 0.01
+    assert await rindex.live_workers() == {"quiet"}
     await rindex.heartbeat("w", ttl_s=30, state=state)
     assert list(await rindex.worker_states()) == ["w"]
     await rindex.clear_worker("w")  # a purge drops it at once
@@ -142,9 +152,14 @@ async def test_redis_down_raises_index_unavailable_then_recovers(procs):
         with pytest.raises(IndexUnavailable):  # fail-fast window: no new connection attempt
             await idx.store("w", "gpu", K)
         assert idx.unavailable_errors == 2
-        _redis_server(procs, port)  # back, empty
-        await asyncio.sleep(0.25)
-        assert await idx.match(K) == {}
+        _redis_server(procs, port)  # back, empty: usable again once the fail-fast window (0.2 s) is over
+
+        async def recovered():
+            try:
+                return await idx.match(K) == {}
+            except IndexUnavailable:
+                return False
+        await until(recovered, timeout_s=5, what="index usable again")
         assert idx.available is True
         other = RedisIndex(f"redis://127.0.0.1:{port}/0")
         await other.store("other", "gpu", K)  # takes slot 0 in the new Redis, which "w" had before
@@ -156,10 +171,9 @@ async def test_redis_down_raises_index_unavailable_then_recovers(procs):
 
 
 async def test_agent_state_is_republished_into_a_restarted_redis(procs, capture):
-    port = free_port()
+    port, pub_port, replay_port = free_ports(3)
     server = _redis_server(procs, port)
     url = f"redis://127.0.0.1:{port}/0"
-    pub_port, replay_port = free_port(), free_port()
     pub = ReplayPublisher(pub_port, replay_port)
     index = RedisIndex(url, heartbeat_ttl_s=0.6, retry_after_s=0.1, socket_timeout_s=0.3)
     reader = RedisIndex(url, retry_after_s=0.1, socket_timeout_s=0.3)

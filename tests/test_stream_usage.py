@@ -126,3 +126,20 @@ def test_finish_reason_inside_generated_text_is_not_a_terminal_chunk():
     chunk = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"\\"finish_reason\\":\\"x\\""},"finish_reason":null}]}\n\n'
     strip = UsageStrip()
     assert strip.feed(chunk) == chunk
+
+
+@pytest.mark.parametrize("eol", [b"\r\n", b"\r", b"\n"])
+def test_strip_forwards_each_event_as_it_ends_for_any_sse_line_end(eol):
+    """SSE allows CRLF, CR or LF line ends: each event is sent the moment its blank line arrives
+    (the worker's timing), the usage event is dropped and the fingerprint still comes back."""
+    events = (STREAMS / "chat_usage.sse").read_bytes().split(b"\n\n")[:-1]
+    framed = [e + eol + eol for e in events]
+    strip = UsageStrip()
+    out = []
+    for e in framed:
+        out.append(strip.feed(e))
+    out.append(strip.finish())
+    plain = [e + eol + eol for e in (STREAMS / "chat_plain.sse").read_bytes().split(b"\n\n")[:-1]]
+    assert masked(b"".join(out)) == masked(b"".join(plain))
+    assert out[0] == framed[0] and out[1] == framed[1]  # content events: at once, unchanged
+    assert strip.cached_tokens == 0

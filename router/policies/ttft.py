@@ -168,15 +168,6 @@ class TTFTPolicy(Policy):
         evidence weight."""
         return self.held_tokens(candidate, prompt_tokens, block_size) * _weight(candidate)
 
-    def predict(self, candidate: Candidate, prompt_tokens: int, block_size: int,
-                all_prompt_tokens: int | None = None,
-                pooled: PrefillRate | None = None) -> tuple[float, float, float, float]:
-        """``(ttft_ms, credit_tokens, queued_tokens, work_tokens)`` of one candidate for a prompt
-        of ``prompt_tokens`` tokens (module docstring); ``all_prompt_tokens``: every prompt of
-        the body (default: the one), all of which are prefilled; ``pooled``: see :meth:`rate_of`."""
-        s = self._score(candidate, prompt_tokens, block_size, all_prompt_tokens, pooled)
-        return s.ttft_ms, s.credit_tokens, s.queued_tokens, s.score.work_tokens or 0.0
-
     def _score(self, candidate: Candidate, prompt_tokens: int, block_size: int,
                all_prompt_tokens: int | None, pooled: PrefillRate | None) -> _Scored:
         """One candidate's prediction and the figures its rank is made of."""

@@ -30,7 +30,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import ADMIN_TOKEN, Proc, free_port, kvroute_argv, wait_http
+from conftest import ADMIN_TOKEN, Proc, free_ports, kvroute_argv, wait_http
 from offload_agent.connector.config import kv_transfer_config, vllm_env
 from offload_agent.tiers import HEADER_BYTES, TierFingerprint, tier_block_keys, tier_root
 from offload_agent.tiers.ssd_file import block_path
@@ -140,7 +140,7 @@ def tiers(tmp_path_factory):
     ssd_dir = log_dir / "ssd"
     procs: list[Proc] = []
     try:
-        port, ev, rp = free_port(), free_port(), free_port()
+        port, ev, rp, sim_port, sev, srp, gw_port = free_ports(7)  # vLLM, sim (HTTP, events, replay), gateway
         events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
                   "endpoint": f"tcp://*:{ev}", "replay_endpoint": f"tcp://*:{rp}"}
 
@@ -157,7 +157,6 @@ def tiers(tmp_path_factory):
 
         vllm = start_vllm()
         procs.append(vllm)
-        sim_port, sev, srp = free_port(), free_port(), free_port()
         sim_events = {**events, "endpoint": f"tcp://*:{sev}", "replay_endpoint": f"tcp://*:{srp}"}
         sim = Proc("sim", kvroute_argv("sim", "--model", str(model), "--served-model-name", "tiny",
                                        "--host", "127.0.0.1", "--port", str(sim_port), "--block-size", str(BLOCK),
@@ -167,7 +166,6 @@ def tiers(tmp_path_factory):
         vllm_url, sim_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{sim_port}"
         wait_http(sim_url + "/health", sim)
         wait_http(vllm_url + "/health", vllm, timeout_s=480)
-        gw_port = free_port()
         cfg = {"listen": {"host": "127.0.0.1", "port": gw_port},
                "models": [{"name": "tiny", "tokenizer": str(model), "block_size": BLOCK}],
                "index": {"backend": "memory"},
