@@ -1,9 +1,12 @@
 """The gateway's FastAPI app (DESIGN.md "Gateway HTTP").
 
 Routed by the policy: ``POST /v1/chat/completions``, ``POST /v1/completions``. Forwarded to the
-least-loaded healthy worker of the body's model: ``POST /v1/responses``, ``/v1/embeddings``,
-``/tokenize``, ``/detokenize``. Also ``GET /v1/models`` (union over healthy workers),
-``GET /health``, ``GET /metrics`` and ``/admin/*`` (:mod:`router.admin`).
+least-loaded healthy worker of the body's model: vLLM's other client POST paths (:data:`FORWARDED`:
+responses, embeddings, tokenize, detokenize, Anthropic messages, render). Also ``GET /v1/models``
+(union over healthy workers), ``GET /version`` (the first healthy worker's), ``GET /health`` and
+``GET /ping`` (the gateway's liveness), ``GET /metrics`` and ``/admin/*`` (:mod:`router.admin`).
+Not served: ``GET /v1/responses/{id}`` (a stored response lives on the one worker that made it).
+Browsers' cross-origin requests get the ``cors`` config's answer everywhere.
 
 The proxied paths are raw ASGI apps (:mod:`router.endpoints`): FastAPI never validates or
 re-serializes their bodies, and :class:`HotPathDispatch` hands POSTs to them before FastAPI's
@@ -30,12 +33,15 @@ from router.config import CorsConfig
 from router.endpoints import ProxyEndpoint
 from router.errors import GatewayError
 from router.gateway import Gateway
-from router.worker_probes import worker_models
+from router.worker_probes import worker_get, worker_models
 
 log = logging.getLogger("kvroute.app")
 
 ROUTED = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
-FORWARDED = ("/v1/responses", "/v1/embeddings", "/tokenize", "/detokenize")
+# vLLM 0.32's other client-facing POST paths: each goes to one worker of the body's model
+FORWARDED = ("/v1/responses", "/v1/embeddings", "/tokenize", "/detokenize", "/v1/messages",
+             "/v1/messages/count_tokens", "/v1/chat/completions/render", "/v1/completions/render",
+             "/v1/responses/render")
 
 
 class HotPathDispatch:
@@ -103,6 +109,14 @@ def create_app(gateway: Gateway) -> HotPathDispatch:
         return Response(orjson.dumps({"status": "ok", "workers": len(gateway.registry), "routable": up}),
                         media_type="application/json")
 
+    @app.get("/ping")
+    async def ping() -> Response:  # vLLM's (SageMaker's) liveness path: the gateway answers for itself
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return await _first_worker_answer(gateway, "/version")
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(gateway.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -134,6 +148,20 @@ async def _union_models(gateway: Gateway) -> dict[str, Any]:
         for card in cards:
             seen.setdefault(card["id"], card)
     return {"object": "list", "data": list(seen.values())}
+
+
+async def _first_worker_answer(gateway: Gateway, path: str) -> Response:
+    """``GET path`` of the healthy workers, asked in id order until one answers 200 (each call
+    bounded by ``timeouts.worker_call_s``; failures counted as for the models listing); its
+    JSON body. 503 in the OpenAI shape when none answers."""
+    for reg in sorted((r for r in gateway.registry.all() if r.healthy), key=lambda r: r.id):
+        got = await worker_get(gateway.upstream.session, reg, path, gateway.cfg.timeouts.worker_call_s)
+        if isinstance(got, bytes):
+            return Response(got, media_type="application/json", headers={"x-kvroute-worker": reg.id})
+        log.warning("GET %s%s (worker %s) failed: %s", reg.url, path, reg.id, got)
+        gateway.metrics.worker_call_failures.labels(reg.id, path.strip("/")).inc()
+    err = GatewayError(503, f"no healthy worker answered GET {path}", "service_unavailable", "no_healthy_worker")
+    return Response(err.body(), status_code=503, media_type="application/json")
 
 
 def _install_sighup(gateway: Gateway) -> bool:

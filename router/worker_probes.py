@@ -81,17 +81,24 @@ async def scrape_once(session: aiohttp.ClientSession, reg: WorkerRegistration, c
     return True
 
 
+async def worker_get(session: aiohttp.ClientSession, reg: WorkerRegistration, path: str,
+                     timeout_s: float) -> bytes | str:
+    """The body of ``GET {url}{path}`` when it answered 200 within ``timeout_s`` seconds (the
+    whole call), else the error text."""
+    got = await _get(session, reg.url + path, timeout_s)
+    if isinstance(got, str):
+        return got
+    return got[1] if got[0] == 200 else f"status {got[0]}"
+
+
 async def worker_models(session: aiohttp.ClientSession, reg: WorkerRegistration,
                         timeout_s: float) -> list[dict] | str:
     """The model cards of ``GET {url}/v1/models`` (OpenAI list shape ``{"data": [card, ...]}``),
     the whole call bounded by ``timeout_s`` seconds; the error text when it failed, timed out,
     answered non-200 or not that shape."""
-    got = await _get(session, reg.url + "/v1/models", timeout_s)
-    if isinstance(got, str):
-        return got
-    status, body = got
-    if status != 200:
-        return f"status {status}"
+    body = await worker_get(session, reg, "/v1/models", timeout_s)
+    if isinstance(body, str):
+        return body
     try:
         data = orjson.loads(body).get("data")
     except (orjson.JSONDecodeError, AttributeError):

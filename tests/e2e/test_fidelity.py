@@ -147,6 +147,14 @@ ODD_REQUESTS = [
     ("unknown path", "GET", "/nope", {}, b""),
     ("tokenize without model", "POST", "/tokenize", _CT, b'{"prompt":"hi"}'),
     ("trailing slash", "POST", "/v1/chat/completions/", _CT, _HI),
+    ("render", "POST", "/v1/chat/completions/render", _CT, _HI),
+    ("completions render", "POST", "/v1/completions/render", _CT, b'{"model":"tiny","prompt":"hi"}'),
+    ("anthropic messages", "POST", "/v1/messages", _CT,
+     b'{"model":"tiny","max_tokens":1,"messages":[{"role":"user","content":"hi"}]}'),
+    ("anthropic count tokens", "POST", "/v1/messages/count_tokens", _CT,
+     b'{"model":"tiny","messages":[{"role":"user","content":"hi"}]}'),
+    ("version", "GET", "/version", {}, b""),
+    ("ping", "GET", "/ping", {}, b""),
 ]
 
 
