@@ -305,9 +305,14 @@ class SimServer:
                 reason = r.finish_reason if received[index] == len(r.output_token_ids) else None
                 piece = self.sampler.pieces[token]
                 if chat:
-                    yield fmt.sse(fmt.chat_chunk(rid, created, model, index, {"content": piece}, reason))
+                    chunk = fmt.chat_chunk(rid, created, model, index, {"content": piece}, reason)
                 else:
-                    yield fmt.sse(fmt.completion_chunk(rid, created, model, index, piece, reason))
+                    chunk = fmt.completion_chunk(rid, created, model, index, piece, reason)
+                if reason is not None and not parsed.include_usage:
+                    # vLLM 0.32 stamps the fingerprint on a choice's last chunk, or on the usage
+                    # chunk when one follows
+                    chunk["system_fingerprint"] = fmt.SYSTEM_FINGERPRINT
+                yield fmt.sse(chunk)
             if parsed.include_usage:
                 obj = "chat.completion.chunk" if chat else "text_completion"
                 yield fmt.sse(fmt.usage_chunk(rid, obj, created, model, self._usage(parsed, reqs)))

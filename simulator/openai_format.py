@@ -6,8 +6,9 @@
 - Streaming: Server-Sent Events ``b"data: {json}\\n\\n"`` per chunk, ``b"data: [DONE]\\n\\n"`` last.
   Chat streams open each choice with a ``{"role": "assistant", "content": ""}`` delta, sent with
   the first engine output (after the prefill, as vLLM's serving_chat does); the last token
-  chunk of a choice carries its ``finish_reason``; with ``stream_options.include_usage`` a final
-  chunk has ``"choices": []`` and the usage.
+  chunk of a choice carries its ``finish_reason`` (and ``system_fingerprint``, unless a usage
+  chunk follows); with ``stream_options.include_usage`` a final chunk has ``"choices": []``, the
+  usage and the fingerprint.
 - Errors: ``{"error": {"message", "type", "param", "code"}}`` (vLLM's ``ErrorResponse``).
 """
 from __future__ import annotations
@@ -92,4 +93,5 @@ def usage_chunk(rid: str, obj: str, created: int, model: str, use: dict[str, Any
     body = _head(rid, obj, created, model)
     body["choices"] = []
     body["usage"] = use
+    body["system_fingerprint"] = SYSTEM_FINGERPRINT
     return body
