@@ -29,9 +29,11 @@ from dataclasses import dataclass, field
 import xxhash
 
 ENCODING_VERSION = 1
+"""Version of the encoding above. Bump it with any change that alters a key (and the root prefix
+with it). The Redis index stores it per namespace and refuses a process on another version
+(:class:`kvcore.index.errors.IndexEncodingMismatch`)."""
 _ROOT_PREFIX = b"kvroute/v1\x00"
 _h = xxhash.xxh3_64_intdigest
-_U64 = struct.Struct("<Q")
 
 
 @dataclass(frozen=True)

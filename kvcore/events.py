@@ -109,7 +109,7 @@ class EventDecodeError(ValueError):
     """A payload that is neither vLLM 0.32's map-shaped batch nor the older array-shaped one."""
 
 
-def _from_old(ev: Any) -> KVCacheEvent:
+def _from_old(ev: _OldBlockStored | _OldBlockRemoved | _OldAllBlocksCleared) -> KVCacheEvent:
     if isinstance(ev, _OldBlockStored):
         return BlockStored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size,
                            ev.lora_id, ev.medium, ev.lora_name, ev.extra_keys, ev.group_idx)

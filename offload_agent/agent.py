@@ -1,6 +1,8 @@
 """The offload agent process: an :class:`kvcore.kv_events.EventIngestor` writing a Redis index,
 until SIGINT/SIGTERM. Logs its state every ``STATUS_EVERY_S`` seconds; on a clean stop it purges its
-worker's entries (the index may under-report, never over-report)."""
+worker's entries (the index may under-report, never over-report). It refuses to run against an
+index of another block-key encoding version (:class:`kvcore.index.errors.IndexEncodingMismatch`):
+at start-up, or as soon as an index that was down at start-up answers."""
 from __future__ import annotations
 
 import argparse
@@ -10,11 +12,13 @@ import logging
 import signal
 import sys
 
+from kvcore.index.errors import IndexEncodingMismatch, IndexUnavailable
 from kvcore.index.redis import RedisIndex
 from kvcore.kv_events import EventIngestor
 
 log = logging.getLogger("kvroute.agent")
 STATUS_EVERY_S = 30.0
+CHECK_EVERY_S = 1.0  # how often the main loop looks for an encoding mismatch found by the index
 # Redis command timeout for the agent. Longer than the gateway's (which falls back to load-only
 # routing fast): a republish writes the worker's whole state in one script call, and a timeout
 # shorter than that call on a busy host would make the agent republish over and over.
@@ -36,9 +40,19 @@ def check_args(args: argparse.Namespace) -> str | None:
     return None
 
 
-async def run_agent(args: argparse.Namespace) -> None:
-    """Run until a stop signal; never raises for an unreachable Redis or vLLM (it waits for both)."""
+async def run_agent(args: argparse.Namespace) -> int:
+    """Run until a stop signal; returns the exit status: 0, or 1 when the index holds block keys of
+    another encoding version (logged with what to do). Never fails for an unreachable Redis or
+    vLLM (it waits for both)."""
     index = RedisIndex(args.index, heartbeat_ttl_s=args.heartbeat_ttl_s, socket_timeout_s=REDIS_TIMEOUT_S)
+    try:
+        await index.open()
+    except IndexEncodingMismatch as exc:
+        log.error("not starting: %s", exc)
+        await index.close()
+        return 1
+    except IndexUnavailable as exc:
+        log.info("index not reachable yet (the agent waits for it; the encoding is checked then): %s", exc)
     ingestor = EventIngestor(args.worker_id, args.events, args.replay, index, args.model, args.block_size,
                              topic=args.topic.encode(), heartbeat_ttl_s=args.heartbeat_ttl_s)
     stop = asyncio.Event()
@@ -48,25 +62,35 @@ async def run_agent(args: argparse.Namespace) -> None:
     await ingestor.start()
     log.info("agent for worker %s: events %s, replay %s, index %s, model %s, block size %d",
              args.worker_id, args.events, args.replay, args.index, args.model, args.block_size)
+    status = 0
+    next_state_at = loop.time() + STATUS_EVERY_S
     try:
         while not stop.is_set():
             try:
-                await asyncio.wait_for(stop.wait(), STATUS_EVERY_S)
+                await asyncio.wait_for(stop.wait(), CHECK_EVERY_S)
             except asyncio.TimeoutError:
+                pass
+            if index.encoding_error is not None:  # found once a Redis that was down answered
+                log.error("stopping: %s", index.encoding_error)
+                status = 1
+                break
+            if loop.time() >= next_state_at:
+                next_state_at += STATUS_EVERY_S
                 log.info("state %s", json.dumps(ingestor.state(), sort_keys=True))
     finally:
         log.info("stopping; final state %s", json.dumps(ingestor.state(), sort_keys=True))
-        await ingestor.stop(purge=True)
+        await ingestor.stop(purge=status == 0)
         await index.close()
+    return status
 
 
 def run_from_args(args: argparse.Namespace) -> int:
-    """Entry of ``kvroute agent``; returns the exit status (2 for bad arguments)."""
+    """Entry of ``kvroute agent``; returns the exit status (2 for bad arguments, 1 for an index of
+    another block-key encoding version)."""
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     problem = check_args(args)
     if problem:
         print(f"kvroute agent: error: {problem}", file=sys.stderr)
         return 2
-    asyncio.run(run_agent(args))
-    return 0
+    return asyncio.run(run_agent(args))

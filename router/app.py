@@ -96,7 +96,8 @@ def create_app(gateway: Gateway) -> HotPathDispatch:
 
     @app.exception_handler(GatewayError)
     async def gateway_error(request: Request, exc: GatewayError) -> Response:
-        return Response(exc.body(), status_code=exc.status, media_type="application/json")
+        return Response(exc.body(), status_code=exc.status, media_type="application/json",
+                        headers={k.decode("latin-1"): v.decode("latin-1") for k, v in exc.headers})
 
     endpoints = {path: ProxyEndpoint(gateway, kind) for path, kind in ROUTED.items()}
     endpoints.update({path: ProxyEndpoint(gateway, "forward") for path in FORWARDED})

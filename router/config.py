@@ -19,6 +19,7 @@ Example (every section but ``models`` and ``workers`` has defaults)::
     load_scrape: {interval_s: 1, timeout_s: 2}
     routing: {speculative_ttl_s: 5, approx_ttl_s: 120}
     cors: {allowed_origins: [], allow_credentials: false}   # vLLM's CORS flags and defaults
+    admission: {max_in_flight_per_worker: 0, max_queued: 1024, queue_timeout_s: 30}   # 0: no limit
 """
 from __future__ import annotations
 
@@ -130,13 +131,16 @@ class WorkerConfig(_Strict):
 class TimeoutsConfig(_Strict):
     """Timeouts in seconds. For relayed requests: TCP connect, and first byte of the response
     body (for a non-streamed response that is the whole generation); ``total_s`` None: no limit.
-    ``worker_call_s``: the whole of each call the gateway makes to a worker on its own behalf
-    (``GET /v1/models``); the health probe and the load scrape have their own ``timeout_s``."""
+    ``stream_idle_s``: longest silence of a worker mid-stream before the gateway ends the
+    stream with an error event (None: no limit). ``worker_call_s``: the whole of each call the
+    gateway makes to a worker on its own behalf (``GET /v1/models``, ``/version``); the health
+    probe and the load scrape have their own ``timeout_s``."""
 
     connect_s: float = Field(5.0, gt=0)
     first_byte_s: float | None = Field(300.0, gt=0)
     total_s: float | None = Field(None, gt=0)
     worker_call_s: float = Field(3.0, gt=0)
+    stream_idle_s: float | None = Field(120.0, gt=0)
 
 
 class HealthConfig(_Strict):
@@ -158,6 +162,17 @@ class LoadScrapeConfig(_Strict):
     path: str = "/metrics"
     interval_s: float = Field(1.0, gt=0)
     timeout_s: float = Field(2.0, gt=0)
+
+
+class AdmissionConfig(_Strict):
+    """Admission control (:mod:`router.admission`): at most ``max_in_flight_per_worker`` x
+    routable workers requests in flight through the gateway (0: no limit, the default); up to
+    ``max_queued`` more wait in arrival order, each at most ``queue_timeout_s``; beyond either,
+    429 with ``Retry-After``."""
+
+    max_in_flight_per_worker: int = Field(0, ge=0)
+    max_queued: int = Field(1024, ge=0)
+    queue_timeout_s: float = Field(30.0, gt=0)
 
 
 class CorsConfig(_Strict):
@@ -207,6 +222,7 @@ class GatewayConfig(_Strict):
     load_scrape: LoadScrapeConfig = Field(default_factory=LoadScrapeConfig)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     cors: CorsConfig = Field(default_factory=CorsConfig)
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
 
     @model_validator(mode="after")
     def _cross_check(self) -> "GatewayConfig":

@@ -23,6 +23,7 @@ from router.ttft_model import work_tokens
 
 if TYPE_CHECKING:  # the gateway owns its endpoints: imported for types only
     from router.gateway import Gateway
+    from router.registry import WorkerRegistration
     from router.routing import RoutePlan
 
 log = logging.getLogger("kvroute.endpoints")
@@ -85,10 +86,10 @@ def request_id_of(headers: list[tuple[bytes, bytes]]) -> str:
 
 
 async def send_json(send, status: int, body: bytes, request_id: str | None = None,
-                    worker_id: str | None = None) -> None:
+                    worker_id: str | None = None, extra_headers: list[tuple[bytes, bytes]] | None = None) -> None:
     """A complete JSON response through ASGI ``send``; ``worker_id``: the worker the gateway
-    tried (502/504), sent as ``x-kvroute-worker``."""
-    headers = _JSON_HEADERS + [(b"content-length", str(len(body)).encode())]
+    tried (502/504), sent as ``x-kvroute-worker``; ``extra_headers`` (e.g. ``Retry-After``)."""
+    headers = _JSON_HEADERS + [(b"content-length", str(len(body)).encode())] + (extra_headers or [])
     if request_id is not None:
         headers.append((b"x-request-id", request_id.encode("latin-1")))
     if worker_id is not None:
@@ -124,31 +125,61 @@ class ProxyEndpoint:
         try:
             raw = await read_body(receive, headers, gw.cfg.max_body_bytes)
             body = parse_json_object(raw)
-            plan = None
-            if self.kind == "forward":
-                ranked = gw.router.ranked_by_load(body)
-            else:
-                plan = await gw.router.plan(self.kind, body, headers, raw)
-                gw.router.record_decision(plan)
-                ranked = plan.ranked()
-                if body.get("stream") is True and gw.cfg.routing.measure_stream_usage:
-                    raw, strip = request_stream_usage(raw, body)
-                else:
-                    strip = False
         except _ClientGone:
             return
         except GatewayError as exc:
-            gw.metrics.requests.labels("none", str(exc.status)).inc()
-            await send_json(send, exc.status, exc.body(), request_id)
-            return
-        except Exception as exc:  # a bug must still get an OpenAI-shaped answer
-            log.exception("request %s failed before reaching a worker", request_id)
-            gw.metrics.requests.labels("none", "500").inc()
-            await send_json(send, 500, error_body(f"internal gateway error: {exc}", "internal_error"), request_id)
+            await self._refuse(send, exc, request_id)
             return
         state = ClientState()
         task = asyncio.current_task()
         watcher = asyncio.get_running_loop().create_task(_cancel_on_disconnect(receive, task, state))
+        admitted_at = None
+        try:
+            try:
+                admitted_at = await gw.admission.acquire()  # routed only once admitted: fresh load
+                plan, ranked, raw, strip = await self._route(body, headers, raw)
+            except GatewayError as exc:
+                await self._refuse(send, exc, request_id)
+                return
+            except Exception as exc:  # a bug must still get an OpenAI-shaped answer
+                log.exception("request %s failed before reaching a worker", request_id)
+                await self._refuse(send, GatewayError(500, f"internal gateway error: {exc}", "internal_error"),
+                                   request_id)
+                return
+            await self._relay(send, state, scope, raw, body, headers, request_id, t0, plan, ranked, strip)
+        except asyncio.CancelledError:
+            if state.disconnected:
+                task.uncancel()
+                return
+            raise
+        finally:
+            watcher.cancel()
+            if admitted_at is not None:
+                gw.admission.release(admitted_at)
+
+    async def _refuse(self, send, exc: GatewayError, request_id: str) -> None:
+        """An error the gateway answers before any worker is chosen."""
+        self.gw.metrics.requests.labels("none", str(exc.status)).inc()
+        await send_json(send, exc.status, exc.body(), request_id, extra_headers=exc.headers)
+
+    async def _route(self, body: dict[str, Any], headers: list[tuple[bytes, bytes]], raw: bytes
+                     ) -> tuple[RoutePlan | None, list[WorkerRegistration], bytes, bool]:
+        """``(plan or None for a forwarded path, workers in order of preference, body bytes to
+        send, strip the usage chunk)``. Raises GatewayError (400/404/503)."""
+        gw = self.gw
+        if self.kind == "forward":
+            return None, gw.router.ranked_by_load(body), raw, False
+        plan = await gw.router.plan(self.kind, body, headers, raw)
+        gw.router.record_decision(plan)
+        strip = False
+        if body.get("stream") is True and gw.cfg.routing.measure_stream_usage:
+            raw, strip = request_stream_usage(raw, body)
+        return plan, plan.ranked(), raw, strip
+
+    async def _relay(self, send, state: ClientState, scope, raw: bytes, body: dict[str, Any],
+                     headers: list[tuple[bytes, bytes]], request_id: str, t0: float, plan: RoutePlan | None,
+                     ranked: list[WorkerRegistration], strip: bool) -> None:
+        gw = self.gw
         try:
             await gw.upstream.relay(
                 send, state, scope["method"], scope["path"], raw, upstream_headers(headers, request_id),
@@ -159,18 +190,15 @@ class ProxyEndpoint:
                 on_first_token=(lambda handle: record_first_token(gw, plan, handle)) if plan is not None else None,
                 presumed_ttft_ms=(plan.predicted_ttft_ms if plan is not None and body.get("stream") is not True
                                   else None),
-                strip_usage=strip if plan is not None else False)
-        except asyncio.CancelledError:
-            if state.disconnected:
-                task.uncancel()
-                return
-            raise
+                strip_usage=strip)
         except GatewayError as exc:
             worker = ranked[0].id if ranked else "none"
             gw.metrics.requests.labels(worker, str(exc.status)).inc()
             log.warning("request %s: %s", request_id, exc.message)
             if not state.response_started:
                 await send_json(send, exc.status, exc.body(), request_id, worker)
+        except asyncio.CancelledError:
+            raise
         except Exception as exc:
             if state.response_started:
                 # the worker broke an answer already under way: returning without completing it
@@ -184,8 +212,6 @@ class ProxyEndpoint:
                 err = GatewayError(500, f"internal gateway error: {exc}", "internal_error")
             gw.metrics.requests.labels(ranked[0].id, str(err.status)).inc()
             await send_json(send, err.status, err.body(), request_id, ranked[0].id)
-        finally:
-            watcher.cancel()
 
 
 def record_first_token(gw: Gateway, plan: RoutePlan, handle: InFlight) -> None:

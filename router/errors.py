@@ -14,13 +14,15 @@ class GatewayError(Exception):
     and ``param`` fill the OpenAI error object."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None) -> None:
+                 code: str | None = None, param: str | None = None,
+                 headers: list[tuple[bytes, bytes]] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.code = code
         self.param = param
+        self.headers = headers or []  # extra response headers (lower-case names), e.g. Retry-After
 
     def body(self) -> bytes:
         """The JSON body bytes."""

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from kvcore.index import make_index
-from kvcore.index.errors import IndexUnavailable
+from kvcore.index.errors import IndexEncodingMismatch, IndexUnavailable
+from router.admission import Admission
 from router.config import GatewayConfig, WorkerConfig, load_config
 from router.embedded_events import embedded_ingest_task
 from router.metrics import GatewayMetrics
@@ -52,6 +53,9 @@ class Gateway:
         self.router = Router(cfg.models, self.tokenizers, self.index, self.registry, self.policy,
                              self.metrics, cfg.routing)
         self.upstream = Upstream(cfg.timeouts, cfg.health, self.metrics)
+        self.admission = Admission(cfg.admission, lambda: sum(1 for r in self.registry.all() if r.routable),
+                                   self.metrics)
+        self.metrics.watch_admission(lambda: self.admission.in_flight, lambda: self.admission.queued)
         self._extra_factories = list(task_factories or [])
         self._lock = asyncio.Lock()
 
@@ -60,8 +64,17 @@ class Gateway:
         return {m.name for m in self.cfg.models}
 
     async def start(self) -> None:
-        """Load tokenizers, open the upstream pool, start probes, add the configured workers and
-        wait (at most one probe timeout) for their first health probe."""
+        """Check the index, load tokenizers, open the upstream pool, start probes, add the
+        configured workers and wait (at most one probe timeout) for their first health probe.
+        Raises IndexEncodingMismatch when a shared index holds keys of another block-key
+        encoding (the gateway must not start: its keys would never match); an index that is
+        down only means routing on load until it answers."""
+        try:
+            await self.index.open()
+        except IndexEncodingMismatch:
+            raise
+        except IndexUnavailable as exc:
+            log.warning("index unavailable at start-up; routing on load alone until it answers: %s", exc)
         await self.tokenizers.load()
         await self.upstream.start()
         session = self.upstream.session

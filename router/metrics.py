@@ -22,6 +22,10 @@
 | kvroute_evidence_distrust_total | counter | worker | times a worker's evidence became distrusted |
 | kvroute_index_unavailable_total | counter | | lookups that found the shared index down (routed by load alone) |
 | kvroute_index_write_failures_total | counter | | speculative inserts of a routed prompt's keys that found the shared index down |
+| kvroute_admission_rejected_total | counter | reason | requests answered 429 by admission control (``queue_full``, ``queue_timeout``) |
+| kvroute_admission_wait_seconds | histogram | | time a request waited for an admission slot |
+| kvroute_admission_in_flight, kvroute_admission_queued | gauge | | admitted requests in flight; requests waiting for a slot |
+| kvroute_broken_streams_total | counter | worker, reason | streams a worker broke or left silent past ``stream_idle_s`` (ended with an error event) |
 | kvroute_worker_call_failures_total | counter | worker, call | the gateway's own calls to a worker (``models``: ``GET /v1/models``) that failed or timed out; the answer skips that worker |
 """
 from __future__ import annotations
@@ -29,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -109,6 +113,12 @@ class GatewayMetrics:
         self.worker_call_failures = Counter(
             "kvroute_worker_call_failures", "The gateway's own calls to a worker that failed or timed out",
             ["worker", "call"], registry=r)
+        self.admission_rejected = Counter("kvroute_admission_rejected", "Requests answered 429 by admission control",
+                                          ["reason"], registry=r)
+        self.admission_wait_s = Histogram("kvroute_admission_wait_seconds", "Time waited for an admission slot",
+                                          buckets=_TTFT_BUCKETS_S, registry=r)
+        self.broken_streams = Counter("kvroute_broken_streams", "Streams a worker broke or left silent mid-way",
+                                      ["worker", "reason"], registry=r)
         self.retries = Counter("kvroute_upstream_retries", "Connect failures retried on the next-best worker",
                                registry=r)
         self.off_longest_prefix = Counter(
@@ -126,6 +136,13 @@ class GatewayMetrics:
                                          registry=r)
         r.register(_WorkerGauges(workers))
         self._response_children: dict[tuple[str, int], tuple[Any, Any]] = {}
+
+    def watch_admission(self, in_flight: Callable[[], float], queued: Callable[[], float]) -> None:
+        """Expose admission control's slots in use and queue length, read at scrape time."""
+        Gauge("kvroute_admission_in_flight", "Admitted requests in flight",
+              registry=self.registry).set_function(in_flight)
+        Gauge("kvroute_admission_queued", "Requests waiting for an admission slot",
+              registry=self.registry).set_function(queued)
 
     def record_response(self, worker_id: str, status: int, ttft_s: float) -> None:
         """A worker answered with ``status`` after ``ttft_s`` seconds (first body byte); the

@@ -215,19 +215,33 @@ class Upstream:
                     "headers": client_headers(resp.raw_headers, reg.id, request_id)})
         chunk = first
         finished = False
+        idle_s = self.timeouts.stream_idle_s
         try:
-            while chunk:
-                out = watcher.feed(chunk) if watcher is not None else chunk
-                if out:
-                    await send({"type": "http.response.body", "body": out, "more_body": True})
-                chunk = await resp.content.readany()
-            rest = watcher.finish() if watcher is not None else b""
+            try:
+                while chunk:
+                    out = watcher.feed(chunk) if watcher is not None else chunk
+                    if out:
+                        await send({"type": "http.response.body", "body": out, "more_body": True})
+                    async with asyncio.timeout(idle_s):
+                        chunk = await resp.content.readany()
+                rest = watcher.finish() if watcher is not None else b""
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                # the worker died or went silent mid-stream: end the stream cleanly, with an
+                # error event and [DONE] as vLLM ends a stream that fails (a truncated HTTP body
+                # would leave clients guessing)
+                timed_out = isinstance(exc, TimeoutError)
+                detail = f"no data for {idle_s} s" if timed_out else f"{type(exc).__name__}: {exc}"
+                log.warning("worker %s broke the stream of request %s: %s", reg.id, request_id, detail)
+                self.metrics.broken_streams.labels(reg.id, "idle_timeout" if timed_out else "upstream_error").inc()
+                held = watcher.finish() if watcher is not None else b""
+                err = (GatewayError(504, f"Upstream worker {reg.id} sent nothing for {idle_s} s mid-stream.",
+                                    "upstream_error", "upstream_timeout") if timed_out
+                       else upstream_failed(reg.id, detail))
+                rest = held + (b"\n\n" if held and not held.endswith(b"\n\n") else b"") + \
+                    b"data: " + err.body() + b"\n\ndata: [DONE]\n\n"
             finished = True
             state.response_done = True
             await send({"type": "http.response.body", "body": rest, "more_body": False})
-        except aiohttp.ClientError as exc:
-            log.warning("worker %s broke the stream: %s", reg.id, exc)
-            raise
         finally:
             # Booked even when the client goes away after its last event (a client that closes on
             # "data: [DONE]" cancels this relay while it waits for the worker's end of stream):

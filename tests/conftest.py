@@ -112,6 +112,20 @@ def wait_http(url: str, proc: Proc | None = None, timeout_s: float = 60) -> None
     raise TimeoutError(f"{url} not ready in {timeout_s}s:\n{proc.log_tail() if proc else ''}")
 
 
+def serve_gateway(cfg: dict, log_dir: Path, started: list[Proc], name: str = "gateway") -> tuple[str, Path, Proc]:
+    """Write ``cfg`` to ``log_dir/<name>.yaml`` and start ``kvroute serve`` on it (appended to
+    ``started``, which the caller stops); wait until it answers. ``(base URL, config path, process)``."""
+    import yaml
+
+    path = log_dir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    proc = Proc(name, kvroute_argv("serve", "--config", str(path)), log_dir)
+    started.append(proc)
+    base = f"http://127.0.0.1:{cfg['listen']['port']}"
+    wait_http(base + "/health", proc, timeout_s=180)
+    return base, path, proc
+
+
 def kvroute_argv(*args: str) -> list[str]:
     """argv running the ``kvroute`` CLI with this interpreter."""
     return [sys.executable, "-m", "kvroute", *args]

@@ -21,7 +21,7 @@ import pytest
 import yaml
 from openai import OpenAI
 
-from conftest import ADMIN_TOKEN, Proc, free_ports, kvroute_argv, wait_http, wait_until
+from conftest import ADMIN_TOKEN, Proc, free_ports, kvroute_argv, serve_gateway, wait_http, wait_until
 
 BLOCK = 32
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi".split()
@@ -54,15 +54,8 @@ def _sim_argv(tiny_model: Path, port: int, model: str = "tiny") -> list[str]:
 
 
 def start_gateway(cfg: dict, log_dir: Path, started: list[Proc]) -> tuple[str, Path, Proc]:
-    """Write ``cfg`` and start ``kvroute serve`` on it (appended to ``started``); wait until it
-    answers. Returns its base URL, config path and process."""
-    path = log_dir / "gateway.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    gw = Proc("gateway", kvroute_argv("serve", "--config", str(path)), log_dir)
-    started.append(gw)
-    base = f"http://127.0.0.1:{cfg['listen']['port']}"
-    wait_http(base + "/health", gw, timeout_s=180)
-    return base, path, gw
+    """``kvroute serve`` on ``cfg`` (conftest.serve_gateway): base URL, config path, process."""
+    return serve_gateway(cfg, log_dir, started)
 
 
 @pytest.fixture(scope="module")

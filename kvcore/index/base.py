@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 TIERS: tuple[str, ...] = ("gpu", "cpu", "ssd")
-TIER_GPU, TIER_CPU, TIER_SSD = TIERS
 
 
 def check_tier(tier: str) -> int:
@@ -87,6 +86,12 @@ class KVIndex(abc.ABC):
     @abc.abstractmethod
     async def stats(self) -> dict[str, WorkerIndexStats]:
         """Per worker block counts by tier."""
+
+    async def open(self) -> None:
+        """Check at start-up that this process can use the index (no-op for in-memory). A shared
+        backend raises :class:`kvcore.index.errors.IndexEncodingMismatch` when it holds block keys
+        of another encoding version (refuse to start), :class:`kvcore.index.errors.IndexUnavailable`
+        when it cannot be reached (going on is fine: it is checked again when it answers)."""
 
     async def close(self) -> None:
         """Release connections (no-op for in-memory)."""

@@ -11,3 +11,30 @@ class IndexUnavailable(RuntimeError):
     republishes it once the index answers again. The backend recovers by itself (the next call
     after ``retry_after_s`` tries the server again); the in-memory backend never raises it.
     """
+
+
+class IndexEncodingMismatch(IndexUnavailable):
+    """The shared index holds block keys of another encoding version than this process computes
+    (:data:`kvcore.block_keys.ENCODING_VERSION`), so none of its keys could ever match ours.
+
+    ``key``: the Redis key holding the index's version; ``stored``: the version found there (as
+    text); ``expected``: this process's version. Raised by :meth:`kvcore.index.redis.RedisIndex.open`
+    (called at start-up: the gateway and the agent refuse to start on it) and, if the index first
+    answered later, by every call, as a subclass of :class:`IndexUnavailable`, so that a running
+    process treats the index as unusable (routes on load alone, writes nothing) instead of
+    mixing encodings. The message says what to do.
+    """
+
+    def __init__(self, url: str, key: str, stored: str, expected: int) -> None:
+        self.url = url
+        self.key = key
+        self.stored = stored
+        self.expected = expected
+        namespace = key.rsplit(":meta:", 1)[0]
+        super().__init__(
+            f"redis index {url}: block-key encoding mismatch: the index holds keys of encoding version "
+            f"{stored} (key {key!r}), this kvroute computes version {expected}, so no key would ever "
+            f"match. Run the same kvroute release on every gateway and agent sharing this index; to "
+            f"move the index to version {expected}, stop them all, delete its keys "
+            f"(redis-cli -u {url} --scan --pattern '{namespace}:*' | xargs redis-cli -u {url} del) "
+            f"and start them on the new release (agents republish their state by themselves).")

@@ -30,7 +30,6 @@ from kvcore.index.base import TIERS, KVIndex, TierMatch, WorkerIndexStats, check
 
 _SPEC = 3  # bit of a slot's nibble for speculative entries (after gpu, cpu, ssd)
 _STRIDE = 4  # bits per slot in a key's int
-BYTES_PER_BLOCK_ESTIMATE = 190  # measured RSS per (block, worker) entry, see above
 
 
 class MemoryIndex(KVIndex):
@@ -65,7 +64,8 @@ class MemoryIndex(KVIndex):
         self.store_sync(worker, tier, keys)
 
     def store_sync(self, worker: str, tier: str, keys: Sequence[int]) -> None:
-        """Synchronous :meth:`store` (the embedded agent calls it from its own loop)."""
+        """Synchronous :meth:`store`, for callers outside an event loop (benchmarks, tests).
+        Raises ValueError on an unknown tier."""
         t = check_tier(tier)
         slot = self._slot(worker)
         bit = 1 << (_STRIDE * slot + t)
@@ -153,10 +153,6 @@ class MemoryIndex(KVIndex):
             heapq.heappush(self._free_slots, slot)
 
     async def store_speculative(self, worker: str, keys: Sequence[int], ttl_s: float) -> None:
-        self.store_speculative_sync(worker, keys, ttl_s)
-
-    def store_speculative_sync(self, worker: str, keys: Sequence[int], ttl_s: float) -> None:
-        """Synchronous :meth:`store_speculative`."""
         now = self._clock()
         self._expire(now)
         slot = self._slot(worker)
@@ -236,10 +232,6 @@ class MemoryIndex(KVIndex):
         return tier_matches(drops, (g, gc, a), end, names, _STRIDE)
 
     async def stats(self) -> dict[str, WorkerIndexStats]:
-        return self.stats_sync()
-
-    def stats_sync(self) -> dict[str, WorkerIndexStats]:
-        """Synchronous :meth:`stats`."""
         if self._spec_heap:
             self._expire(self._clock())
         out = {}
@@ -253,7 +245,6 @@ class MemoryIndex(KVIndex):
     def __len__(self) -> int:
         """Distinct keys indexed."""
         return len(self._masks)
-
 
 
 def tier_matches(drops: Sequence[tuple[int, int, int, int]], alive: tuple[int, int, int], end: int,

@@ -25,7 +25,13 @@ big-endian, ``raw(k)``; a worker gets a permanent slot number ``s`` on first use
 - ``P st: s`` HASH ``{at: Redis TIME "sec.usec", state: JSON}`` with the heartbeat's TTL: the
   agent's event-ingest state (:meth:`kvcore.kv_events.EventIngestor.state`: last seq, event age,
   gaps, replays, resyncs, blocks by tier as its events say), written with its heartbeats, read by
-  the gateways' admin API (:meth:`RedisIndex.worker_states`). A few hundred bytes per worker.
+  the gateways' admin API (:meth:`RedisIndex.worker_states`). A few hundred bytes per worker;
+- ``P meta:block_key_encoding`` STRING: the block-key encoding version
+  (:data:`kvcore.block_keys.ENCODING_VERSION`, as decimal text) of the keys in this namespace,
+  written by the first process that reaches it (``SET NX``). Every process compares it with its
+  own before its first call (again after each outage and after Redis lost its data) and refuses
+  a mismatch (:class:`kvcore.index.errors.IndexEncodingMismatch`): a gateway and an agent on
+  different encodings would otherwise silently never match.
 
 Bytes per block (Redis 7.0, jemalloc; ``INFO memory`` before/after populating 64 workers x 100k
 distinct blocks in ``benchmarks/bench_agent.py``): 178 B per (block, worker) entry held in one
@@ -53,7 +59,10 @@ guesses for prompts it just routed) and are merged into every lookup as gpu bits
 Failure: any connection error or timeout raises :class:`kvcore.index.errors.IndexUnavailable`;
 after one, calls fail fast for ``retry_after_s`` before trying Redis again, so a dead Redis costs a
 request nothing but the fallback. ``unavailable_errors`` counts failures, ``available`` says whether
-the last call reached Redis; outages and recoveries are logged once each.
+the last call reached Redis; outages (WARNING) and recoveries (INFO) are logged once each. An
+encoding mismatch is handled like an outage (its error is a subclass of ``IndexUnavailable``, so
+callers fall back the same way), is logged at ERROR once, and is checked again after
+``retry_after_s``; :meth:`RedisIndex.open` raises it at start-up.
 """
 from __future__ import annotations
 
@@ -65,18 +74,22 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from itertools import compress, islice
 from operator import ne
-from typing import Any
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 import redis.exceptions
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.commands.core import AsyncScript
 
+from kvcore.block_keys import ENCODING_VERSION
 from kvcore.index.base import TIERS, KVIndex, TierMatch, WorkerIndexStats, check_tier
-from kvcore.index.errors import IndexUnavailable
+from kvcore.index.errors import IndexEncodingMismatch, IndexUnavailable
 from kvcore.index.memory import tier_matches
 
 log = logging.getLogger("kvroute.index.redis")
+_T = TypeVar("_T")
+ENCODING_KEY = "meta:block_key_encoding"  # after the namespace prefix; see the module docstring
 
 # Every write script resolves the worker's slot itself (allocating it on first use), so a writer
 # never uses a slot number that a restarted or flushed Redis has since given to another worker.
@@ -259,6 +272,9 @@ class RedisIndex(KVIndex):
         self._clear_script = self._redis.register_script(_CLEAR_LUA)
         self._heartbeat_script = self._redis.register_script(_HEARTBEAT_LUA)
         self._states_script = self._redis.register_script(_STATES_LUA)
+        self.encoding_key = f"{self.prefix}{ENCODING_KEY}"
+        self._encoding_checked = False  # compared since the last outage / data loss
+        self.encoding_error: IndexEncodingMismatch | None = None  # the mismatch found last, if any
         self._epoch = b""
         self._names: dict[int, str] = {}  # slot -> worker, as of self._epoch
         self._hb_mget = b""  # MGET of every known slot's heartbeat key
@@ -273,9 +289,19 @@ class RedisIndex(KVIndex):
         self.unavailable_errors = 0
         self.last_error = ""
 
+    async def open(self) -> None:
+        """Reach Redis and check the namespace's block-key encoding version (writing ours when the
+        namespace has none). Call once at start-up; the check also runs before the first call
+        otherwise. Raises :class:`IndexEncodingMismatch` when the namespace holds another version
+        (refuse to start: the message says what to do), :class:`IndexUnavailable` when Redis
+        cannot be reached (the caller may go on: the check runs when it answers)."""
+        self._encoding_checked = False
+        await self._run(self._redis.ping)
+
     # ---- plumbing -----------------------------------------------------------------------------
     def _unavailable(self, exc: BaseException) -> IndexUnavailable:
         self._down_until = time.monotonic() + self.retry_after_s
+        self._encoding_checked = False  # it may come back as another (empty) Redis
         self.unavailable_errors += 1
         self.last_error = f"{type(exc).__name__}: {exc}"
         if self.available:
@@ -283,20 +309,51 @@ class RedisIndex(KVIndex):
         self.available = False
         return IndexUnavailable(f"redis index {self.url} unavailable: {self.last_error}")
 
-    async def _run(self, call: Callable[[], Awaitable[Any]]) -> Any:
+    def _mismatch(self, stored: str) -> IndexEncodingMismatch:
+        self._down_until = time.monotonic() + self.retry_after_s
+        self.unavailable_errors += 1
+        err = IndexEncodingMismatch(self.url, self.encoding_key, stored, ENCODING_VERSION)
+        self.last_error = str(err)
+        if self.encoding_error is None or self.encoding_error.stored != stored:
+            log.error("%s", err)
+        self.encoding_error = err
+        self.available = False
+        return err
+
+    async def _check_encoding(self) -> None:
+        """Write our encoding version if the namespace has none, then compare (one round trip).
+        Raises IndexEncodingMismatch, or what redis-py raises."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.set(self.encoding_key, str(ENCODING_VERSION), nx=True)
+            pipe.get(self.encoding_key)
+            _, stored = await pipe.execute()
+        if stored is not None and stored != str(ENCODING_VERSION).encode():
+            raise self._mismatch(stored.decode(errors="replace"))
+        self._encoding_checked = stored is not None
+        if self.encoding_error is not None:
+            log.info("redis index %s: block-key encoding version %d matches now", self.url, ENCODING_VERSION)
+            self.encoding_error = None
+
+    async def _run(self, call: Callable[[], Awaitable[_T]]) -> _T:
         if time.monotonic() < self._down_until:
             self.unavailable_errors += 1
+            if self.encoding_error is not None:
+                err = self.encoding_error
+                raise IndexEncodingMismatch(err.url, err.key, err.stored, err.expected)
             raise IndexUnavailable(f"redis index {self.url} unavailable: {self.last_error}")
         try:
+            if not self._encoding_checked:
+                await self._check_encoding()
             result = await call()
         except _CONNECTION_ERRORS as exc:
             raise self._unavailable(exc) from exc
         if not self.available:
-            log.warning("redis index %s reachable again", self.url)
+            log.info("redis index %s reachable again", self.url)
             self.available = True
         return result
 
-    async def _script(self, script: Any, args: list[Any]) -> Any:
+    async def _script(self, script: AsyncScript, args: list[str | int | bytes]) -> Any:
+        """Run a Lua script (no KEYS); returns its reply as redis-py decodes it."""
         return await self._run(lambda: script(keys=[], args=args))
 
     async def _slot_table(self) -> dict[str, int]:
@@ -336,7 +393,7 @@ class RedisIndex(KVIndex):
         """Apply ``(op, tier, keys)`` in order in one round trip; ``op`` is ``"store"`` or
         ``"remove"`` (the agent's per-batch writes). Returns how many removed keys were absent.
         Raises ValueError on an unknown op or tier, IndexUnavailable when Redis is down."""
-        args: list[Any] = [self.prefix, worker, int(self.heartbeat_ttl_s * 1000)]
+        args: list[str | int | bytes] = [self.prefix, worker, int(self.heartbeat_ttl_s * 1000)]
         for op, tier, keys in ops:
             if op not in ("store", "remove"):
                 raise ValueError(f"unknown index op {op!r}")
@@ -384,6 +441,8 @@ class RedisIndex(KVIndex):
         state_json = "" if state is None else json.dumps(state, separators=(",", ":"))
         had = await self._script(self._heartbeat_script,
                                  [self.prefix, worker, ttl_ms, "1" if mark_published else "0", state_json])
+        if not had:  # Redis may have lost everything (restart, flush): compare the encoding again
+            self._encoding_checked = False
         return bool(had)
 
     async def store_speculative(self, worker: str, keys: Sequence[int], ttl_s: float) -> None:
@@ -429,7 +488,9 @@ class RedisIndex(KVIndex):
             vals, flags = replies[0], (replies[1] if self._hb_mget else [])
             if (replies[-2] or b"") == self._epoch and replies[-1] == len(self._names):
                 break
-            await self._refresh_slots()  # a new worker, or a restarted Redis: slot numbers changed
+            # a new worker, or a restarted Redis: slot numbers changed (and the encoding key may be gone)
+            self._encoding_checked = False
+            await self._refresh_slots()
         # rows fetched: up to the first key nobody holds, at least as far as speculative entries reach
         try:
             count = vals.index(None, spec_reach)

@@ -107,16 +107,15 @@ class EventIngestor:
                                           replay_timeout_s=replay_timeout_s, ctx=ctx, name=worker_id)
         self._lock = asyncio.Lock()
         self._synced = False
-        self._tasks: list[asyncio.Task[Any]] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._index_down = False  # an index failure was logged and nothing succeeded since
         self.index_errors = 0
         self.republishes = 0
-        self.started_unix_s: float | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
         """Clear whatever the index holds for this worker (left by an earlier run), then start
         subscribing. Does not raise when the index is down (it is published when it returns)."""
-        self.started_unix_s = time.time()
         await self._republish()
         self._tasks = [asyncio.create_task(self.subscriber.run(), name=f"kv-events-{self.worker_id}"),
                        asyncio.create_task(self._maintain(), name=f"kv-index-{self.worker_id}")]
@@ -158,13 +157,23 @@ class EventIngestor:
                 await self._write([("clear", None, [])])
 
     # ---- index --------------------------------------------------------------------------------
+    def _index_failed(self, what: str, exc: IndexUnavailable) -> None:
+        """Count a failed index call and stop writing until a republish succeeds. Logged once
+        per outage (WARNING); the retries of the same outage, every maintenance tick, at DEBUG."""
+        self._synced = False
+        self.index_errors += 1
+        if self._index_down:
+            log.debug("%s: %s: %s", self.worker_id, what, exc)
+            return
+        self._index_down = True
+        log.warning("%s: %s; events still apply here, the state is republished when the index "
+                    "answers: %s", self.worker_id, what, exc)
+
     async def _write(self, ops: Sequence[IndexOp]) -> None:
         try:
             await write_ops(self.index, self.worker_id, ops)
         except IndexUnavailable as exc:
-            self._synced = False
-            self.index_errors += 1
-            log.warning("%s: index write failed, will republish when it is back: %s", self.worker_id, exc)
+            self._index_failed("index write failed", exc)
 
     async def _republish(self) -> None:
         async with self._lock:
@@ -176,14 +185,13 @@ class EventIngestor:
                     state.update(index_synced=True, republishes=self.republishes + 1)
                     await self.index.heartbeat(self.worker_id, self.heartbeat_ttl_s, mark_published=True, state=state)
             except IndexUnavailable as exc:
-                self._synced = False
-                self.index_errors += 1
-                log.warning("%s: index unavailable, entries not published: %s", self.worker_id, exc)
+                self._index_failed("index unavailable, entries not published", exc)
                 return
             if self.republishes:
                 log.info("%s: republished %s blocks to the index", self.worker_id, self.translator.held_blocks())
             self.republishes += 1
             self._synced = True
+            self._index_down = False
 
     async def _maintain(self) -> None:
         interval_s = max(0.05, min(self.heartbeat_ttl_s / 3, STATE_EVERY_S))
@@ -197,9 +205,7 @@ class EventIngestor:
             try:
                 published = await self.index.heartbeat(self.worker_id, self.heartbeat_ttl_s, state=self.state())
             except IndexUnavailable as exc:
-                self._synced = False
-                self.index_errors += 1
-                log.warning("%s: heartbeat failed: %s", self.worker_id, exc)
+                self._index_failed("heartbeat failed", exc)
                 continue
             if not published:
                 log.warning("%s: the index lost this worker's entries; republishing", self.worker_id)

@@ -154,7 +154,7 @@ class EventSubscriber:
         self.batches_received += 1
         if self._sub_last is not None and seq <= self._sub_last:
             self.restarts += 1
-            await self._reset(f"publisher restarted: seq {seq} after {self._sub_last}")
+            await self._reset(f"publisher restarted: seq {seq} after {self._sub_last}", routine=True)
         self._sub_last = seq
         suspect, self._suspect = self._suspect, False
         if not suspect:
@@ -166,7 +166,8 @@ class EventSubscriber:
                 return
         if seq > self.last_seq + 1 and self.last_seq >= 0:
             self.gaps += 1
-            log.warning("%s: gap: got seq %d after %d", self.name, seq, self.last_seq)
+            # repaired by the replay below when it can; a loss it cannot repair logs a resync
+            log.info("%s: gap: got seq %d after %d", self.name, seq, self.last_seq)
         answered = await self._catch_up() if self.replay_url else False
         if seq == self.last_seq + 1:
             await self._apply(seq, payload)
@@ -195,7 +196,7 @@ class EventSubscriber:
             elif first_seq == self.last_seq:
                 # Same seq, other payload: a new publisher. Start over from its oldest batch.
                 self.restarts += 1
-                await self._reset(f"publisher restarted: payload at seq {first_seq} differs")
+                await self._reset(f"publisher restarted: payload at seq {first_seq} differs", routine=True)
                 return await self._catch_up()
             else:
                 await self._reset(f"replay cannot cover the gap: oldest replayed seq {first_seq} > wanted {start}")
@@ -249,9 +250,12 @@ class EventSubscriber:
         self.last_batch_wall_s = time.time()
         self.last_batch_monotonic_s = time.monotonic()
 
-    async def _reset(self, reason: str) -> None:
+    async def _reset(self, reason: str, routine: bool = False) -> None:
+        """Start the worker over (the sink forgets it). ``routine``: the publisher restarted (its
+        cache is empty too: INFO); otherwise events were lost or unreadable and the index
+        under-reports the worker until its blocks are stored again (WARNING)."""
         self.resyncs += 1
         self.last_seq = -1
         self._last_fingerprint = None
-        log.warning("%s: resync: %s", self.name, reason)
+        log.log(logging.INFO if routine else logging.WARNING, "%s: resync: %s", self.name, reason)
         await self.sink.on_reset(reason)

@@ -87,7 +87,7 @@ class EventTranslator:
         self.model = model
         self.block_size = block_size
         self.counters = TranslatorCounters()
-        self._entries: dict[EngineHash, list[Any]] = {}
+        self._entries: dict[EngineHash, list[int]] = {}  # [key, index, copies per tier...]
         self._held = [0] * len(TIERS)  # distinct engine blocks with a copy in each tier
         self._group: int | None = None
         self._warned: set[str] = set()

@@ -56,7 +56,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from offload_agent.connector.config import TierSettings
 from offload_agent.tiers.keys import TierFingerprint, tier_block_keys, tier_root
-from offload_agent.tiers.planner import CPU, SSD, TierPlanner
+from offload_agent.tiers.planner import CPU, SSD, EngineHash, TierPlanner
 from offload_agent.tiers.ssd_file import HEADER_BYTES, scan_fingerprint_dir
 from offload_agent.tiers.store import TierStore
 
@@ -223,7 +223,7 @@ class KVRouteTierConnector(KVConnectorBase_V1):
                                        st.root, start=have, parent=st.keys[-1] if have else None)
         return st.keys
 
-    def _engine_hash(self, request: "Request", block: int) -> Any:
+    def _engine_hash(self, request: "Request", block: int) -> EngineHash | None:
         hashes = request.block_hashes
         return maybe_convert_block_hash(hashes[block]) if block < len(hashes) else None
 

@@ -31,9 +31,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 CPU, SSD = "cpu", "ssd"
+
+EngineHash = int | bytes
+"""vLLM's hash of a block as its KV events carry it (``maybe_convert_block_hash``): a uint64 int,
+or the raw digest bytes; the same as :data:`kvcore.events.EngineHash` (not imported: this package
+runs in vLLM's interpreter on the standard library alone)."""
 
 Op = tuple
 """Worker operations, executed in order:
@@ -56,7 +60,7 @@ class Change:
     op: str
     tier: str
     key: bytes
-    engine_hash: Any
+    engine_hash: EngineHash | None
 
 
 class _Entry:
@@ -65,7 +69,7 @@ class _Entry:
     def __init__(self) -> None:
         self.cpu_slot: int | None = None
         self.on_ssd = False
-        self.engine_hash: Any = None
+        self.engine_hash: EngineHash | None = None
         self.announced = False
 
 
@@ -133,7 +137,7 @@ class TierPlanner:
         return out
 
     def plan_load(self, keys: Sequence[bytes], gpu_blocks: Sequence[int],
-                  engine_hashes: Sequence[Any] | None = None) -> tuple[list[Op], list[str]]:
+                  engine_hashes: Sequence[EngineHash | None] | None = None) -> tuple[list[Op], list[str]]:
         """Operations that copy ``keys`` into vLLM's ``gpu_blocks`` (same length), and the tier each
         came from (``"cpu"``, ``"ssd"``, or ``"miss"`` when the key is gone: that block is
         reported failed, so vLLM recomputes from there)."""
@@ -163,7 +167,7 @@ class TierPlanner:
         self.touch_chain(keys)
         return ops, tiers
 
-    def plan_save(self, key: bytes, gpu_block: int, engine_hash: Any = None) -> list[Op]:
+    def plan_save(self, key: bytes, gpu_block: int, engine_hash: EngineHash | None = None) -> list[Op]:
         """Operations saving vLLM's ``gpu_block`` as ``key`` (none when the key is already held)."""
         e = self._entries.get(key)
         if e is not None:
@@ -188,7 +192,7 @@ class TierPlanner:
             if k in self._ssd_lru:
                 self._ssd_lru.move_to_end(k)
 
-    def set_engine_hash(self, key: bytes, engine_hash: Any) -> None:
+    def set_engine_hash(self, key: bytes, engine_hash: EngineHash | None) -> None:
         """Record vLLM's hash of a held block; an unannounced block is announced in its tiers."""
         e = self._entries.get(key)
         if e is None or engine_hash is None or e.announced:
