@@ -599,18 +599,22 @@ def test_connect_failure_retried_on_next_best_then_502(cluster):
     w2 = cluster.sims["w2"]
     r = admin(cluster, "POST", "/admin/workers", {"id": "w2", "url": w2.url, "model": "tiny"})
     assert r.status_code == 201 and r.json()["healthy"] is True
-    # a stream under way when its worker dies: the client sees a truncated response, counts drop
+    # a stream under way when its worker dies: the client gets a clean end (an error event, then
+    # [DONE], as vLLM ends a stream that fails), and the counts drop
     long_body = _long_body("broken", True)
     steer_to(cluster, long_body, "w2")
-    with pytest.raises(httpx.RemoteProtocolError):
-        with httpx.stream("POST", cluster.base + "/v1/chat/completions", json=long_body, timeout=30) as s:
-            assert s.headers["x-kvroute-worker"] == "w2"
-            it = s.iter_raw()
-            next(it)
-            w2.proc.signal(signal.SIGKILL)  # the worker dies (no graceful shutdown)
-            w2.proc.popen.wait(10)
-            for _ in it:
-                pass
+    with httpx.stream("POST", cluster.base + "/v1/chat/completions", json=long_body, timeout=30) as s:
+        assert s.headers["x-kvroute-worker"] == "w2"
+        it = s.iter_raw()
+        received = next(it)
+        w2.proc.signal(signal.SIGKILL)  # the worker dies (no graceful shutdown)
+        w2.proc.popen.wait(10)
+        received += b"".join(it)
+    events = [e for e in received.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    error = orjson.loads(events[-2].removeprefix(b"data: "))["error"]
+    assert error["code"] == "upstream_failure" and "w2" in error["message"]
+    assert all(b'"choices"' in e for e in events[:-2])  # before it, the worker's own chunks
     wait_until(lambda: workers_by_id(cluster)["w2"]["in_flight"] == 0, what="in-flight released")
     body = chat_body("retry", "q")
     steer_to(cluster, body, "w2")
