@@ -34,6 +34,7 @@ from pathlib import Path
 from kvroute.engines import kvroute_argv, sim_argv, tier_argv_env, vllm_argv, vllm_env
 
 STOP_GRACE_S = 10.0
+GATEWAY_GRACE_S = 8.0  # under STOP_GRACE_S: the gateway exits before it is killed
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
@@ -85,13 +86,14 @@ class Cluster:
         return next((c for c in self.children if c.popen.poll() is not None), None)
 
     def stop(self) -> None:
-        """SIGTERM every child's process group (newest first), wait up to :data:`STOP_GRACE_S` for
-        the groups to empty (vLLM's engine and worker processes outlive its API server briefly),
-        then SIGKILL what is left."""
+        """Stop the children newest first, each in turn: SIGTERM its process group, wait up to
+        :data:`STOP_GRACE_S` for the group to empty (vLLM's engine and worker processes outlive
+        its API server briefly), SIGKILL what is left, then the next. The gateway (started last)
+        goes first and finishes its requests in flight (``GATEWAY_GRACE_S``) while the agents
+        and workers still run; the agents go before the workers they follow."""
         for c in reversed(self.children):
             _signal_group(c.popen, signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE_S
-        for c in self.children:
+            deadline = time.monotonic() + STOP_GRACE_S
             try:
                 c.popen.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -212,6 +214,8 @@ def gateway_config(args: argparse.Namespace, workers: list[dict], port: int) -> 
         "index": index,
         "workers": workers,
         "policy": {"name": args.policy},
+        # stopped first on the way down: its requests in flight finish while the workers still run
+        "timeouts": {"shutdown_grace_s": GATEWAY_GRACE_S},
     }
 
 

@@ -5,7 +5,7 @@
 | GET /admin/workers | ``{"workers": [worker entry + {"blocks": {gpu, cpu, ssd}, "speculative_blocks"}]}`` |
 | POST /admin/workers | body: a config worker ``{id?, url, model, events?, replay?}`` -> 201 the entry; 400 bad, 409 id taken |
 | DELETE /admin/workers/{id} | 200 ``{"removed": id}``; index entries purged, in-flight requests finish; 404 unknown |
-| POST /admin/workers/{id}/drain | 200 the entry (``draining: true``); 404 unknown |
+| POST /admin/workers/{id}/drain[?wait_s=S] | 200 the entry (``draining: true``; ``drained: true`` once its in-flight count is 0; with ``wait_s`` the answer waits up to S s for that); 404 unknown |
 | GET /admin/policy | the live policy mapping (the config's ``policy`` section) |
 | PUT /admin/policy | body: a policy mapping; validated and swapped atomically; 200 the new mapping, 400 bad |
 | GET /admin/index | ``{"backend", "workers": {id: {"blocks", "speculative_blocks", "kv_events"}}}`` (``kv_events``: the embedded ingestor's, or with Redis the worker's agent's, seq, event age, gaps, replays, resyncs; null without one) |
@@ -15,6 +15,7 @@ Errors use the OpenAI error shape.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 from typing import Any
 
@@ -27,6 +28,10 @@ from router.config import WorkerConfig, validation_message
 from router.endpoints import parse_json_object
 from router.errors import GatewayError, bad_request
 from router.gateway import Gateway, WorkerExists
+
+
+MAX_DRAIN_WAIT_S = 3600.0
+DRAIN_POLL_S = 0.05
 
 
 def _json(data: Any, status: int = 200) -> Response:
@@ -112,11 +117,16 @@ def make_admin_router(gateway: Gateway) -> APIRouter:
         return _json({"removed": worker_id})
 
     @api.post("/workers/{worker_id}/drain")
-    async def drain_worker(worker_id: str) -> Response:
+    async def drain_worker(worker_id: str, wait_s: float = 0.0) -> Response:
+        if not 0 <= wait_s <= MAX_DRAIN_WAIT_S:
+            raise bad_request(f"wait_s must be in 0..{MAX_DRAIN_WAIT_S:g}", "wait_s")
         try:
             reg = await gateway.drain_worker(worker_id)
         except KeyError:
             raise _not_found(worker_id) from None
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while reg.in_flight > 0 and asyncio.get_running_loop().time() < deadline and not reg.removed:
+            await asyncio.sleep(DRAIN_POLL_S)
         return _json(reg.describe())
 
     @api.get("/policy")

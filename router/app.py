@@ -4,7 +4,7 @@ Routed by the policy: ``POST /v1/chat/completions``, ``POST /v1/completions``. F
 least-loaded healthy worker of the body's model: vLLM's other client POST paths (:data:`FORWARDED`:
 responses, embeddings, tokenize, detokenize, Anthropic messages, render). Also ``GET /v1/models``
 (union over healthy workers), ``GET /version`` (the first healthy worker's), ``GET /health`` and
-``GET /ping`` (the gateway's liveness), ``GET /metrics`` and ``/admin/*`` (:mod:`router.admin`).
+``GET /ping`` (the gateway's liveness), ``GET /health/ready`` (readiness: a worker is routable), ``GET /metrics`` and ``/admin/*`` (:mod:`router.admin`).
 Not served: ``GET /v1/responses/{id}`` (a stored response lives on the one worker that made it).
 Browsers' cross-origin requests get the ``cors`` config's answer everywhere.
 
@@ -29,10 +29,12 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
 from router.admin import make_admin_router
+from router.client_auth import ClientAuth
 from router.config import CorsConfig
 from router.endpoints import ProxyEndpoint
 from router.errors import GatewayError
 from router.gateway import Gateway
+from router.openapi import serve_openapi
 from router.worker_probes import worker_get, worker_models
 
 log = logging.getLogger("kvroute.app")
@@ -99,8 +101,9 @@ def create_app(gateway: Gateway) -> HotPathDispatch:
         return Response(exc.body(), status_code=exc.status, media_type="application/json",
                         headers={k.decode("latin-1"): v.decode("latin-1") for k, v in exc.headers})
 
-    endpoints = {path: ProxyEndpoint(gateway, kind) for path, kind in ROUTED.items()}
-    endpoints.update({path: ProxyEndpoint(gateway, "forward") for path in FORWARDED})
+    auth = ClientAuth.from_config(gateway.cfg.client_auth)  # client API keys (off unless configured)
+    endpoints = {path: ProxyEndpoint(gateway, kind, auth) for path, kind in ROUTED.items()}
+    endpoints.update({path: ProxyEndpoint(gateway, "forward", auth) for path in FORWARDED})
     for path, endpoint in endpoints.items():  # also in FastAPI, so other methods get a 405
         app.router.routes.append(Route(path, endpoint, methods=["POST"]))
 
@@ -109,6 +112,14 @@ def create_app(gateway: Gateway) -> HotPathDispatch:
         up = sum(1 for r in gateway.registry.all() if r.routable)
         return Response(orjson.dumps({"status": "ok", "workers": len(gateway.registry), "routable": up}),
                         media_type="application/json")
+
+    @app.get("/health/ready")
+    async def ready() -> Response:
+        """Readiness (Kubernetes): 200 while at least one worker is routable, else 503; liveness
+        is ``/health``, which answers as long as the process serves."""
+        up = sum(1 for r in gateway.registry.all() if r.routable)
+        body = {"status": "ready" if up else "not_ready", "workers": len(gateway.registry), "routable": up}
+        return Response(orjson.dumps(body), status_code=200 if up else 503, media_type="application/json")
 
     @app.get("/ping")
     async def ping() -> Response:  # vLLM's (SageMaker's) liveness path: the gateway answers for itself
@@ -123,10 +134,12 @@ def create_app(gateway: Gateway) -> HotPathDispatch:
         return Response(gateway.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
-    async def models() -> Response:
+    async def models(request: Request) -> Response:
+        auth.check(request.scope["headers"])
         return Response(orjson.dumps(await _union_models(gateway)), media_type="application/json")
 
     app.include_router(make_admin_router(gateway))
+    serve_openapi(app, [m.name for m in gateway.cfg.models])  # GET /openapi.json, as vLLM serves
     cors = cors_wrapper(gateway.cfg.cors)
     app.add_middleware(CORSMiddleware, **cors.keywords)
     return HotPathDispatch(app, endpoints, cors)

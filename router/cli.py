@@ -16,8 +16,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Validate the config, then serve until SIGINT/SIGTERM (requests still running get 5 s to
-    finish). Returns 2 on a bad config."""
+    """Validate the config, then serve until SIGINT/SIGTERM: the listening socket closes at once
+    (new connections are refused, so a load balancer's readiness check fails), requests in
+    flight get ``timeouts.shutdown_grace_s`` to finish, then the gateway stops. Returns 2 on a
+    bad config."""
     import uvicorn
 
     from router.app import create_app
@@ -33,5 +35,5 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(Gateway(cfg, config_path=args.config))
     uvicorn.run(app, host=cfg.listen.host, port=cfg.listen.port, loop="uvloop", http="httptools",
                 log_level=args.log_level, access_log=False, server_header=False, date_header=False,
-                proxy_headers=False, timeout_keep_alive=75, timeout_graceful_shutdown=5)
+                proxy_headers=False, timeout_keep_alive=75, timeout_graceful_shutdown=cfg.timeouts.shutdown_grace_s)
     return 0

@@ -20,6 +20,7 @@ Example (every section but ``models`` and ``workers`` has defaults)::
     routing: {speculative_ttl_s: 5, approx_ttl_s: 120}
     cors: {allowed_origins: [], allow_credentials: false}   # vLLM's CORS flags and defaults
     admission: {max_in_flight_per_worker: 0, max_queued: 1024, queue_timeout_s: 30}   # 0: no limit
+    client_auth: {api_keys_env: KVROUTE_API_KEYS, api_keys_file: null}   # SHA-256 hashes; off unless given
 """
 from __future__ import annotations
 
@@ -132,7 +133,9 @@ class TimeoutsConfig(_Strict):
     """Timeouts in seconds. For relayed requests: TCP connect, and first byte of the response
     body (for a non-streamed response that is the whole generation); ``total_s`` None: no limit.
     ``stream_idle_s``: longest silence of a worker mid-stream before the gateway ends the
-    stream with an error event (None: no limit). ``worker_call_s``: the whole of each call the
+    stream with an error event (None: no limit). ``shutdown_grace_s``: on SIGTERM or SIGINT the
+    gateway stops accepting connections at once and gives the requests in flight this long to
+    finish before it exits. ``worker_call_s``: the whole of each call the
     gateway makes to a worker on its own behalf (``GET /v1/models``, ``/version``); the health
     probe and the load scrape have their own ``timeout_s``."""
 
@@ -141,6 +144,7 @@ class TimeoutsConfig(_Strict):
     total_s: float | None = Field(None, gt=0)
     worker_call_s: float = Field(3.0, gt=0)
     stream_idle_s: float | None = Field(120.0, gt=0)
+    shutdown_grace_s: float = Field(30.0, ge=0)
 
 
 class HealthConfig(_Strict):
@@ -173,6 +177,25 @@ class AdmissionConfig(_Strict):
     max_in_flight_per_worker: int = Field(0, ge=0)
     max_queued: int = Field(1024, ge=0)
     queue_timeout_s: float = Field(30.0, gt=0)
+
+
+class ClientAuthConfig(_Strict):
+    """Client API keys (:mod:`router.client_auth`): SHA-256 hashes of the allowed keys, comma-separated
+    in ``$api_keys_env`` and/or one per line in ``api_keys_file``; off (the default) when neither
+    is given. Checked here so a bad entry or an unreadable file stops the gateway at start."""
+
+    api_keys_env: str | None = "KVROUTE_API_KEYS"
+    api_keys_file: str | None = None
+
+    @model_validator(mode="after")
+    def _check_keys(self) -> "ClientAuthConfig":
+        from router.client_auth import load_key_hashes
+
+        try:
+            load_key_hashes(self)
+        except OSError as exc:
+            raise ValueError(f"cannot read api_keys_file: {exc}") from None
+        return self
 
 
 class CorsConfig(_Strict):
@@ -223,6 +246,7 @@ class GatewayConfig(_Strict):
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     cors: CorsConfig = Field(default_factory=CorsConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    client_auth: ClientAuthConfig = Field(default_factory=ClientAuthConfig)
 
     @model_validator(mode="after")
     def _cross_check(self) -> "GatewayConfig":

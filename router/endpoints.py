@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import aiohttp
 import orjson
 
+from router.client_auth import ClientAuth
 from router.errors import GatewayError, bad_request, body_too_large, error_body, upstream_failed
 from router.proxy import ClientState, upstream_headers
 from router.registry import InFlight
@@ -111,11 +112,13 @@ async def _cancel_on_disconnect(receive, task: asyncio.Task, state: ClientState)
 class ProxyEndpoint:
     """ASGI app for one proxied path. ``kind``: "chat" / "completion" are routed by the policy;
     "forward" goes to the least-loaded healthy worker of the body's model. ``gateway``: the
-    :class:`router.gateway.Gateway` (router, upstream, metrics, config)."""
+    :class:`router.gateway.Gateway` (router, upstream, metrics, config); ``auth``: client API
+    keys checked before the body is read (None: none needed)."""
 
-    def __init__(self, gateway: Gateway, kind: EndpointKind) -> None:
+    def __init__(self, gateway: Gateway, kind: EndpointKind, auth: ClientAuth | None = None) -> None:
         self.gw = gateway
         self.kind = kind
+        self.auth = auth if auth is not None and auth.enabled else None
 
     async def __call__(self, scope, receive, send) -> None:
         t0 = time.perf_counter()
@@ -123,6 +126,8 @@ class ProxyEndpoint:
         request_id = request_id_of(headers)
         gw = self.gw
         try:
+            if self.auth is not None:
+                self.auth.check(headers)
             raw = await read_body(receive, headers, gw.cfg.max_body_bytes)
             body = parse_json_object(raw)
         except _ClientGone:

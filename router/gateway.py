@@ -78,7 +78,7 @@ class Gateway:
         await self.tokenizers.load()
         await self.upstream.start()
         session = self.upstream.session
-        self.registry.add_task_factory(health_probe_task(session, self.cfg.health))
+        self.registry.add_task_factory(health_probe_task(session, self.cfg.health, self._health_changed))
         if self.cfg.load_scrape.enabled:
             self.registry.add_task_factory(load_scrape_task(session, self.cfg.load_scrape))
         if self.cfg.index.backend == "memory":
@@ -88,6 +88,20 @@ class Gateway:
             self.registry.add_task_factory(factory)
         regs = [self.registry.add(w) for w in self.cfg.workers]
         await self._wait_first_probe(regs)
+
+    async def _health_changed(self, reg: WorkerRegistration) -> None:
+        """A worker went down: its index entries are purged (a worker that died lost its cache;
+        nothing is routed to it while down either way). It came back: with an embedded event
+        stream that never broke meanwhile (the same engine, only its HTTP side failed), the
+        ingestor's view is published again; otherwise its events rebuild the index from empty."""
+        try:
+            if not reg.healthy:
+                await self.index.clear_worker(reg.id)
+                log.info("worker %s is down: its index entries were purged", reg.id)
+            elif reg.ingest is not None and await reg.ingest.restore_if_continuous():
+                log.info("worker %s is up; its KV-event stream never broke: index entries restored", reg.id)
+        except IndexUnavailable as exc:
+            log.error("worker %s changed health but its index entries could not be updated: %s", reg.id, exc)
 
     async def stop(self) -> None:
         """Stop every task and close connections."""

@@ -19,6 +19,7 @@
 | kvroute_ttft_prediction_ratio | histogram | worker | observed / predicted TTFT from dispatch, per streamed request (1 = exact) |
 | kvroute_worker_prefill_ms_per_token | gauge | worker | learned prefill milliseconds per token (absent until learned) |
 | kvroute_evidence_trusted | gauge | worker | 1 while the worker's reported cached tokens agree with the index, 0 while its evidence is distrusted |
+| kvroute_worker_events_live | gauge | worker | 1 while the worker's KV events flow, 0 while they do not (embedded mode; absent without an event stream) |
 | kvroute_evidence_distrust_total | counter | worker | times a worker's evidence became distrusted |
 | kvroute_index_unavailable_total | counter | | lookups that found the shared index down (routed by load alone) |
 | kvroute_index_write_failures_total | counter | | speculative inserts of a routed prompt's keys that found the shared index down |
@@ -64,7 +65,12 @@ class _WorkerGauges(Collector):
                                     labels=["worker"])
         rate = GaugeMetricFamily("kvroute_worker_prefill_ms_per_token",
                                  "Learned prefill milliseconds per token", labels=["worker"])
+        events_live = GaugeMetricFamily("kvroute_worker_events_live",
+                                        "1 while the worker's KV events flow, 0 while they do not (embedded mode)",
+                                        labels=["worker"])
         for reg in self._workers():
+            if reg.events_live is not None:
+                events_live.add_metric([reg.id], 1 if reg.events_live else 0)
             in_flight.add_metric([reg.id], reg.in_flight)
             healthy.add_metric([reg.id], 1 if reg.healthy else 0)
             trusted.add_metric([reg.id], 1 if reg.evidence.trusted else 0)
@@ -75,6 +81,7 @@ class _WorkerGauges(Collector):
         yield healthy
         yield trusted
         yield rate
+        yield events_live
 
 
 class GatewayMetrics:

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvroute.registry")
 
+EVENTS_GRACE_S = 5.0  # a new worker's KV-event subscriber gets this long to connect
+
 TaskFactory = Callable[["WorkerRegistration"], Coroutine[Any, Any, None]]
 
 
@@ -68,6 +70,9 @@ class WorkerRegistration:
         self.ingest: EventIngestor | None = None  # the KV-event ingestor in embedded mode
         self.tasks: list[asyncio.Task] = []
         self.first_probe = asyncio.Event()
+        self.added_monotonic = time.monotonic()
+        self.events_live: bool | None = None  # see check_events; None: no embedded event stream
+        self.events_problem: str | None = None
 
     @property
     def has_events(self) -> bool:
@@ -102,6 +107,37 @@ class WorkerRegistration:
             log.log(logging.INFO if self.healthy else logging.WARNING, "worker %s is now %s%s", self.id,
                     "up" if self.healthy else "down", f" ({error})" if error else "")
         return before != self.healthy
+
+    @property
+    def evidence_credited(self) -> bool:
+        """Whether the policies may credit this worker's index entries: its reported cached
+        tokens agree with them (``evidence``) and its KV events flow (``events_live`` not False)."""
+        return self.evidence.trusted and self.events_live is not False
+
+    def check_events(self, now: float, grace_s: float = EVENTS_GRACE_S) -> bool | None:
+        """Re-judge whether the worker's KV events flow (embedded mode: an ingestor runs for
+        it): live while its subscriber is connected to the publisher, or for ``grace_s`` after
+        the worker was added; not live once the connection has been missing longer (a wrong or
+        dead endpoint: the index then holds only the gateway's guesses and replayed history).
+        Logs a WARNING when the stream stops counting, INFO when it counts again. Returns the
+        new state (None without an ingestor: no event stream, or the agents' with Redis)."""
+        sub = self.ingest.subscriber if self.ingest is not None else None
+        if sub is None:
+            live, problem = None, None
+        elif sub.connected:
+            live, problem = True, None
+        elif now - self.added_monotonic < grace_s:
+            live, problem = True, None  # still connecting
+        else:
+            live = False
+            problem = (f"not connected to the KV-event publisher at {self.cfg.events} "
+                       f"({sub.batches_received} batches received)")
+        if live is False and self.events_live is not False:
+            log.warning("worker %s: %s; its prefix evidence is not credited until events flow", self.id, problem)
+        elif live is True and self.events_live is False:
+            log.info("worker %s: KV events flow again; its prefix evidence is credited", self.id)
+        self.events_live, self.events_problem = live, problem
+        return live
 
     def event_state(self) -> dict[str, Any] | None:
         """The embedded KV-event ingestor's state (seq, event age, gaps, replays, resyncs,
@@ -146,12 +182,14 @@ class WorkerRegistration:
             "id": self.id, "url": self.url, "model": self.model,
             "events": self.cfg.events, "replay": self.cfg.replay,
             "healthy": bool(self.healthy), "draining": self.draining, "in_flight": self.in_flight,
+            "drained": self.draining and self.in_flight == 0,
             "prefill_tokens": self.prefill_tokens, "decoding": self.decoding,
             "engine": {"running": self.engine_running, "waiting": self.engine_waiting,
                        "kv_cache_usage": self.kv_usage,
                        "scrape_age_s": _age(self.last_scrape_monotonic, now)},
             "last_probe_error": self.last_probe_error,
             "kv_events": self.event_state(),
+            "events_live": self.events_live, "events_problem": self.events_problem,
             "prefill_rate": _rate(self.prefill_rate),
             "evidence": self.evidence.state(),
         }

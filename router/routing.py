@@ -242,7 +242,7 @@ class Router:
         if not regs:
             raise no_healthy_worker(model.name)
         candidates = [Candidate(r.id, r.load(), matches.get(r.id) or TierMatch(), r.prefill_rate.learned,
-                                r.evidence.trusted, r.evidence.credit_weight) for r in regs]
+                                r.evidence_credited, r.evidence.credit_weight) for r in regs]
         decision = policy.choose(request, candidates)
         return RoutePlan(model, lora_name, blocks, matches, request, decision, policy.name or "",
                          {r.id: r for r in regs})

@@ -111,6 +111,8 @@ def _prompt_blocks(tok: PromptTokenizer, model: ModelConfig, kind: PromptKind, b
         prompts = [tok.encode_chat(body)] if kind == "chat" else tok.encode_completion(body)
     except UnsupportedPrompt:
         return PromptBlocks(None, fallback="unsupported_prompt")
+    except RecursionError:  # e.g. tool-call arguments nested ~1000 deep: json.loads gives up
+        raise BadPrompt("the prompt is nested too deeply to parse") from None
     try:
         keys = [block_keys(ids, model.block_size, model.name, extras) for ids in prompts]
     except ValueError as exc:  # a token id outside 0..2**32-1

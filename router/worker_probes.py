@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 import orjson
@@ -67,6 +70,7 @@ async def probe_once(session: aiohttp.ClientSession, reg: WorkerRegistration, cf
     ok = not isinstance(got, str) and got[0] == 200
     error = None if ok else (got if isinstance(got, str) else f"status {got[0]}")
     reg.record_probe(ok, cfg.fail_threshold, cfg.rise_threshold, error)
+    reg.check_events(time.monotonic())  # every probe: whether its KV events still flow
     return ok
 
 
@@ -120,9 +124,18 @@ def periodic_task(step, session: aiohttp.ClientSession, cfg: HealthConfig | Load
     return run
 
 
-def health_probe_task(session: aiohttp.ClientSession, cfg: HealthConfig):
-    """Task factory: :func:`probe_once` every ``cfg.interval_s``."""
-    return periodic_task(probe_once, session, cfg)
+def health_probe_task(session: aiohttp.ClientSession, cfg: HealthConfig,
+                      on_change: Callable[[WorkerRegistration], Awaitable[None]] | None = None):
+    """Task factory: :func:`probe_once` every ``cfg.interval_s``; ``on_change(reg)`` is awaited
+    after a probe that turned the worker up or down (not after its first probe)."""
+
+    async def step(session: aiohttp.ClientSession, reg: WorkerRegistration, cfg: HealthConfig) -> None:
+        before = reg.healthy
+        await probe_once(session, reg, cfg)
+        if on_change is not None and before is not None and reg.healthy is not before:
+            await on_change(reg)
+
+    return periodic_task(step, session, cfg)
 
 
 def load_scrape_task(session: aiohttp.ClientSession, cfg: LoadScrapeConfig):

@@ -175,6 +175,16 @@ class EventIngestor:
         except IndexUnavailable as exc:
             self._index_failed("index write failed", exc)
 
+    async def restore_if_continuous(self) -> bool:
+        """Publish this ingestor's view of the worker again (after the index was purged while
+        the worker's HTTP side was down) when the event stream never broke meanwhile: still
+        connected, with no disconnect since the last batch, so the same engine (and its cache)
+        is there. Returns whether it did; False leaves the index to be rebuilt by new events."""
+        if not self.subscriber.continuous:
+            return False
+        await self._republish()
+        return self._synced
+
     async def _republish(self) -> None:
         async with self._lock:
             try:

@@ -88,6 +88,12 @@ class EventSubscriber:
         self.duplicates = 0
         self.decode_errors = 0
 
+    @property
+    def continuous(self) -> bool:
+        """Connected, and no disconnect seen since the last batch: the same publisher's history
+        goes on (a restarted one would have dropped the connection)."""
+        return self.connected and not self._suspect
+
     def counters(self) -> dict[str, int | float | bool | None]:
         """Stream counters and state for /admin."""
         return {

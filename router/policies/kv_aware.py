@@ -169,7 +169,10 @@ class KVAwarePolicy(Policy):
             load = self.load_model.load_blocks(c.load, bs)
             credit = self.credit_blocks(c.matched, num_blocks) if c.evidence_trusted else 0.0
             cost = (num_blocks - credit) + self.load_weight * load
-            scored.append(_Scored(CandidateScore(c.worker_id, c.matched, load, cost), credit))
+            score = CandidateScore(c.worker_id, c.matched, load, cost)
+            if not c.evidence_trusted:
+                score.note = "evidence distrusted"  # its matched blocks earn no credit
+            scored.append(_Scored(score, credit))
         min_load = min(s.load for s in scored)
         for s in scored:
             s.overloaded = self.overload_guard.overloaded(s.load, min_load, bs)
