@@ -67,6 +67,7 @@ def main() -> int:
           + "  ".join(f"{s}: {n}" for s, n in sorted(total.items())))
     print(f"gateway-made 5xx: {tally.kinds['gateway_5xx']} (goal 0)")
     print(f"4xx not in the OpenAI error shape: {tally.kinds['bad_4xx']} (goal 0)")
+    print(f"requests without an answer (connection dropped, timeout): {tally.kinds['no_answer']} (goal 0)")
     print(f"worker 5xx (a sim's own, or the gateway's 502/504 or stream error event naming it): "
           f"{tally.kinds['worker_5xx']}")
     print(f"503 for GET /version (the sims serve none): {tally.kinds['rig_5xx']}")

@@ -10,7 +10,9 @@ max_queued: Q, queue_timeout_s: T}`` and one without.
 1. Idle TTFT: ``--idle-requests`` requests one after another (through the plain gateway).
 2. Capacity: Poisson arrivals at rising fractions of the nominal capacity, ``--step-s`` each,
    through the plain gateway; capacity = the highest rate whose TTFT p50 stays within
-   ``--near-idle`` x the idle p50 with every request completed.
+   ``--near-idle-ms`` of the idle p50 (default: 4 decode steps, since under continuous batching a
+   newcomer's first token waits for the step under way and shares its own step with the decodes)
+   with every request completed.
 3. Overload: Poisson arrivals at ``--overload`` x capacity for ``--window-s`` (open loop: a request
    is sent at its time whatever happened to the others; the same seeded times for both), through
    the admission gateway, then (once the workers are idle again) through the plain one. Every
@@ -158,7 +160,8 @@ def figures(run: dict, window_s: float, target_s: float) -> dict:
             "rejected_429": statuses.get("429", 0),
             "other": {k: v for k, v in statuses.items() if k not in ("200", "429")},
             "ttft_p50_s": percentile(ttfts, 50), "ttft_p99_s": percentile(ttfts, 99),
-            "good": good, "goodput_rps": good / window_s, "per_worker": dict(sorted(workers.items())), "drain_s": run["wall_s"] - window_s}
+            "good": good, "goodput_rps": good / window_s, "per_worker": dict(sorted(workers.items())),
+            "drain_s": run["wall_s"] - window_s}
 
 
 def ms(v: float | None) -> str:
@@ -183,15 +186,16 @@ async def bench(args, gw_plain: str, gw_adm: str, sims: list[str]) -> dict:
               f"{nominal:.1f} req/s ({args.workers} workers x {args.max_num_seqs} seqs / {service_s:.2f} s)")
 
         sweep, capacity, next_id = [], None, 100_000
+        near_ms = args.near_idle_ms if args.near_idle_ms is not None else 4 * args.decode_ms
         print(f"\ncapacity sweep ({args.step_s:g} s per rate, plain gateway): near idle = TTFT p50 <= "
-              f"{args.near_idle:g} x idle")
+              f"idle + {near_ms:g} ms")
         print(f"{'rate/s':>8} {'done':>6} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12}  per worker")
         for frac in args.sweep:
             rate = frac * nominal
             await wait_idle(sims)
             f = figures(await open_loop(session, url, rate, args.step_s, 7, args, next_id), args.step_s, 1e9)
             next_id += f["sent"]
-            near = f["completed"] == f["sent"] and f["ttft_p50_s"] <= args.near_idle * idle_p50
+            near = f["completed"] == f["sent"] and f["ttft_p50_s"] <= idle_p50 + near_ms / 1000
             sweep.append({"rate": rate, **f, "near_idle": near})
             print(f"{rate:8.1f} {f['completed']:>6} {ms(f['ttft_p50_s']):>12} {ms(f['ttft_p99_s']):>12}  "
                   f"{f['per_worker']}{'' if near else '   (beyond)'}")
@@ -223,10 +227,10 @@ def main() -> int:
     p.add_argument("--prefill-ms-per-token", type=float, default=0.05)
     p.add_argument("--prompt-words", type=int, default=40)
     p.add_argument("--idle-requests", type=int, default=20)
-    p.add_argument("--sweep", type=float, nargs="+", default=[0.4, 0.6, 0.75, 0.9, 1.0, 1.1],
+    p.add_argument("--sweep", type=float, nargs="+", default=[0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1],
                    help="capacity sweep rates, as fractions of the nominal capacity")
     p.add_argument("--step-s", type=float, default=15.0)
-    p.add_argument("--near-idle", type=float, default=2.0)
+    p.add_argument("--near-idle-ms", type=float, default=None, help="default: 4 x --decode-ms")
     p.add_argument("--overload", type=float, default=2.0, help="offered rate / measured capacity")
     p.add_argument("--window-s", type=float, default=30.0)
     p.add_argument("--ttft-target-s", type=float, default=1.0)

@@ -25,6 +25,7 @@ from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
 from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
@@ -32,7 +33,7 @@ from router.admin import make_admin_router
 from router.client_auth import ClientAuth
 from router.config import CorsConfig
 from router.endpoints import ProxyEndpoint
-from router.errors import GatewayError
+from router.errors import GatewayError, bad_request
 from router.gateway import Gateway
 from router.openapi import serve_openapi
 from router.worker_probes import worker_get, worker_models
@@ -100,6 +101,15 @@ def create_app(gateway: Gateway) -> HotPathDispatch:
     async def gateway_error(request: Request, exc: GatewayError) -> Response:
         return Response(exc.body(), status_code=exc.status, media_type="application/json",
                         headers={k.decode("latin-1"): v.decode("latin-1") for k, v in exc.headers})
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        # a bad query or path parameter: 400 in the OpenAI shape, as vLLM answers, not FastAPI's 422
+        errors = exc.errors()
+        loc = [str(x) for x in (errors[0].get("loc", ()) if errors else ()) if x not in ("query", "path", "body")]
+        message = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()))}: {e.get('msg', 'invalid')}" for e in errors)
+        err = bad_request(message or "invalid request", loc[0] if loc else None)
+        return Response(err.body(), status_code=400, media_type="application/json")
 
     auth = ClientAuth.from_config(gateway.cfg.client_auth)  # client API keys (off unless configured)
     endpoints = {path: ProxyEndpoint(gateway, kind, auth) for path, kind in ROUTED.items()}
