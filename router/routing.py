@@ -261,7 +261,10 @@ class Router:
         """Record the prompt's keys as speculative entries on the worker the request went to."""
         if plan.blocks is None or not plan.blocks.keys:
             return
-        ttl = self.routing.speculative_ttl_s if reg.has_events else self.routing.approx_ttl_s
+        # events confirm the entries soon (the gateway's own ingest, or an agent writing a shared
+        # index): keep them only that long, so a worker whose agent died stops attracting prompts
+        event_fed = reg.has_events or self.index.agent_fed(reg.id)
+        ttl = self.routing.speculative_ttl_s if event_fed else self.routing.approx_ttl_s
         try:
             for keys in plan.blocks.keys:
                 if keys:

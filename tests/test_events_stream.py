@@ -163,6 +163,30 @@ async def test_publisher_restart_is_detected_and_the_worker_resynced(index, capt
     assert (await index.match(keys_of(capture, "completion_B_evicts")))["w0"].gpu == 16
 
 
+async def test_restart_whose_first_batch_was_missed_is_found_at_reconnect(index, capture, setup_factory):
+    """The restarted publisher's first batch goes out before the subscriber reconnects (lost on
+    the SUB socket) and nothing follows: the reconnect itself asks the replay buffer, which tells
+    a new history (it ends before our last seq), so the worker is resynced from it at once."""
+    payloads = capture_payloads(capture)
+    s = setup_factory(index)
+    pub = s.start_publisher()
+    await s.ingestor.start()
+    await s.connected()
+    for p in payloads[:3]:
+        await pub.publish(p)
+    await s.applied(2)
+    await pub.close()
+    s.pub = None
+    await until(lambda: not s.ingestor.subscriber.connected, what="SUB disconnected")
+    pub = s.start_publisher()
+    await pub.publish(payloads[3])  # seq 0 of the new history, before anyone is subscribed: lost live
+    await until(lambda: s.ingestor.subscriber.restarts >= 1 and s.ingestor.subscriber.last_seq == 0,
+                what="restart found from the replay buffer")
+    assert s.ingestor.subscriber.batches_received == 3  # the new batch came only through the replay
+    assert await index.match(keys_of(capture, "completion_A")) == {}
+    assert (await index.match(keys_of(capture, "completion_B_evicts")))["w0"].gpu == 16
+
+
 async def test_agent_started_after_vllm_catches_up_through_replay(index, capture, setup_factory):
     payloads = capture_payloads(capture)
     s = setup_factory(index)

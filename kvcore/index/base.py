@@ -93,6 +93,12 @@ class KVIndex(abc.ABC):
         of another encoding version (refuse to start), :class:`kvcore.index.errors.IndexUnavailable`
         when it cannot be reached (going on is fine: it is checked again when it answers)."""
 
+    def agent_fed(self, worker: str) -> bool:
+        """Whether an agent has been seen writing ``worker``'s KV events into this index (a
+        shared backend), so the gateway's speculative entries for it need to last only until
+        events confirm them. False for the in-memory index (the gateway ingests itself)."""
+        return False
+
     async def close(self) -> None:
         """Release connections (no-op for in-memory)."""
 

@@ -277,6 +277,7 @@ class RedisIndex(KVIndex):
         self.encoding_error: IndexEncodingMismatch | None = None  # the mismatch found last, if any
         self._epoch = b""
         self._names: dict[int, str] = {}  # slot -> worker, as of self._epoch
+        self._agent_workers: set[str] = set()  # workers seen with a live agent heartbeat
         self._hb_mget = b""  # MGET of every known slot's heartbeat key
         p = self.prefix.encode()
         self._bitmap_prefix = p + b"b:"
@@ -504,6 +505,8 @@ class RedisIndex(KVIndex):
         for s, flag in enumerate(flags):
             if flag is not None:
                 alive_mask |= 0b111 << (4 * s)
+                if s in self._names:
+                    self._agent_workers.add(self._names[s])
         names = self._names
         spec_slots: dict[str, int] = {}
         if spec_reach:
@@ -610,6 +613,11 @@ class RedisIndex(KVIndex):
                 state["last_event_age_s"] = round(state["last_event_age_s"] + published_age_s, 3)
             out[flat[i].decode()] = state
         return out
+
+    def agent_fed(self, worker: str) -> bool:
+        """Whether a lookup has seen ``worker`` with a live agent heartbeat (its events reach
+        this index), so speculative entries for it need to outlive only the events' lag."""
+        return worker in self._agent_workers
 
     async def live_workers(self) -> set[str]:
         """Workers whose heartbeat has not expired. Raises IndexUnavailable."""

@@ -72,6 +72,7 @@ class EventSubscriber:
         self._sub: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         self._suspect = False  # a disconnect happened: verify continuity at the next batch
+        self._reconnected = asyncio.Event()  # set on a connect that follows a disconnect
         self.connected = False
         self.last_seq = -1  # last applied seq of the current history (-1: none)
         self._last_fingerprint: int | None = None
@@ -115,18 +116,44 @@ class EventSubscriber:
         sub.connect(self.events_url)
         self._sub = sub
         monitor_task = asyncio.create_task(self._watch_connection())
+        recv: asyncio.Future | None = None
         try:
             if self.replay_url:
                 await self._catch_up()
             while True:
-                frames = await sub.recv_multipart()
+                if recv is None:
+                    recv = asyncio.ensure_future(sub.recv_multipart())
+                reconnect = asyncio.ensure_future(self._reconnected.wait())
+                done, _ = await asyncio.wait({recv, reconnect}, return_when=asyncio.FIRST_COMPLETED)
+                if reconnect in done:
+                    self._reconnected.clear()
+                    await self._verify_after_reconnect()
+                else:
+                    reconnect.cancel()
+                if recv not in done:
+                    continue
+                frames, recv = recv.result(), None
                 if len(frames) != 3:
                     log.warning("%s: ignoring a message with %d frames", self.name, len(frames))
                     continue
                 await self._on_message(seq_from_bytes(frames[1]), frames[2])
         finally:
+            if recv is not None:
+                recv.cancel()
             monitor_task.cancel()
             self.close()
+
+    async def _verify_after_reconnect(self) -> None:
+        """The publisher's socket came back after a disconnect: ask its replay buffer at once
+        whether it is the same history (catch up on what the SUB socket missed) or a restarted
+        publisher (start over from its buffer), rather than wait for its next live batch, which
+        may be long in coming (an idle engine publishes nothing) or the very batch that was
+        missed while the socket reconnected."""
+        if not self.replay_url or self.last_seq < 0:
+            return
+        if await self._catch_up():
+            self._suspect = False
+            self._sub_last = self.last_seq
 
     def close(self) -> None:
         """Close the sockets (idempotent)."""
@@ -151,6 +178,8 @@ class EventSubscriber:
                 return
             if event == zmq.EVENT_CONNECTED:
                 self.connected = True
+                if self._suspect:
+                    self._reconnected.set()  # the run loop verifies the history at once
             elif event == zmq.EVENT_DISCONNECTED:
                 self.connected = False
                 self._suspect = True
@@ -194,6 +223,11 @@ class EventSubscriber:
             return False
         self.replays += 1
         if not items:
+            if self.last_seq >= 0:
+                # the publisher has neither our last batch nor any after it: a new history
+                self.restarts += 1
+                await self._reset(f"publisher restarted: its replay buffer ends before seq {start}", routine=True)
+                return await self._catch_up()
             return True
         first_seq, first_payload = items[0]
         if self.last_seq >= 0:

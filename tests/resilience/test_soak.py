@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import threading
 import time
 
 import aiohttp
@@ -27,6 +26,8 @@ import httpx
 import orjson
 import psutil
 import pytest
+
+from kvroute.bench.process_sampler import Sampler
 
 from conftest import ADMIN_TOKEN, Proc, free_ports, kvroute_argv, serve_gateway, wait_http, wait_until
 
@@ -110,36 +111,15 @@ def gateway(tmp_path_factory, tiny_model) -> Gateway:
             p.stop()
 
 
-def wait_idle(gw: Gateway) -> None:
-    wait_until(lambda: (lambda ws: ws if all(w["in_flight"] == 0 for w in ws.values()) else None)(gw.workers())
-               or False, timeout_s=60, what="gateway in_flight 0 for every worker")
+def wait_idle(gw: Gateway) -> dict[str, dict]:
+    """Wait until the gateway counts no request in flight on any worker; its workers then."""
+    def idle() -> dict[str, dict] | None:
+        ws = gw.workers()
+        return ws if all(w["in_flight"] == 0 for w in ws.values()) else None
+
+    return wait_until(idle, timeout_s=60, what="gateway in_flight back to 0 for every worker")
 
 
-class Sampler:
-    """Peak RSS and fds of a process, sampled in a thread while a run goes on (information only)."""
-
-    def __init__(self, proc: psutil.Process) -> None:
-        self.proc = proc
-        self.peak_rss = proc.memory_info().rss
-        self.peak_fds = proc.num_fds()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.05):
-            try:
-                self.peak_rss = max(self.peak_rss, self.proc.memory_info().rss)
-                self.peak_fds = max(self.peak_fds, self.proc.num_fds())
-            except psutil.Error:
-                return
-
-    def __enter__(self) -> "Sampler":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(5)
 
 
 async def _one_stream(session: aiohttp.ClientSession, url: str, i: int) -> str | None:
@@ -180,14 +160,14 @@ def test_concurrent_streams_all_complete_and_resources_come_back(gateway):
         errors = asyncio.run(_soak(gateway.base, N_SOAK))
     wall = time.monotonic() - t0
     assert errors == [], f"{len(errors)} of {N_SOAK} failed, first: {errors[:5]}"
-    ws = wait_until(lambda: (lambda w: w if all(x["in_flight"] == 0 for x in w.values()) else None)(
-        gateway.workers()), timeout_s=60, what="in_flight back to 0 for every worker")
+    ws = wait_idle(gateway)
     assert set(ws) == {"w0", "w1"} and all(w["healthy"] for w in ws.values())
     # every client connection is closed (the soak's client has gone) ...
     wait_until(lambda: gateway.client_connections() == 0, timeout_s=60, what="client connections closed")
     # ... and idle upstream connections close after the pool's keep-alive, but for the probes' few
-    fds_after = wait_until(lambda: (lambda n: n if n <= fds_before + FD_MARGIN else None)(gp.num_fds()),
-                           timeout_s=60, what=f"gateway fds back to within {FD_MARGIN} of {fds_before}")
+    wait_until(lambda: gp.num_fds() <= fds_before + FD_MARGIN, timeout_s=60,
+               what=f"gateway fds back to within {FD_MARGIN} of {fds_before}")
+    fds_after = gp.num_fds()
     assert gp.is_running() and gp.status() != psutil.STATUS_ZOMBIE and gateway.proc.alive()
     assert all(p.alive() for p in gateway.sims)
     mib = 1024 * 1024
