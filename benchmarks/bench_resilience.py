@@ -17,7 +17,12 @@ concurrent streams, and how long the cluster takes to converge again after each 
    (its event seq numbers start again): for each, the time until a prompt's blocks are matched
    again (``POST /admin/explain``), without any new traffic where none is needed.
 
+4. With ``--fuzz-examples N`` and ``--overload``: the hostile-input fuzz (bench_fuzz.py: cases
+   tried, gateway 5xx) and goodput at 2x capacity with and without admission control
+   (bench_overload.py), run after the above, so one run prints every figure of the issue.
+
 Usage: python benchmarks/bench_resilience.py [--requests 2000] [--concurrency 500] [--json FILE]
+       [--fuzz-examples 100] [--overload]
 Everything runs on loopback; every process has a hard deadline (``timeout -s KILL``) and is stopped
 at the end; every client call has a timeout, so a hang is counted, never waited on. Exit status 0
 only when no client hung, no request that should succeed failed and every fault converged again.
@@ -645,6 +650,10 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=500)
     ap.add_argument("--json", type=Path, help="write the figures here as JSON")
     ap.add_argument("--keep-logs", action="store_true", help="keep the processes' logs (path printed)")
+    ap.add_argument("--fuzz-examples", type=int, default=0, metavar="N",
+                    help="also run benchmarks/bench_fuzz.py with N examples per operation (0: skip)")
+    ap.add_argument("--overload", action="store_true",
+                    help="also run benchmarks/bench_overload.py (goodput at 2x capacity, ~2 min)")
     args = ap.parse_args()
     if shutil.which("redis-server") is None:
         print("redis-server is not on PATH", file=sys.stderr)
@@ -666,6 +675,15 @@ def main() -> int:
     print(table(results))
     if args.json:
         args.json.write_text(json.dumps({**results, "failures": failures}, indent=2, default=str))
+    for name, extra in (("bench_fuzz", ["--examples", str(args.fuzz_examples)] if args.fuzz_examples else None),
+                        ("bench_overload", [] if args.overload else None)):
+        if extra is None:
+            continue
+        # the companion benchmarks print their own tables; one run of this script gives every figure
+        print(f"\n== {name}", flush=True)
+        done = subprocess.run([sys.executable, str(Path(__file__).with_name(f"{name}.py")), *extra], timeout=3600)
+        if done.returncode != 0:
+            failures.append(f"{name} exited {done.returncode}")
     for f in failures:
         print("FAIL:", f)
     return 1 if failures else 0

@@ -32,8 +32,9 @@ def _masked_events(stream: bytes) -> list[bytes]:
 def _normalized(stream: bytes, ordered: bool) -> tuple:
     """What a stream says, free of vLLM's own chunking: vLLM merges the tokens of several engine
     steps into one chunk when its writer falls behind, so two runs of one request can cut the
-    text differently. Returns ``(text per choice, event skeletons, final usage)``: a skeleton is
-    an event with its text emptied and per-chunk usage figures zeroed (keys and their order
+    text differently, down to no middle chunk at all (every token in the last one). Returns
+    ``(text per choice, event skeletons, final usage)``: a skeleton is an event other than a
+    middle content chunk, with its text emptied and per-chunk usage figures zeroed (keys and their order
     kept: where ``system_fingerprint`` and ``usage`` sit shows), listed once each in order of
     first appearance (``ordered`` False, for n > 1: sorted); the final usage-only chunk's usage
     is kept whole. Byte-exact framing is checked on captured vLLM streams in
@@ -58,6 +59,9 @@ def _normalized(stream: bytes, ordered: bool) -> tuple:
                     final_usage = dict(obj["usage"])
                 obj["usage"] = {k: 0 for k in obj["usage"]}
             skeleton = orjson.dumps(obj)
+            choices = obj.get("choices") or []
+            if choices and all(c.get("finish_reason") is None and "role" not in c.get("delta", {}) for c in choices):
+                continue  # a middle content chunk: whether any exists depends on vLLM's merging
         if skeleton not in skeletons:
             skeletons.append(skeleton)
     return text, skeletons if ordered else sorted(skeletons), final_usage
