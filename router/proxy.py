@@ -50,10 +50,19 @@ class ClientState:
         self.response_done = False
 
 
+def _header_value(value: bytes) -> str:
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        return value.decode("latin-1")
+
+
 def upstream_headers(client_headers: list[tuple[bytes, bytes]], request_id: str) -> list[tuple[str, str]]:
     """Headers for the worker: the client's minus hop-by-hop, Host, Content-Length,
-    Accept-Encoding and x-request-id; plus ``Accept-Encoding: identity`` and ``x-request-id``."""
-    out = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in client_headers if k not in _REQUEST_DROP]
+    Accept-Encoding and x-request-id; plus ``Accept-Encoding: identity`` and ``x-request-id``.
+    Values keep their bytes: aiohttp writes header strings as UTF-8, so UTF-8 values are decoded
+    as UTF-8 (other bytes, rare, as latin-1)."""
+    out = [(k.decode("latin-1"), _header_value(v)) for k, v in client_headers if k not in _REQUEST_DROP]
     out.append(("Accept-Encoding", "identity"))
     out.append(("x-request-id", request_id))
     return out

@@ -208,3 +208,14 @@ async def test_admin_changes_wait_for_a_reload_in_progress(tiny_model):
         assert [r.id for r in gw.registry.all()] == ["w0"]
     finally:
         await gw.stop()
+
+
+def test_header_bytes_reach_the_worker_unchanged(setup):
+    """Header values go upstream byte for byte, UTF-8 included (aiohttp writes strings as UTF-8)."""
+    raw = "tenant é ☃".encode()
+    r = httpx.post(setup.one_model + "/v1/chat/completions", json={**CHAT, "model": "tiny"},
+                   headers={"x-tenant": raw, "x-request-id": "hdr-bytes-1"}, timeout=60)
+    assert r.status_code == 200
+    recorded = httpx.get(setup.sim_url + "/sim/requests", timeout=10).json()["requests"]
+    sent = [q for q in recorded if q["headers"].get("x-request-id") == "hdr-bytes-1"]
+    assert [q["headers"]["x-tenant"].encode("latin-1") for q in sent] == [raw]  # Starlette decodes as latin-1
