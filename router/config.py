@@ -82,7 +82,7 @@ class WorkerConfig(_Strict):
     """One worker (a vLLM server). ``id`` defaults to ``host:port`` of ``url``; ``events`` /
     ``replay``: the server's ZMQ KV-event PUB and replay endpoints (absent: approximate mode)."""
 
-    id: str | None = None
+    id: str | None = Field(None, min_length=1)
     url: str
     model: str = Field(min_length=1)
     events: str | None = None
@@ -220,6 +220,8 @@ class RoutingConfig(_Strict):
     is stripped when the client did not ask for it). ``tokenize_threads``: tokenizer pool size;
     ``inline_tokenize_max_bytes``: bodies up to this size are tokenized on the event loop (a
     short prompt takes ~0.1 ms, less than the hop to a pool thread); larger ones in the pool.
+    ``max_tokenize_bytes``: bodies past this size (4 MiB: ~1M tokens, past any context length)
+    are routed by load without tokenizing (``kvroute_tokenization_fallbacks_total{reason="too_large"}``).
     """
 
     speculative_ttl_s: float = Field(5.0, gt=0)
@@ -227,6 +229,7 @@ class RoutingConfig(_Strict):
     measure_stream_usage: bool = True
     tokenize_threads: int = Field(2, ge=1)
     inline_tokenize_max_bytes: int = Field(2048, ge=0)
+    max_tokenize_bytes: int = Field(4 * MIB, ge=0)
 
 
 class GatewayConfig(_Strict):
@@ -260,6 +263,9 @@ class GatewayConfig(_Strict):
         ids = [w.id for w in self.workers]
         if len(set(ids)) != len(ids):
             raise ValueError(f"worker ids repeated: {sorted({i for i in ids if ids.count(i) > 1})}")
+        urls = [w.url for w in self.workers]
+        if len(set(urls)) != len(urls):  # one server listed twice would count twice in routing
+            raise ValueError(f"worker urls repeated: {sorted({u for u in urls if urls.count(u) > 1})}")
         for w in self.workers:
             if w.model not in bases:
                 raise ValueError(f"worker {w.id!r} serves unknown model {w.model!r}; models: {sorted(bases)}")

@@ -130,6 +130,9 @@ class Gateway:
             raise ValueError(f"unknown model {wcfg.model!r}; models: {sorted(self.model_names)}")
         if wcfg.id in self.registry:
             raise WorkerExists(f"worker {wcfg.id!r} already exists")
+        same_url = [r.id for r in self.registry.all() if r.url == wcfg.url]
+        if same_url:
+            raise WorkerExists(f"worker {same_url[0]!r} already serves {wcfg.url}")
         reg = self.registry.add(wcfg)
         await self._wait_first_probe([reg])
         return reg

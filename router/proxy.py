@@ -239,7 +239,12 @@ class Upstream:
                 # error event and [DONE] as vLLM ends a stream that fails (a truncated HTTP body
                 # would leave clients guessing)
                 timed_out = isinstance(exc, TimeoutError)
-                detail = f"no data for {idle_s} s" if timed_out else f"{type(exc).__name__}: {exc}"
+                if timed_out:
+                    detail = f"no data for {idle_s} s"
+                elif isinstance(exc, (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError)):
+                    detail = "the worker closed the stream before its end"
+                else:
+                    detail = f"{type(exc).__name__}: {exc}"
                 log.warning("worker %s broke the stream of request %s: %s", reg.id, request_id, detail)
                 self.metrics.broken_streams.labels(reg.id, "idle_timeout" if timed_out else "upstream_error").inc()
                 held = watcher.finish() if watcher is not None else b""

@@ -214,8 +214,13 @@ class Router:
         if policy.uses_index or explain:
             t0 = time.perf_counter()
             try:
-                blocks = await self.tokenizers.prompt_blocks(
-                    model, kind, body, lora_name, inline=len(raw) <= self.routing.inline_tokenize_max_bytes)
+                if len(raw) > self.routing.max_tokenize_bytes:
+                    # past any context length: tokenizing it would hold the gateway's CPU for
+                    # seconds, and the worker refuses it anyway
+                    blocks = PromptBlocks(None, fallback="too_large")
+                else:
+                    blocks = await self.tokenizers.prompt_blocks(
+                        model, kind, body, lora_name, inline=len(raw) <= self.routing.inline_tokenize_max_bytes)
             except BadPrompt as exc:
                 raise bad_request(str(exc), "messages" if kind == "chat" else "prompt") from None
             self.metrics.tokenize_s.observe(time.perf_counter() - t0)

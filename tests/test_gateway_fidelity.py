@@ -20,6 +20,7 @@ BLOCK = 32
 HERE = Path(__file__).resolve().parent
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 ALLOWED_ORIGIN = "http://app.example"
+MAX_TOKENIZE_BYTES = 8192
 CHAT = {"messages": [{"role": "user", "content": "hello there, how are you"}], "max_tokens": 2}
 
 
@@ -55,6 +56,7 @@ def setup(tmp_path_factory, tiny_model) -> Setup:
                 "timeouts": {"worker_call_s": 1.0}}
         one = _gateway("gw-one", {**base, "listen": {"host": "127.0.0.1", "port": gw1_port}, "models": [tiny],
                                   "cors": {"allowed_origins": [ALLOWED_ORIGIN]},
+                                  "routing": {"max_tokenize_bytes": MAX_TOKENIZE_BYTES},
                                   "workers": [{"id": "w0", "url": sim_url, "model": "tiny"}]}, log_dir, started)
         two = _gateway("gw-two", {**base, "listen": {"host": "127.0.0.1", "port": gw2_port},
                                   "models": [tiny, {**tiny, "name": "other"}],
@@ -161,6 +163,7 @@ BAD_WORKERS = [
     ({"id": "bad", "url": "http://127.0.0.1:8000", "model": "tiny", "replay": "udp://127.0.0.1:5"}, "replay"),
     ({"id": "bad", "url": "http://127.0.0.1:8000", "model": "tiny", "extra": 1}, "extra"),
     ({"id": "bad/slash", "url": "http://127.0.0.1:8000", "model": "tiny"}, None),
+    ({"id": "", "url": "http://127.0.0.1:8000", "model": "tiny"}, "id"),
 ]
 
 
@@ -219,3 +222,27 @@ def test_header_bytes_reach_the_worker_unchanged(setup):
     recorded = httpx.get(setup.sim_url + "/sim/requests", timeout=10).json()["requests"]
     sent = [q for q in recorded if q["headers"].get("x-request-id") == "hdr-bytes-1"]
     assert [q["headers"]["x-tenant"].encode("latin-1") for q in sent] == [raw]  # Starlette decodes as latin-1
+
+
+def test_a_second_registration_of_one_server_is_refused(setup):
+    """The same server under another id would count twice in routing and load: 409 from the admin
+    API; the config file refuses it too."""
+    r = httpx.post(setup.one_model + "/admin/workers", json={"id": "w9", "url": setup.sim_url, "model": "tiny"},
+                   headers=AUTH, timeout=30)
+    assert r.status_code == 409 and r.json()["error"]["code"] == "worker_exists" and "'w0'" in r.json()["error"]["message"]
+    ids = [w["id"] for w in httpx.get(setup.one_model + "/admin/workers", headers=AUTH, timeout=30).json()["workers"]]
+    assert ids == ["w0"]
+    with pytest.raises(ValueError, match="worker urls repeated"):
+        parse_config({"models": [{"name": "tiny", "block_size": BLOCK}],
+                      "workers": [{"id": "a", "url": setup.sim_url, "model": "tiny"},
+                                  {"id": "b", "url": setup.sim_url, "model": "tiny"}]})
+
+
+def test_a_body_past_max_tokenize_bytes_is_routed_by_load_untokenized(setup):
+    series = 'kvroute_tokenization_fallbacks_total{model="tiny",reason="too_large"}'
+    before = _metric(setup.one_model, series)
+    body = {"model": "tiny", "prompt": "word " * (MAX_TOKENIZE_BYTES // 4), "max_tokens": 1}
+    r = httpx.post(setup.one_model + "/v1/completions", json=body, timeout=60)
+    direct = httpx.post(setup.sim_url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == direct.status_code and r.headers["x-kvroute-worker"] == "w0"
+    assert _metric(setup.one_model, series) == before + 1
