@@ -126,6 +126,17 @@ def serve_gateway(cfg: dict, log_dir: Path, started: list[Proc], name: str = "ga
     return base, path, proc
 
 
+def metric(base: str, name: str, **labels) -> float:
+    """The value of the gateway's series ``name{labels}`` in ``base``'s ``/metrics`` (labels in
+    sorted order, as prometheus-client writes them); 0.0 when the series is absent."""
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    series = f"{name}{{{want}}}" if labels else name
+    for line in httpx.get(base + "/metrics", timeout=30).text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def kvroute_argv(*args: str) -> list[str]:
     """argv running the ``kvroute`` CLI with this interpreter."""
     return [sys.executable, "-m", "kvroute", *args]

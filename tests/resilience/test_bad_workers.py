@@ -12,21 +12,12 @@ import httpx
 import orjson
 import pytest
 
-from conftest import Proc, free_ports, kvroute_argv, serve_gateway, wait_http
+from conftest import Proc, free_ports, kvroute_argv, metric, serve_gateway, wait_http
 
 BLOCK = 32
 TESTS = Path(__file__).resolve().parents[1]
 BAD = ("hang", "stall", "garbage", "busy")
 CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
-
-
-def metric(base: str, name: str, **labels) -> float:
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    series = f"{name}{{{want}}}" if labels else name
-    for line in httpx.get(base + "/metrics", timeout=30).text.splitlines():
-        if line.startswith(series + " "):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 @pytest.fixture(scope="module")

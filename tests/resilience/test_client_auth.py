@@ -16,7 +16,7 @@ import httpx
 import pytest
 import yaml
 
-from conftest import ADMIN_TOKEN, Proc, free_ports, kvroute_argv, wait_http
+from conftest import ADMIN_TOKEN, Proc, free_ports, kvroute_argv, metric, wait_http
 from router.client_auth import bearer_token, main as client_auth_main, parse_file_hashes, parse_hash
 from router.config import parse_config
 
@@ -43,15 +43,6 @@ def sha(key: str) -> str:
 
 def bearer(key: str) -> dict[str, bytes]:
     return {"Authorization": f"Bearer {key}".encode()}  # UTF-8 bytes: httpx would encode a str as ASCII
-
-
-def metric(base: str, name: str, **labels) -> float:
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    series = f"{name}{{{want}}}" if labels else name
-    for line in httpx.get(base + "/metrics", timeout=30).text.splitlines():
-        if line.startswith(series + " "):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 class Cluster:
