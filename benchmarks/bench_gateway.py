@@ -29,6 +29,7 @@ from pathlib import Path
 
 import aiohttp
 
+from kvroute.bench.workers import wait_ready
 from kvroute.up import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,23 +42,6 @@ def start(argv: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen(["timeout", "-s", "KILL", str(DEADLINE_S)] + argv, stdout=open(log, "w"),
                             stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "KVROUTE_ADMIN_TOKEN": "bench"})
-
-
-def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 90) -> None:
-    import urllib.request
-
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: process exited:\n{log.read_text()[-2000:]}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status < 500:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"{url} not ready:\n{log.read_text()[-2000:]}")
 
 
 def long_system_prompt(target_tokens: int) -> str:
@@ -200,14 +184,14 @@ def main() -> int:
                             "tiny", "--host", "127.0.0.1", "--port", str(sim_port), "--block-size", "32",
                             "--max-model-len", "16384", "--num-gpu-blocks-override", "4096",
                             "--enable-prompt-tokens-details", "--speedup", str(args.speedup)], tmp / "sim.log"))
-        wait_ready(sim_url + "/health", procs[-1], tmp / "sim.log")
+        wait_ready(sim_url + "/health", procs[-1], tmp / "sim.log", 90)
         cfg = {"listen": {"host": "127.0.0.1", "port": gw_port},
                "models": [{"name": "tiny", "tokenizer": str(TINY), "block_size": 32}],
                "workers": [{"id": "w0", "url": sim_url, "model": "tiny"}], "policy": {"name": "kv_aware"}}
         (tmp / "gateway.yaml").write_text(json.dumps(cfg))
         procs.append(start([sys.executable, "-m", "kvroute", "serve", "--config", str(tmp / "gateway.yaml")],
                            tmp / "gateway.log"))
-        wait_ready(f"http://127.0.0.1:{gw_port}/health", procs[-1], tmp / "gateway.log")
+        wait_ready(f"http://127.0.0.1:{gw_port}/health", procs[-1], tmp / "gateway.log", 90)
         targets = {"direct": sim_url, "kvroute": f"http://127.0.0.1:{gw_port}"}
         target_procs: dict[str, subprocess.Popen | None] = {"direct": None, "kvroute": procs[-1]}
         if importlib.util.find_spec("sglang_router") is not None:

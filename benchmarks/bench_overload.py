@@ -43,6 +43,7 @@ import aiohttp
 import yaml
 
 from kvroute.bench.stats import percentile
+from kvroute.bench.workers import wait_ready
 from kvroute.up import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,21 +67,6 @@ def stop(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(5)
-
-
-def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 120) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: process exited:\n{log.read_text()[-2000:]}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status < 500:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"{url} not ready:\n{log.read_text()[-2000:]}")
 
 
 def engine_busy(sim_urls: list[str]) -> float:

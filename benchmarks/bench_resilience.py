@@ -50,6 +50,8 @@ import orjson
 import psutil
 
 from kvroute.bench.process_sampler import Sampler
+from kvroute.bench.workers import wait_ready
+from kvroute.up import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tests/fixtures/tiny-model"
@@ -65,17 +67,6 @@ UPSTREAM_KEEPALIVE_S = 4  # router/proxy.py's pool
 
 
 # ---- processes -----------------------------------------------------------------------------------
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 class Proc:
     """A subprocess in its own session under ``timeout -s KILL``; ``stop()`` ends its group."""
 
@@ -124,17 +115,9 @@ def kvroute_argv(*args: str) -> list[str]:
 
 
 def wait_http(url: str, proc: Proc, timeout_s: float = 120) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if not proc.alive():
-            raise RuntimeError(f"{proc.name} exited:\n{proc.tail()}")
-        try:
-            if httpx.get(url, timeout=2).status_code < 500:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(f"{url} not ready in {timeout_s}s:\n{proc.tail()}")
+    """Poll ``url`` every 50 ms until it answers below 500 (the fine step keeps the measured
+    times exact); raises when ``proc`` exits first or after ``timeout_s``."""
+    wait_ready(url, proc.popen, proc.log_path, timeout_s, interval_s=0.05)
 
 
 def wait_for(check, timeout_s: float = CONVERGE_S, interval_s: float = 0.05):

@@ -6,8 +6,10 @@ Uses httpx and prometheus-client (the gateway's dependencies), nothing from vLLM
 """
 from __future__ import annotations
 
+import subprocess
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import httpx
@@ -23,6 +25,23 @@ def metric_samples(url: str, timeout_s: float = 30) -> dict[str, float]:
         for s in fam.samples:
             out[s.name] = out.get(s.name, 0.0) + s.value
     return out
+
+
+def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 120,
+               interval_s: float = 0.3) -> None:
+    """Poll ``url`` every ``interval_s`` until it answers below 500. Raises RuntimeError (with
+    the tail of ``log``) when ``proc`` exits first, TimeoutError after ``timeout_s``."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited:\n{log.read_text()[-2000:]}")
+        try:
+            if httpx.get(url, timeout=2).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(interval_s)
+    raise TimeoutError(f"{url} not ready:\n{log.read_text()[-2000:]}")
 
 
 def reset_prefix_cache(url: str, model: str, timeout_s: float = 60) -> None:
