@@ -330,7 +330,9 @@ def register(subparsers) -> None:
     p.add_argument("--ssd-tier-dir", default=None,
                    help="vllm engine: folder for the SSD tier (one subfolder per worker)")
     p.add_argument("--ssd-tier-bytes", type=int, default=None, help="vllm engine: bytes of SSD tier per worker")
-    p.add_argument("--policy", default="kv_aware", help="routing policy (default kv_aware; ttft: lowest predicted TTFT)")
+    p.add_argument("--policy", default="ttft",
+                   help="routing policy (default ttft: lowest predicted TTFT, dispatch queue on; kv_aware, "
+                        "round_robin, least_load, session)")
     p.add_argument("--speedup", type=float, default=1.0, help="simulated workers run this many times faster")
     p.add_argument("--log-dir", default=None, help="where each process logs (default: a temp dir)")
     p.add_argument("--ready-timeout-s", type=float, default=None,

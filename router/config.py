@@ -12,7 +12,7 @@ Example (every section but ``models`` and ``workers`` has defaults)::
     index: {backend: memory}                       # or {backend: redis, url: redis://...}
     workers:
       - {id: w0, url: http://127.0.0.1:8101, model: tiny, events: tcp://127.0.0.1:5557}
-    policy: {name: kv_aware, tier_credit: {gpu: 1.0, cpu: 0.75, ssd: 0.25}, load_weight: 1.0}
+    policy: {name: ttft, tier_credit: {gpu: 1.0, cpu: 0.75, ssd: 0.25}, queue: {enabled: true}}
     timeouts: {connect_s: 5, first_byte_s: 300, worker_call_s: 3}   # no limit on a stream's total length
     max_body_bytes: 67108864
     health: {interval_s: 2, timeout_s: 2, fail_threshold: 3, rise_threshold: 2}
@@ -241,7 +241,7 @@ class GatewayConfig(_Strict):
     models: list[ModelConfig] = Field(min_length=1)
     index: IndexConfig = Field(default_factory=IndexConfig)
     workers: list[WorkerConfig] = Field(default_factory=list)
-    policy: dict[str, Any] = Field(default_factory=lambda: {"name": "kv_aware"})
+    policy: dict[str, Any] = Field(default_factory=lambda: {"name": "ttft"})
     timeouts: TimeoutsConfig = Field(default_factory=TimeoutsConfig)
     max_body_bytes: int = Field(64 * MIB, ge=32 * MIB)
     health: HealthConfig = Field(default_factory=HealthConfig)

@@ -25,6 +25,7 @@ from router.ttft_model import work_tokens
 if TYPE_CHECKING:  # the gateway owns its endpoints: imported for types only
     from router.gateway import Gateway
     from router.registry import WorkerRegistration
+    from router.dispatch_queue import Reservation
     from router.routing import RoutePlan
 
 log = logging.getLogger("kvroute.endpoints")
@@ -142,7 +143,7 @@ class ProxyEndpoint:
         try:
             try:
                 admitted_at = await gw.admission.acquire()  # routed only once admitted: fresh load
-                plan, ranked, raw, strip = await self._route(body, headers, raw)
+                plan, ranked, raw, strip, reservation = await self._route(body, headers, raw)
             except GatewayError as exc:
                 await self._refuse(send, exc, request_id)
                 return
@@ -151,7 +152,12 @@ class ProxyEndpoint:
                 await self._refuse(send, GatewayError(500, f"internal gateway error: {exc}", "internal_error"),
                                    request_id)
                 return
-            await self._relay(send, state, scope, raw, body, headers, request_id, t0, plan, ranked, strip)
+            try:
+                await self._relay(send, state, scope, raw, body, headers, request_id, t0, plan, ranked, strip,
+                                  reservation)
+            finally:
+                if reservation is not None:
+                    reservation.release()
         except asyncio.CancelledError:
             if state.disconnected:
                 task.uncancel()
@@ -168,33 +174,42 @@ class ProxyEndpoint:
         await send_json(send, exc.status, exc.body(), request_id, extra_headers=exc.headers)
 
     async def _route(self, body: dict[str, Any], headers: list[tuple[bytes, bytes]], raw: bytes
-                     ) -> tuple[RoutePlan | None, list[WorkerRegistration], bytes, bool]:
+                     ) -> tuple[RoutePlan | None, list[WorkerRegistration], bytes, bool, Reservation | None]:
         """``(plan or None for a forwarded path, workers in order of preference, body bytes to
-        send, strip the usage chunk)``. Raises GatewayError (400/404/503)."""
+        send, strip the usage chunk, the dispatch queue's reservation or None)``; waits in the
+        dispatch queue when the policy has it on. Raises GatewayError (400/404/503)."""
         gw = self.gw
         if self.kind == "forward":
-            return None, gw.router.ranked_by_load(body), raw, False
+            return None, gw.router.ranked_by_load(body), raw, False, None
         plan = await gw.router.plan(self.kind, body, headers, raw)
+        plan, reservation = await gw.dispatch_queue.take_turn(plan)
         gw.router.record_decision(plan)
         strip = False
         if body.get("stream") is True and gw.cfg.routing.measure_stream_usage:
             raw, strip = request_stream_usage(raw, body)
-        return plan, plan.ranked(), raw, strip
+        return plan, plan.ranked(), raw, strip, reservation
 
     async def _relay(self, send, state: ClientState, scope, raw: bytes, body: dict[str, Any],
                      headers: list[tuple[bytes, bytes]], request_id: str, t0: float, plan: RoutePlan | None,
-                     ranked: list[WorkerRegistration], strip: bool) -> None:
+                     ranked: list[WorkerRegistration], strip: bool, reservation: Reservation | None) -> None:
         gw = self.gw
+
+        async def on_attempt(reg: WorkerRegistration) -> None:
+            await gw.router.commit(plan, reg)
+            if reservation is not None:  # counted in flight right after this returns
+                reservation.release()
+
         try:
             await gw.upstream.relay(
                 send, state, scope["method"], scope["path"], raw, upstream_headers(headers, request_id),
                 request_id, ranked, t0=t0,
                 uncached_tokens=plan.uncached_tokens if plan is not None else None,
-                on_attempt=(lambda reg: gw.router.commit(plan, reg)) if plan is not None else None,
+                on_attempt=on_attempt if plan is not None else None,
                 on_cached_tokens=(lambda handle, n: record_usage(gw, plan, handle, n)) if plan is not None else None,
                 on_first_token=(lambda handle: record_first_token(gw, plan, handle)) if plan is not None else None,
                 presumed_ttft_ms=(plan.predicted_ttft_ms if plan is not None and body.get("stream") is not True
                                   else None),
+                predicted_ttft_ms=plan.predicted_ttft_ms if plan is not None else None,
                 strip_usage=strip)
         except GatewayError as exc:
             worker = ranked[0].id if ranked else "none"

@@ -20,6 +20,7 @@ from typing import Any
 from kvcore.index import make_index
 from kvcore.index.errors import IndexEncodingMismatch, IndexUnavailable
 from router.admission import Admission
+from router.dispatch_queue import DispatchQueue
 from router.config import GatewayConfig, WorkerConfig, load_config
 from router.embedded_events import embedded_ingest_task
 from router.metrics import GatewayMetrics
@@ -56,6 +57,9 @@ class Gateway:
         self.admission = Admission(cfg.admission, lambda: sum(1 for r in self.registry.all() if r.routable),
                                    self.metrics)
         self.metrics.watch_admission(lambda: self.admission.in_flight, lambda: self.admission.queued)
+        self.dispatch_queue = DispatchQueue(self.router, self.registry, self.metrics,
+                                            lambda: self.policy.policy.queue)
+        self.metrics.watch_dispatch_queue(lambda: self.dispatch_queue.queued)
         self._extra_factories = list(task_factories or [])
         self._lock = asyncio.Lock()
 
@@ -105,6 +109,7 @@ class Gateway:
 
     async def stop(self) -> None:
         """Stop every task and close connections."""
+        self.dispatch_queue.close()
         await self.registry.close()
         await self.upstream.close()
         await self.index.close()

@@ -26,6 +26,8 @@
 | kvroute_admission_rejected_total | counter | reason | requests answered 429 by admission control (``queue_full``, ``queue_timeout``) |
 | kvroute_admission_wait_seconds | histogram | | time a request waited for an admission slot |
 | kvroute_admission_in_flight, kvroute_admission_queued | gauge | | admitted requests in flight; requests waiting for a slot |
+| kvroute_dispatch_queue_wait_seconds | histogram | | time a request waited in the dispatch queue (policy ``queue``) for an open worker |
+| kvroute_dispatch_queue_queued | gauge | | requests waiting in the dispatch queue now |
 | kvroute_broken_streams_total | counter | worker, reason | streams a worker broke or left silent past ``stream_idle_s`` (ended with an error event) |
 | kvroute_worker_call_failures_total | counter | worker, call | the gateway's own calls to a worker (``models``: ``GET /v1/models``) that failed or timed out; the answer skips that worker |
 """
@@ -124,6 +126,9 @@ class GatewayMetrics:
                                           ["reason"], registry=r)
         self.admission_wait_s = Histogram("kvroute_admission_wait_seconds", "Time waited for an admission slot",
                                           buckets=_TTFT_BUCKETS_S, registry=r)
+        self.dispatch_queue_wait_s = Histogram("kvroute_dispatch_queue_wait_seconds",
+                                               "Time waited in the dispatch queue for an open worker",
+                                               buckets=_TTFT_BUCKETS_S, registry=r)
         self.broken_streams = Counter("kvroute_broken_streams", "Streams a worker broke or left silent mid-way",
                                       ["worker", "reason"], registry=r)
         self.retries = Counter("kvroute_upstream_retries", "Connect failures retried on the next-best worker",
@@ -149,6 +154,11 @@ class GatewayMetrics:
         Gauge("kvroute_admission_in_flight", "Admitted requests in flight",
               registry=self.registry).set_function(in_flight)
         Gauge("kvroute_admission_queued", "Requests waiting for an admission slot",
+              registry=self.registry).set_function(queued)
+
+    def watch_dispatch_queue(self, queued: Callable[[], float]) -> None:
+        """Expose the dispatch queue's length, read at scrape time."""
+        Gauge("kvroute_dispatch_queue_queued", "Requests waiting in the dispatch queue",
               registry=self.registry).set_function(queued)
 
     def record_response(self, worker_id: str, status: int, ttft_s: float) -> None:

@@ -131,6 +131,7 @@ class Upstream:
                     on_cached_tokens: Callable[[InFlight, int], None] | None = None,
                     on_first_token: Callable[[InFlight], None] | None = None,
                     presumed_ttft_ms: Callable[[str], float | None] | None = None,
+                    predicted_ttft_ms: Callable[[str], float | None] | None = None,
                     strip_usage: bool = False) -> None:
         """Send the request to ``ranked[0]`` (``ranked[1]`` after a connect failure) and relay
         the answer through ASGI ``send``. ``t0``: perf_counter at request receipt (TTFT).
@@ -141,12 +142,15 @@ class Upstream:
         dispatch, its TTFT); ``on_first_token(handle)``: a 200 event stream's first bytes arrived
         (its TTFT is known); ``presumed_ttft_ms(worker_id)``: for a request whose answer is not
         streamed, when to count its prefill as done (its first byte comes only with the whole
-        answer). Raises GatewayError (502/504) when nothing reached the client."""
+        answer); ``predicted_ttft_ms(worker_id)``: the policy's TTFT prediction there, which
+        tells the dispatch queue when the worker's prefill should end. Raises GatewayError
+        (502/504) when nothing reached the client."""
         attempts = ranked[:2]
         for i, reg in enumerate(attempts):
             if on_attempt is not None:
                 await on_attempt(reg)
-            handle = reg.begin(uncached_tokens(reg.id) if uncached_tokens else 0)
+            handle = reg.begin(uncached_tokens(reg.id) if uncached_tokens else 0,
+                               predicted_ttft_ms(reg.id) if predicted_ttft_ms is not None else None)
             presumed = presumed_ttft_ms(reg.id) if presumed_ttft_ms is not None else None
             timer = (asyncio.get_running_loop().call_later(presumed / 1000.0, handle.presume_prefilled)
                      if presumed is not None else None)

@@ -73,6 +73,11 @@ class WorkerRegistration:
         self.added_monotonic = time.monotonic()
         self.events_live: bool | None = None  # see check_events; None: no embedded event stream
         self.events_problem: str | None = None
+        # requests before their first byte, each with its predicted prefill end (monotonic s,
+        # None when unpredicted), and places the dispatch queue holds for requests on their way
+        self.prefilling: dict[InFlight, float | None] = {}
+        self.reserved: dict[object, float | None] = {}
+        self.on_prefill_done: Callable[[], None] | None = None  # set by the dispatch queue
 
     @property
     def has_events(self) -> bool:
@@ -167,13 +172,32 @@ class WorkerRegistration:
         self.engine_running = self.engine_waiting = self.kv_usage = None
         self.unseen_running = self.unseen_waiting = 0
 
-    def begin(self, prefill_tokens: int = 0) -> "InFlight":
-        """Count one request as in flight with ``prefill_tokens`` uncached prompt tokens; the
-        handle remembers the queue it joined (for learning the worker's TTFT line)."""
+    def begin(self, prefill_tokens: int = 0, predicted_ttft_ms: float | None = None) -> "InFlight":
+        """Count one request as in flight with ``prefill_tokens`` uncached prompt tokens, its
+        first byte predicted ``predicted_ttft_ms`` from now (None: unpredicted); the handle
+        remembers the queue it joined (for learning the worker's TTFT line)."""
         handle = InFlight(self, prefill_tokens)
         self.in_flight += 1
         self.prefill_tokens += prefill_tokens
+        self.prefilling[handle] = (None if predicted_ttft_ms is None
+                                   else handle.dispatch_s + max(0.0, predicted_ttft_ms) / 1000.0)
         return handle
+
+    def prefill_left_ms(self, now: float) -> float:
+        """Predicted milliseconds until the last of this worker's requests before their first
+        byte (and of the dispatch queue's reservations) gets it: 0 when there are none; ``inf``
+        when one has no prediction or is past its predicted end without a first byte (the
+        prediction was short: only the first byte tells). ``now``: ``time.monotonic()``."""
+        ends = [*self.prefilling.values(), *self.reserved.values()]
+        if not ends:
+            return 0.0
+        if any(e is None or e < now for e in ends):
+            return float("inf")
+        return (max(ends) - now) * 1000.0
+
+    def _prefill_done(self, handle: "InFlight") -> None:
+        if self.prefilling.pop(handle, False) is not False and self.on_prefill_done is not None:
+            self.on_prefill_done()
 
     def describe(self) -> dict[str, Any]:
         """The ``GET /admin/workers`` entry (DESIGN.md)."""
@@ -184,6 +208,7 @@ class WorkerRegistration:
             "healthy": bool(self.healthy), "draining": self.draining, "in_flight": self.in_flight,
             "drained": self.draining and self.in_flight == 0,
             "prefill_tokens": self.prefill_tokens, "decoding": self.decoding,
+            "prefill_left_ms": _finite_ms(self.prefill_left_ms(now)),
             "engine": {"running": self.engine_running, "waiting": self.engine_waiting,
                        "kv_cache_usage": self.kv_usage,
                        "scrape_age_s": _age(self.last_scrape_monotonic, now)},
@@ -201,6 +226,11 @@ def _rate(estimator: PrefillRateEstimator) -> dict[str, Any]:
     if learned is not None:
         out.update(learned.as_dict())
     return out
+
+
+def _finite_ms(ms: float) -> float | None:
+    """``ms`` rounded, None when unknown (``inf``: a request awaits its first byte unpredicted)."""
+    return round(ms, 1) if ms != float("inf") else None
 
 
 def _age(t: float | None, now: float) -> float | None:
@@ -246,6 +276,7 @@ class InFlight:
         self._decoding = True
         self.reg.prefill_tokens -= self._prefill
         self.reg.decoding += 1
+        self.reg._prefill_done(self)
 
     def finish(self) -> None:
         """The request ended (any way); release its counts once."""
@@ -258,6 +289,7 @@ class InFlight:
             reg.decoding -= 1
         else:
             reg.prefill_tokens -= self._prefill
+            reg._prefill_done(self)
 
 
 class WorkerRegistry:

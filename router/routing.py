@@ -246,11 +246,18 @@ class Router:
         regs = [r for r in regs if r.routable]  # a probe may have run during tokenization
         if not regs:
             raise no_healthy_worker(model.name)
-        candidates = [Candidate(r.id, r.load(), matches.get(r.id) or TierMatch(), r.prefill_rate.learned,
-                                r.evidence_credited, r.evidence.credit_weight) for r in regs]
-        decision = policy.choose(request, candidates)
+        decision = policy.choose(request, _candidates(regs, matches))
         return RoutePlan(model, lora_name, blocks, matches, request, decision, policy.name or "",
                          {r.id: r for r in regs})
+
+    def redecide(self, plan: RoutePlan, regs: list[WorkerRegistration]) -> RoutePlan:
+        """The live policy's choice among ``regs`` (non-empty), with their load as it is now and
+        the prefix matches ``plan`` looked up: a new plan sharing ``plan``'s tokens and matches
+        (the dispatch queue's decision once workers open). Consumes no tie-break draw."""
+        policy = self.policy.policy
+        decision = policy.choose(plan.request, _candidates(regs, plan.matches))
+        return RoutePlan(plan.model, plan.lora_name, plan.blocks, plan.matches, plan.request, decision,
+                         policy.name or "", {r.id: r for r in regs})
 
     def record_decision(self, plan: RoutePlan) -> None:
         """Count a real (not explained) decision, and whether it went past the longest holder."""
@@ -285,6 +292,11 @@ class Router:
         if not regs:
             raise no_healthy_worker(model.name)
         return sorted(regs, key=lambda r: r.in_flight)
+
+
+def _candidates(regs: list[WorkerRegistration], matches: dict[str, TierMatch]) -> list[Candidate]:
+    return [Candidate(r.id, r.load(), matches.get(r.id) or TierMatch(), r.prefill_rate.learned,
+                      r.evidence_credited, r.evidence.credit_weight) for r in regs]
 
 
 __all__ = ["GatewayError", "PolicyHolder", "RoutePlan", "Router"]

@@ -27,7 +27,7 @@ def test_config_defaults_and_worker_id():
     cfg = parse_config(_cfg(workers=[{"url": "http://127.0.0.1:9001/", "model": "tiny"}]))
     assert cfg.workers[0].id == "127.0.0.1:9001" and cfg.workers[0].url == "http://127.0.0.1:9001"
     assert cfg.max_body_bytes >= 32 * 1024 * 1024
-    assert cfg.timeouts.total_s is None and cfg.policy == {"name": "kv_aware"}
+    assert cfg.timeouts.total_s is None and cfg.policy == {"name": "ttft"}
     assert cfg.index.backend == "memory"
 
 

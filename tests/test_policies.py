@@ -271,8 +271,8 @@ def test_session_without_key_falls_back_to_least_load():
 def test_factory_names_flags_and_describe_round_trip():
     assert POLICY_NAMES == ("ttft", "kv_aware", "round_robin", "least_load", "session")
     assert [make_policy({"name": n}).uses_index for n in POLICY_NAMES] == [True, True, False, False, False]
-    assert isinstance(make_policy(None), KVAwarePolicy)
-    assert isinstance(make_policy({}), KVAwarePolicy)
+    assert isinstance(make_policy(None), TTFTPolicy)
+    assert isinstance(make_policy({}), TTFTPolicy)
     assert isinstance(make_policy({"name": "ttft"}), TTFTPolicy)
     cfg = {"name": "kv_aware", "tier_credit": {"cpu": 0.5}, "load_weight": 2,
            "temperature": 0.1, "overload_guard": {"excess_tokens": 4096}}
@@ -281,7 +281,15 @@ def test_factory_names_flags_and_describe_round_trip():
         "name": "kv_aware", "tier_credit": {"gpu": 1.0, "cpu": 0.5, "ssd": 0.25},
         "load_weight": 2.0, "temperature": 0.1,
         "overload_guard": {"enabled": True, "excess_tokens": 4096.0, "ratio": 1.5},
-        "decode_tokens_per_request": 128.0, "engine_waiting_prefill_tokens": 1024.0}
+        "decode_tokens_per_request": 128.0, "engine_waiting_prefill_tokens": 1024.0,
+        "queue": {"enabled": False, "worker_queue_ms": 0.0, "affinity": "policy", "affinity_wait_s": 2.0,
+                  "max_wait_s": 10.0}}
+    q = make_policy({"name": "round_robin", "queue": {"enabled": True, "affinity_wait_s": 0.5}}).queue
+    assert (q.enabled, q.affinity_wait_s, q.worker_queue_ms, q.max_wait_s) == (True, 0.5, 0.0, 10.0)
+    assert not make_policy({"name": "ttft", "queue": {"enabled": False}}).queue.enabled
+    for bad in ({"enabled": "yes"}, {"worker_queue_ms": -1}, {"affinity": "sticky"}, {"bogus": 1}, [1]):
+        with pytest.raises(ValueError, match="queue"):
+            make_policy({"name": "ttft", "queue": bad})
     for name in POLICY_NAMES:
         d = describe(make_policy({"name": name}))
         assert describe(make_policy(d)) == d

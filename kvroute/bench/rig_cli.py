@@ -11,7 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-DEFAULT_KVROUTE_ROUTERS = ("kvroute:kv_aware", "kvroute:ttft", "kvroute:round_robin")
+DEFAULT_KVROUTE_ROUTERS = ("kvroute:ttft", "kvroute:kv_aware", "kvroute:round_robin")
 
 
 def add_rig_parser(sub: argparse._SubParsersAction) -> None:
@@ -32,7 +32,7 @@ def add_rig_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--routers", default=None, metavar="LIST",
                    help="comma-separated routers: kvroute:<policy> (ttft, kv_aware, round_robin, least_load, session, "
                         "or a --policy-config label) and peers sglang:cache_aware, sglang:round_robin, "
-                        "smg:cache_aware, vllm-router:kv_aware; default: kvroute:kv_aware, kvroute:ttft, "
+                        "smg:cache_aware, vllm-router:kv_aware; default: kvroute:ttft, kvroute:kv_aware, "
                         "kvroute:round_robin and every installed peer")
     r.add_argument("--policy-config", action="append", default=[], metavar="LABEL=JSON",
                    help="a kvroute policy variant, e.g. 'kv_nolw={\"name\": \"kv_aware\", \"load_weight\": 0}', "

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcore.index.base import TierMatch
+from router.policies.queue import QueueSettings
 from router.ttft_model import PrefillRate
 
 
@@ -118,11 +119,15 @@ class Policy(abc.ABC):
     """A routing policy. ``uses_index``: whether the gateway must look up prefix matches before
     calling :meth:`choose` (False lets it skip tokenization's lookup cost); ``session_header``:
     the request header (lower case) whose value the gateway puts in ``RouteRequest.session_key``
-    (else the body's ``user``), None when the policy has no use for a session key."""
+    (else the body's ``user``), None when the policy has no use for a session key; ``queue``:
+    the dispatch queue's settings (the config's ``queue`` key, set by the factory), whose
+    defaults are ``default_queue``."""
 
     name: str = ""
     uses_index: bool = False
     session_header: str | None = None
+    default_queue: QueueSettings = QueueSettings()
+    queue: QueueSettings = QueueSettings()
 
     @abc.abstractmethod
     def choose(self, request: RouteRequest, candidates: list[Candidate]) -> Decision:

@@ -12,8 +12,10 @@ The config is the ``policy:`` mapping of DESIGN.md, the same for the YAML file a
     {name: session, session_header: x-session-id, ...load keys}
     {name: round_robin | least_load, ...load keys}
 
-Each policy accepts only its own keys (listed in the error message); ``name`` defaults to
-``kv_aware`` (``ttft``, lowest predicted TTFT, did not yet beat it on the bench rig: see its module). Adding a policy: one module with a ``Policy`` subclass that has ``from_config`` and
+Every policy also takes ``queue`` (:mod:`router.policies.queue`: the gateway's dispatch queue,
+off by default). Each policy accepts only its own keys besides (listed in the error message); ``name`` defaults to
+``ttft`` (lowest predicted TTFT, with the dispatch queue on: it won on the bench rig, see its
+module); ``kv_aware``, the default before it, stays for comparison. Adding a policy: one module with a ``Policy`` subclass that has ``from_config`` and
 ``config``, and one line in :data:`_POLICIES`.
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ from router.policies._config import mapping
 from router.policies.base import Policy
 from router.policies.kv_aware import KVAwarePolicy
 from router.policies.least_load import LeastLoadPolicy
+from router.policies.queue import QueueSettings
 from router.policies.round_robin import RoundRobinPolicy
 from router.policies.session import SessionPolicy
 from router.policies.ttft import TTFTPolicy
@@ -32,7 +35,7 @@ from router.policies.ttft import TTFTPolicy
 _POLICIES = {cls.name: cls for cls in (TTFTPolicy, KVAwarePolicy, RoundRobinPolicy, LeastLoadPolicy,
                                        SessionPolicy)}
 POLICY_NAMES: tuple[str, ...] = tuple(_POLICIES)
-DEFAULT_POLICY = KVAwarePolicy.name
+DEFAULT_POLICY = TTFTPolicy.name
 
 
 def make_policy(cfg: Mapping[str, Any] | None) -> Policy:
@@ -47,11 +50,13 @@ def make_policy(cfg: Mapping[str, Any] | None) -> Policy:
     cls = _POLICIES.get(name) if isinstance(name, str) else None
     if cls is None:
         raise ValueError(f"unknown policy name {name!r}; expected one of {', '.join(POLICY_NAMES)}")
-    return cls.from_config({k: v for k, v in cfg.items() if k != "name"})
+    policy = cls.from_config({k: v for k, v in cfg.items() if k not in ("name", "queue")})
+    policy.queue = QueueSettings.from_config(cfg.get("queue"), cls.default_queue)
+    return policy
 
 
 def describe(policy: Policy) -> dict[str, Any]:
     """The policy's effective config, defaults filled in: ``{"name": ..., **keys}``.
     ``make_policy(describe(p))`` builds an equal policy."""
     config = getattr(policy, "config", None)
-    return {"name": policy.name, **(config() if callable(config) else {})}
+    return {"name": policy.name, **(config() if callable(config) else {}), "queue": policy.queue.config()}

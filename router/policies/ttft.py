@@ -1,5 +1,9 @@
-"""``ttft``: send a request to the worker that will give it its first token soonest (selectable;
-on the bench rig it has not yet beaten ``kv_aware``, the default).
+"""``ttft`` (the default policy): send a request to the worker that will give it its first token
+soonest. Its dispatch queue (:mod:`router.dispatch_queue`, ``queue.enabled`` true by default for
+this policy only) holds requests in the gateway until a worker is free for them, shortest prefill
+first; the choice below is then made among the free workers, or the request waits while this
+policy prefers a busy one. On the 8-worker Mooncake sim rig (3 runs, medians) this pair gave TTFT
+p50 / p90 881 / 3134 ms against 1190 / 3655 for ``kv_aware`` and 1508 / 4117 for the best peer.
 
 Predicted TTFT of a candidate, in milliseconds from dispatch (:mod:`router.ttft_model`)::
 
@@ -63,6 +67,7 @@ from typing import Any
 from router.policies._config import boolean, check_keys, number
 from router.policies.base import Candidate, CandidateScore, Decision, Policy, RouteRequest
 from router.policies.kv_aware import DEFAULT_TIER_CREDIT, tier_credit_from_config, tier_weighted_blocks
+from router.policies.queue import QueueSettings
 from router.policies.ranking import EPS, chosen_first, lowest
 from router.ttft_model import PrefillRate, work_tokens
 
@@ -98,6 +103,7 @@ class TTFTPolicy(Policy):
 
     name = "ttft"
     uses_index = True
+    default_queue = QueueSettings(enabled=True)
     CONFIG_KEYS: tuple[str, ...] = ("tier_credit", "prefill_overhead_ms", "prefill_ms_per_token",
                                     "learn_prefill_rate", "engine_waiting_prefill_tokens", "spread_margin",
                                     "recompute_weight")

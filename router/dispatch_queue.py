@@ -1,0 +1,207 @@
+"""The dispatch queue: requests wait in the gateway until a worker is ready for them, and the
+shortest prefill goes first (late binding). On when the policy config's ``queue.enabled`` is true
+(:mod:`router.policies.queue` has the settings).
+
+Why: an engine serves its waiting queue in arrival order, so a request sent to a busy worker
+waits behind every prompt sent there before it, and the choice of worker is frozen at arrival,
+when the router knows least. Holding requests in the gateway instead:
+
+- a worker is *open* while the prefill its requests are predicted to have left
+  (:meth:`~router.registry.WorkerRegistration.prefill_left_ms`, from the policy's TTFT
+  predictions at dispatch; ``inf`` for a request the policy made none for, until its first byte)
+  is at most ``worker_queue_ms``, and the engine shows no waiting requests of other clients;
+- whenever a worker may have opened (a request's first byte or end, a reservation released, a
+  timer at the next predicted opening, a 100 ms tick while requests wait), waiting requests are
+  taken in order: those that waited ``max_wait_s`` first (arrival order), then the smallest
+  predicted prefill (prompt tokens less the longest credited prefix any candidate holds), then
+  arrival; this is shortest-job-first, which cuts the median and p90 TTFT of a loaded cluster
+  (Harchol-Balter, *Performance Modeling and Design of Computer Systems*, ch. 30-32, for why);
+- until a request has waited ``affinity_wait_s`` it may go only to certain open workers: with
+  ``affinity: holder``, those that hold its longest cached prefix within one block; with
+  ``affinity: policy``, the worker the live policy chooses among all routable ones (their load as
+  it is then: a busy holder shows its queue), so it waits while the policy prefers a closed worker.
+  Past ``affinity_wait_s`` any open worker may take it (the prefix is then computed a second time,
+  and the worker's KV events tell the index). Among the workers it may go to, the live policy
+  chooses (:meth:`~router.routing.Router.redecide`).
+
+A request chosen for a worker holds a :class:`Reservation` there (counted as prefill in flight
+with the policy's predicted end) until its first attempt has begun, so two requests never take
+one opening. Requests of a model with no routable worker fail with 503.
+
+Pure asyncio in one event loop; no I/O.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from router.errors import no_healthy_worker
+from router.metrics import GatewayMetrics
+from router.policies.queue import QueueSettings
+from router.registry import WorkerRegistration, WorkerRegistry
+from router.routing import RoutePlan, Router
+
+TICK_S = 0.1  # while requests wait, look again at least this often (health, affinity expiry)
+
+
+class Reservation:
+    """A dispatch queue's hold on ``reg`` for one request on its way there; :meth:`release`
+    (idempotent) frees it once the request is counted in flight (or failed)."""
+
+    __slots__ = ("reg", "_on_release")
+
+    def __init__(self, reg: WorkerRegistration, end_s: float | None, on_release: Callable[[], None]) -> None:
+        self.reg = reg
+        self._on_release = on_release
+        reg.reserved[self] = end_s
+
+    def release(self) -> None:
+        if self.reg.reserved.pop(self, False) is not False:
+            self._on_release()
+
+
+@dataclass(eq=False)
+class _Entry:
+    plan: RoutePlan
+    arrival_s: float
+    size_tokens: float  # predicted own prefill at the best holder; inf when tokens are unknown
+    held_blocks: dict[str, int]  # credited matched blocks per worker id
+    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+    def order(self, now: float, settings: QueueSettings) -> tuple[int, float, float]:
+        if now - self.arrival_s >= settings.max_wait_s:
+            return (0, self.arrival_s, 0.0)
+        return (1, self.size_tokens, self.arrival_s)
+
+
+class DispatchQueue:
+    """See the module docstring. ``settings()``: the live policy's :class:`QueueSettings`."""
+
+    def __init__(self, router: Router, registry: WorkerRegistry, metrics: GatewayMetrics,
+                 settings: Callable[[], QueueSettings], clock: Callable[[], float] = time.monotonic) -> None:
+        self.router = router
+        self.registry = registry
+        self.metrics = metrics
+        self.settings = settings
+        self.clock = clock
+        self._entries: list[_Entry] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._pump_soon = False
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting now."""
+        return len(self._entries)
+
+    async def take_turn(self, plan: RoutePlan) -> tuple[RoutePlan, Reservation | None]:
+        """Wait until ``plan``'s request may be dispatched; returns the plan to send it by (a new
+        decision among the workers then open) and the reservation to release once its first
+        attempt has begun. With the queue off: ``(plan, None)`` at once. Raises GatewayError 503
+        when no worker serves the model any more; cancelling the wait gives up its place."""
+        if not self.settings().enabled:
+            return plan, None
+        entry = _Entry(plan, self.clock(), _size_tokens(plan), _held_blocks(plan))
+        self._entries.append(entry)
+        self.pump()
+        try:
+            return await entry.future
+        except asyncio.CancelledError:
+            if entry in self._entries:
+                self._entries.remove(entry)
+            elif entry.future.done() and not entry.future.cancelled() and entry.future.exception() is None:
+                entry.future.result()[1].release()
+            raise
+        finally:
+            self.metrics.dispatch_queue_wait_s.observe(self.clock() - entry.arrival_s)
+
+    def close(self) -> None:
+        """Stop the timer (gateway shutdown)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _schedule_pump(self) -> None:
+        """Look at the queue once the current callback is done (never re-entered from a handle's
+        first byte or end, which run inside the relay)."""
+        if self._entries and not self._pump_soon:
+            self._pump_soon = True
+            asyncio.get_running_loop().call_soon(self.pump)
+
+    def pump(self) -> None:
+        """Dispatch every waiting request that may go now (called on every event that may
+        open a worker, and by a timer while requests wait)."""
+        self._pump_soon = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._entries:
+            return
+        settings = self.settings()
+        now = self.clock()
+        for reg in self.registry.all():
+            reg.on_prefill_done = self._schedule_pump
+        for entry in sorted(self._entries, key=lambda e: e.order(now, settings)):
+            regs = self.registry.routable(entry.plan.model.name)
+            if not regs:
+                self._entries.remove(entry)
+                entry.future.set_exception(no_healthy_worker(entry.plan.model.name))
+                continue
+            ready = [r for r in regs if _is_open(r, now, settings)]
+            if not ready:
+                continue
+            if now - entry.arrival_s < settings.affinity_wait_s and settings.affinity == "policy":
+                plan = self.router.redecide(entry.plan, regs)
+                if not any(r.id == plan.decision.worker_id for r in ready):
+                    continue
+            else:
+                if now - entry.arrival_s < settings.affinity_wait_s:
+                    top = max(entry.held_blocks.get(r.id, 0) for r in regs)
+                    ready = [r for r in ready if entry.held_blocks.get(r.id, 0) >= top - 1]
+                if not ready:
+                    continue
+                plan = self.router.redecide(entry.plan, ready)
+            reg = plan.workers[plan.decision.worker_id]
+            predicted_ms = plan.predicted_ttft_ms(reg.id)
+            end_s = None if predicted_ms is None else now + predicted_ms / 1000.0
+            self._entries.remove(entry)
+            entry.future.set_result((plan, Reservation(reg, end_s, self._schedule_pump)))
+        if self._entries:
+            self._arm(now, settings)
+
+    def _arm(self, now: float, settings: QueueSettings) -> None:
+        """Look again at the next predicted opening or affinity expiry, at most ``TICK_S`` away."""
+        wake_s = now + TICK_S
+        for reg in self.registry.all():
+            left_ms = reg.prefill_left_ms(now)
+            if reg.routable and math.isfinite(left_ms) and left_ms > settings.worker_queue_ms:
+                wake_s = min(wake_s, now + (left_ms - settings.worker_queue_ms) / 1000.0)
+        for entry in self._entries:
+            expiry = entry.arrival_s + settings.affinity_wait_s
+            if expiry > now:
+                wake_s = min(wake_s, expiry)
+        self._timer = asyncio.get_running_loop().call_later(max(0.0, wake_s - now) + 1e-4, self.pump)
+
+
+def _is_open(reg: WorkerRegistration, now: float, settings: QueueSettings) -> bool:
+    return reg.unseen_waiting <= 0 and reg.prefill_left_ms(now) <= settings.worker_queue_ms
+
+
+def _held_blocks(plan: RoutePlan) -> dict[str, int]:
+    """Matched blocks (any tier) per candidate whose evidence is credited."""
+    return {wid: m.total for wid, m in plan.matches.items()
+            if wid in plan.workers and plan.workers[wid].evidence_credited}
+
+
+def _size_tokens(plan: RoutePlan) -> float:
+    """Prompt tokens (every prompt of the body) less the longest credited prefix, with vLLM's
+    cap (the last prompt token is always computed); inf when the tokens are unknown."""
+    request = plan.request
+    if request.prompt_tokens is None:
+        return math.inf
+    total = max(request.prompt_tokens, request.all_prompt_tokens or 0)
+    held = max(_held_blocks(plan).values(), default=0)
+    cached = min(held, max(0, request.prompt_tokens - 1) // max(1, request.block_size)) * request.block_size
+    return float(total - cached)

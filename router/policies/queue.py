@@ -1,0 +1,65 @@
+"""The ``queue`` key of any policy config: the gateway's dispatch queue (late binding,
+shortest prefill first), which :mod:`router.dispatch_queue` runs.
+
+    policy: {name: ttft, queue: {enabled: true, worker_queue_ms: 150, affinity_wait_s: 2,
+                                 max_wait_s: 10}}
+
+- ``enabled`` (default false): requests wait in the gateway, not in the engines' queues, until a
+  worker is *open*, then the shortest waiting prefill goes first.
+- ``worker_queue_ms`` (150): a worker is open while the prefill its requests are predicted to
+  have left (the policy's TTFT predictions at dispatch, counted from then) is at most this; so it
+  is sent the next request just before it needs one, and the engine's own queue stays short. A
+  request past its predicted first byte keeps the worker closed until that byte comes.
+- ``affinity`` (``holder``): which workers a request waits for. ``holder``: those holding its
+  longest cached prefix (within one block); ``policy``: the one the policy would choose among all
+  routable workers, busy ones included (a busy holder is waited for only while that beats
+  recomputing the prefix elsewhere, by the policy's own cost).
+- ``affinity_wait_s`` (2): how long a request waits so before any open worker may take it.
+- ``max_wait_s`` (10): a request that has waited this long goes before shorter ones (arrival
+  order among such), so a long prompt is never starved by a stream of short ones.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from router.policies._config import boolean, check_keys, mapping, number
+
+QUEUE_KEYS = ("enabled", "worker_queue_ms", "affinity", "affinity_wait_s", "max_wait_s")
+AFFINITY_RULES = ("holder", "policy")
+
+
+@dataclass(frozen=True)
+class QueueSettings:
+    """The dispatch queue's settings (module docstring); durations in ms or s as named."""
+
+    enabled: bool = False
+    worker_queue_ms: float = 0.0
+    affinity: str = "policy"
+    affinity_wait_s: float = 2.0
+    max_wait_s: float = 10.0
+
+    @classmethod
+    def from_config(cls, value: Any, defaults: QueueSettings | None = None) -> QueueSettings:
+        """Build from the ``queue`` mapping, missing keys (or all, for None) taken from
+        ``defaults`` (the policy's :attr:`~router.policies.base.Policy.default_queue`). Raises
+        ValueError on unknown keys, a non-boolean ``enabled``, an unknown ``affinity`` or a
+        negative duration."""
+        base = defaults or cls()
+        if value is None:
+            return base
+        cfg: Mapping[str, Any] = mapping(value, "policy.queue")
+        where = "policy.queue"
+        check_keys(cfg, QUEUE_KEYS, where)
+        affinity = cfg.get("affinity", base.affinity)
+        if affinity not in AFFINITY_RULES:
+            raise ValueError(f"{where}.affinity must be one of {', '.join(AFFINITY_RULES)}, got {affinity!r}")
+        return cls(enabled=boolean(cfg, "enabled", base.enabled, where), affinity=affinity,
+                   worker_queue_ms=number(cfg, "worker_queue_ms", base.worker_queue_ms, where),
+                   affinity_wait_s=number(cfg, "affinity_wait_s", base.affinity_wait_s, where),
+                   max_wait_s=number(cfg, "max_wait_s", base.max_wait_s, where))
+
+    def config(self) -> dict[str, Any]:
+        """The effective values, keyed as in the config."""
+        return asdict(self)

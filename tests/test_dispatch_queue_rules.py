@@ -1,0 +1,156 @@
+"""The dispatch queue's rules in one process, on the real router pieces (tokenizer, memory
+index, registry, policies) with a clock the test moves: shortest prefill first, ``max_wait_s``
+first of all, the ``holder`` and ``policy`` affinity rules, and 503 once no worker is left.
+Workers here are busy through requests counted in flight without a TTFT prediction
+(``kv_aware`` makes none), so each stays closed until the test gives that request its first byte."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import orjson
+import pytest
+
+from kvcore.index.memory import MemoryIndex
+from router.config import ModelConfig, RoutingConfig, WorkerConfig
+from router.dispatch_queue import DispatchQueue
+from router.errors import GatewayError
+from router.metrics import GatewayMetrics
+from router.registry import WorkerRegistry
+from router.routing import PolicyHolder, Router
+from router.tokenize import TokenizerPool
+
+BLOCK = 32
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.offset_s = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.offset_s
+
+
+@pytest.fixture
+async def rig(tiny_model):
+    model = ModelConfig(name="tiny", tokenizer=str(tiny_model), block_size=BLOCK)
+    pool = TokenizerPool([model], threads=1)
+    await pool.load()
+    registry = WorkerRegistry()
+    for wid in ("w0", "w1"):
+        registry.add(WorkerConfig(id=wid, url=f"http://127.0.0.1:1/{wid}", model="tiny")).healthy = True
+    holder = PolicyHolder({"name": "kv_aware", "queue": {"enabled": True, "affinity": "holder", "affinity_wait_s": 2,
+                                                          "max_wait_s": 10}})
+    metrics = GatewayMetrics(registry.all)
+    index = MemoryIndex()
+    router = Router([model], pool, index, registry, holder, metrics, RoutingConfig())
+    clock = Clock()
+    queue = DispatchQueue(router, registry, metrics, lambda: holder.policy.queue, clock=clock)
+    yield router, registry, queue, clock, holder, index
+    queue.close()
+    pool.close()
+
+
+def _body(words: int, tag: str) -> dict:
+    return {"model": "tiny", "messages": [{"role": "user", "content": " ".join(f"{tag}{i}" for i in range(words))}]}
+
+
+async def _plan(router: Router, body: dict):
+    return await router.plan("chat", body, [], orjson.dumps(body))
+
+
+async def _enqueue(queue: DispatchQueue, plan) -> asyncio.Task:
+    task = asyncio.create_task(queue.take_turn(plan))
+    await asyncio.sleep(0)
+    return task
+
+
+async def _settle() -> None:
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+async def test_shortest_first_and_one_request_per_opening(rig):
+    router, registry, queue, _, _, _ = rig
+    registry.get("w1").healthy = False
+    busy = registry.get("w0").begin(500)
+    long = await _enqueue(queue, await _plan(router, _body(400, "l")))
+    short = await _enqueue(queue, await _plan(router, _body(10, "s")))
+    assert queue.queued == 2 and not long.done() and not short.done()
+    busy.first_byte()  # w0 opens: the short one goes, and its reservation closes w0 again
+    await _settle()
+    assert short.done() and not long.done() and queue.queued == 1
+    plan, reservation = short.result()
+    assert plan.decision.worker_id == "w0"
+    reservation.release()  # counted in flight (here: given up): w0 opens for the next
+    await _settle()
+    assert long.done() and long.result()[0].decision.worker_id == "w0" and queue.queued == 0
+
+
+async def test_a_request_past_max_wait_goes_before_shorter_ones(rig):
+    router, registry, queue, clock, _, _ = rig
+    registry.get("w1").healthy = False
+    busy = registry.get("w0").begin(500)
+    long = await _enqueue(queue, await _plan(router, _body(400, "l")))
+    clock.offset_s += 11.0  # past max_wait_s (10)
+    short = await _enqueue(queue, await _plan(router, _body(10, "s")))
+    busy.first_byte()
+    await _settle()
+    assert long.done() and not short.done()
+
+
+async def test_holder_affinity_waits_for_the_holder_then_gives_up(rig):
+    router, registry, queue, clock, _, index = rig
+    warm = await _plan(router, _body(300, "p"))
+    await index.store("w0", "gpu", warm.blocks.first_keys)  # w0 holds the prefix
+    busy = registry.get("w0").begin(50)
+    follow = await _enqueue(queue, await _plan(router, _body(300, "p") | {"max_tokens": 3}))
+    fresh = await _enqueue(queue, await _plan(router, _body(300, "q")))
+    await _settle()
+    assert fresh.done() and fresh.result()[0].decision.worker_id == "w1"  # no holder: w1 is open
+    assert not follow.done()  # w1 is open, but the holder is w0
+    fresh.result()[1].release()
+    clock.offset_s += 2.5  # past affinity_wait_s
+    queue.pump()
+    await _settle()
+    assert follow.done() and follow.result()[0].decision.worker_id == "w1"
+    busy.finish()
+
+
+async def test_policy_affinity_waits_only_while_the_policy_prefers_the_busy_holder(rig):
+    router, registry, queue, _, holder, index = rig
+    holder.replace({"name": "kv_aware", "queue": {"enabled": True, "affinity": "policy", "affinity_wait_s": 30}})
+    body = _body(300, "p")
+    warm = await _plan(router, body)
+    await index.store("w0", "gpu", warm.blocks.first_keys)
+    light = registry.get("w0").begin(50)  # a little queued ahead: the holder is still cheaper
+    follow = await _enqueue(queue, await _plan(router, body))
+    await _settle()
+    assert not follow.done()
+    heavy = registry.get("w0").begin(1_000_000)  # now recomputing on w1 costs less than waiting
+    queue.pump()
+    await _settle()
+    assert follow.done() and follow.result()[0].decision.worker_id == "w1"
+    light.finish()
+    heavy.finish()
+
+
+async def test_waiting_requests_get_503_when_no_worker_is_left(rig):
+    router, registry, queue, _, _, _ = rig
+    registry.get("w1").healthy = False
+    registry.get("w0").begin(500)
+    waiting = await _enqueue(queue, await _plan(router, _body(10, "s")))
+    registry.get("w0").healthy = False
+    queue.pump()
+    await _settle()
+    with pytest.raises(GatewayError) as err:
+        await waiting
+    assert err.value.status == 503 and queue.queued == 0
+
+
+async def test_queue_off_returns_the_plan_untouched(rig):
+    router, registry, queue, _, holder, _ = rig
+    holder.replace({"name": "kv_aware"})
+    registry.get("w0").begin(500)
+    plan = await _plan(router, _body(10, "s"))
+    assert await queue.take_turn(plan) == (plan, None)
