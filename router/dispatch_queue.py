@@ -19,7 +19,9 @@ when the router knows least. Holding requests in the gateway instead:
 - until a request has waited ``affinity_wait_s`` it may go only to certain open workers: with
   ``affinity: holder``, those that hold its longest cached prefix within one block; with
   ``affinity: policy``, the worker the live policy chooses among all routable ones (their load as
-  it is then: a busy holder shows its queue), so it waits while the policy prefers a closed worker.
+  it is then, plus the prefill of the requests ahead of it in this queue that wait for the same
+  worker: a busy holder shows its whole queue), so it waits while the policy prefers a closed
+  worker.
   Past ``affinity_wait_s`` any open worker may take it (the prefix is then computed a second time,
   and the worker's KV events tell the index). Among the workers it may go to, the live policy
   chooses (:meth:`~router.routing.Router.redecide`).
@@ -143,6 +145,7 @@ class DispatchQueue:
         now = self.clock()
         for reg in self.registry.all():
             reg.on_prefill_done = self._schedule_pump
+        backlog: dict[str, float] = {}  # worker id -> prefill tokens of requests ahead waiting for it
         for entry in sorted(self._entries, key=lambda e: e.order(now, settings)):
             regs = self.registry.routable(entry.plan.model.name)
             if not regs:
@@ -153,8 +156,10 @@ class DispatchQueue:
             if not ready:
                 continue
             if now - entry.arrival_s < settings.affinity_wait_s and settings.affinity == "policy":
-                plan = self.router.redecide(entry.plan, regs)
-                if not any(r.id == plan.decision.worker_id for r in ready):
+                plan = self.router.redecide(entry.plan, regs, backlog)
+                chosen = plan.decision.worker_id
+                if not any(r.id == chosen for r in ready):
+                    backlog[chosen] = backlog.get(chosen, 0.0) + plan.uncached_tokens(chosen)
                     continue
             else:
                 if now - entry.arrival_s < settings.affinity_wait_s:

@@ -9,7 +9,8 @@ the worker publishes KV events, which confirm or drop them; long TTL in approxim
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvcore.index.base import KVIndex, TierMatch
@@ -250,12 +251,20 @@ class Router:
         return RoutePlan(model, lora_name, blocks, matches, request, decision, policy.name or "",
                          {r.id: r for r in regs})
 
-    def redecide(self, plan: RoutePlan, regs: list[WorkerRegistration]) -> RoutePlan:
+    def redecide(self, plan: RoutePlan, regs: list[WorkerRegistration],
+                  backlog_tokens: Mapping[str, float] | None = None) -> RoutePlan:
         """The live policy's choice among ``regs`` (non-empty), with their load as it is now and
         the prefix matches ``plan`` looked up: a new plan sharing ``plan``'s tokens and matches
-        (the dispatch queue's decision once workers open). Consumes no tie-break draw."""
+        (the dispatch queue's decision once workers open). ``backlog_tokens``: per worker id,
+        prefill tokens of requests waiting in the gateway ahead of this one for that worker,
+        added to its load. Consumes no tie-break draw."""
         policy = self.policy.policy
-        decision = policy.choose(plan.request, _candidates(regs, plan.matches))
+        candidates = _candidates(regs, plan.matches)
+        for c in candidates:
+            extra = (backlog_tokens or {}).get(c.worker_id, 0.0)
+            if extra:
+                c.load = replace(c.load, prefill_tokens=c.load.prefill_tokens + int(extra))
+        decision = policy.choose(plan.request, candidates)
         return RoutePlan(plan.model, plan.lora_name, plan.blocks, plan.matches, plan.request, decision,
                          policy.name or "", {r.id: r for r in regs})
 

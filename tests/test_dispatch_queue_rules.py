@@ -154,3 +154,23 @@ async def test_queue_off_returns_the_plan_untouched(rig):
     registry.get("w0").begin(500)
     plan = await _plan(router, _body(10, "s"))
     assert await queue.take_turn(plan) == (plan, None)
+
+
+async def test_policy_affinity_counts_the_requests_already_waiting_for_a_worker(rig):
+    router, registry, queue, _, holder, index = rig
+    holder.replace({"name": "kv_aware", "queue": {"enabled": True, "affinity": "policy", "affinity_wait_s": 30}})
+    shared = _body(300, "p")
+    await index.store("w0", "gpu", (await _plan(router, shared)).blocks.first_keys)
+    busy = registry.get("w0").begin(50)
+    follow_ups = []
+    for i in range(12):
+        body = {**shared, "messages": [{"role": "user", "content": shared["messages"][0]["content"]
+                                        + " " + " ".join(f"x{i}y{j}" for j in range(80))}]}
+        follow_ups.append(await _enqueue(queue, await _plan(router, body)))
+    await _settle()
+    # alone, each would wait for w0 (see the test above); behind the others waiting for it, the
+    # last ones are cheaper on w1, which takes one (its reservation closes it again)
+    done = [t for t in follow_ups if t.done()]
+    assert len(done) == 1 and queue.queued == 11
+    assert done[0].result()[0].decision.worker_id == "w1"
+    busy.finish()
