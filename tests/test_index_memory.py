@@ -107,6 +107,18 @@ async def test_speculative_entries_count_as_gpu_until_their_ttl(index, clock):
     assert await index.match(K) == {"a": TierMatch(0, 3, 0)}
 
 
+async def test_a_gpu_removal_drops_the_speculative_entry_too(index, clock):
+    await index.store_speculative("a", K[:4], ttl_s=5.0)  # routed there: guessed held
+    await index.store("a", "gpu", K[:4])  # the engine's events confirm
+    await index.remove("a", "gpu", K[2:4])  # then it evicts blocks 2 and 3
+    assert await index.match(K) == {"a": TierMatch(2, 0, 0)}  # the guess does not outlive the eviction
+    assert (await index.stats())["a"].speculative_blocks == 2
+    await index.remove("a", "cpu", K[:2])  # another tier's removal leaves the guess alone
+    assert await index.match(K) == {"a": TierMatch(2, 0, 0)}
+    clock.now += 10
+    assert await index.match(K) == {"a": TierMatch(2, 0, 0)}
+
+
 async def test_many_workers_and_long_prompts(index):
     keys = list(range(10_000, 10_512))
     for w in range(70):  # more workers than one 64-bit word

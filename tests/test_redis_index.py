@@ -103,6 +103,16 @@ async def test_a_reader_sees_a_worker_added_after_its_last_lookup(rindex, redis_
         await reader.close()
 
 
+async def test_a_gpu_removal_drops_the_speculative_entry_too(rindex):
+    await rindex.store_speculative("a", K[:4], ttl_s=30)
+    await rindex.store("a", "gpu", K[:4])
+    await rindex.remove("a", "gpu", K[2:4])  # evicted: the local guess goes with it
+    assert await rindex.match(K) == {"a": TierMatch(2, 0, 0)}
+    await rindex.apply_ops("a", [("remove", "cpu", K[:2])])  # another tier's removal leaves it
+    await rindex.remove("a", "gpu", K[:2])
+    assert "a" not in await rindex.match(K)
+
+
 async def test_removing_a_worker_purges_its_keys(rindex):
     await rindex.store("a", "gpu", K)
     await rindex.store("a", "gpu", K[:2])

@@ -69,7 +69,9 @@ class KVIndex(abc.ABC):
 
     @abc.abstractmethod
     async def remove(self, worker: str, tier: str, keys: Sequence[int]) -> int:
-        """Drop one reference to each (key, worker, tier); returns how many keys were not present."""
+        """Drop one reference to each (key, worker, tier); returns how many keys were not present.
+        A gpu-tier removal also drops the worker's speculative entry for the key: the engine has
+        just said the block is gone, so the gateway's guess that it is there is stale."""
 
     @abc.abstractmethod
     async def clear_worker(self, worker: str, tier: str | None = None) -> None:

@@ -94,6 +94,8 @@ class MemoryIndex(KVIndex):
         slot = self._slots.get(worker)
         if slot is None:
             return len(keys)
+        if t == 0 and self._owned[slot][_SPEC]:
+            self._drop_speculative(slot, keys)
         bit = 1 << (_STRIDE * slot + t)
         owned = self._owned[slot][t]
         masks = self._masks
@@ -171,6 +173,23 @@ class MemoryIndex(KVIndex):
             owned.add(key)
             self._spec_expiry[(key, slot)] = expiry
             heapq.heappush(self._spec_heap, (expiry, key, slot))
+
+    def _drop_speculative(self, slot: int, keys: Sequence[int]) -> None:
+        """Clear ``slot``'s speculative bit of each key (its heap entries then expire as stale)."""
+        spec_owned = self._owned[slot][_SPEC]
+        bit = 1 << (_STRIDE * slot + _SPEC)
+        for key in keys:
+            if key not in spec_owned:
+                continue
+            spec_owned.discard(key)
+            self._spec_expiry.pop((key, slot), None)
+            v = self._masks.get(key)
+            if v is not None:
+                v &= ~bit
+                if v:
+                    self._masks[key] = v
+                else:
+                    del self._masks[key]
 
     def _expire(self, now: float) -> None:
         heap = self._spec_heap

@@ -401,9 +401,18 @@ class RedisIndex(KVIndex):
             t = check_tier(tier)
             if keys:
                 args += ["s" if op == "store" else "r", t, _pack(keys)]
+            if op == "remove" and t == 0 and self._spec:
+                self._drop_speculative(worker, keys)
         if len(args) == 3:
             return 0
         return int(await self._script(self._apply_script, args))
+
+    def _drop_speculative(self, worker: str, keys: Sequence[int]) -> None:
+        """Forget ``worker``'s speculative entries for ``keys`` (their heap entries expire as stale)."""
+        for key in keys:
+            per_key = self._spec.get(key)
+            if per_key is not None and per_key.pop(worker, None) is not None and not per_key:
+                del self._spec[key]
 
     async def store(self, worker: str, tier: str, keys: Sequence[int]) -> None:
         await self.apply_ops(worker, [("store", tier, keys)])
