@@ -3,7 +3,7 @@ soonest. Its dispatch queue (:mod:`router.dispatch_queue`, ``queue.enabled`` tru
 this policy only) holds requests in the gateway until a worker is free for them, shortest prefill
 first; the choice below is then made among the free workers, or the request waits while this
 policy prefers a busy one. On the 8-worker Mooncake sim rig (3 runs, medians) this pair gave TTFT
-p50 / p90 881 / 3134 ms against 1190 / 3655 for ``kv_aware`` and 1508 / 4117 for the best peer.
+p50 / p90 901 / 3137 ms against 1253 / 3775 for ``kv_aware`` and 1451 / 4154 for the best peer.
 
 Predicted TTFT of a candidate, in milliseconds from dispatch (:mod:`router.ttft_model`)::
 
