@@ -201,12 +201,10 @@ def _held_blocks(plan: RoutePlan) -> dict[str, int]:
 
 
 def _size_tokens(plan: RoutePlan) -> float:
-    """Prompt tokens (every prompt of the body) less the longest credited prefix, with vLLM's
-    cap (the last prompt token is always computed); inf when the tokens are unknown."""
-    request = plan.request
-    if request.prompt_tokens is None:
+    """Prompt tokens to prefill (every prompt of the body) at the candidate with the longest
+    credited prefix (:meth:`RoutePlan.uncached_tokens`, vLLM's cap included); inf when the tokens
+    are unknown."""
+    if plan.request.prompt_tokens is None:
         return math.inf
-    total = max(request.prompt_tokens, request.all_prompt_tokens or 0)
-    held = max(_held_blocks(plan).values(), default=0)
-    cached = min(held, max(0, request.prompt_tokens - 1) // max(1, request.block_size)) * request.block_size
-    return float(total - cached)
+    whole = plan.blocks.prompt_tokens if plan.blocks is not None else None
+    return float(min((plan.uncached_tokens(wid) for wid in _held_blocks(plan)), default=whole or 0))

@@ -13,7 +13,7 @@ The config is the ``policy:`` mapping of DESIGN.md, the same for the YAML file a
     {name: round_robin | least_load, ...load keys}
 
 Every policy also takes ``queue`` (:mod:`router.policies.queue`: the gateway's dispatch queue,
-off by default). Each policy accepts only its own keys besides (listed in the error message); ``name`` defaults to
+on by default for ``ttft`` only). Each policy accepts only its own keys besides (listed in the error message); ``name`` defaults to
 ``ttft`` (lowest predicted TTFT, with the dispatch queue on: it won on the bench rig, see its
 module); ``kv_aware``, the default before it, stays for comparison. Adding a policy: one module with a ``Policy`` subclass that has ``from_config`` and
 ``config``, and one line in :data:`_POLICIES`.

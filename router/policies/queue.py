@@ -1,16 +1,17 @@
 """The ``queue`` key of any policy config: the gateway's dispatch queue (late binding,
 shortest prefill first), which :mod:`router.dispatch_queue` runs.
 
-    policy: {name: ttft, queue: {enabled: true, worker_queue_ms: 150, affinity_wait_s: 2,
-                                 max_wait_s: 10}}
+    policy: {name: ttft, queue: {enabled: true, worker_queue_ms: 0, affinity: policy,
+                                 affinity_wait_s: 2, max_wait_s: 10}}
 
-- ``enabled`` (default false): requests wait in the gateway, not in the engines' queues, until a
-  worker is *open*, then the shortest waiting prefill goes first.
-- ``worker_queue_ms`` (150): a worker is open while the prefill its requests are predicted to
+- ``enabled`` (default true for ``ttft``, false for the other policies: each policy's
+  ``default_queue``): requests wait in the gateway, not in the engines' queues, until a worker is
+  *open*, then the shortest waiting prefill goes first.
+- ``worker_queue_ms`` (0): a worker is open while the prefill its requests are predicted to
   have left (the policy's TTFT predictions at dispatch, counted from then) is at most this; so it
   is sent the next request just before it needs one, and the engine's own queue stays short. A
   request past its predicted first byte keeps the worker closed until that byte comes.
-- ``affinity`` (``holder``): which workers a request waits for. ``holder``: those holding its
+- ``affinity`` (``policy``): which workers a request waits for. ``holder``: those holding its
   longest cached prefix (within one block); ``policy``: the one the policy would choose among all
   routable workers, busy ones included (a busy holder is waited for only while that beats
   recomputing the prefix elsewhere, by the policy's own cost).
