@@ -10,6 +10,7 @@
 | PUT /admin/policy | body: a policy mapping; validated and swapped atomically; 200 the new mapping, 400 bad |
 | GET /admin/index | ``{"backend", "workers": {id: {"blocks", "speculative_blocks", "kv_events"}}}`` (``kv_events``: the embedded ingestor's, or with Redis the worker's agent's, seq, event age, gaps, replays, resyncs; null without one) |
 | POST /admin/explain | a chat or completions body -> ``{"prompt_tokens", "blocks", "candidates", "chosen", "reason", ...}``; nothing is sent |
+| GET /admin/decisions[?limit=N&worker=ID&since_unix_s=T] | ``{"decisions": [...], "kept", "recorded"}``: recent decisions of real traffic, newest first (:mod:`router.decision_log`); 400 bad limit |
 
 Errors use the OpenAI error shape.
 """
@@ -161,6 +162,15 @@ def make_admin_router(gateway: Gateway) -> APIRouter:
         if hasattr(gateway.index, "dropped_keys"):
             out["dropped_keys"] = gateway.index.dropped_keys
         return _json(out)
+
+    @api.get("/decisions")
+    async def list_decisions(limit: int | None = None, worker: str | None = None,
+                             since_unix_s: float | None = None) -> Response:
+        if limit is not None and limit < 1:
+            raise bad_request("limit must be >= 1", "limit")
+        log = gateway.decisions
+        return _json({"decisions": log.snapshot(limit, worker, since_unix_s), "kept": log.capacity,
+                      "recorded": log.recorded})
 
     @api.post("/explain")
     async def explain(request: Request) -> Response:

@@ -222,6 +222,8 @@ class RoutingConfig(_Strict):
     short prompt takes ~0.1 ms, less than the hop to a pool thread); larger ones in the pool.
     ``max_tokenize_bytes``: bodies past this size (4 MiB: ~1M tokens, past any context length)
     are routed by load without tokenizing (``kvroute_tokenization_fallbacks_total{reason="too_large"}``).
+    ``decisions_kept``: recent routing decisions kept for ``GET /admin/decisions`` and the
+    dashboard (:mod:`router.decision_log`; 0 keeps none).
     """
 
     speculative_ttl_s: float = Field(5.0, gt=0)
@@ -230,6 +232,7 @@ class RoutingConfig(_Strict):
     tokenize_threads: int = Field(2, ge=1)
     inline_tokenize_max_bytes: int = Field(2048, ge=0)
     max_tokenize_bytes: int = Field(4 * MIB, ge=0)
+    decisions_kept: int = Field(1024, ge=0, le=1_000_000)
 
 
 class GatewayConfig(_Strict):

@@ -16,6 +16,7 @@ import aiohttp
 import orjson
 
 from router.client_auth import ClientAuth
+from router.decision_log import DecisionEntry, DecisionLog
 from router.errors import GatewayError, bad_request, body_too_large, error_body, upstream_failed
 from router.proxy import ClientState, upstream_headers
 from router.registry import InFlight
@@ -143,7 +144,7 @@ class ProxyEndpoint:
         try:
             try:
                 admitted_at = await gw.admission.acquire()  # routed only once admitted: fresh load
-                plan, ranked, raw, strip, reservation = await self._route(body, headers, raw)
+                plan, ranked, raw, strip, reservation, logged = await self._route(body, headers, raw, request_id)
             except GatewayError as exc:
                 await self._refuse(send, exc, request_id)
                 return
@@ -154,7 +155,7 @@ class ProxyEndpoint:
                 return
             try:
                 await self._relay(send, state, scope, raw, body, headers, request_id, t0, plan, ranked, strip,
-                                  reservation)
+                                  reservation, logged)
             finally:
                 if reservation is not None:
                     reservation.release()
@@ -173,28 +174,34 @@ class ProxyEndpoint:
         self.gw.metrics.requests.labels("none", str(exc.status)).inc()
         await send_json(send, exc.status, exc.body(), request_id, extra_headers=exc.headers)
 
-    async def _route(self, body: dict[str, Any], headers: list[tuple[bytes, bytes]], raw: bytes
-                     ) -> tuple[RoutePlan | None, list[WorkerRegistration], bytes, bool, Reservation | None]:
+    async def _route(self, body: dict[str, Any], headers: list[tuple[bytes, bytes]], raw: bytes, request_id: str
+                     ) -> tuple[RoutePlan | None, list[WorkerRegistration], bytes, bool, Reservation | None,
+                                DecisionEntry | None]:
         """``(plan or None for a forwarded path, workers in order of preference, body bytes to
-        send, strip the usage chunk, the dispatch queue's reservation or None)``; waits in the
-        dispatch queue when the policy has it on. Raises GatewayError (400/404/503)."""
+        send, strip the usage chunk, the dispatch queue's reservation or None, the decision log's
+        entry or None)``; waits in the dispatch queue when the policy has it on. Raises
+        GatewayError (400/404/503)."""
         gw = self.gw
         if self.kind == "forward":
-            return None, gw.router.ranked_by_load(body), raw, False, None
+            return None, gw.router.ranked_by_load(body), raw, False, None, None
         plan = await gw.router.plan(self.kind, body, headers, raw)
+        queued_s = time.monotonic()
         plan, reservation = await gw.dispatch_queue.take_turn(plan)
         gw.router.record_decision(plan)
+        logged = gw.decisions.record(plan, request_id, (time.monotonic() - queued_s) * 1000.0)
         strip = False
         if body.get("stream") is True and gw.cfg.routing.measure_stream_usage:
             raw, strip = request_stream_usage(raw, body)
-        return plan, plan.ranked(), raw, strip, reservation
+        return plan, plan.ranked(), raw, strip, reservation, logged
 
     async def _relay(self, send, state: ClientState, scope, raw: bytes, body: dict[str, Any],
                      headers: list[tuple[bytes, bytes]], request_id: str, t0: float, plan: RoutePlan | None,
-                     ranked: list[WorkerRegistration], strip: bool, reservation: Reservation | None) -> None:
+                     ranked: list[WorkerRegistration], strip: bool, reservation: Reservation | None,
+                     logged: DecisionEntry | None = None) -> None:
         gw = self.gw
 
         async def on_attempt(reg: WorkerRegistration) -> None:
+            DecisionLog.sent(logged, reg.id)
             await gw.router.commit(plan, reg)
             if reservation is not None:  # counted in flight right after this returns
                 reservation.release()
@@ -205,8 +212,8 @@ class ProxyEndpoint:
                 request_id, ranked, t0=t0,
                 uncached_tokens=plan.uncached_tokens if plan is not None else None,
                 on_attempt=on_attempt if plan is not None else None,
-                on_cached_tokens=(lambda handle, n: record_usage(gw, plan, handle, n)) if plan is not None else None,
-                on_first_token=(lambda handle: record_first_token(gw, plan, handle)) if plan is not None else None,
+                on_cached_tokens=(lambda handle, n: record_usage(gw, plan, handle, n, logged)) if plan is not None else None,
+                on_first_token=(lambda handle: record_first_token(gw, plan, handle, logged)) if plan is not None else None,
                 presumed_ttft_ms=(plan.predicted_ttft_ms if plan is not None and body.get("stream") is not True
                                   else None),
                 predicted_ttft_ms=plan.predicted_ttft_ms if plan is not None else None,
@@ -234,7 +241,7 @@ class ProxyEndpoint:
             await send_json(send, err.status, err.body(), request_id, ranked[0].id)
 
 
-def record_first_token(gw: Gateway, plan: RoutePlan, handle: InFlight) -> None:
+def record_first_token(gw: Gateway, plan: RoutePlan, handle: InFlight, logged: DecisionEntry | None = None) -> None:
     """A streamed request's first token: its TTFT against the policy's prediction (metrics), and
     against the work it met, which teaches the worker's prefill rate. The work is the figure the
     policy predicted with for that worker (the same terms, so the learned rate is the one the
@@ -245,6 +252,7 @@ def record_first_token(gw: Gateway, plan: RoutePlan, handle: InFlight) -> None:
     distrusted (the own-prefill figure would be wrong). Never raises (logged)."""
     try:
         reg = handle.reg
+        DecisionLog.first_token(logged, handle.ttft_ms)
         if handle.ttft_ms is None or plan.blocks is None or plan.blocks.token_ids is None:
             return
         predicted_ms = plan.predicted_ttft_ms(reg.id)
@@ -260,12 +268,14 @@ def record_first_token(gw: Gateway, plan: RoutePlan, handle: InFlight) -> None:
         log.exception("TTFT bookkeeping failed for worker %s", handle.reg.id)
 
 
-def record_usage(gw: Gateway, plan: RoutePlan, handle: InFlight, actual: int) -> None:
+def record_usage(gw: Gateway, plan: RoutePlan, handle: InFlight, actual: int,
+                 logged: DecisionEntry | None = None) -> None:
     """What a finished request teaches, for single-prompt requests (a completions body with
     several prompts reports their sum, while the prediction covers the first): predicted vs
     reported cached tokens (metrics, and the worker's evidence trust, a warning when it
     changes). Never raises (logged)."""
     try:
+        DecisionLog.usage(logged, actual)
         _record_usage(gw, plan, handle, actual)
     except Exception:  # a bookkeeping bug must never break a response
         log.exception("usage bookkeeping failed for worker %s", handle.reg.id)

@@ -22,6 +22,7 @@ from kvcore.index.errors import IndexEncodingMismatch, IndexUnavailable
 from router.admission import Admission
 from router.dispatch_queue import DispatchQueue
 from router.config import GatewayConfig, WorkerConfig, load_config
+from router.decision_log import DecisionLog
 from router.embedded_events import embedded_ingest_task
 from router.metrics import GatewayMetrics
 from router.proxy import Upstream
@@ -60,6 +61,7 @@ class Gateway:
         self.dispatch_queue = DispatchQueue(self.router, self.registry, self.metrics,
                                             lambda: self.policy.policy.queue)
         self.metrics.watch_dispatch_queue(lambda: self.dispatch_queue.queued)
+        self.decisions = DecisionLog(cfg.routing.decisions_kept)
         self._extra_factories = list(task_factories or [])
         self._lock = asyncio.Lock()
 

@@ -55,6 +55,19 @@ def test_rig_runs_kv_aware_and_round_robin_on_the_same_sims(tiny_model, tmp_path
         # also for streams whose client closed on [DONE] before the worker's end of stream
         assert run["gateway"]["reported_cached_tokens"] == run["cached_tokens"]
         assert run["gateway"]["reported_requests"] == 12
+    # each kvroute run's decision log, saved beside the logs: one entry per request, oldest first,
+    # named by workload index, with the worker and the cached tokens the records show
+    for label, target in (("kv_aware", kv), ("round_robin", rr)):
+        for n in range(2):
+            decisions = json.loads((tmp_path / "logs" / f"decisions-kvroute-{label}-{n}.json").read_text())
+            assert len(decisions) == 12
+            recs = {rec["index"]: rec for rec in target["records"] if rec["repeat"] == n}
+            for d in decisions:
+                rec = recs[int(d["request_id"].split("-")[1])]
+                tokens = rec["prompt_tokens"] if label == "kv_aware" else None  # round robin never tokenizes
+                assert (d["worker"], d["actual_cached_tokens"], d["prompt_tokens"]) == (
+                    rec["worker"], rec["cached_tokens"], tokens)
+                assert d["policy"] == label
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
         "hit_rate_over_time.png", "ttft_cdf.png", "worker_load.png"]
     assert "kvroute:kv_aware" in r.stdout and "hit rate" in r.stdout  # the table

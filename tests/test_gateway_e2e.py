@@ -58,6 +58,29 @@ def start_gateway(cfg: dict, log_dir: Path, started: list[Proc]) -> tuple[str, P
     return serve_gateway(cfg, log_dir, started)
 
 
+def two_sim_gateway(tiny_model: Path, log_dir: Path, started: list[Proc], **cfg_extra
+                    ) -> tuple[str, dict[str, Sim], Proc]:
+    """Two `kvroute sim` workers w0, w1 and a gateway over them (model ``tiny``), ``cfg_extra``
+    merged into its config; processes are appended to ``started`` (the caller stops them):
+    ``(base URL, sims by id, gateway process)``."""
+    *sim_ports, port = free_ports(3)  # 2 simulators, then the gateway
+    sims: dict[str, Sim] = {}
+    for name, sim_port in zip(("w0", "w1"), sim_ports):
+        proc = Proc(name, _sim_argv(tiny_model, sim_port), log_dir)
+        started.append(proc)
+        sims[name] = Sim(name, f"http://127.0.0.1:{sim_port}", proc)
+    for sim in sims.values():
+        wait_http(sim.url + "/health", sim.proc, timeout_s=180)
+    cfg = {
+        "listen": {"host": "127.0.0.1", "port": port},
+        "models": [{"name": "tiny", "tokenizer": str(tiny_model), "block_size": BLOCK}],
+        "workers": [{"id": n, "url": sims[n].url, "model": "tiny"} for n in sims],
+        **cfg_extra,
+    }
+    base, _, gw = start_gateway(cfg, log_dir, started)
+    return base, sims, gw
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_model):
     log_dir = tmp_path_factory.mktemp("gateway")

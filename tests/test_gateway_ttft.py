@@ -12,31 +12,17 @@ import httpx
 import orjson
 import pytest
 
-from conftest import ADMIN_TOKEN, Proc, free_ports, wait_http
-from test_gateway_e2e import BLOCK, Sim, _sim_argv, metric_value, start_gateway, system_prompt, wait_until
+from conftest import ADMIN_TOKEN, Proc
+from test_gateway_e2e import BLOCK, metric_value, system_prompt, two_sim_gateway, wait_until
 
 
 @pytest.fixture(scope="module")
 def ttft_cluster(tmp_path_factory, tiny_model):
     log_dir = tmp_path_factory.mktemp("gateway-ttft")
     started: list[Proc] = []
-    sims: dict[str, Sim] = {}
     try:
-        *sim_ports, port = free_ports(3)  # 2 simulators, then the gateway
-        for name, sim_port in zip(("w0", "w1"), sim_ports):
-            proc = Proc(name, _sim_argv(tiny_model, sim_port), log_dir)
-            started.append(proc)
-            sims[name] = Sim(name, f"http://127.0.0.1:{sim_port}", proc)
-        for sim in sims.values():
-            wait_http(sim.url + "/health", sim.proc, timeout_s=180)
-        cfg = {
-            "listen": {"host": "127.0.0.1", "port": port},
-            "models": [{"name": "tiny", "tokenizer": str(tiny_model), "block_size": BLOCK}],
-            "workers": [{"id": n, "url": sims[n].url, "model": "tiny"} for n in sims],
-            "load_scrape": {"interval_s": 0.5},
-            "policy": {"name": "ttft"},
-        }
-        base, _, gw = start_gateway(cfg, log_dir, started)
+        base, sims, gw = two_sim_gateway(tiny_model, log_dir, started, load_scrape={"interval_s": 0.5},
+                                         policy={"name": "ttft"})
         yield base, sims, gw
     finally:
         for p in reversed(started):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -27,6 +28,7 @@ import orjson
 from kvroute.bench.workload import BenchRequest
 
 WORKER_HEADER = "x-kvroute-worker"
+REQUEST_ID_PREFIX = "bench-"  # x-request-id bench-<workload index>-<random>: the gateway's decision log keys
 
 
 @dataclass
@@ -77,15 +79,19 @@ def _has_text(choices: list[dict]) -> bool:
 async def send(session: aiohttp.ClientSession, base_url: str, req: BenchRequest, model: str,
                start_s: float, timeout_s: float, headers: dict[str, str] | None = None) -> RequestRecord:
     """POST ``req`` to ``base_url`` (``http://host:port``, the OpenAI API under ``/v1``), read the
-    stream to its end, return the record. Never raises on HTTP or transport failures."""
+    stream to its end, return the record. The request carries ``x-request-id:
+    bench-<workload index>-<random>``, so a kvroute gateway's decision log
+    (``GET /admin/decisions``) names it. Never raises on HTTP or transport failures."""
     path = "/v1/chat/completions" if req.endpoint == "chat" else "/v1/completions"
     rec = RequestRecord(index=req.index, group=req.group, start_s=start_s)
+    request_id = f"{REQUEST_ID_PREFIX}{req.index}-{uuid.uuid4().hex[:12]}"
     t0 = time.monotonic()
     last_text_at: float | None = None
     done = False
     try:
         async with session.post(base_url + path, data=orjson.dumps(request_body(req, model)),
-                                headers={"Content-Type": "application/json", **(headers or {})},
+                                headers={"Content-Type": "application/json", "x-request-id": request_id,
+                                         **(headers or {})},
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             rec.status = resp.status
             rec.worker = resp.headers.get(WORKER_HEADER)

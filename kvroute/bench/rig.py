@@ -33,6 +33,7 @@ ADMIN_TOKEN_ENV = "KVROUTE_ADMIN_TOKEN"
 INDEX_CLEAR_TIMEOUT_S = 15.0
 ROUTER_READY_TIMEOUT_S = 120.0
 GATEWAY_SETTLE_S = 3.0
+RIG_DECISIONS_KEPT = 20_000  # the whole decision log of a run (a few MiB per thousand requests)
 
 
 @dataclass
@@ -80,6 +81,7 @@ def kvroute_launch(spec: RigSpec, policy: dict[str, Any], port: int, workers: li
         "workers": [{"id": w.id, "url": w.url, "model": spec.served_model_name, "events": w.events,
                      "replay": w.replay} for w in workers],
         "policy": policy,
+        "routing": {"decisions_kept": RIG_DECISIONS_KEPT},
     }
     path = spec.log_dir / f"{label.replace(':', '-')}.yaml"
     path.write_text(json.dumps(cfg, indent=1))  # JSON is YAML
@@ -148,6 +150,17 @@ def kvroute_note(metrics_text: str) -> dict[str, Any]:
             "cached_tokens_mae": sums.get("kvroute_cached_tokens_error_tokens_sum", 0.0) / n if n else None}
 
 
+def save_decisions(decisions: list[dict[str, Any]], log_dir: Path, name: str) -> Path:
+    """Write a kvroute gateway's decision log of one run (``GET /admin/decisions``, oldest first)
+    to ``log_dir/decisions-<name>-<n>.json``, n counting the runs of that router; returns the
+    path. Each entry's ``request_id`` starts with the workload index (``bench-<i>-...``)."""
+    stem = f"decisions-{name.replace(':', '-')}"
+    n = sum(1 for _ in log_dir.glob(f"{stem}-*.json"))
+    path = log_dir / f"{stem}-{n}.json"
+    path.write_text(json.dumps(list(reversed(decisions))))
+    return path
+
+
 def launch_router(name: str, spec: RigSpec, workers: list[RigWorker], port: int) -> RouterLaunch:
     """The launch of router ``name`` (module docstring). Raises KeyError for an unknown name."""
     if name.startswith("kvroute:"):
@@ -183,6 +196,7 @@ def run_router(name: str, spec: RigSpec, workers: list[RigWorker], workload: Wor
             result["gateway"] = gw
             gw["workers"] = {w["id"]: {k: w.get(k) for k in ("prefill_rate", "evidence")}
                              for w in _admin_get(launch.base_url, "/admin/workers")["workers"]}
+            save_decisions(_admin_get(launch.base_url, "/admin/decisions")["decisions"], spec.log_dir, name)
             reasons = ", ".join(f"{k} {v}" for k, v in gw["decisions_by_reason"].items())
             result["note"] = (f"decisions: {reasons}; predicted cached tokens {gw['predicted_cached_tokens']}, "
                               f"reported {gw['reported_cached_tokens']} (usage booked for {gw['reported_requests']} "
