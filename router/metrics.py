@@ -20,6 +20,12 @@
 | kvroute_worker_prefill_ms_per_token | gauge | worker | learned prefill milliseconds per token (absent until learned) |
 | kvroute_evidence_trusted | gauge | worker | 1 while the worker's reported cached tokens agree with the index, 0 while its evidence is distrusted |
 | kvroute_worker_events_live | gauge | worker | 1 while the worker's KV events flow, 0 while they do not (embedded mode; absent without an event stream) |
+| kvroute_worker_blocks | gauge | worker, tier | KV blocks the worker holds per tier (``gpu``, ``cpu``, ``ssd``) as its KV events say (embedded mode; absent with a Redis index, whose agents ingest) |
+| kvroute_worker_events_age_seconds | gauge | worker | seconds since the last KV-event batch from the worker was applied (embedded mode; absent until one is) |
+| kvroute_worker_event_batches_received_total | counter | worker | KV-event batches received from the worker (embedded mode) |
+| kvroute_worker_event_gaps_total | counter | worker | sequence gaps in the worker's KV-event stream (embedded mode) |
+| kvroute_worker_event_replays_total | counter | worker | replay requests the worker's publisher answered, the first catch-up included (embedded mode) |
+| kvroute_worker_event_resyncs_total | counter | worker | full resyncs of the worker's index entries (embedded mode) |
 | kvroute_evidence_distrust_total | counter | worker | times a worker's evidence became distrusted |
 | kvroute_index_unavailable_total | counter | | lookups that found the shared index down (routed by load alone) |
 | kvroute_index_write_failures_total | counter | | speculative inserts of a routed prompt's keys that found the shared index down |
@@ -37,7 +43,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from router.registry import WorkerRegistration
@@ -50,10 +56,18 @@ _TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 _RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, 8.0)
 _TOKEN_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
+# the embedded KV-event ingestor's counters exported per worker (keys of ``EventIngestor.state()``)
+_EVENT_COUNTERS = {
+    "batches_received": "KV-event batches received from the worker (embedded mode)",
+    "gaps": "Sequence gaps in the worker's KV-event stream (embedded mode)",
+    "replays": "KV-event replay requests the worker answered (embedded mode)",
+    "resyncs": "Full resyncs of the worker's index entries (embedded mode)",
+}
+
 
 class _WorkerGauges(Collector):
-    """In-flight and health per worker, read from the registry at scrape time (no stale series
-    for removed workers, no counters to keep in step)."""
+    """In-flight, health and KV-event ingest state per worker, read from the registry at scrape
+    time (no stale series for removed workers, no counters to keep in step)."""
 
     def __init__(self, workers: Callable[[], Iterable[WorkerRegistration]]) -> None:
         self._workers = workers
@@ -70,7 +84,23 @@ class _WorkerGauges(Collector):
         events_live = GaugeMetricFamily("kvroute_worker_events_live",
                                         "1 while the worker's KV events flow, 0 while they do not (embedded mode)",
                                         labels=["worker"])
+        blocks = GaugeMetricFamily("kvroute_worker_blocks",
+                                   "KV blocks the worker holds per tier as its KV events say (embedded mode)",
+                                   labels=["worker", "tier"])
+        events_age = GaugeMetricFamily(
+            "kvroute_worker_events_age_seconds",
+            "Seconds since the last KV-event batch from the worker was applied (embedded mode)", labels=["worker"])
+        event_counters = {key: CounterMetricFamily(f"kvroute_worker_event_{key}", doc, labels=["worker"])
+                          for key, doc in _EVENT_COUNTERS.items()}
         for reg in self._workers():
+            state = reg.event_state()
+            if state is not None:
+                for tier, n in state["blocks"].items():
+                    blocks.add_metric([reg.id, tier], n)
+                if state["last_event_age_s"] is not None:
+                    events_age.add_metric([reg.id], state["last_event_age_s"])
+                for key, family in event_counters.items():
+                    family.add_metric([reg.id], state[key])
             if reg.events_live is not None:
                 events_live.add_metric([reg.id], 1 if reg.events_live else 0)
             in_flight.add_metric([reg.id], reg.in_flight)
@@ -84,6 +114,9 @@ class _WorkerGauges(Collector):
         yield trusted
         yield rate
         yield events_live
+        yield blocks
+        yield events_age
+        yield from event_counters.values()
 
 
 class GatewayMetrics:
