@@ -21,6 +21,7 @@ from router.errors import GatewayError, bad_request, body_too_large, error_body,
 from router.proxy import ClientState, upstream_headers
 from router.registry import InFlight
 from router.stream_usage import request_stream_usage
+from router.tracing import span as trace_span  # OpenTelemetry (router/tracing.py)
 from router.ttft_model import work_tokens
 
 if TYPE_CHECKING:  # the gateway owns its endpoints: imported for types only
@@ -130,8 +131,9 @@ class ProxyEndpoint:
         try:
             if self.auth is not None:
                 self.auth.check(headers)
-            raw = await read_body(receive, headers, gw.cfg.max_body_bytes)
-            body = parse_json_object(raw)
+            with trace_span("kvroute.parse"):  # tracing: the parse span (router/tracing.py)
+                raw = await read_body(receive, headers, gw.cfg.max_body_bytes)
+                body = parse_json_object(raw)
         except _ClientGone:
             return
         except GatewayError as exc:

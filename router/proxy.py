@@ -27,6 +27,7 @@ from router.errors import GatewayError, upstream_failed, upstream_timeout
 from router.metrics import GatewayMetrics
 from router.registry import InFlight, WorkerRegistration
 from router.stream_usage import UsageStrip, UsageTap, cached_tokens_of_body
+from router import tracing
 
 log = logging.getLogger("kvroute.proxy")
 
@@ -144,8 +145,12 @@ class Upstream:
         streamed, when to count its prefill as done (its first byte comes only with the whole
         answer); ``predicted_ttft_ms(worker_id)``: the policy's TTFT prediction there, which
         tells the dispatch queue when the worker's prefill should end. Raises GatewayError
-        (502/504) when nothing reached the client."""
+        (502/504) when nothing reached the client. With tracing on (:mod:`router.tracing`) each
+        attempt is a CLIENT span ``kvroute.upstream`` whose context goes to the worker as
+        ``traceparent`` (in place of the client's), with children ``kvroute.ttfb`` and
+        ``kvroute.stream``; the worker's cached tokens go on it and on the request's span."""
         attempts = ranked[:2]
+        request_span = tracing.current_span()
         for i, reg in enumerate(attempts):
             if on_attempt is not None:
                 await on_attempt(reg)
@@ -155,8 +160,15 @@ class Upstream:
             timer = (asyncio.get_running_loop().call_later(presumed / 1000.0, handle.presume_prefilled)
                      if presumed is not None else None)
             try:
-                await self._relay_one(send, state, reg, handle, method, path, body, headers, request_id, t0,
-                                      on_cached_tokens, on_first_token, strip_usage)
+                with tracing.span("kvroute.upstream", tracing.SpanKind.CLIENT) as span:
+                    attempt_headers, trace_cached = headers, None
+                    if span.is_recording():
+                        attempt_headers = tracing.inject_headers(headers)
+                        trace_cached = _cached_tokens_on(span, request_span) if on_cached_tokens else None
+                        tracing.set_attributes(span, {"worker": reg.id, "request_id": request_id, "attempt": i + 1,
+                                                      "http.request.method": method, "url.full": reg.url + path})
+                    await self._relay_one(send, state, reg, handle, method, path, body, attempt_headers, request_id,
+                                          t0, on_cached_tokens, on_first_token, strip_usage, span, trace_cached)
                 return
             except _Retryable as exc:
                 if exc.connect_failed:
@@ -173,22 +185,27 @@ class Upstream:
 
     async def _relay_one(self, send, state: ClientState, reg: WorkerRegistration, handle, method: str, path: str,
                          body: bytes, headers, request_id: str, t0: float, on_cached_tokens,
-                         on_first_token, strip_usage: bool) -> None:
+                         on_first_token, strip_usage: bool, span=tracing.INVALID_SPAN,
+                         trace_cached: Callable[[int], None] | None = None) -> None:
+        """One attempt on ``reg`` (see :meth:`relay`); ``span``: the attempt's span (its HTTP
+        status goes on it); ``trace_cached(n)``: puts the worker's cached tokens on the spans,
+        called before the last byte reaches the client (the ASGI server span ends there)."""
         session = self.session
         first_byte_s = self.timeouts.first_byte_s
         resp: aiohttp.ClientResponse | None = None
         try:
             try:
-                async with asyncio.timeout(first_byte_s) as deadline:
-                    try:
-                        resp = await session.request(method, reg.url + path, data=body or None,
-                                                     headers=headers)
-                    except aiohttp.ClientConnectorError as exc:
-                        raise _Retryable(f"{type(exc).__name__}: {exc}", True) from None
-                    except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
-                        raise _Retryable(f"{type(exc).__name__}: {exc}", False) from None
-                    stream = resp.content_type == "text/event-stream"
-                    first = await (resp.content.readany() if stream else resp.read())
+                with tracing.span("kvroute.ttfb"):
+                    async with asyncio.timeout(first_byte_s) as deadline:
+                        try:
+                            resp = await session.request(method, reg.url + path, data=body or None,
+                                                         headers=headers)
+                        except aiohttp.ClientConnectorError as exc:
+                            raise _Retryable(f"{type(exc).__name__}: {exc}", True) from None
+                        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                            raise _Retryable(f"{type(exc).__name__}: {exc}", False) from None
+                        stream = resp.content_type == "text/event-stream"
+                        first = await (resp.content.readany() if stream else resp.read())
             except TimeoutError:
                 if deadline.expired():
                     raise upstream_timeout(reg.id, first_byte_s) from None
@@ -196,24 +213,32 @@ class Upstream:
             except aiohttp.ClientError as exc:
                 raise upstream_failed(reg.id, f"{type(exc).__name__}: {exc}") from None
             status = resp.status
+            tracing.set_http_status(span, status)
             handle.streamed = stream and status == 200
             handle.first_byte()
             self.metrics.record_response(reg.id, status, time.perf_counter() - t0)
             if handle.streamed and on_first_token is not None:
                 on_first_token(handle)
-            if stream:
-                await self._relay_stream(send, state, resp, reg, handle, first, request_id, on_cached_tokens,
-                                         strip_usage and status == 200)
-            else:
-                state.response_started = True
-                await send({"type": "http.response.start", "status": status,
-                            "headers": client_headers(resp.raw_headers, reg.id, request_id, len(first))})
-                state.response_done = True
-                await send({"type": "http.response.body", "body": first, "more_body": False})
-                if on_cached_tokens is not None and status == 200:
-                    cached = cached_tokens_of_body(first)
-                    if cached is not None:
-                        on_cached_tokens(handle, cached)
+            with tracing.span("kvroute.stream"):
+                if stream:
+                    await self._relay_stream(send, state, resp, reg, handle, first, request_id, on_cached_tokens,
+                                             strip_usage and status == 200, trace_cached)
+                else:
+                    state.response_started = True
+                    await send({"type": "http.response.start", "status": status,
+                                "headers": client_headers(resp.raw_headers, reg.id, request_id, len(first))})
+                    state.response_done = True
+                    cached = None
+                    if trace_cached is not None and status == 200:  # tracing: before the last send
+                        cached = cached_tokens_of_body(first)
+                        if cached is not None:
+                            trace_cached(cached)
+                    await send({"type": "http.response.body", "body": first, "more_body": False})
+                    if on_cached_tokens is not None and status == 200:
+                        if cached is None:
+                            cached = cached_tokens_of_body(first)
+                        if cached is not None:
+                            on_cached_tokens(handle, cached)
         finally:
             if resp is not None:
                 resp.close() if not state.response_done else resp.release()
@@ -221,7 +246,7 @@ class Upstream:
     async def _relay_stream(self, send, state: ClientState, resp: aiohttp.ClientResponse,
                             reg: WorkerRegistration, handle: InFlight, first: bytes, request_id: str,
                             on_cached_tokens,
-                            strip_usage: bool) -> None:
+                            strip_usage: bool, trace_cached: Callable[[int], None] | None = None) -> None:
         watcher = (UsageStrip() if strip_usage else UsageTap()) if on_cached_tokens is not None else None
         state.response_started = True
         await send({"type": "http.response.start", "status": resp.status,
@@ -259,6 +284,8 @@ class Upstream:
                     b"data: " + err.body() + b"\n\ndata: [DONE]\n\n"
             finished = True
             state.response_done = True
+            if trace_cached is not None and watcher is not None and watcher.cached_tokens is not None:
+                trace_cached(watcher.cached_tokens)
             await send({"type": "http.response.body", "body": rest, "more_body": False})
         finally:
             # Booked even when the client goes away after its last event (a client that closes on
@@ -268,4 +295,16 @@ class Upstream:
                 if not finished:
                     watcher.finish()
                 if watcher.cached_tokens is not None:
+                    if not finished and trace_cached is not None:
+                        trace_cached(watcher.cached_tokens)
                     on_cached_tokens(handle, watcher.cached_tokens)
+
+
+def _cached_tokens_on(span, request_span) -> Callable[[int], None]:
+    """``f(n)``: the worker's reported cached tokens ``n`` as ``kvroute.actual_cached_tokens`` on
+    the attempt's span and the request's span."""
+    def record(cached: int) -> None:
+        tracing.set_attributes(span, {"actual_cached_tokens": cached})
+        tracing.set_attributes(request_span, {"actual_cached_tokens": cached})
+
+    return record

@@ -23,6 +23,7 @@ from router.policies.base import Candidate, CandidateScore, Decision, Policy, Ro
 from router.policies.factory import describe, make_policy
 from router.registry import WorkerRegistration, WorkerRegistry
 from router.tokenize import PromptBlocks, PromptKind, TokenizerPool
+from router import tracing
 
 
 class PolicyHolder:
@@ -128,6 +129,30 @@ class RoutePlan:
             "tokenization_fallback": self.blocks.fallback if self.blocks is not None else None,
         }
 
+    def trace_attributes(self) -> dict[str, Any]:
+        """The decision as span attributes (:data:`router.tracing.ATTR` keys; None: unknown):
+        the requested model, policy, prompt tokens (all prompts), blocks (first prompt), the
+        chosen worker, its matched blocks (all tiers, then per tier), the reason, candidates and
+        the predicted cached tokens and TTFT (ms) there."""
+        chosen = self.decision.worker_id
+        match = self.matches.get(chosen) or TierMatch()
+        return {
+            "model": self.lora_name or self.model.name,
+            "policy": self.policy_name,
+            "prompt_tokens": self.blocks.prompt_tokens if self.blocks is not None else None,
+            "blocks": len(self.blocks.first_keys) if self.blocks is not None else 0,
+            "chosen": chosen,
+            "reason": self.decision.reason,
+            "candidates": len(self.decision.scores),
+            "matched_blocks": match.total,
+            "kvroute.matched_blocks.gpu": match.gpu,
+            "kvroute.matched_blocks.cpu": match.cpu,
+            "kvroute.matched_blocks.ssd": match.ssd,
+            "predicted_cached_tokens": self.predicted_cached_tokens(chosen),
+            "predicted_ttft_ms": _rounded(self.predicted_ttft_ms(chosen)),
+            "tokenization_fallback": self.blocks.fallback if self.blocks is not None else None,
+        }
+
 
 def _rounded(ms: float | None) -> float | None:
     return None if ms is None else round(ms, 3)
@@ -214,26 +239,32 @@ class Router:
         blocks: PromptBlocks | None = None
         if policy.uses_index or explain:
             t0 = time.perf_counter()
-            try:
-                if len(raw) > self.routing.max_tokenize_bytes:
-                    # past any context length: tokenizing it would hold the gateway's CPU for
-                    # seconds, and the worker refuses it anyway
-                    blocks = PromptBlocks(None, fallback="too_large")
-                else:
-                    blocks = await self.tokenizers.prompt_blocks(
-                        model, kind, body, lora_name, inline=len(raw) <= self.routing.inline_tokenize_max_bytes)
-            except BadPrompt as exc:
-                raise bad_request(str(exc), "messages" if kind == "chat" else "prompt") from None
+            with tracing.span("kvroute.tokenize") as span:
+                try:
+                    if len(raw) > self.routing.max_tokenize_bytes:
+                        # past any context length: tokenizing it would hold the gateway's CPU for
+                        # seconds, and the worker refuses it anyway
+                        blocks = PromptBlocks(None, fallback="too_large")
+                    else:
+                        blocks = await self.tokenizers.prompt_blocks(
+                            model, kind, body, lora_name, inline=len(raw) <= self.routing.inline_tokenize_max_bytes)
+                except BadPrompt as exc:
+                    raise bad_request(str(exc), "messages" if kind == "chat" else "prompt") from None
+                tracing.set_attributes(span, {"prompt_tokens": blocks.prompt_tokens, "blocks": len(blocks.first_keys),
+                                              "tokenization_fallback": blocks.fallback})
             self.metrics.tokenize_s.observe(time.perf_counter() - t0)
             if blocks.fallback is not None:
                 self.metrics.tokenization_fallbacks.labels(model.name, blocks.fallback).inc()
         matches: dict[str, TierMatch] = {}
         if blocks is not None and blocks.first_keys and policy.uses_index:
             t0 = time.perf_counter()
-            try:
-                matches = await self.index.match(blocks.first_keys)
-            except IndexUnavailable:  # route on load alone for this request
-                self.metrics.index_unavailable.inc()
+            with tracing.span("kvroute.lookup") as span:
+                try:
+                    matches = await self.index.match(blocks.first_keys)
+                except IndexUnavailable:  # route on load alone for this request
+                    self.metrics.index_unavailable.inc()
+                    tracing.set_attributes(span, {"index_unavailable": True})
+                tracing.set_attributes(span, {"blocks": len(blocks.first_keys), "matched_workers": len(matches)})
             self.metrics.lookup_s.observe(time.perf_counter() - t0)
         first_tokens = all_tokens = None
         if blocks is not None and blocks.token_ids is not None:
@@ -247,7 +278,10 @@ class Router:
         regs = [r for r in regs if r.routable]  # a probe may have run during tokenization
         if not regs:
             raise no_healthy_worker(model.name)
-        decision = policy.choose(request, _candidates(regs, matches))
+        with tracing.span("kvroute.choose") as span:
+            decision = policy.choose(request, _candidates(regs, matches))
+            tracing.set_attributes(span, {"policy": policy.name or "", "candidates": len(decision.scores),
+                                          "chosen": decision.worker_id, "reason": decision.reason})
         return RoutePlan(model, lora_name, blocks, matches, request, decision, policy.name or "",
                          {r.id: r for r in regs})
 
@@ -269,8 +303,11 @@ class Router:
                          policy.name or "", {r.id: r for r in regs})
 
     def record_decision(self, plan: RoutePlan) -> None:
-        """Count a real (not explained) decision, and whether it went past the longest holder."""
+        """Count a real (not explained) decision, and whether it went past the longest holder;
+        with tracing on, put it on the current (the request's) span."""
         self.metrics.route_decisions.labels(plan.policy_name, plan.decision.reason).inc()
+        if tracing.enabled():
+            tracing.set_attributes(tracing.current_span(), plan.trace_attributes())
         held = [m.total for w, m in plan.matches.items() if w in plan.workers]
         if held:
             longest = max(held)
