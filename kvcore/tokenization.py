@@ -15,15 +15,24 @@ vLLM 0.32's path (``renderers/online_renderer.py`` -> ``renderers/hf.py``, ``cha
 
 Inputs we cannot reproduce exactly (images, audio, video, files, prompt embeddings) raise
 :class:`UnsupportedPrompt`; the gateway then routes by load and counts a fallback.
+
+Text is encoded through a :class:`kvcore.token_cache.PrefixTokenCache` (exact: it cuts only where
+the tokenizer itself cuts, at special tokens), so a chat turn re-sending its history encodes only
+the new messages.
 """
 from __future__ import annotations
 
 import copy
 import json
+import logging
 import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from kvcore.token_cache import DEFAULT_MAX_TOKENS, PrefixTokenCache, TokenCacheStats, UnsupportedTokenizer
+
+log = logging.getLogger("kvroute.tokenization")
 
 
 class UnsupportedPrompt(Exception):
@@ -42,12 +51,14 @@ class PromptTokenizer:
     """Renders and tokenizes request bodies for one model directory (HF tokenizer + template).
 
     ``model_dir``: a directory holding ``tokenizer.json``/``tokenizer_config.json`` and a chat
-    template (``chat_template.jinja`` or in the tokenizer config). Construction loads the tokenizer
-    (tens of ms); the methods are thread-safe for concurrent reads (HF fast tokenizers are), so the
-    gateway runs them in a thread pool off its event loop.
+    template (``chat_template.jinja`` or in the tokenizer config); ``cache_max_tokens``: bound of
+    the prefix token cache (:mod:`kvcore.token_cache`; 0 turns it off; a tokenizer it cannot cut
+    exactly gets none, logged). Construction loads the tokenizer (tens of ms); the methods are
+    thread-safe (HF fast tokenizers are, the cache locks), so the gateway runs them in a thread
+    pool off its event loop.
     """
 
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, cache_max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
         from transformers import AutoTokenizer  # heavy import: only when a tokenizer is made
 
         self.model_dir = str(model_dir)
@@ -59,6 +70,12 @@ class PromptTokenizer:
         self._template: str | None = template
         self._template_has_developer = bool(template) and "developer" in template
         self.content_format = "openai" if template and _OPENAI_CONTENT_RE.search(template) else "string"
+        self.token_cache: PrefixTokenCache | None = None
+        if self._backend is not None and cache_max_tokens > 0:
+            try:
+                self.token_cache = PrefixTokenCache(self._backend, cache_max_tokens)
+            except UnsupportedTokenizer as exc:
+                log.info("%s: no prefix token cache (%s)", self.model_dir, exc)
 
     # ---- chat ---------------------------------------------------------------------------------
     def render_chat(self, body: dict[str, Any]) -> str:
@@ -173,7 +190,9 @@ class PromptTokenizer:
         A fast tokenizer is called through its Rust backend directly (the same ids, without
         transformers' per-call wrapping: about 55 us instead of 120 us for a short prompt here);
         special tokens come from the backend's post-processor, which transformers keeps in step
-        with the tokenizer config."""
+        with the tokenizer config. Through the prefix token cache when there is one (the same ids)."""
+        if self.token_cache is not None:
+            return self.token_cache.encode(text, add_special_tokens)
         if self._backend is not None:
             return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
         return list(self._tok(text, add_special_tokens=add_special_tokens)["input_ids"])
@@ -181,6 +200,10 @@ class PromptTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of ``token_ids`` (special tokens kept)."""
         return self._tok.decode(list(token_ids))
+
+    def cache_stats(self) -> TokenCacheStats | None:
+        """The prefix token cache's counters, None without a cache."""
+        return None if self.token_cache is None else self.token_cache.stats()
 
     @property
     def eos_token_id(self) -> int | None:

@@ -35,6 +35,7 @@
 | kvroute_dispatch_queue_wait_seconds | histogram | | time a request waited in the dispatch queue (policy ``queue``) for an open worker |
 | kvroute_dispatch_queue_queued | gauge | | requests waiting in the dispatch queue now |
 | kvroute_broken_streams_total | counter | worker, reason | streams a worker broke or left silent past ``stream_idle_s`` (ended with an error event) |
+| kvroute_tokenize_cache_total | counter | result | prefix token cache outcome per encoded text (``hit``, ``miss``, ``fallback``: junction unsafe, encoded whole) |
 | kvroute_worker_call_failures_total | counter | worker, call | the gateway's own calls to a worker (``models``: ``GET /v1/models``) that failed or timed out; the answer skips that worker |
 """
 from __future__ import annotations
@@ -119,6 +120,19 @@ class _WorkerGauges(Collector):
         yield from event_counters.values()
 
 
+class _CounterFromTotals(Collector):
+    """A counter whose per-label totals are read from ``totals()`` at scrape time."""
+
+    def __init__(self, name: str, doc: str, label: str, totals: Callable[[], dict[str, int]]) -> None:
+        self._name, self._doc, self._label, self._totals = name, doc, label, totals
+
+    def collect(self):
+        family = CounterMetricFamily(self._name, self._doc, labels=[self._label])
+        for value, n in self._totals().items():
+            family.add_metric([value], n)
+        yield family
+
+
 class GatewayMetrics:
     """Every gateway metric on its own CollectorRegistry (one per app, so tests can run many)."""
 
@@ -188,6 +202,11 @@ class GatewayMetrics:
               registry=self.registry).set_function(in_flight)
         Gauge("kvroute_admission_queued", "Requests waiting for an admission slot",
               registry=self.registry).set_function(queued)
+
+    def watch_tokenize_cache(self, totals: Callable[[], dict[str, int]]) -> None:
+        """Expose the prefix token cache's ``{"hit", "miss", "fallback"}`` counts, read at scrape time."""
+        self.registry.register(_CounterFromTotals("kvroute_tokenize_cache", "Prefix token cache outcomes",
+                                                  "result", totals))
 
     def watch_dispatch_queue(self, queued: Callable[[], float]) -> None:
         """Expose the dispatch queue's length, read at scrape time."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kvcore.block_keys import BlockExtras, block_keys
+from kvcore.token_cache import DEFAULT_MAX_TOKENS
 from kvcore.tokenization import BadPrompt, PromptTokenizer, UnsupportedPrompt
 from router.config import ModelConfig
 
@@ -47,12 +48,15 @@ class PromptBlocks:
 class TokenizerPool:
     """Tokenizers of every configured model plus the threads that run them.
 
-    ``models``: the config's models; ``threads``: pool size. :meth:`load` must be awaited once
-    before use (loading a tokenizer takes tens of ms to seconds).
+    ``models``: the config's models; ``threads``: pool size; ``cache_max_tokens``: bound of each
+    tokenizer's prefix token cache (:mod:`kvcore.token_cache`; 0: none). :meth:`load` must be
+    awaited once before use (loading a tokenizer takes tens of ms to seconds).
     """
 
-    def __init__(self, models: list[ModelConfig], threads: int = 2) -> None:
+    def __init__(self, models: list[ModelConfig], threads: int = 2,
+                 cache_max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
         self._models = {m.name: m for m in models}
+        self._cache_max_tokens = cache_max_tokens
         self._tokenizers: dict[str, PromptTokenizer] = {}
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvroute-tokenize")
 
@@ -66,12 +70,25 @@ class TokenizerPool:
             if not m.tokenizer or m.name in self._tokenizers:
                 continue
             if m.tokenizer not in by_dir:
-                by_dir[m.tokenizer] = await loop.run_in_executor(self._pool, PromptTokenizer, m.tokenizer)
+                by_dir[m.tokenizer] = await loop.run_in_executor(self._pool, PromptTokenizer, m.tokenizer,
+                                                                 self._cache_max_tokens)
             self._tokenizers[m.name] = by_dir[m.tokenizer]
 
     def tokenizer(self, model: str) -> PromptTokenizer | None:
         """The loaded tokenizer of base model ``model``, None when it has none."""
         return self._tokenizers.get(model)
+
+    def cache_totals(self) -> dict[str, int]:
+        """Prefix token cache outcomes over every loaded tokenizer (each counted once):
+        ``{"hit": n, "miss": n, "fallback": n}`` (see :class:`kvcore.token_cache.TokenCacheStats`)."""
+        out = {"hit": 0, "miss": 0, "fallback": 0}
+        for tok in {id(t): t for t in self._tokenizers.values()}.values():
+            st = tok.cache_stats()
+            if st is not None:
+                out["hit"] += st.hits
+                out["miss"] += st.misses
+                out["fallback"] += st.fallbacks
+        return out
 
     async def prompt_blocks(self, model: ModelConfig, kind: PromptKind, body: dict[str, Any],
                             lora_name: str | None = None, inline: bool = False) -> PromptBlocks:
