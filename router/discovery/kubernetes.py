@@ -1,0 +1,409 @@
+"""Worker discovery from Kubernetes pods (the I/O half; the pod -> worker mapping is
+:mod:`router.discovery.pods`).
+
+:class:`KubernetesDiscovery` runs while the gateway runs (:meth:`router.gateway.Gateway.start`
+starts it when the config has ``discovery.kubernetes``, :meth:`~router.gateway.Gateway.stop`
+stops it). It lists the pods matching the label selector, then watches them with the official
+client's ``kubernetes.watch.Watch`` over ``CoreV1Api.list_namespaced_pod``, the way client-go's
+reflector does:
+
+- the list gives a ``resourceVersion``; each watch starts from the last one seen (objects and
+  ``BOOKMARK`` events advance it) and runs ``watch_timeout_s`` on the server, then the next
+  watch resumes from there;
+- ``410 Gone`` (an ``ERROR`` event in the stream or the HTTP status: the version was compacted
+  away) lists again at once; the list replaces the whole picture, so pods that went during the
+  gap are removed;
+- any other failure (connection refused or reset, 5xx, 403, a bad body) waits
+  ``backoff_initial_s``, doubling up to ``backoff_max_s``, reset by the next watch that works.
+
+The client is synchronous (urllib3), so listing and watching run in one daemon thread that hands
+each result to the event loop; the gateway is changed only on the loop, one change at a time.
+
+What a pod's state does (:func:`router.discovery.pods.map_pod`), worker id = pod name:
+
+- **Ready** (``Ready=True``, a pod IP, its ports resolved): added with ``Gateway.add_worker``; a
+  worker that discovery had drained is undrained; a changed address re-adds it.
+- **not Ready** (readiness probe failing, restarting container): drained at once (no new
+  requests; requests in flight finish; its index entries stay, so a short blip loses no cache
+  knowledge) and removed if still not Ready ``not_ready_remove_s`` later (0: removed at once).
+- **gone** (``DELETED`` event, missing from a re-list, ``deletionTimestamp`` set, phase
+  Succeeded/Failed, labels no longer matching): removed with ``Gateway.remove_worker`` at once:
+  its index entries are purged and requests in flight on it finish.
+
+Only workers discovery added are touched: a configured or admin-added worker with a pod's name
+is left alone (logged). An operator's drain of a discovered worker is kept (discovery undrains
+only what it drained); a discovered worker removed through the admin API comes back on its pod's
+next change while the pod is Ready.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from router.discovery.config import KubernetesDiscoveryConfig
+from router.discovery.pods import PodView, map_pod, pod_name
+
+if TYPE_CHECKING:
+    from router.gateway import Gateway
+
+log = logging.getLogger("kvroute.discovery.kubernetes")
+
+SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+CONNECT_TIMEOUT_S = 10.0
+LIST_READ_TIMEOUT_S = 60.0
+WATCH_READ_GRACE_S = 30.0  # a watch's read timeout: its server-side timeout plus this
+STOP_WAIT_S = 3.0  # how long stop() waits for the thread to notice
+
+
+def make_api_client(cfg: KubernetesDiscoveryConfig) -> tuple[Any, str]:
+    """``(kubernetes.client.ApiClient, namespace)`` for ``cfg``: ``api_server`` (plain, no
+    credentials: ``kubectl proxy`` or a test server); else the in-cluster service account when
+    running in a pod (``KUBERNETES_SERVICE_HOST`` set) and no ``kubeconfig`` is named; else the
+    kubeconfig file (``$KUBECONFIG`` or ``~/.kube/config`` when None) and ``context``. The
+    namespace is ``cfg.namespace``, else the service account's, else the context's, else
+    ``default``. Raises ValueError when no configuration can be loaded."""
+    from kubernetes import client, config
+    from kubernetes.config.config_exception import ConfigException
+
+    conf = client.Configuration()
+    namespace = cfg.namespace
+    try:
+        if cfg.api_server:
+            conf.host = cfg.api_server
+        elif os.environ.get("KUBERNETES_SERVICE_HOST") and not cfg.kubeconfig:
+            config.load_incluster_config(client_configuration=conf)
+            if namespace is None and SA_NAMESPACE_FILE.is_file():
+                namespace = SA_NAMESPACE_FILE.read_text().strip() or None
+        else:
+            config.load_kube_config(config_file=cfg.kubeconfig, context=cfg.context,
+                                    client_configuration=conf, persist_config=False)
+            if namespace is None:
+                contexts, active = config.list_kube_config_contexts(cfg.kubeconfig)
+                chosen = next((c for c in contexts if c.get("name") == cfg.context), active) if cfg.context else active
+                namespace = ((chosen or {}).get("context") or {}).get("namespace")
+    except (ConfigException, OSError) as exc:
+        raise ValueError(f"discovery.kubernetes: cannot load a Kubernetes client configuration: {exc}") from None
+    return client.ApiClient(conf), namespace or "default"
+
+
+class KubernetesDiscovery:
+    """Keeps the gateway's discovered workers equal to the Ready pods of ``cfg.label_selector``.
+
+    ``gateway``: what it changes (``add_worker``, ``remove_worker``, ``drain_worker``,
+    ``registry``); ``api_client``: a ``kubernetes.client.ApiClient`` and ``namespace`` to use
+    instead of :func:`make_api_client` (tests). :meth:`start` raises ValueError when no client
+    configuration loads; nothing else it does raises: API failures are logged and retried."""
+
+    def __init__(self, gateway: "Gateway", cfg: KubernetesDiscoveryConfig, api_client: Any = None,
+                 namespace: str | None = None) -> None:
+        self.gateway = gateway
+        self.cfg = cfg
+        self._api_client = api_client
+        self._own_client = api_client is None  # made in start(), closed in stop()
+        self.namespace = namespace or cfg.namespace
+        self._queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._apply_task: asyncio.Task | None = None
+        self._stop = threading.Event()
+        self._watch: Any = None  # the kubernetes.watch.Watch streaming now, for stop()
+        self._pods: dict[str, PodView] = {}  # the last view of every pod the API showed
+        self._owned: set[str] = set()  # worker ids discovery registered
+        self._drained: set[str] = set()  # of those, the ones discovery drained
+        self._not_ready_since: dict[str, float] = {}  # monotonic s a registered pod turned not Ready
+        self._conflicts: set[str] = set()  # pod names taken by a worker discovery does not own
+        # counters for state(); written by the thread (ints: one writer each, atomic enough)
+        self.lists = 0
+        self.watches = 0
+        self.relists_gone = 0
+        self.errors = 0
+        self.last_error: str | None = None
+        self.resource_version: str | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Load the client configuration (raises ValueError when none loads) and start the
+        list/watch thread and the task applying its results; returns at once (the first pods
+        are added as the list arrives)."""
+        if self._api_client is None:
+            self._api_client, self.namespace = make_api_client(self.cfg)
+        self.namespace = self.namespace or "default"
+        from kubernetes import client
+
+        self._core = client.CoreV1Api(self._api_client)
+        self._loop = asyncio.get_running_loop()
+        self._apply_task = self._loop.create_task(self._apply_loop(), name="k8s-discovery-apply")
+        self._thread = threading.Thread(target=self._run_thread, name="k8s-discovery-watch", daemon=True)
+        self._thread.start()
+        log.info("kubernetes discovery: watching pods %r in namespace %s", self.cfg.label_selector,
+                 self.namespace)
+
+    async def stop(self) -> None:
+        """Stop watching (the open watch's socket is shut down so the thread wakes at once) and
+        stop applying; the discovered workers stay registered (the gateway is stopping)."""
+        self._stop.set()
+        deadline = time.monotonic() + STOP_WAIT_S
+        while self._thread is not None and self._thread.is_alive() and time.monotonic() < deadline:
+            w = self._watch
+            if w is not None:
+                w.stop()  # repeated: a watch that was just opening gets its socket shut too
+            await asyncio.sleep(0.02)
+        if self._thread is not None and self._thread.is_alive():
+            log.warning("kubernetes discovery: the watch thread did not stop in %ss; left behind (daemon)",
+                        STOP_WAIT_S)
+        elif self._own_client and self._api_client is not None:
+            self._api_client.close()
+        if self._apply_task is not None:
+            self._apply_task.cancel()
+            await asyncio.gather(self._apply_task, return_exceptions=True)
+
+    def owns(self, worker_id: str) -> bool:
+        """Whether ``worker_id`` is a worker this discovery registered (config reloads keep it)."""
+        return worker_id in self._owned
+
+    def state(self) -> dict[str, Any]:
+        """For operators: namespace, selector, counters (``lists``, ``watches``,
+        ``relists_gone``: re-lists after 410 Gone, ``errors``), ``last_error``, the last
+        ``resource_version``, the discovered ``workers`` (sorted) and the ``pods`` seen with
+        their state."""
+        return {"namespace": self.namespace, "label_selector": self.cfg.label_selector,
+                "lists": self.lists, "watches": self.watches, "relists_gone": self.relists_gone,
+                "errors": self.errors, "last_error": self.last_error,
+                "resource_version": self.resource_version, "workers": sorted(self._owned),
+                "pods": {n: v.state for n, v in sorted(self._pods.items())}}
+
+    # ---- the thread: list, then watch from the list's resourceVersion -------------------------
+    def _emit(self, kind: str, payload: Any) -> None:
+        loop = self._loop
+        if loop is None or self._stop.is_set():
+            return
+        try:
+            loop.call_soon_threadsafe(self._queue.put_nowait, (kind, payload))
+        except RuntimeError:  # the loop closed under us: the gateway is gone
+            self._stop.set()
+
+    def _run_thread(self) -> None:
+        from kubernetes.client.exceptions import ApiException
+
+        # self.resource_version is the cursor: None lists (again); every event and bookmark
+        # advances it, so a watch broken mid-stream resumes after its last event
+        self.resource_version = None
+        backoff_s = self.cfg.backoff_initial_s
+        while not self._stop.is_set():
+            try:
+                if self.resource_version is None:
+                    self._list()
+                started = time.monotonic()
+                events = self._watch_once()
+                if events or time.monotonic() - started >= 1.0:
+                    backoff_s = self.cfg.backoff_initial_s
+                    continue
+                problem = "the watch ended at once without events"  # a server that keeps closing
+            except ApiException as exc:
+                if exc.status == 410:
+                    log.info("kubernetes discovery: resourceVersion %s is gone (410): listing again",
+                             self.resource_version)
+                    self.relists_gone += 1
+                    self.resource_version = None
+                    continue
+                problem = f"API error {exc.status}: {exc.reason}"
+            except Exception as exc:  # connection errors, timeouts, a body that is not JSON
+                problem = f"{type(exc).__name__}: {exc}"
+            if self._stop.is_set():
+                break
+            self.errors += 1
+            self.last_error = problem
+            log.warning("kubernetes discovery: %s; retrying in %.1fs", problem, backoff_s)
+            self._stop.wait(backoff_s)
+            backoff_s = min(backoff_s * 2, self.cfg.backoff_max_s)
+
+    def _list(self) -> None:
+        """List the selected pods; hands them over whole (``sync``) and sets the cursor to the
+        list's resourceVersion. Raises ApiException, the transport's errors or ValueError."""
+        resp = self._core.list_namespaced_pod(
+            self.namespace, label_selector=self.cfg.label_selector, _preload_content=False,
+            _request_timeout=(CONNECT_TIMEOUT_S, LIST_READ_TIMEOUT_S))
+        try:
+            body = json.loads(resp.data)
+        finally:
+            resp.release_conn()
+        rv = (body.get("metadata") or {}).get("resourceVersion")
+        if not isinstance(rv, str) or not rv:
+            raise ValueError("pod list without metadata.resourceVersion")
+        self.lists += 1
+        self._emit("sync", list(body.get("items") or []))
+        self.resource_version = rv
+
+    def _watch_once(self) -> int:
+        """One watch request from the cursor until the server ends it (``watch_timeout_s``) or
+        stop; returns the number of events. Raises ApiException (410 among them) or the
+        transport's errors."""
+        from kubernetes import watch
+
+        w = watch.Watch(return_type=object)  # objects stay the API's JSON dicts: no model classes
+        self._watch = w
+        if self._stop.is_set():
+            return 0
+        self.watches += 1
+        events = 0
+        try:
+            # timeout_seconds makes Watch.stream end with the server's timeout and leave every
+            # 410 to us (it would otherwise retry once by itself)
+            for event in w.stream(self._core.list_namespaced_pod, self.namespace,
+                                  label_selector=self.cfg.label_selector, resource_version=self.resource_version,
+                                  allow_watch_bookmarks=True, timeout_seconds=self.cfg.watch_timeout_s,
+                                  _request_timeout=(CONNECT_TIMEOUT_S, self.cfg.watch_timeout_s + WATCH_READ_GRACE_S)):
+                if self._stop.is_set():
+                    w.stop()
+                    break
+                kind = event.get("type")
+                obj = event.get("raw_object") or {}
+                events += 1
+                if kind in ("ADDED", "MODIFIED", "DELETED"):
+                    self._emit(kind, obj)
+                new_rv = (obj.get("metadata") or {}).get("resourceVersion")
+                if new_rv:
+                    self.resource_version = new_rv
+        finally:
+            self._watch = None
+        return events
+
+    # ---- on the loop: apply what the API said -----------------------------------------------
+    async def _apply_loop(self) -> None:
+        while True:
+            kind, payload = await self._queue.get()
+            try:
+                if kind == "sync":
+                    await self._sync(payload)
+                elif kind == "expire":
+                    await self._expire(payload)
+                else:
+                    await self._event(kind, payload)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # one bad pod or gateway call must not end discovery
+                log.exception("kubernetes discovery: applying %s failed", kind)
+
+    async def _sync(self, pods: list[dict[str, Any]]) -> None:
+        views: dict[str, PodView] = {}
+        for pod in pods:
+            view = self._view(pod)
+            if view is not None:
+                views[view.name] = view
+        for name in sorted((set(self._pods) | self._owned) - set(views)):
+            self._pods.pop(name, None)
+            await self._remove(name, "not in the pod list any more")
+        for view in views.values():
+            await self._apply(view)
+
+    async def _event(self, kind: str, pod: dict[str, Any]) -> None:
+        if kind == "DELETED":
+            try:
+                name = pod_name(pod)
+            except ValueError:
+                return
+            self._pods.pop(name, None)
+            await self._remove(name, "pod deleted")
+            return
+        view = self._view(pod)
+        if view is not None:
+            await self._apply(view)
+
+    def _view(self, pod: dict[str, Any]) -> PodView | None:
+        try:
+            return map_pod(pod, self.cfg)
+        except ValueError as exc:  # pydantic's ValidationError is one
+            log.warning("kubernetes discovery: pod %s skipped: %s",
+                        (pod.get("metadata") or {}).get("name"), exc)
+            return None
+
+    async def _apply(self, view: PodView) -> None:
+        before = self._pods.get(view.name)
+        self._pods[view.name] = view
+        if view.state == "gone":
+            self._pods.pop(view.name, None)
+            await self._remove(view.name, view.reason)
+        elif view.state == "ready":
+            await self._ready(view)
+        else:
+            if before is None or before.state != "not_ready":
+                log.info("kubernetes discovery: pod %s is not ready (%s)", view.name, view.reason)
+            await self._not_ready(view)
+
+    async def _ready(self, view: PodView) -> None:
+        name, wcfg = view.name, view.worker
+        assert wcfg is not None
+        self._not_ready_since.pop(name, None)
+        reg = self.gateway.registry.get(name)
+        if reg is not None and name not in self._owned:
+            if name not in self._conflicts:
+                self._conflicts.add(name)
+                log.warning("kubernetes discovery: pod %s is Ready but a worker of that id was configured "
+                            "or added by hand; left alone", name)
+            return
+        if reg is not None and reg.cfg == wcfg:
+            if name in self._drained:
+                self._drained.discard(name)
+                reg.draining = False
+                log.info("kubernetes discovery: pod %s is Ready again: worker undrained", name)
+            return
+        if reg is not None:  # same pod, new address (a restarted sandbox): register it anew
+            await self._remove(name, f"address changed to {wcfg.url}")
+        from router.gateway import WorkerExists
+
+        try:
+            await self.gateway.add_worker(wcfg)
+        except (WorkerExists, ValueError) as exc:
+            if name not in self._conflicts:
+                self._conflicts.add(name)
+                log.warning("kubernetes discovery: pod %s not added: %s", name, exc)
+            return
+        self._conflicts.discard(name)
+        self._owned.add(name)
+        log.info("kubernetes discovery: pod %s is Ready: worker added at %s", name, wcfg.url)
+
+    async def _not_ready(self, view: PodView) -> None:
+        name = view.name
+        reg = self.gateway.registry.get(name)
+        if name not in self._owned or reg is None:
+            return
+        if self.cfg.not_ready_remove_s == 0:
+            await self._remove(name, view.reason)
+            return
+        if name not in self._not_ready_since:
+            self._not_ready_since[name] = time.monotonic()
+            assert self._loop is not None
+            self._loop.call_later(self.cfg.not_ready_remove_s, self._queue.put_nowait, ("expire", name))
+        if not reg.draining:
+            await self.gateway.drain_worker(name)
+            self._drained.add(name)
+            log.info("kubernetes discovery: pod %s is not ready: worker drained, removed if still not "
+                     "ready in %.0fs", name, self.cfg.not_ready_remove_s)
+
+    async def _expire(self, name: str) -> None:
+        since = self._not_ready_since.get(name)
+        view = self._pods.get(name)
+        if since is None or view is None or view.state != "not_ready":
+            return
+        if time.monotonic() - since < self.cfg.not_ready_remove_s - 0.05:
+            return  # a later not-ready spell: its own timer comes
+        await self._remove(name, f"not ready for {self.cfg.not_ready_remove_s:.0f}s ({view.reason})")
+
+    async def _remove(self, name: str, reason: str) -> None:
+        self._not_ready_since.pop(name, None)
+        self._drained.discard(name)
+        self._conflicts.discard(name)
+        if name not in self._owned:
+            return
+        self._owned.discard(name)
+        try:
+            await self.gateway.remove_worker(name)
+        except KeyError:
+            return  # removed through the admin API meanwhile
+        log.info("kubernetes discovery: worker %s removed: %s", name, reason)
