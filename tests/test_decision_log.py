@@ -1,8 +1,9 @@
 """The decision log (``router/decision_log.py``) and ``GET /admin/decisions``: the ring alone
-(bounded, newest first, filters, candidates cut), then a real gateway over two `kvroute sim`
-workers driven by the ``openai`` SDK: every decision of real traffic is listed under its request
-id with the worker the request went to, the cached tokens the worker reported and the predicted
-ones, and explained requests are not listed."""
+(bounded, newest first, filters, candidates cut) and its summary (windowed counts in time
+buckets: ``GET /admin/summary``, tested over HTTP in test_dashboard_browser.py), then a real
+gateway over two `kvroute sim` workers driven by the ``openai`` SDK: every decision of real
+traffic is listed under its request id with the worker the request went to, the cached tokens
+the worker reported and the predicted ones, and explained requests are not listed."""
 from __future__ import annotations
 
 import httpx
@@ -11,7 +12,7 @@ import pytest
 from conftest import ADMIN_TOKEN, Proc, wait_until
 from kvcore.index.base import TierMatch
 from router.config import ModelConfig
-from router.decision_log import MAX_CANDIDATES, DecisionLog
+from router.decision_log import MAX_CANDIDATES, DecisionLog, SummaryWindowError, merge_summaries
 from router.policies.base import CandidateScore, Decision, RouteRequest
 from router.routing import RoutePlan
 from test_gateway_e2e import BLOCK, assert_openai_error, chat_body, two_sim_gateway
@@ -54,6 +55,75 @@ def test_candidates_are_cut_and_zero_capacity_keeps_nothing():
     assert entry["candidates"][0]["worker"] == "w0"
     off = DecisionLog(capacity=0)
     assert off.record(_plan("w0"), "r") is None and off.snapshot() == [] and len(off) == 0
+
+
+def test_summary_folds_the_window_into_buckets():
+    """``summary`` (``GET /admin/summary``): decisions of the window only, in time buckets; token
+    sums and hit rates over the decisions whose cached tokens came back; buckets start at
+    multiples of the bucket width, the last one holding now."""
+    now = 1_000_009.0  # buckets from 999_950 to 1_000_010
+    log = DecisionLog(capacity=10)
+
+    def decided(age_s, chosen, reason="prefix_hit", prompt=None, predicted=None, actual=None, sent=None):
+        entry = log.record(_plan(chosen), f"r{log.recorded}")
+        entry.update(time_unix_s=now - age_s, reason=reason, prompt_tokens=prompt, predicted_cached_tokens=predicted)
+        if sent:
+            DecisionLog.sent(entry, sent)
+        if actual is not None:
+            DecisionLog.usage(entry, actual)
+
+    decided(400, "w0", prompt=100, predicted=100, actual=100)  # before the window
+    decided(55, "w0", "load", prompt=100, predicted=0, actual=0, sent="w0")
+    decided(52, "w1", prompt=200, predicted=160, actual=128, sent="w0")  # a retry moved it to w0
+    decided(3, "w1", prompt=100, predicted=64, actual=96, sent="w1")
+    decided(2, "w1", prompt=300, predicted=256)  # still running: no cached tokens yet
+    decided(1, "w0", "load")  # tokenization fell back: no prompt tokens
+    got = log.summary(window_s=60, bucket_s=10, now_unix_s=now)
+    assert got["totals"] == {"decisions": 5, "reported": 3, "prompt_tokens": 400, "predicted_cached_tokens": 224,
+                             "actual_cached_tokens": 224}
+    assert (got["hit_rate"], got["predicted_hit_rate"]) == (0.56, 0.56)
+    assert got["by_reason"] == {"prefix_hit": 3, "load": 2} and got["by_worker"] == {"w0": 3, "w1": 2}
+    assert [b["start_unix_s"] for b in got["series"]] == [999_950 + 10 * i for i in range(6)]
+    assert [b["decisions"] for b in got["series"]] == [2, 0, 0, 0, 0, 3]
+    first, last = got["series"][0], got["series"][-1]
+    assert (first["prompt_tokens"], first["actual_cached_tokens"], first["hit_rate"]) == (300, 128, 0.4267)
+    assert (last["reported"], last["hit_rate"], last["predicted_hit_rate"]) == (1, 0.96, 0.64)
+    assert got["series"][1]["hit_rate"] is None  # no tokens: no rate (not 0)
+    assert (got["recorded"], got["kept"], got["oldest_kept_unix_s"]) == (6, 10, now - 400)
+    assert len(log.summary(window_s=25, bucket_s=10, now_unix_s=now)["series"]) == 3  # a partial bucket counts
+    assert log.summary(window_s=60, bucket_s=10, now_unix_s=now + 1)["series"][0]["decisions"] == 0  # 999_960 on
+    assert log.summary(window_s=3600, now_unix_s=now)["totals"]["decisions"] == 6
+    for window_s, bucket_s, param in ((0, 10, "window_s"), (float("nan"), 10, "window_s"), (3601, 10, "window_s"),
+                                      (60, 0, "bucket_s"), (60, 61, "bucket_s"), (3600, 1, "bucket_s"),
+                                      (60, float("nan"), "bucket_s")):
+        with pytest.raises(SummaryWindowError) as err:
+            log.summary(window_s, bucket_s, now_unix_s=now)
+        assert err.value.param == param
+    empty = DecisionLog(capacity=0).summary(now_unix_s=now)
+    assert empty["totals"]["decisions"] == 0 and empty["hit_rate"] is None and empty["oldest_kept_unix_s"] is None
+
+
+def test_summaries_of_several_processes_merge_bucket_by_bucket():
+    now = 1_000_009.0
+    logs = [DecisionLog(capacity=4), DecisionLog(capacity=4)]
+    for log, ages in zip(logs, ((30, 2), (31, 1, -1.2))):  # the last one in the bucket from 1_000_010
+        for age in ages:
+            entry = log.record(_plan("w0"), "r")
+            entry.update(time_unix_s=now - age, prompt_tokens=100, predicted_cached_tokens=50)
+            DecisionLog.sent(entry, f"w{len(ages) % 2}")
+            DecisionLog.usage(entry, 25)
+    mine = logs[0].summary(60, 10, now_unix_s=now)
+    theirs = logs[1].summary(60, 10, now_unix_s=now + 1.5)  # already one bucket on
+    got = merge_summaries([mine, theirs])
+    assert [b["start_unix_s"] for b in got["series"]] == [999_960 + 10 * i for i in range(6)]
+    assert [b["decisions"] for b in got["series"]] == [0, 2, 0, 0, 2, 1]  # 999_950 (mine only) left out
+    assert got["totals"] == {"decisions": 5, "reported": 5, "prompt_tokens": 500, "predicted_cached_tokens": 250,
+                             "actual_cached_tokens": 125}
+    assert (got["hit_rate"], got["predicted_hit_rate"]) == (0.25, 0.5)
+    assert got["by_worker"] == {"w0": 2, "w1": 3} and got["by_reason"] == {"prefix_hit": 5}
+    assert (got["kept"], got["recorded"], got["now_unix_s"], got["oldest_kept_unix_s"]) == (8, 5, now + 1.5, now - 31)
+    with pytest.raises(ValueError):
+        merge_summaries([mine, logs[1].summary(60, 5, now_unix_s=now)])
 
 
 @pytest.fixture(scope="module")

@@ -68,7 +68,7 @@ OPERATIONS = (
     "GET /health", "GET /health/ready", "GET /ping", "GET /version", "GET /metrics", "GET /v1/models",
     "GET /admin/workers", "POST /admin/workers", "DELETE /admin/workers/{worker_id}",
     "POST /admin/workers/{worker_id}/drain", "GET /admin/policy", "PUT /admin/policy", "GET /admin/index",
-    "POST /admin/explain",
+    "POST /admin/explain", "GET /admin/decisions", "GET /admin/summary", "GET /dashboard",
     "POST /v1/chat/completions", "POST /v1/completions", "POST /v1/responses", "POST /v1/embeddings",
     "POST /tokenize", "POST /detokenize", "POST /v1/messages", "POST /v1/messages/count_tokens",
     "POST /v1/chat/completions/render", "POST /v1/completions/render", "POST /v1/responses/render",
