@@ -11,13 +11,20 @@
 | GET /admin/index | ``{"backend", "workers": {id: {"blocks", "speculative_blocks", "kv_events"}}}`` (``kv_events``: the embedded ingestor's, or with Redis the worker's agent's, seq, event age, gaps, replays, resyncs; null without one) |
 | POST /admin/explain | a chat or completions body -> ``{"prompt_tokens", "blocks", "candidates", "chosen", "reason", ...}``; nothing is sent |
 | GET /admin/decisions[?limit=N&worker=ID&since_unix_s=T] | ``{"decisions": [...], "kept", "recorded"}``: recent decisions of real traffic, newest first (:mod:`router.decision_log`); 400 bad limit |
+| GET /admin/summary[?window_s=W&bucket_s=B] | the decisions of the last W s (default 300) in counts and B-second buckets (default 10): ``{"totals", "hit_rate", "predicted_hit_rate", "by_reason", "by_worker", "series": [...], ...}`` (:meth:`router.decision_log.DecisionLog.summary`; drawn by ``GET /dashboard``); 400 bad window or bucket |
 
 Errors use the OpenAI error shape.
+
+With ``kvroute serve --processes N`` (:mod:`router.siblings`): a change (workers added, removed
+or drained, a new policy) is applied by the process that gets it and then sent to every
+sibling; ``/admin/decisions`` and ``/admin/summary`` merge every process's decisions; worker
+counts are every process's.
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -26,9 +33,14 @@ from pydantic import ValidationError
 from kvcore.index.base import SupportsWorkerStates
 from kvcore.index.errors import IndexUnavailable
 from router.config import WorkerConfig, validation_message
+from router.decision_log import (DEFAULT_SUMMARY_BUCKET_S, DEFAULT_SUMMARY_WINDOW_S, SummaryWindowError,
+                                 merge_summaries)
 from router.endpoints import parse_json_object
 from router.errors import GatewayError, bad_request
 from router.gateway import Gateway, WorkerExists
+from router.siblings import is_from_sibling
+
+log = logging.getLogger("kvroute.admin")
 
 
 MAX_DRAIN_WAIT_S = 3600.0
@@ -94,6 +106,20 @@ def make_admin_router(gateway: Gateway) -> APIRouter:
             out.append(entry)
         return _json({"workers": out})
 
+    async def to_siblings(request: Request, method: str, path: str, body: Any = None) -> None:
+        """Send a change this process applied to the other gateway processes (not when it came
+        from one of them)."""
+        group = gateway.group
+        if group is None or is_from_sibling(request.headers):
+            return
+        import orjson
+
+        raw = orjson.dumps(body) if body is not None else None
+        for index, status, answer in await group.fanout(method, path, raw, {"content-type": "application/json"}):
+            if status >= 300:
+                log.warning("gateway process %d answered %d to %s %s: %s", index, status, method, path,
+                            answer[:300].decode("utf-8", "replace"))
+
     @api.post("/workers")
     async def add_worker(request: Request) -> Response:
         body = parse_json_object(await request.body())
@@ -107,26 +133,29 @@ def make_admin_router(gateway: Gateway) -> APIRouter:
             raise GatewayError(409, str(exc), "invalid_request_error", "worker_exists", "id") from None
         except ValueError as exc:
             raise bad_request(str(exc), "model") from None
+        await to_siblings(request, "POST", "/admin/workers", {**body, "id": reg.id})
         return _json(reg.describe(), 201)
 
     @api.delete("/workers/{worker_id}")
-    async def remove_worker(worker_id: str) -> Response:
+    async def remove_worker(worker_id: str, request: Request) -> Response:
         try:
             await gateway.remove_worker(worker_id)
         except KeyError:
             raise _not_found(worker_id) from None
+        await to_siblings(request, "DELETE", f"/admin/workers/{worker_id}")
         return _json({"removed": worker_id})
 
     @api.post("/workers/{worker_id}/drain")
-    async def drain_worker(worker_id: str, wait_s: float = 0.0) -> Response:
+    async def drain_worker(worker_id: str, request: Request, wait_s: float = 0.0) -> Response:
         if not 0 <= wait_s <= MAX_DRAIN_WAIT_S:
             raise bad_request(f"wait_s must be in 0..{MAX_DRAIN_WAIT_S:g}", "wait_s")
         try:
             reg = await gateway.drain_worker(worker_id)
         except KeyError:
             raise _not_found(worker_id) from None
+        await to_siblings(request, "POST", f"/admin/workers/{worker_id}/drain")
         deadline = asyncio.get_running_loop().time() + wait_s
-        while reg.in_flight > 0 and asyncio.get_running_loop().time() < deadline and not reg.removed:
+        while reg.total_in_flight > 0 and asyncio.get_running_loop().time() < deadline and not reg.removed:
             await asyncio.sleep(DRAIN_POLL_S)
         return _json(reg.describe())
 
@@ -141,6 +170,7 @@ def make_admin_router(gateway: Gateway) -> APIRouter:
             gateway.set_policy(body)
         except ValueError as exc:
             raise bad_request(f"invalid policy: {exc}", "policy") from None
+        await to_siblings(request, "PUT", "/admin/policy", body)
         return _json(gateway.policy.config)
 
     @api.get("/index")
@@ -164,13 +194,41 @@ def make_admin_router(gateway: Gateway) -> APIRouter:
         return _json(out)
 
     @api.get("/decisions")
-    async def list_decisions(limit: int | None = None, worker: str | None = None,
+    async def list_decisions(request: Request, limit: int | None = None, worker: str | None = None,
                              since_unix_s: float | None = None) -> Response:
         if limit is not None and limit < 1:
             raise bad_request("limit must be >= 1", "limit")
-        log = gateway.decisions
-        return _json({"decisions": log.snapshot(limit, worker, since_unix_s), "kept": log.capacity,
-                      "recorded": log.recorded})
+        ring = gateway.decisions
+        out = {"decisions": ring.snapshot(limit, worker, since_unix_s), "kept": ring.capacity,
+               "recorded": ring.recorded}
+        if gateway.group is not None and not is_from_sibling(request.headers):
+            import orjson
+
+            query = f"?{request.url.query}" if request.url.query else ""
+            for _, status, answer in await gateway.group.fanout("GET", "/admin/decisions" + query):
+                if status == 200:
+                    theirs = orjson.loads(answer)
+                    out["decisions"] += theirs["decisions"]
+                    out["kept"] += theirs["kept"]
+                    out["recorded"] += theirs["recorded"]
+            out["decisions"].sort(key=lambda d: d["time_unix_s"], reverse=True)
+            out["decisions"] = out["decisions"][:limit]
+        return _json(out)
+
+    @api.get("/summary")
+    async def summarize_decisions(request: Request, window_s: float = DEFAULT_SUMMARY_WINDOW_S,
+                                  bucket_s: float = DEFAULT_SUMMARY_BUCKET_S) -> Response:
+        try:
+            out = gateway.decisions.summary(window_s, bucket_s)
+        except SummaryWindowError as exc:
+            raise bad_request(str(exc), exc.param) from None
+        if gateway.group is not None and not is_from_sibling(request.headers):
+            import orjson
+
+            theirs = [orjson.loads(answer) for _, status, answer in await gateway.group.fanout(
+                "GET", f"/admin/summary?window_s={window_s!r}&bucket_s={bucket_s!r}") if status == 200]
+            out = merge_summaries([out, *theirs])
+        return _json(out)
 
     @api.post("/explain")
     async def explain(request: Request) -> Response:

@@ -4,7 +4,7 @@ Routed by the policy: ``POST /v1/chat/completions``, ``POST /v1/completions``. F
 least-loaded healthy worker of the body's model: vLLM's other client POST paths (:data:`FORWARDED`:
 responses, embeddings, tokenize, detokenize, Anthropic messages, render). Also ``GET /v1/models``
 (union over healthy workers), ``GET /version`` (the first healthy worker's), ``GET /health`` and
-``GET /ping`` (the gateway's liveness), ``GET /health/ready`` (readiness: a worker is routable), ``GET /metrics`` and ``/admin/*`` (:mod:`router.admin`).
+``GET /ping`` (the gateway's liveness), ``GET /health/ready`` (readiness: a worker is routable), ``GET /metrics``, ``/admin/*`` (:mod:`router.admin`) and ``GET /dashboard`` (:mod:`router.dashboard`).
 Not served: ``GET /v1/responses/{id}`` (a stored response lives on the one worker that made it).
 Browsers' cross-origin requests get the ``cors`` config's answer everywhere.
 
@@ -30,12 +30,15 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import Route
 
 from router.admin import make_admin_router
+from router.dashboard import make_dashboard_router
 from router.client_auth import ClientAuth
 from router.config import CorsConfig
 from router.endpoints import ProxyEndpoint
 from router.errors import GatewayError, bad_request
 from router.gateway import Gateway
 from router.openapi import serve_openapi
+from router.siblings import is_from_sibling, merge_metrics
+from router import tracing
 from router.worker_probes import worker_get, worker_models
 
 log = logging.getLogger("kvroute.app")
@@ -77,10 +80,13 @@ def cors_wrapper(cfg: CorsConfig) -> Callable[[Any], CORSMiddleware]:
                              allow_headers=cfg.allowed_headers, allow_credentials=cfg.allow_credentials)
 
 
-def create_app(gateway: Gateway) -> HotPathDispatch:
+def create_app(gateway: Gateway) -> HotPathDispatch | tracing.TracedASGI:
     """The ASGI app serving ``gateway``: a FastAPI app (lifespan starts and stops the gateway
     and, when the gateway has a config path, re-reads it on SIGHUP) behind
-    :class:`HotPathDispatch`. The FastAPI app is the result's ``.app``."""
+    :class:`HotPathDispatch`; with tracing on (the ``OTEL_*`` environment,
+    :mod:`router.tracing`), that behind OpenTelemetry's ASGI middleware
+    (:class:`router.tracing.TracedASGI`). The FastAPI app is the result's ``.app``."""
+    tracing.setup_from_env()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -92,10 +98,22 @@ def create_app(gateway: Gateway) -> HotPathDispatch:
             if hup:
                 asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
             await gateway.stop()
+            tracing.flush()
 
+    # FastAPI's own OpenTelemetry (fastapi.telemetry, newer FastAPI; ignored by older ones) stays
+    # off: the gateway's spans come from router/tracing.py alone, one server span per request
     app = FastAPI(title="kvroute gateway", lifespan=lifespan, openapi_url=None, docs_url=None,
-                  redoc_url=None)
+                  redoc_url=None, telemetry={"tracing": False, "metrics": False, "logs": False,
+                                             "operation_spans": False, "auto_configure": False})
     app.state.gateway = gateway
+    if gateway.group is not None:  # which of the N processes answered (admin, metrics, health)
+        process = str(gateway.group.index)
+
+        @app.middleware("http")
+        async def name_process(request: Request, call_next):
+            response = await call_next(request)
+            response.headers["x-kvroute-process"] = process
+            return response
 
     @app.exception_handler(GatewayError)
     async def gateway_error(request: Request, exc: GatewayError) -> Response:
@@ -140,8 +158,13 @@ def create_app(gateway: Gateway) -> HotPathDispatch:
         return await _first_worker_answer(gateway, "/version")
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(gateway.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    async def metrics(request: Request) -> Response:
+        text = gateway.metrics.exposition()
+        group = gateway.group
+        if group is not None and not is_from_sibling(request.headers):  # every process's, labelled
+            got = {i: body.decode() for i, status, body in await group.fanout("GET", "/metrics") if status == 200}
+            text = merge_metrics({group.index: text.decode(), **got})
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -149,10 +172,11 @@ def create_app(gateway: Gateway) -> HotPathDispatch:
         return Response(orjson.dumps(await _union_models(gateway)), media_type="application/json")
 
     app.include_router(make_admin_router(gateway))
+    app.include_router(make_dashboard_router())  # GET /dashboard, the operator's page
     serve_openapi(app, [m.name for m in gateway.cfg.models])  # GET /openapi.json, as vLLM serves
     cors = cors_wrapper(gateway.cfg.cors)
     app.add_middleware(CORSMiddleware, **cors.keywords)
-    return HotPathDispatch(app, endpoints, cors)
+    return tracing.instrument_asgi(HotPathDispatch(app, endpoints, cors))
 
 
 async def _union_models(gateway: Gateway) -> dict[str, Any]:

@@ -9,7 +9,7 @@ Example (every section but ``models`` and ``workers`` has defaults)::
     admin: {token_env: KVROUTE_ADMIN_TOKEN}        # or {token: "..."}; the env var wins when set
     models:
       - {name: tiny, tokenizer: /path/to/model_dir, block_size: 32}
-    index: {backend: memory}                       # or {backend: redis, url: redis://...}
+    index: {backend: memory}                       # or {backend: redis, url: redis://..., mirror: true}
     workers:
       - {id: w0, url: http://127.0.0.1:8101, model: tiny, events: tcp://127.0.0.1:5557}
     policy: {name: ttft, tier_credit: {gpu: 1.0, cpu: 0.75, ssd: 0.25}, queue: {enabled: true}}
@@ -21,6 +21,7 @@ Example (every section but ``models`` and ``workers`` has defaults)::
     cors: {allowed_origins: [], allow_credentials: false}   # vLLM's CORS flags and defaults
     admission: {max_in_flight_per_worker: 0, max_queued: 1024, queue_timeout_s: 30}   # 0: no limit
     client_auth: {api_keys_env: KVROUTE_API_KEYS, api_keys_file: null}   # SHA-256 hashes; off unless given
+    discovery: {kubernetes: {label_selector: "app=vllm", model: tiny, port: http}}   # router/discovery/config.py
 """
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from router.discovery.config import DiscoveryConfig
 
 MIB = 1024 * 1024
 
@@ -72,7 +75,9 @@ class ModelConfig(_Strict):
 
 class IndexConfig(BaseModel):
     """Index backend, passed whole to :func:`kvcore.index.make_index` (backend-specific keys
-    such as ``url`` or ``max_keys`` are allowed)."""
+    such as ``url`` or ``max_keys`` are allowed). ``backend: redis`` looks up in a local copy of
+    the Redis index kept in step by Redis's change log (``mirror: true``, the default; options in
+    :class:`kvcore.index.redis_mirror.RedisMirrorIndex`), or in Redis itself (``mirror: false``)."""
 
     model_config = ConfigDict(extra="allow")
     backend: str = "memory"
@@ -223,7 +228,9 @@ class RoutingConfig(_Strict):
     ``max_tokenize_bytes``: bodies past this size (4 MiB: ~1M tokens, past any context length)
     are routed by load without tokenizing (``kvroute_tokenization_fallbacks_total{reason="too_large"}``).
     ``decisions_kept``: recent routing decisions kept for ``GET /admin/decisions`` and the
-    dashboard (:mod:`router.decision_log`; 0 keeps none).
+    dashboard (:mod:`router.decision_log`; 0 keeps none). ``tokenize_cache_max_tokens``: bound of
+    each tokenizer's prefix token cache (:mod:`kvcore.token_cache`: a chat turn encodes only its
+    new messages; ~8 bytes per token; 0 turns it off).
     """
 
     speculative_ttl_s: float = Field(5.0, gt=0)
@@ -233,6 +240,7 @@ class RoutingConfig(_Strict):
     inline_tokenize_max_bytes: int = Field(2048, ge=0)
     max_tokenize_bytes: int = Field(4 * MIB, ge=0)
     decisions_kept: int = Field(1024, ge=0, le=1_000_000)
+    tokenize_cache_max_tokens: int = Field(2_000_000, ge=0)
 
 
 class GatewayConfig(_Strict):
@@ -253,6 +261,7 @@ class GatewayConfig(_Strict):
     cors: CorsConfig = Field(default_factory=CorsConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     client_auth: ClientAuthConfig = Field(default_factory=ClientAuthConfig)
+    discovery: DiscoveryConfig = Field(default_factory=DiscoveryConfig)
 
     @model_validator(mode="after")
     def _cross_check(self) -> "GatewayConfig":
@@ -272,6 +281,9 @@ class GatewayConfig(_Strict):
         for w in self.workers:
             if w.model not in bases:
                 raise ValueError(f"worker {w.id!r} serves unknown model {w.model!r}; models: {sorted(bases)}")
+        k8s = self.discovery.kubernetes
+        if k8s is not None and k8s.model not in bases:
+            raise ValueError(f"discovery.kubernetes.model {k8s.model!r} is not a model; models: {sorted(bases)}")
         if not isinstance(self.policy.get("name"), str):
             raise ValueError("policy.name must be a string")
         return self

@@ -59,9 +59,11 @@ class Reservation:
         self.reg = reg
         self._on_release = on_release
         reg.reserved[self] = end_s
+        reg.publish_load()
 
     def release(self) -> None:
         if self.reg.reserved.pop(self, False) is not False:
+            self.reg.publish_load()
             self._on_release()
 
 

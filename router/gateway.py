@@ -28,9 +28,11 @@ from router.metrics import GatewayMetrics
 from router.proxy import Upstream
 from router.registry import TaskFactory, WorkerRegistration, WorkerRegistry
 from router.routing import PolicyHolder, Router
+from router.siblings import ProcessGroup
 from router.tokenize import TokenizerPool
 from router.worker_probes import health_probe_task, load_scrape_task
 
+HEARTBEAT_S = 1.0  # the shared load table's liveness beat (router.shared_load.STALE_S is 5 s)
 log = logging.getLogger("kvroute.gateway")
 
 
@@ -43,14 +45,19 @@ class Gateway:
     re-reads (None: reload disabled); ``task_factories``: extra per-worker tasks."""
 
     def __init__(self, cfg: GatewayConfig, config_path: str | Path | None = None,
-                 task_factories: list[TaskFactory] | None = None) -> None:
+                 task_factories: list[TaskFactory] | None = None, group: ProcessGroup | None = None) -> None:
         self.cfg = cfg
         self.config_path = Path(config_path) if config_path else None
         self.admin_token = cfg.admin.resolve_token()
+        self.group = group  # one of N processes (kvroute serve --processes N), None when alone
+        if group is not None:
+            group.admin_token = self.admin_token
         self.index = make_index(cfg.index.model_dump())
-        self.registry = WorkerRegistry()
+        self.registry = WorkerRegistry(shared_load=group.table if group is not None else None)
         self.metrics = GatewayMetrics(self.registry.all)
-        self.tokenizers = TokenizerPool(cfg.models, cfg.routing.tokenize_threads)
+        self.tokenizers = TokenizerPool(cfg.models, cfg.routing.tokenize_threads,
+                                        cfg.routing.tokenize_cache_max_tokens)
+        self.metrics.watch_tokenize_cache(self.tokenizers.cache_totals)
         self.policy = PolicyHolder(cfg.policy)
         self.router = Router(cfg.models, self.tokenizers, self.index, self.registry, self.policy,
                              self.metrics, cfg.routing)
@@ -64,6 +71,8 @@ class Gateway:
         self.decisions = DecisionLog(cfg.routing.decisions_kept)
         self._extra_factories = list(task_factories or [])
         self._lock = asyncio.Lock()
+        self._heartbeat: asyncio.Task | None = None
+        self.discovery: Any = None  # router.discovery.kubernetes.KubernetesDiscovery when configured
 
     @property
     def model_names(self) -> set[str]:
@@ -74,7 +83,9 @@ class Gateway:
         configured workers and wait (at most one probe timeout) for their first health probe.
         Raises IndexEncodingMismatch when a shared index holds keys of another block-key
         encoding (the gateway must not start: its keys would never match); an index that is
-        down only means routing on load until it answers."""
+        down only means routing on load until it answers. With ``discovery.kubernetes`` it then
+        starts the pod watch (:mod:`router.discovery.kubernetes`; ``self.discovery``), raising
+        ValueError when no Kubernetes client configuration loads."""
         try:
             await self.index.open()
         except IndexEncodingMismatch:
@@ -93,7 +104,14 @@ class Gateway:
         for factory in self._extra_factories:
             self.registry.add_task_factory(factory)
         regs = [self.registry.add(w) for w in self.cfg.workers]
+        if self.group is not None:  # a process whose row stops beating counts as dead to the others
+            self._heartbeat = asyncio.get_running_loop().create_task(self._beat(self.group), name="load-heartbeat")
         await self._wait_first_probe(regs)
+        if self.cfg.discovery.kubernetes is not None:  # pods become workers as they turn Ready
+            from router.discovery.kubernetes import KubernetesDiscovery
+
+            self.discovery = KubernetesDiscovery(self, self.cfg.discovery.kubernetes)
+            await self.discovery.start()
 
     async def _health_changed(self, reg: WorkerRegistration) -> None:
         """A worker went down: its index entries are purged (a worker that died lost its cache;
@@ -111,11 +129,23 @@ class Gateway:
 
     async def stop(self) -> None:
         """Stop every task and close connections."""
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        if self.discovery is not None:
+            await self.discovery.stop()
         self.dispatch_queue.close()
         await self.registry.close()
         await self.upstream.close()
         await self.index.close()
         self.tokenizers.close()
+        if self.group is not None:
+            self.group.close()
+
+    @staticmethod
+    async def _beat(group: ProcessGroup) -> None:
+        while True:
+            group.table.heartbeat()
+            await asyncio.sleep(HEARTBEAT_S)
 
     async def _wait_first_probe(self, regs: list[WorkerRegistration]) -> None:
         if not regs:
@@ -183,6 +213,8 @@ class Gateway:
             wanted = {w.id: w for w in new.workers if w.model in self.model_names}
             changes: dict[str, list[str]] = {"added": [], "removed": [], "replaced": []}
             for reg in self.registry.all():
+                if self.discovery is not None and self.discovery.owns(reg.id):
+                    continue  # a discovered worker: its pod decides, not the file
                 target = wanted.get(reg.id)
                 if target is None:
                     await self._remove_worker(reg.id)

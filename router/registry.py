@@ -20,12 +20,14 @@ from typing import TYPE_CHECKING, Any
 from router.config import WorkerConfig
 from router.evidence import EvidenceTrust
 from router.policies.base import WorkerLoad
+from router.shared_load import OthersLoad, SharedLoadTable, prefill_end_of
 from router.ttft_model import PrefillRateEstimator
 
 if TYPE_CHECKING:
     from kvcore.kv_events import EventIngestor
 
 log = logging.getLogger("kvroute.registry")
+_NO_OTHERS = OthersLoad()
 
 EVENTS_GRACE_S = 5.0  # a new worker's KV-event subscriber gets this long to connect
 
@@ -78,6 +80,8 @@ class WorkerRegistration:
         self.prefilling: dict[InFlight, float | None] = {}
         self.reserved: dict[object, float | None] = {}
         self.on_prefill_done: Callable[[], None] | None = None  # set by the dispatch queue
+        # the other gateway processes' load on this worker (kvroute serve --processes N)
+        self.shared: tuple[SharedLoadTable, int] | None = None
 
     @property
     def has_events(self) -> bool:
@@ -149,21 +153,46 @@ class WorkerRegistration:
         blocks by tier as the events say), or None when no ingestor runs for this worker."""
         return self.ingest.state() if self.ingest is not None else None
 
+    def others(self) -> OthersLoad:
+        """The other gateway processes' requests on this worker (none with one process)."""
+        if self.shared is None:
+            return _NO_OTHERS
+        table, slot = self.shared
+        return table.others(slot)
+
+    def publish_load(self) -> None:
+        """Tell the other gateway processes this process's load on the worker (a no-op with one
+        process); called whenever in-flight counts or predicted prefill ends change."""
+        if self.shared is None:
+            return
+        table, slot = self.shared
+        table.publish(slot, self.in_flight, self.prefill_tokens, self.decoding,
+                      prefill_end_of([*self.prefilling.values(), *self.reserved.values()]))
+
+    @property
+    def total_in_flight(self) -> int:
+        """Requests in flight on the worker through every gateway process."""
+        return self.in_flight + self.others().in_flight
+
     def load(self) -> WorkerLoad:
-        """A snapshot of the load the policies see."""
-        return WorkerLoad(in_flight=self.in_flight, prefill_tokens=self.prefill_tokens,
-                          decoding=self.decoding, engine_running=self.engine_running,
+        """A snapshot of the load the policies see: this process's requests plus the other
+        gateway processes' (:mod:`router.shared_load`)."""
+        o = self.others()
+        return WorkerLoad(in_flight=self.in_flight + o.in_flight, prefill_tokens=self.prefill_tokens + o.prefill_tokens,
+                          decoding=self.decoding + o.decoding, engine_running=self.engine_running,
                           engine_waiting=self.engine_waiting, kv_usage=self.kv_usage,
                           unseen_running=self.unseen_running, unseen_waiting=self.unseen_waiting)
 
     def record_scrape(self, running: int | None, waiting: int | None, kv_usage: float | None) -> None:
         """Store one ``/metrics`` scrape, and how much of it was not the gateway's own requests
         now. Each of ours is taken off once: those before their first byte off ``waiting`` first
-        (as many as it shows), the rest of ours off ``running``."""
+        (as many as it shows), the rest of ours off ``running``. Ours: every gateway process's."""
         self.engine_running, self.engine_waiting, self.kv_usage = running, waiting, kv_usage
-        ours_waiting = min(waiting or 0, max(0, self.in_flight - self.decoding))
+        o = self.others()
+        in_flight, decoding = self.in_flight + o.in_flight, self.decoding + o.decoding
+        ours_waiting = min(waiting or 0, max(0, in_flight - decoding))
         self.unseen_waiting = (waiting or 0) - ours_waiting
-        self.unseen_running = max(0, (running or 0) - (self.in_flight - ours_waiting))
+        self.unseen_running = max(0, (running or 0) - (in_flight - ours_waiting))
         self.last_scrape_monotonic = time.monotonic()
 
     def forget_scrape(self) -> None:
@@ -181,14 +210,19 @@ class WorkerRegistration:
         self.prefill_tokens += prefill_tokens
         self.prefilling[handle] = (None if predicted_ttft_ms is None
                                    else handle.dispatch_s + max(0.0, predicted_ttft_ms) / 1000.0)
+        self.publish_load()
         return handle
 
     def prefill_left_ms(self, now: float) -> float:
         """Predicted milliseconds until the last of this worker's requests before their first
         byte (and of the dispatch queue's reservations) gets it: 0 when there are none; ``inf``
         when one has no prediction or is past its predicted end without a first byte (the
-        prediction was short: only the first byte tells). ``now``: ``time.monotonic()``."""
+        prediction was short: only the first byte tells). The other gateway processes' requests
+        count too. ``now``: ``time.monotonic()``."""
         ends = [*self.prefilling.values(), *self.reserved.values()]
+        others_end = self.others().prefill_end_s
+        if others_end > 0.0:
+            ends.append(others_end)
         if not ends:
             return 0.0
         if any(e is None or e < now for e in ends):
@@ -198,16 +232,18 @@ class WorkerRegistration:
     def _prefill_done(self, handle: "InFlight") -> None:
         if self.prefilling.pop(handle, False) is not False and self.on_prefill_done is not None:
             self.on_prefill_done()
+        self.publish_load()
 
     def describe(self) -> dict[str, Any]:
-        """The ``GET /admin/workers`` entry (DESIGN.md)."""
+        """The ``GET /admin/workers`` entry (DESIGN.md); counts are every gateway process's."""
         now = time.monotonic()
+        load = self.load()
         return {
             "id": self.id, "url": self.url, "model": self.model,
             "events": self.cfg.events, "replay": self.cfg.replay,
-            "healthy": bool(self.healthy), "draining": self.draining, "in_flight": self.in_flight,
-            "drained": self.draining and self.in_flight == 0,
-            "prefill_tokens": self.prefill_tokens, "decoding": self.decoding,
+            "healthy": bool(self.healthy), "draining": self.draining, "in_flight": load.in_flight,
+            "drained": self.draining and load.in_flight == 0,
+            "prefill_tokens": load.prefill_tokens, "decoding": load.decoding,
             "prefill_left_ms": _finite_ms(self.prefill_left_ms(now)),
             "engine": {"running": self.engine_running, "waiting": self.engine_waiting,
                        "kv_cache_usage": self.kv_usage,
@@ -255,8 +291,9 @@ class InFlight:
         self._prefill = prefill_tokens
         self._decoding = False
         self._done = False
-        self.queued_tokens = max(0, reg.prefill_tokens)
-        self.decoding = reg.decoding
+        others = reg.others()
+        self.queued_tokens = max(0, reg.prefill_tokens + others.prefill_tokens)
+        self.decoding = reg.decoding + others.decoding
         self.dispatch_s = time.monotonic()
         self.ttft_ms: float | None = None
         self.streamed = False
@@ -287,17 +324,22 @@ class InFlight:
         reg.in_flight -= 1
         if self._decoding:
             reg.decoding -= 1
+            reg.publish_load()
         else:
             reg.prefill_tokens -= self._prefill
             reg._prefill_done(self)
 
 
 class WorkerRegistry:
-    """Workers by id. ``task_factories``: per-worker background tasks (see module docstring)."""
+    """Workers by id. ``task_factories``: per-worker background tasks (see module docstring);
+    ``shared_load``: the table the gateway processes share their load through (None: one
+    process)."""
 
-    def __init__(self, task_factories: list[TaskFactory] | None = None) -> None:
+    def __init__(self, task_factories: list[TaskFactory] | None = None,
+                 shared_load: SharedLoadTable | None = None) -> None:
         self._workers: dict[str, WorkerRegistration] = {}
         self._factories: list[TaskFactory] = list(task_factories or [])
+        self.shared_load = shared_load
 
     def add_task_factory(self, factory: TaskFactory) -> None:
         """Run ``factory`` for every worker added from now on and for those already present."""
@@ -311,6 +353,8 @@ class WorkerRegistry:
         reg = WorkerRegistration(cfg)
         if reg.id in self._workers:
             raise ValueError(f"worker {reg.id!r} already exists")
+        if self.shared_load is not None:
+            reg.shared = (self.shared_load, self.shared_load.slot(reg.id))
         self._workers[reg.id] = reg
         for factory in self._factories:
             self._start(reg, factory)

@@ -1,0 +1,135 @@
+"""``kvroute serve --processes N`` with N > 1: a supervisor process that runs N gateway
+processes on one port (:mod:`router.siblings` says how they share the work) and keeps them up.
+
+- Makes the run folder (under ``/dev/shm`` when present: the shared load table lives there, in
+  memory) and the load table (:func:`router.shared_load.create_table`), then starts each child as
+  ``python -m kvroute serve --config FILE`` with the group's environment. Children stay in the
+  supervisor's process group, so a signal to the group reaches all of them.
+- ``SIGTERM``/``SIGINT``: sent on to every child as ``SIGTERM`` (each closes its socket and
+  finishes the requests in flight within ``timeouts.shutdown_grace_s``); children still alive
+  :data:`KILL_AFTER_S` after that are killed. ``SIGHUP``: sent on (each re-reads the config).
+- A child that exits on its own is started again after a back-off (1 s, doubling to 30 s; back
+  to 1 s once a child has run for a minute), with its load row cleared.
+
+Returns the exit status: 0 after a signal, 1 when the run folder or a child cannot be made.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from router.shared_load import create_table
+from router.siblings import ENV_INDEX, ENV_PROCESSES, ENV_RUN_DIR, LOAD_FILE
+
+log = logging.getLogger("kvroute.supervisor")
+
+KILL_AFTER_S = 10.0
+BACKOFF_MIN_S = 1.0
+BACKOFF_MAX_S = 30.0
+HEALTHY_RUN_S = 60.0
+POLL_S = 0.1
+
+
+def run_dir_base() -> str | None:
+    """Where the run folder goes: ``/dev/shm`` (memory) when writable, else the temp folder."""
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+
+
+class Supervisor:
+    """Runs and watches the children; see the module docstring. ``child_argv``: the command of
+    one child (the same for all); ``grace_s``: the children's own shutdown grace."""
+
+    def __init__(self, child_argv: list[str], processes: int, grace_s: float) -> None:
+        if processes < 2:
+            raise ValueError("a supervisor runs 2 or more processes")
+        self.child_argv = child_argv
+        self.processes = processes
+        self.grace_s = grace_s
+        self.run_dir = Path(tempfile.mkdtemp(prefix="kvroute-serve-", dir=run_dir_base()))
+        create_table(self.run_dir / LOAD_FILE, processes)
+        self.children: list[subprocess.Popen | None] = [None] * processes
+        self.started_at = [0.0] * processes
+        self.backoff_s = [BACKOFF_MIN_S] * processes
+        self.restart_at = [0.0] * processes
+        self.stopping = False
+
+    def _spawn(self, index: int) -> None:
+        env = {**os.environ, ENV_INDEX: str(index), ENV_PROCESSES: str(self.processes),
+               ENV_RUN_DIR: str(self.run_dir)}
+        self.children[index] = subprocess.Popen(self.child_argv, env=env)
+        self.started_at[index] = time.monotonic()
+
+    def _signal_all(self, sig: int) -> None:
+        for child in self.children:
+            if child is not None and child.poll() is None:
+                try:
+                    child.send_signal(sig)
+                except ProcessLookupError:
+                    pass
+
+    def _on_stop(self, signum: int, frame) -> None:
+        self.stopping = True
+
+    def _on_hup(self, signum: int, frame) -> None:
+        self._signal_all(signal.SIGHUP)
+
+    def run(self) -> int:
+        """Start the children and supervise them until a stop signal; then stop them."""
+        signal.signal(signal.SIGTERM, self._on_stop)
+        signal.signal(signal.SIGINT, self._on_stop)
+        signal.signal(signal.SIGHUP, self._on_hup)
+        try:
+            for i in range(self.processes):
+                self._spawn(i)
+            log.info("kvroute serve: %d gateway processes (run folder %s)", self.processes, self.run_dir)
+            while not self.stopping:
+                self._watch(time.monotonic())
+                time.sleep(POLL_S)
+            self._stop_children()
+            return 0
+        except OSError as exc:
+            print(f"kvroute serve: cannot start gateway processes: {exc}", file=sys.stderr)
+            self._stop_children()
+            return 1
+        finally:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _watch(self, now: float) -> None:
+        """Restart children that exited, each after its back-off."""
+        for i, child in enumerate(self.children):
+            if child is None:
+                if now >= self.restart_at[i]:
+                    self._spawn(i)
+                continue
+            code = child.poll()
+            if code is None:
+                if now - self.started_at[i] >= HEALTHY_RUN_S:
+                    self.backoff_s[i] = BACKOFF_MIN_S
+                continue
+            wait_s = self.backoff_s[i]
+            log.warning("gateway process %d exited with status %s; starting it again in %.0f s", i, code, wait_s)
+            print(f"kvroute serve: gateway process {i} exited with status {code}; restarting in {wait_s:.0f} s",
+                  file=sys.stderr, flush=True)
+            self.children[i] = None
+            self.restart_at[i] = now + wait_s
+            self.backoff_s[i] = min(BACKOFF_MAX_S, wait_s * 2)
+
+    def _stop_children(self) -> None:
+        self._signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s + KILL_AFTER_S
+        for child in self.children:
+            if child is None:
+                continue
+            try:
+                child.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()

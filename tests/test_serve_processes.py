@@ -1,0 +1,220 @@
+"""``kvroute serve --processes N``: the shared load table and the metrics merge alone, then a real
+2-process gateway over two `kvroute sim` workers: both processes answer on one port, one prefix
+goes to one worker whichever process routes it, a request in flight through one process counts
+in the other's load, admin changes reach every process, ``/admin/decisions`` and ``/metrics``
+cover both, and a killed process is started again."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import ADMIN_TOKEN, Proc, free_ports, kvroute_argv, wait_http, wait_until
+from router.shared_load import MAX_WORKERS, STALE_S, SharedLoadTable, create_table, prefill_end_of
+from router.siblings import merge_metrics
+from test_gateway_e2e import BLOCK, Sim, _sim_argv, chat_body
+
+
+def test_shared_table_sums_the_other_live_rows(tmp_path):
+    path = create_table(tmp_path / "load", 3)
+    a, b, c = (SharedLoadTable(path, 3, row) for row in range(3))
+    assert a.slot("w0") == b.slot("w0") == 0 and b.slot("w1") == 1 == a.slot("w1")  # one name table
+    a.publish(a.slot("w1"), in_flight=2, prefill_tokens=300, decoding=1, prefill_end_s=100.0)
+    b.publish(b.slot("w1"), in_flight=1, prefill_tokens=50, decoding=0, prefill_end_s=float("inf"))
+    seen_by_c = c.others(c.slot("w1"))
+    assert (seen_by_c.in_flight, seen_by_c.prefill_tokens, seen_by_c.decoding) == (3, 350, 1)
+    assert seen_by_c.prefill_end_s == float("inf")  # one prefill without a prediction
+    seen_by_a = a.others(a.slot("w1"))
+    assert (seen_by_a.in_flight, seen_by_a.prefill_tokens, seen_by_a.prefill_end_s) == (1, 50, float("inf"))
+    assert c.others(c.slot("w0")).in_flight == 0
+    # a row whose heartbeat stopped (a dead process) no longer counts
+    b.heartbeat(now=time.monotonic() - STALE_S - 1)
+    assert c.others(c.slot("w1")).in_flight == 2
+    # a restarted process starts from an empty row
+    restarted = SharedLoadTable(path, 3, 0)
+    assert c.others(c.slot("w1")).in_flight == 0
+    with pytest.raises(ValueError):
+        restarted.slot("x" * 200)
+    with pytest.raises(ValueError):
+        SharedLoadTable(path, 4, 0)  # another size
+    assert prefill_end_of([]) == 0.0 and prefill_end_of([3.0, 7.5]) == 7.5 and prefill_end_of([3.0, None]) == float("inf")
+    assert MAX_WORKERS >= 1024
+    for t in (a, b, c, restarted):
+        t.close()
+
+
+def test_merged_metrics_label_each_process():
+    one = ('# HELP kvroute_requests_total Requests.\n# TYPE kvroute_requests_total counter\n'
+           'kvroute_requests_total{worker="w0",status="200"} 3.0\n'
+           '# HELP kvroute_worker_in_flight In flight.\n# TYPE kvroute_worker_in_flight gauge\n'
+           'kvroute_worker_in_flight{worker="w0"} 1.0\n')
+    two = ('# HELP kvroute_requests_total Requests.\n# TYPE kvroute_requests_total counter\n'
+           'kvroute_requests_total{worker="w0",status="200"} 4.0\n')
+    merged = merge_metrics({0: one, 1: two}).decode()
+    fams = {f.name: f for f in text_string_to_metric_families(merged)}
+    assert fams["kvroute_requests"].type == "counter"
+    assert sorted((s.labels["process"], s.value) for s in fams["kvroute_requests"].samples) == [("0", 3.0), ("1", 4.0)]
+    assert [(s.labels, s.value) for s in fams["kvroute_worker_in_flight"].samples] == [
+        ({"worker": "w0", "process": "0"}, 1.0)]
+
+
+# ---- a real 2-process gateway --------------------------------------------------------------------
+def _fresh(method: str, url: str, **kw) -> httpx.Response:
+    """One request on a new connection (the kernel picks the process per connection)."""
+    headers = {"Connection": "close", **kw.pop("headers", {})}
+    return httpx.request(method, url, headers=headers, timeout=30, **kw)
+
+
+def _admin(base: str, method: str, path: str, **kw) -> httpx.Response:
+    return _fresh(method, base + path, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}, **kw)
+
+
+def _each_process(base: str, path: str, tries: int = 200) -> dict[str, httpx.Response]:
+    """``GET path`` (admin) on fresh connections until both processes have answered."""
+    got: dict[str, httpx.Response] = {}
+    for _ in range(tries):
+        r = _admin(base, "GET", path)
+        assert r.status_code == 200, r.text
+        got.setdefault(r.headers["x-kvroute-process"], r)
+        if len(got) == 2:
+            return got
+    raise AssertionError(f"only processes {sorted(got)} answered {tries} connections")
+
+
+def _children(pgid: int) -> set[int]:
+    out = set()
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    cmd = f.read().split(b"\0")
+                stat = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(stat[2]) == pgid and b"serve" in cmd and b"--processes" not in cmd and b"timeout" not in cmd[0]:
+                out.add(int(d))
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_procs(tmp_path_factory, tiny_model):
+    log_dir = tmp_path_factory.mktemp("serve-processes")
+    started: list[Proc] = []
+    try:
+        ports = iter(free_ports(7))  # per simulator HTTP, KV events, replay; then the gateway
+        sims, events = {}, {}
+        for name in ("w0", "w1"):
+            sim_port, ev, rp = next(ports), next(ports), next(ports)
+            argv = _sim_argv(tiny_model, sim_port)
+            argv[argv.index("--speedup") + 1] = "1"  # real decode speed: a long answer stays in flight
+            argv += ["--kv-events-config", json.dumps({
+                "enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
+                "endpoint": f"tcp://*:{ev}", "replay_endpoint": f"tcp://*:{rp}"})]
+            events[name] = {"events": f"tcp://127.0.0.1:{ev}", "replay": f"tcp://127.0.0.1:{rp}"}
+            proc = Proc(name, argv, log_dir)
+            started.append(proc)
+            sims[name] = Sim(name, f"http://127.0.0.1:{sim_port}", proc)
+        for sim in sims.values():
+            wait_http(sim.url + "/health", sim.proc, timeout_s=180)
+        import yaml
+
+        port = next(ports)
+        cfg = {"listen": {"host": "127.0.0.1", "port": port},
+               "models": [{"name": "tiny", "tokenizer": str(tiny_model), "block_size": BLOCK}],
+               "workers": [{"id": n, "url": s.url, "model": "tiny", **events[n]} for n, s in sims.items()],
+               "policy": {"name": "kv_aware"}}
+        path = log_dir / "gateway.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        gw = Proc("gateway", kvroute_argv("serve", "--config", str(path), "--processes", "2"), log_dir)
+        started.append(gw)
+        base = f"http://127.0.0.1:{port}"
+        wait_http(base + "/health", gw, timeout_s=180)
+        wait_until(lambda: len(_children(gw.popen.pid)) == 2, what="two gateway processes")
+        yield base, sims, gw
+    finally:
+        for p in reversed(started):
+            p.stop()
+
+
+def test_both_processes_route_one_prefix_to_one_worker(two_procs):
+    base, _, _ = two_procs
+    answers = _each_process(base, "/admin/workers")
+    for r in answers.values():  # every process has both workers, healthy, and hears their KV events
+        assert {w["id"]: (w["healthy"], w["events_live"]) for w in r.json()["workers"]} == {
+            "w0": (True, True), "w1": (True, True)}
+    first = _fresh("POST", base + "/v1/chat/completions", json=chat_body("processes-shared", "q0"))
+    home = first.headers["x-kvroute-worker"]
+    # each process hears the worker's KV events itself: wait until both credit the prefix
+    body = chat_body("processes-shared", "another question")
+    def credited_by(process: str) -> bool:
+        for _ in range(50):
+            r = _admin(base, "POST", "/admin/explain", json=body)
+            if r.headers["x-kvroute-process"] == process:
+                return r.json()["chosen"] == home and r.json()["reason"] == "prefix_hit"
+        raise AssertionError(f"process {process} never answered")
+
+    wait_until(lambda: credited_by("0") and credited_by("1"), what="both processes crediting the prefix")
+    workers = {_fresh("POST", base + "/v1/chat/completions", json=chat_body("processes-shared", f"q{i}"))
+               .headers["x-kvroute-worker"] for i in range(8)}
+    assert workers == {home}
+    decisions = _admin(base, "GET", "/admin/decisions").json()["decisions"]
+    assert len(decisions) >= 9 and {d["worker"] for d in decisions[:8]} == {home}
+    times = [d["time_unix_s"] for d in decisions]
+    assert times == sorted(times, reverse=True)  # merged over both processes, newest first
+
+
+def test_in_flight_through_one_process_counts_in_the_other(two_procs):
+    base, _, _ = two_procs
+    body = {**chat_body("processes-load", "tell a long story"), "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as client:  # one connection: one process holds the stream
+        with client.stream("POST", base + "/v1/chat/completions", json=body) as resp:
+            assert resp.status_code == 200
+            worker = resp.headers["x-kvroute-worker"]
+            lines = resp.iter_lines()  # kept: dropping the iterator would close the stream
+            first = next(lines)  # the answer is under way
+            assert first.startswith("data: {"), first
+            answers = _each_process(base, "/admin/workers")
+            for r in answers.values():
+                entry = {w["id"]: w for w in r.json()["workers"]}[worker]
+                assert entry["in_flight"] == entry["decoding"] == 1, (r.headers["x-kvroute-process"], entry)
+            assert sum(1 for line in lines if line.startswith("data: {")) >= 400
+    wait_until(lambda: all({w["id"]: w for w in r.json()["workers"]}[worker]["in_flight"] == 0
+                           for r in _each_process(base, "/admin/workers").values()),
+               what="the finished stream released in every process")
+
+
+def test_admin_changes_reach_every_process(two_procs):
+    base, sims, _ = two_procs
+    r = _admin(base, "DELETE", "/admin/workers/w1")
+    assert r.status_code == 200
+    for r in _each_process(base, "/admin/workers").values():
+        assert [w["id"] for w in r.json()["workers"]] == ["w0"]
+    r = _admin(base, "POST", "/admin/workers", json={"id": "w1", "url": sims["w1"].url, "model": "tiny"})
+    assert r.status_code == 201, r.text
+    wait_until(lambda: all(sorted(w["id"] for w in r.json()["workers"]) == ["w0", "w1"]
+                           for r in _each_process(base, "/admin/workers").values()), what="w1 back everywhere")
+    policy = {"name": "least_load"}
+    assert _admin(base, "PUT", "/admin/policy", json=policy).status_code == 200
+    for _ in range(20):
+        assert _admin(base, "GET", "/admin/policy").json()["name"] == "least_load"
+    assert _admin(base, "PUT", "/admin/policy", json={"name": "kv_aware"}).status_code == 200
+    merged = _fresh("GET", base + "/metrics").text
+    processes = {s.labels.get("process") for f in text_string_to_metric_families(merged)
+                 if f.name == "kvroute_in_flight" for s in f.samples}
+    assert processes == {"0", "1"}
+
+
+def test_a_killed_process_is_started_again(two_procs):
+    base, _, gw = two_procs
+    before = _children(gw.popen.pid)
+    victim = min(before)
+    os.kill(victim, signal.SIGKILL)
+    wait_until(lambda: len(_children(gw.popen.pid)) == 2 and victim not in _children(gw.popen.pid),
+               timeout_s=60, what="a new gateway process")
+    wait_until(lambda: len(_each_process(base, "/admin/workers")) == 2, timeout_s=60, what="both answering")
+    assert _fresh("POST", base + "/v1/chat/completions", json=chat_body("after-restart")).status_code == 200
