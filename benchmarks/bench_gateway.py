@@ -8,8 +8,11 @@ tokenization, index lookup, speculative insert), and through sglang-router
 and an ~8k-token chat, at concurrency 1 and 32, the targets take turns in rounds (so drift hits
 all alike) and the table prints p50/p99 latency and what each proxy adds over the straight path.
 Last, each target's most requests per second at concurrency 64 (short chat) for a few seconds.
+``--processes 1,2`` adds a ``kvroute serve --processes N`` target per N > 1 ("kvroute xN"); CPU
+is then summed over the gateway's processes, and the CPU-bound ceiling is what N processes on N
+free cores would serve.
 
-Usage: python benchmarks/bench_gateway.py [--requests 200] [--rounds 3] [--rps-seconds 5]
+Usage: python benchmarks/bench_gateway.py [--requests 200] [--rounds 3] [--rps-seconds 5] [--processes 1,2]
 Everything runs on loopback and stops by itself (each process has a deadline).
 """
 from __future__ import annotations
@@ -94,16 +97,32 @@ async def rate(session, url: str, body: bytes, concurrency: int, seconds: float)
     return done[0] / (time.perf_counter() - t0)
 
 
+def _descendants(pid: int) -> list[int]:
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            kids = [int(k) for k in open(f"/proc/{p}/task/{p}/children").read().split()]
+        except OSError:
+            kids = []
+        out += kids
+        todo += kids
+    return out
+
+
 def cpu_seconds(proc: subprocess.Popen | None) -> float:
-    """User + system CPU seconds of the process ``timeout`` started for ``proc`` (0 for None)."""
+    """User + system CPU seconds of every process below the ``timeout`` started for ``proc``
+    (the gateway, or a supervisor and its gateway processes; 0 for None)."""
     if proc is None:
         return 0.0
-    try:
-        child = open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()[0]
-        fields = open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in _descendants(proc.pid):
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK") if total else float("nan")
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -158,8 +177,10 @@ async def run(targets: dict[str, str], procs: dict[str, subprocess.Popen | None]
             note = ""
             if procs[t] is not None and used > 0:
                 # one process on one core can do at most 1 / (CPU per request) requests a second
-                note = (f"  proxy busy {used / elapsed * 100:.0f}% of one CPU; "
-                        f"CPU-bound ceiling ~{rps * elapsed / used:.0f} requests/s")
+                n = int(t.rsplit("x", 1)[1]) if t.startswith("kvroute x") else 1
+                per_cpu = rps * elapsed / used
+                note = (f"  proxy busy {used / elapsed * 100:.0f}% of one CPU; CPU-bound ceiling ~{per_cpu:.0f} "
+                        f"requests/s per CPU" + (f", ~{per_cpu * n:.0f} on {n} free CPUs" if n > 1 else ""))
             print(f"  {t:<14} {rps:>8.0f} requests/s{note}")
 
 
@@ -169,7 +190,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rps-seconds", type=float, default=5.0)
     ap.add_argument("--speedup", type=float, default=1e6, help="the sim's --speedup (large: near-instant)")
+    ap.add_argument("--processes", default="1", help="comma-separated gateway process counts to compare (e.g. 1,2)")
     args = ap.parse_args()
+    counts = sorted({int(n) for n in args.processes.split(",")})
     try:
         import uvloop
         uvloop.install()
@@ -178,7 +201,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
     procs: list[subprocess.Popen] = []
     try:
-        sim_port, gw_port, sg_port = free_ports(3)
+        sim_port, gw_port, sg_port, *more_ports = free_ports(3 + len(counts))
         sim_url = f"http://127.0.0.1:{sim_port}"
         procs.append(start([sys.executable, "-m", "kvroute", "sim", "--model", str(TINY), "--served-model-name",
                             "tiny", "--host", "127.0.0.1", "--port", str(sim_port), "--block-size", "32",
@@ -194,6 +217,14 @@ def main() -> int:
         wait_ready(f"http://127.0.0.1:{gw_port}/health", procs[-1], tmp / "gateway.log", 90)
         targets = {"direct": sim_url, "kvroute": f"http://127.0.0.1:{gw_port}"}
         target_procs: dict[str, subprocess.Popen | None] = {"direct": None, "kvroute": procs[-1]}
+        for n, port in zip([c for c in counts if c > 1], more_ports):
+            path = tmp / f"gateway-x{n}.yaml"
+            path.write_text(json.dumps({**cfg, "listen": {"host": "127.0.0.1", "port": port}}))
+            procs.append(start([sys.executable, "-m", "kvroute", "serve", "--config", str(path), "--processes", str(n)],
+                               tmp / f"gateway-x{n}.log"))
+            wait_ready(f"http://127.0.0.1:{port}/health", procs[-1], tmp / f"gateway-x{n}.log", 90)
+            targets[f"kvroute x{n}"] = f"http://127.0.0.1:{port}"
+            target_procs[f"kvroute x{n}"] = procs[-1]
         if importlib.util.find_spec("sglang_router") is not None:
             procs.append(start([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
                                 "--port", str(sg_port), "--worker-urls", sim_url, "--policy", "round_robin",
