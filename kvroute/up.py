@@ -361,7 +361,8 @@ def run(args: argparse.Namespace) -> int:
         start = time.monotonic()
         _wait_ready(cluster, args.ready_timeout_s, out)
         # the gateway starts once its workers answer, so its port never takes requests it must refuse
-        cluster.start("gateway", kvroute_argv("serve", "--config", str(cfg_path)), log_dir, base + "/health")
+        cluster.start("gateway", kvroute_argv("serve", "--config", str(cfg_path), "--processes", str(getattr(args, "processes", 1))),
+                      log_dir, base + "/health")
         _wait_ready(cluster, args.ready_timeout_s, out)
         while not _gateway_sees_workers(base, args.workers):  # health hysteresis: a few seconds
             dead = cluster.dead_child()
@@ -421,6 +422,8 @@ def register(subparsers) -> None:
                    help="routing policy (default ttft: lowest predicted TTFT, dispatch queue on; kv_aware, "
                         "round_robin, least_load, session)")
     p.add_argument("--speedup", type=float, default=1.0, help="simulated workers run this many times faster")
+    p.add_argument("--processes", type=int, default=1,
+                   help="gateway processes on the one port (kvroute serve --processes; default 1)")
     p.add_argument("--log-dir", default=None, help="where each process logs (default: a temp dir)")
     p.add_argument("--ready-timeout-s", type=float, default=None,
                    help="give up start-up after this long (default 300 s for sim, 900 s for vLLM)")

@@ -104,7 +104,7 @@ class Gateway:
         for factory in self._extra_factories:
             self.registry.add_task_factory(factory)
         regs = [self.registry.add(w) for w in self.cfg.workers]
-        if self.group is not None:  # a process whose row stops beating counts as dead to the others
+        if self.group is not None and self.group.table is not None:  # a silent row counts as a dead process
             self._heartbeat = asyncio.get_running_loop().create_task(self._beat(self.group), name="load-heartbeat")
         await self._wait_first_probe(regs)
         if self.cfg.discovery.kubernetes is not None:  # pods become workers as they turn Ready
@@ -144,7 +144,7 @@ class Gateway:
     @staticmethod
     async def _beat(group: ProcessGroup) -> None:
         while True:
-            group.table.heartbeat()
+            group.table.heartbeat()  # type: ignore[union-attr]
             await asyncio.sleep(HEARTBEAT_S)
 
     async def _wait_first_probe(self, regs: list[WorkerRegistration]) -> None:

@@ -36,6 +36,7 @@ log = logging.getLogger("kvroute.siblings")
 ENV_INDEX = "KVROUTE_PROCESS_INDEX"
 ENV_PROCESSES = "KVROUTE_PROCESSES"
 ENV_RUN_DIR = "KVROUTE_RUN_DIR"
+ENV_SHARED_LOAD = "KVROUTE_SHARED_LOAD"  # "off": each process sees only its own load (for comparison)
 SIBLING_HEADER = "x-kvroute-sibling"
 LOAD_FILE = "load"
 FANOUT_TIMEOUT_S = 10.0
@@ -72,12 +73,14 @@ def unix_socket(path: Path) -> socket.socket:
 @dataclass
 class ProcessGroup:
     """This process's place among its siblings. ``index``: 0..processes-1; ``run_dir``: the
-    supervisor's folder (the load table, the Unix sockets); ``table``: the shared load table."""
+    supervisor's folder (the load table, the Unix sockets); ``table``: the shared load table (None
+    with ``KVROUTE_SHARED_LOAD=off``: each process then sees the others' requests only in the
+    engines' scraped queues, as any other client's; kept for measuring the table's worth)."""
 
     index: int
     processes: int
     run_dir: Path
-    table: SharedLoadTable
+    table: SharedLoadTable | None
     admin_token: str | None = None
 
     @classmethod
@@ -89,7 +92,8 @@ class ProcessGroup:
             return None
         index, processes = int(env[ENV_INDEX]), int(env[ENV_PROCESSES])
         run_dir = Path(env[ENV_RUN_DIR])
-        return cls(index, processes, run_dir, SharedLoadTable(run_dir / LOAD_FILE, processes, index))
+        table = None if env.get(ENV_SHARED_LOAD) == "off" else SharedLoadTable(run_dir / LOAD_FILE, processes, index)
+        return cls(index, processes, run_dir, table)
 
     @property
     def sibling_indices(self) -> list[int]:
@@ -98,7 +102,8 @@ class ProcessGroup:
 
     def close(self) -> None:
         """Unmap the table."""
-        self.table.close()
+        if self.table is not None:
+            self.table.close()
 
     async def _one(self, index: int, method: str, path: str, body: bytes | None,
                    headers: dict[str, str]) -> tuple[int, int, bytes]:

@@ -50,6 +50,7 @@ class RigSpec:
     worker_argv: Any  # callable (i, port, events_cfg) -> (argv, env)
     policy_configs: dict[str, dict[str, Any]] = field(default_factory=dict)
     ready_timeout_s: float = 900.0
+    gateway_processes: int = 1  # kvroute serve --processes for every kvroute target
 
 
 def start_workers(spec: RigSpec, cluster: Cluster) -> list[RigWorker]:
@@ -85,7 +86,8 @@ def kvroute_launch(spec: RigSpec, policy: dict[str, Any], port: int, workers: li
     }
     path = spec.log_dir / f"{label.replace(':', '-')}.yaml"
     path.write_text(json.dumps(cfg, indent=1))  # JSON is YAML
-    return RouterLaunch([sys.executable, "-m", "kvroute", "serve", "--config", str(path)], {},
+    return RouterLaunch([sys.executable, "-m", "kvroute", "serve", "--config", str(path),
+                         "--processes", str(spec.gateway_processes)], {},
                         f"http://127.0.0.1:{port}", "/health", f"http://127.0.0.1:{port}/metrics")
 
 

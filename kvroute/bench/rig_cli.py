@@ -29,6 +29,8 @@ def add_rig_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--workers", type=_positive_int, default=2, help="number of workers (default 2)")
     r.add_argument("--engine", choices=["sim", "vllm"], default="sim",
                    help="kvroute sim (default) or real vLLM run by --vllm-python")
+    r.add_argument("--gateway-processes", type=int, default=1, metavar="N",
+                   help="run each kvroute gateway as kvroute serve --processes N (default 1)")
     r.add_argument("--routers", default=None, metavar="LIST",
                    help="comma-separated routers: kvroute:<policy> (ttft, kv_aware, round_robin, least_load, session, "
                         "or a --policy-config label) and peers sglang:cache_aware, sglang:round_robin, "
@@ -157,7 +159,7 @@ def _rig(args: argparse.Namespace) -> int:
         return sim_argv(up_args, i, port, events_cfg) + ["--timing-preset", args.timing_preset] + sim_extra, None
 
     spec = RigSpec(args.workers, args.engine, model_dir, args.model, args.block_size, log_dir, worker_argv,
-                   policy_configs)
+                   policy_configs, gateway_processes=args.gateway_processes)
     print(f"[rig] {args.workers} {args.engine} workers x {blocks or 'default'} KV blocks of {args.block_size}; "
           f"workload {workload.name}: {summary['requests']} requests, {summary['distinct_blocks']} distinct blocks, "
           f"ideal hit rate {summary['ideal_hit_rate']:.3f}; {arrivals.describe()}; routers: {', '.join(routers)}; "
