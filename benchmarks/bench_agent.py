@@ -20,6 +20,14 @@ Aims (issue 4): ingest >= 200k blocks/s in-memory; lookup p99 < 1 ms in-memory, 
     .venv/bin/python benchmarks/bench_agent.py                 # full size (about 4 GB RAM, ~5 min)
     .venv/bin/python benchmarks/bench_agent.py --quick         # small sizes, seconds
     .venv/bin/python benchmarks/bench_agent.py --baseline HEAD~1   # before/after side by side
+    .venv/bin/python benchmarks/bench_agent.py --quick --json out.json --plot plots/
+
+``--json FILE`` writes the figures (:mod:`kvroute.bench.figures`): table ``ingest`` (per backend:
+``blocks_per_s``, ``no_decode_blocks_per_s``, ``translate_only_blocks_per_s``), table ``lookup``
+(per variant: ``p50_ms``, ``p99_ms``, ``max_ms``, ``cpu_p50_ms``, ``cpu_p99_ms``, ``redis_ms``,
+``workers_matched``), table ``populate`` (``populate_s`` per index) and table ``memory``
+(``bytes_per_entry`` per index). ``--plot DIR`` draws ``ingest.png`` (events/s as blocks/s per
+backend), ``lookup.png`` (lookup latency per variant) and ``memory.png``.
 """
 from __future__ import annotations
 
@@ -48,6 +56,7 @@ from kvcore.events import BlockRemoved, BlockStored, EventBatch, decode_batch, e
 from kvcore.index.memory import MemoryIndex
 from kvcore.index.redis import RedisIndex
 from kvcore.kv_events import EventTranslator, write_ops
+from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures
 
 MODEL = "bench-model"
 
@@ -221,9 +230,11 @@ async def main() -> None:
     ap.add_argument("--skip-redis", action="store_true")
     ap.add_argument("--baseline", metavar="REV", default=None,
                     help="also run the index backends of this git revision, side by side (e.g. HEAD~1)")
+    add_output_args(ap)
     args = ap.parse_args()
     if args.quick:
         args.events, args.workers, args.blocks_per_worker, args.rounds = 500, 8, 5_000, 100
+    fig = new_figures("bench_agent", args)
 
     proc = None
     if not args.skip_redis and args.redis_url is None:
@@ -249,6 +260,8 @@ async def main() -> None:
         for name, r in rows.items():
             print(f"  {name:16} {r['blocks_per_s']:>18,.0f} b/s {r['no_decode_blocks_per_s']:>12,.0f} b/s "
                   f"{r['translate_only_blocks_per_s']:>11,.0f} b/s")
+        add_table(fig, "ingest", [{"backend": name, "blocks": n_blocks, "batches": len(payloads), **r}
+                                  for name, r in rows.items()])
 
         n_prompt_blocks = args.prompt_tokens // args.block_size
         prompt_keys = block_keys([random.Random(2).randrange(32000) for _ in range(args.prompt_tokens)],
@@ -298,6 +311,14 @@ async def main() -> None:
             print(f"  {name:34} {r['p50_ms']:>7.3f} {r['p99_ms']:>7.3f} {r['max_ms']:>7.3f} {r['cpu_p50_ms']:>8.3f} "
                   f"{r['cpu_p99_ms']:>8.3f} {server} {r['workers_matched']:>7}")
         print("  (cpu: this process's CPU time per lookup; redis ms: Redis's own time per lookup)")
+        add_table(fig, "lookup", [{"variant": name, "prompt_tokens": args.prompt_tokens, "workers": args.workers,
+                                   "blocks_per_worker": args.blocks_per_worker, "rounds": args.rounds,
+                                   **{("redis_ms" if k == "server_ms" else k): v for k, v in r.items()}}
+                                  for name, r in look.items()])
+        add_table(fig, "populate", [{"index": k, "populate_s": v} for k, v in pop_s.items()])
+        add_table(fig, "memory", [{"index": k, "bytes_per_entry": v, "source": "RSS"} for k, v in rss_per_entry.items()]
+                  + ([{"index": "redis", "bytes_per_entry": redis_bytes, "source": "INFO used_memory"}]
+                     if redis_bytes is not None else []))
         print(f"populate (s): " + ", ".join(f"{k} {v:.1f}" for k, v in pop_s.items()))
         print("memory per (block, worker) entry (distinct blocks, one worker each, gpu tier): " + ", ".join(
             f"{k} {v:.0f} B (RSS)" for k, v in rss_per_entry.items())
@@ -305,6 +326,16 @@ async def main() -> None:
     finally:
         if proc is not None:
             stop_group(proc)
+    add_chart(fig, "bars", "ingest.png", table="ingest", group_by="backend",
+              values=["blocks_per_s", "no_decode_blocks_per_s", "translate_only_blocks_per_s"], ylabel="blocks/s",
+              title=f"KV-event ingest, {args.blocks_per_event} blocks per event (aim >= 200000 blocks/s in-memory)")
+    add_chart(fig, "bars", "lookup.png", table="lookup", group_by="variant", values=["p50_ms", "p99_ms", "cpu_p50_ms"],
+              ylabel="ms", horizontal=True,
+              title=f"lookup of a {args.prompt_tokens}-token prompt, {args.workers} workers x "
+                    f"{args.blocks_per_worker} blocks (aims p99 < 1 ms in-memory, < 3 ms Redis)")
+    add_chart(fig, "bars", "memory.png", table="memory", group_by="index", values=["bytes_per_entry"],
+              ylabel="bytes per (block, worker) entry", title="index memory per entry")
+    emit(fig, args)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ model, printed side by side in one run.
 
     .venv/bin/python benchmarks/bench_e2e_vllm.py [--vllm-python PY] [--conversations 16]
         [--turns 6] [--system-prompts 4] [--system-tokens 800] [--concurrency 4]
-        [--blocks 512] [--pressure-blocks 160] [--skip-pressure]
+        [--blocks 512] [--pressure-blocks 160] [--skip-pressure] [--json FILE] [--plot DIR]
 
 Workload: multi-turn chat. ``--conversations`` conversations of ``--turns`` turns; conversation i
 uses system prompt i mod ``--system-prompts`` (each about ``--system-tokens`` tokens), then user
@@ -40,6 +40,15 @@ its predictions are exact when nothing is evicted and ~8 % high under pressure (
 mean error: blocks evicted between routing and prefill by the 4 requests in flight). Its TTFT tail
 is worse than round robin's when the cache is roomy: requests sharing a system prompt gather on the
 worker that holds it, while round robin spreads the load evenly and still hits the shared prompts.
+
+``--json FILE`` writes the figures (:mod:`kvroute.bench.figures`): table ``runs`` (per scenario and
+policy: ``ttft_p50_ms``, ``ttft_p95_ms``, ``wall_s``, ``hit_rate_vllm_metrics``, ``hit_rate_usage``,
+``ideal_hit_rate``, ``predicted_cached_tokens``, ``reported_cached_tokens``,
+``prediction_mae_tokens``, ``requests_w0``/``requests_w1``), table ``workload`` and ``report``, a
+``kvroute bench``-style report with one target per scenario and policy and a record per request
+(send time, TTFT, prompt and cached tokens, worker). ``--plot DIR`` draws ``ttft_cdf.png``,
+``hit_rate_over_time.png`` and ``worker_load.png`` (:mod:`kvroute.bench.plots`), and
+``hit_rate.png``, ``ttft.png`` and ``prediction.png`` (bars per scenario and policy).
 """
 from __future__ import annotations
 
@@ -64,6 +73,7 @@ from openai import OpenAI
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 from model_cache import ensure_model  # noqa: E402
+from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures  # noqa: E402
 from kvroute.bench.workers import metric_samples, reset_prefix_cache  # noqa: E402
 
 from kvcore.tokenization import PromptTokenizer  # noqa: E402
@@ -195,6 +205,7 @@ def run_policy(c: Cluster, policy: str, conversations: list[list[list[dict]]], c
     ttft: list[float] = []
     cached = prompt = 0
     per_worker: dict[str, int] = {}
+    records: list[dict] = []  # per request, for the figures: send time, TTFT, tokens, worker
 
     def one(messages: list[dict]) -> None:
         nonlocal cached, prompt
@@ -215,6 +226,10 @@ def run_policy(c: Cluster, policy: str, conversations: list[list[list[dict]]], c
             prompt += usage.prompt_tokens
             cached += (usage.prompt_tokens_details.cached_tokens or 0) if usage.prompt_tokens_details else 0
             per_worker[worker] = per_worker.get(worker, 0) + 1
+            details = usage.prompt_tokens_details
+            records.append({"index": len(records), "start_s": t0 - t_start, "ttft_ms": 1000 * ttft[-1],
+                            "prompt_tokens": usage.prompt_tokens, "worker": worker, "error": None,
+                            "cached_tokens": (details.cached_tokens or 0) if details else 0})
 
     t_start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
@@ -242,7 +257,7 @@ def run_policy(c: Cluster, policy: str, conversations: list[list[list[dict]]], c
             "cached_tokens": cached, "predicted_tokens": delta("kvroute_predicted_cached_tokens_sum"),
             "reported_tokens": delta("kvroute_actual_cached_tokens_sum"),
             "mae_tokens": delta("kvroute_cached_tokens_error_tokens_sum") / n_pred if n_pred else float("nan"),
-            "n_predictions": n_pred, "split": per_worker}
+            "n_predictions": n_pred, "split": per_worker, "records": records}
 
 
 def print_table(title: str, results: dict[str, dict], ideal: float) -> None:
@@ -265,6 +280,36 @@ def print_table(title: str, results: dict[str, dict], ideal: float) -> None:
         print(f"{label:40s}" + "".join(f"{c:>18s}" for c in cells))
 
 
+def figure_rows(title: str, blocks: int, results: dict[str, dict], ideal: float) -> list[dict]:
+    """The rows of :func:`print_table` for the figures (before it turns ``split`` into text)."""
+    rows = []
+    for policy, r in results.items():
+        pred = bool(r["n_predictions"])
+        rows.append({"scenario": title.split(":")[0], "blocks_per_worker": blocks, "policy": policy,
+                     "requests": len(r["records"]), "ttft_p50_ms": r["ttft_p50_ms"], "ttft_p95_ms": r["ttft_p95_ms"],
+                     "wall_s": r["wall_s"], "hit_rate_vllm_metrics": r["hit_vllm_metrics"],
+                     "hit_rate_usage": r["hit_usage"], "ideal_hit_rate": ideal, "prompt_tokens": r["prompt_tokens"],
+                     "cached_tokens": r["cached_tokens"],
+                     "predicted_cached_tokens": r["predicted_tokens"] if pred else None,
+                     "reported_cached_tokens": r["reported_tokens"] if pred else None,
+                     "prediction_mae_tokens": r["mae_tokens"] if pred else None,
+                     **{f"requests_{w}": r["split"].get(w, 0) for w in ("w0", "w1")}})
+    return rows
+
+
+def report_target(name: str, r: dict) -> dict:
+    """A ``kvroute bench``-style target (records, per-worker requests and prefill tokens) of one
+    policy's run, for :func:`kvroute.bench.plots.write_plots`."""
+    per_worker: dict[str, dict[str, int]] = {}
+    for rec in r["records"]:
+        w = per_worker.setdefault(rec["worker"], {"requests": 0, "prefill_tokens": 0, "cached_tokens": 0})
+        w["requests"] += 1
+        w["prefill_tokens"] += rec["prompt_tokens"] - rec["cached_tokens"]
+        w["cached_tokens"] += rec["cached_tokens"]
+    return {"name": name, "requests": len(r["records"]), "hit_rate": r["hit_usage"], "per_worker": per_worker,
+            "records": r["records"]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--vllm-python", default=os.environ.get("KVR_VLLM_PYTHON", ""))
@@ -280,7 +325,9 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32", help="vLLM --dtype (float32: this CPU has no bf16 instructions)")
     ap.add_argument("--compile", action="store_true", help="let vLLM torch.compile (slower start)")
     ap.add_argument("--deadline-s", type=int, default=1800, help="hard limit per cluster")
+    add_output_args(ap)
     args = ap.parse_args()
+    fig = new_figures("bench_e2e_vllm", args)
     if not args.vllm_python:
         ap.error("--vllm-python (or KVR_VLLM_PYTHON) must name an interpreter with vLLM")
 
@@ -299,6 +346,12 @@ def main() -> int:
     print(f"workload: {args.conversations} conversations x {args.turns} turns, {args.system_prompts} system prompts "
           f"of ~{args.system_tokens} tokens, {len(order_ids)} requests, {prompt_total} prompt tokens; "
           f"final prompts need {live_blocks} distinct KV blocks; model {model_dir}")
+    add_table(fig, "workload", [{"conversations": args.conversations, "turns": args.turns, "requests": len(order_ids),
+                                 "prompt_tokens": prompt_total, "live_blocks": live_blocks, "ideal_hit_rate": ideal}])
+    fig["report"] = {"workload": {"name": f"multiturn chat ({args.conversations} x {args.turns})",
+                                  "requests": len(order_ids), "mean_prompt_tokens": prompt_total / len(order_ids),
+                                  "ideal_hit_rate": ideal},
+                     "arrivals": f"closed loop, concurrency {args.concurrency}, round by round", "targets": []}
 
     log_dir = Path(tempfile.mkdtemp(prefix="bench-e2e-vllm-"))
     scenarios = []
@@ -316,8 +369,20 @@ def main() -> int:
             results = {p: run_policy(c, p, conversations, args.concurrency) for p in ("kv_aware", "round_robin")}
         finally:
             stop_cluster(c)
+        add_table(fig, "runs", figure_rows(title, blocks, results, ideal))
+        fig["report"]["targets"] += [report_target(f"{p}, {blocks} blocks", r) for p, r in results.items()]
         print_table(title, results, ideal)
     print(f"\nlogs: {log_dir}")
+    add_chart(fig, "bench_report", ".")
+    add_chart(fig, "bars", "hit_rate.png", table="runs", group_by="scenario", series_by="policy",
+              values=["hit_rate_vllm_metrics", "hit_rate_usage"], ylabel="share of prompt tokens",
+              title=f"prefix-hit rate per scenario and policy (ideal {ideal:.3f})")
+    add_chart(fig, "bars", "ttft.png", table="runs", group_by="scenario", series_by="policy",
+              values=["ttft_p50_ms", "ttft_p95_ms"], ylabel="ms", title="TTFT per scenario and policy (client side)")
+    add_chart(fig, "bars", "prediction.png", table="runs", group_by=["scenario", "policy"],
+              values=["predicted_cached_tokens", "reported_cached_tokens"], ylabel="tokens",
+              title="the gateway's predicted cached tokens vs vLLM's reported ones")
+    emit(fig, args)
     return 0
 
 

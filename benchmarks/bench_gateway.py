@@ -13,7 +13,15 @@ is then summed over the gateway's processes, and the CPU-bound ceiling is what N
 free cores would serve.
 
 Usage: python benchmarks/bench_gateway.py [--requests 200] [--rounds 3] [--rps-seconds 5] [--processes 1,2]
+       [--json FILE] [--plot DIR]
 Everything runs on loopback and stops by itself (each process has a deadline).
+
+``--json FILE`` writes the figures (:mod:`kvroute.bench.figures`): table ``latency`` (per workload,
+concurrency and target: ``p50_ms``, ``p99_ms``, ``added_p50_ms``, ``added_p99_ms``,
+``proxy_cpu_per_request_ms``) and table ``throughput`` (per target: ``requests_per_s``,
+``proxy_busy_cpu_share``, ``ceiling_requests_per_s_per_cpu``...). ``--plot DIR`` draws
+``latency.png`` (p50/p99 per target and workload, log scale), ``added_latency.png`` and
+``throughput.png``.
 """
 from __future__ import annotations
 
@@ -32,6 +40,7 @@ from pathlib import Path
 
 import aiohttp
 
+from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures
 from kvroute.bench.workers import wait_ready
 from kvroute.up import free_ports
 
@@ -130,7 +139,9 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-async def run(targets: dict[str, str], procs: dict[str, subprocess.Popen | None], args) -> None:
+async def run(targets: dict[str, str], procs: dict[str, subprocess.Popen | None], args, fig: dict) -> None:
+    """Measure every target (latency cells, then throughput), print the tables and add them to
+    ``fig`` (tables ``latency`` and ``throughput``)."""
     short = {"model": "tiny", "messages": [{"role": "user", "content": "Hello, how are you today?"}],
              "max_tokens": 1}
     long_ = {"model": "tiny", "messages": [{"role": "system", "content": long_system_prompt(8000)},
@@ -160,6 +171,13 @@ async def run(targets: dict[str, str], procs: dict[str, subprocess.Popen | None]
                 base50, base99 = pct(lat["direct"], 0.5), pct(lat["direct"], 0.99)
                 for t in targets:
                     p50, p99 = pct(lat[t], 0.5), pct(lat[t], 0.99)
+                    direct = t == "direct"
+                    add_table(fig, "latency", [{
+                        "workload": name, "concurrency": conc, "target": t, "requests": len(lat[t]),
+                        "p50_ms": p50 * 1e3, "p99_ms": p99 * 1e3,
+                        "added_p50_ms": None if direct else (p50 - base50) * 1e3,
+                        "added_p99_ms": None if direct else (p99 - base99) * 1e3,
+                        "proxy_cpu_per_request_ms": None if direct else cpu[t] / len(lat[t]) * 1e3}])
                     if t == "direct":
                         added = f"{'':>10} {'':>10} {'':>10}"
                     else:
@@ -175,12 +193,16 @@ async def run(targets: dict[str, str], procs: dict[str, subprocess.Popen | None]
             elapsed = time.perf_counter() - t0
             used = cpu_seconds(procs[t]) - c0
             note = ""
+            row = {"target": t, "concurrency": 64, "duration_s": args.rps_seconds, "requests_per_s": rps}
             if procs[t] is not None and used > 0:
                 # one process on one core can do at most 1 / (CPU per request) requests a second
                 n = int(t.rsplit("x", 1)[1]) if t.startswith("kvroute x") else 1
                 per_cpu = rps * elapsed / used
                 note = (f"  proxy busy {used / elapsed * 100:.0f}% of one CPU; CPU-bound ceiling ~{per_cpu:.0f} "
                         f"requests/s per CPU" + (f", ~{per_cpu * n:.0f} on {n} free CPUs" if n > 1 else ""))
+                row.update(proxy_busy_cpu_share=used / elapsed, ceiling_requests_per_s_per_cpu=per_cpu,
+                           processes=n, ceiling_requests_per_s_on_processes_cpus=per_cpu * n)
+            add_table(fig, "throughput", [row])
             print(f"  {t:<14} {rps:>8.0f} requests/s{note}")
 
 
@@ -191,7 +213,9 @@ def main() -> int:
     ap.add_argument("--rps-seconds", type=float, default=5.0)
     ap.add_argument("--speedup", type=float, default=1e6, help="the sim's --speedup (large: near-instant)")
     ap.add_argument("--processes", default="1", help="comma-separated gateway process counts to compare (e.g. 1,2)")
+    add_output_args(ap)
     args = ap.parse_args()
+    fig = new_figures("bench_gateway", args)
     counts = sorted({int(n) for n in args.processes.split(",")})
     try:
         import uvloop
@@ -238,7 +262,7 @@ def main() -> int:
         else:
             print("sglang-router not installed (pip install sglang-router): left out")
         print(f"machine: {os.cpu_count()} CPUs; one sim worker (--speedup {args.speedup:g}); logs in {tmp}")
-        asyncio.run(run(targets, target_procs, args))
+        asyncio.run(run(targets, target_procs, args, fig))
     finally:
         for p in reversed(procs):
             try:
@@ -246,6 +270,15 @@ def main() -> int:
                 p.wait(10)
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 os.killpg(p.pid, signal.SIGKILL)
+    title = f"one sim worker (--speedup {args.speedup:g}), {args.rounds} rounds x {args.requests} requests per cell"
+    add_chart(fig, "bars", "latency.png", table="latency", group_by=["workload", "concurrency"], series_by="target",
+              values=["p50_ms", "p99_ms"], ylabel="ms", log_y=True, title=f"latency per target; {title}")
+    add_chart(fig, "bars", "added_latency.png", table="latency", group_by=["workload", "concurrency"],
+              series_by="target", values=["added_p50_ms", "added_p99_ms"], ylabel="ms",
+              title=f"latency added over the direct path; {title}")
+    add_chart(fig, "bars", "throughput.png", table="throughput", group_by="target", values=["requests_per_s"],
+              ylabel="requests/s", title=f"short chat, concurrency 64, {args.rps_seconds:g} s per target")
+    emit(fig, args)
     return 0
 
 

@@ -21,8 +21,19 @@ max_queued: Q, queue_timeout_s: T}`` and one without.
    second of the arrival window.
 
 Usage: .venv/bin/python benchmarks/bench_overload.py [--window-s 30] [--workers 2] [--json out.json]
+       [--plot DIR]
 Everything runs on loopback and stops by itself (each process has a deadline). The figures are
 wall-clock: on a busy machine run it alone.
+
+``--json FILE`` writes the figures (:mod:`kvroute.bench.figures`): table ``capacity`` (one row:
+``idle_ttft_p50_ms``, ``nominal_per_s``, ``capacity_per_s``, ``offered_per_s``), table ``sweep``
+(per rate: ``rate_per_s``, ``completed``, ``ttft_p50_ms``, ``ttft_p99_ms``, ``near_idle``), table
+``overload`` (per gateway: ``offered_per_s``, ``completed``, ``rejected_429``, ``ttft_p50_ms``,
+``ttft_p99_ms``, ``goodput_per_s``, ``drain_s``), ``samples.ttft_ms`` (every completed overload
+request's TTFT per gateway) and, as before, ``args`` and the raw figures (``idle_ttft_p50_s``,
+``capacity_rps``, ``sweep``, ``runs``, ...). ``--plot DIR`` draws ``goodput.png``,
+``overload_ttft.png``, ``ttft_cdf.png`` (TTFT CDF per gateway under overload) and
+``capacity_sweep.png`` (TTFT p50/p99 against the offered rate).
 """
 from __future__ import annotations
 
@@ -42,6 +53,8 @@ from pathlib import Path
 import aiohttp
 import yaml
 
+from kvroute.bench.figures import (add_chart, add_output_args, add_samples, add_series, add_table, emit,
+                                   new_figures)
 from kvroute.bench.stats import percentile
 from kvroute.bench.workers import wait_ready
 from kvroute.up import free_ports
@@ -154,7 +167,15 @@ def ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1000:.0f}"
 
 
-async def bench(args, gw_plain: str, gw_adm: str, sims: list[str]) -> dict:
+def to_ms(v: float | None) -> float | None:
+    """Seconds to milliseconds (None stays None)."""
+    return None if v is None else v * 1000
+
+
+async def bench(args, gw_plain: str, gw_adm: str, sims: list[str], fig: dict) -> dict:
+    """Idle TTFT, the capacity sweep and the overload runs (see the module docstring); prints the
+    sweep, adds every completed overload request's TTFT to ``fig["samples"]["ttft_ms"]`` and
+    returns the figures."""
     conn = aiohttp.TCPConnector(limit=0, limit_per_host=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=600)) as session:
         url = gw_plain + "/v1/chat/completions"
@@ -199,6 +220,8 @@ async def bench(args, gw_plain: str, gw_adm: str, sims: list[str]) -> dict:
             run = await open_loop(session, gw + "/v1/chat/completions", offered, args.window_s, 99, args, next_id)
             next_id += run["sent"]
             out[name] = figures(run, args.window_s, args.ttft_target_s)
+            add_samples(fig, "ttft_ms", name,
+                        [tt * 1000 for st, tt, _ in run["results"] if st == 200 and tt is not None])
         return {"idle_ttft_p50_s": idle_p50, "nominal_rps": nominal, "capacity_rps": capacity, "sweep": sweep,
                 "offered_rps": offered, "runs": out}
 
@@ -223,8 +246,9 @@ def main() -> int:
     p.add_argument("--max-in-flight-per-worker", type=int, default=None, help="K (default: --max-num-seqs)")
     p.add_argument("--max-queued", type=int, default=None, help="Q (default: K x workers)")
     p.add_argument("--queue-timeout-s", type=float, default=0.5, help="T")
-    p.add_argument("--json", type=Path, default=None)
+    add_output_args(p)
     args = p.parse_args()
+    fig = new_figures("bench_overload", args)
     k = args.max_in_flight_per_worker or args.max_num_seqs
     q = args.max_queued if args.max_queued is not None else k * args.workers
     admission = {"max_in_flight_per_worker": k, "max_queued": q, "queue_timeout_s": args.queue_timeout_s}
@@ -260,7 +284,7 @@ def main() -> int:
             procs.append(proc)
             gws[name] = f"http://127.0.0.1:{port}"
             wait_ready(gws[name] + "/health", proc, log)
-        res = asyncio.run(bench(args, gws["plain"], gws["admission"], [u for u, _, _ in sims]))
+        res = asyncio.run(bench(args, gws["plain"], gws["admission"], [u for u, _, _ in sims], fig))
     finally:
         for proc in reversed(procs):
             stop(proc)
@@ -274,8 +298,34 @@ def main() -> int:
         print(f"{name:<14}{f['offered_rps']:>10.1f}{f['sent']:>6}{f['completed']:>6}{f['rejected_429']:>6}"
               f"{sum(f['other'].values()):>7}{ms(f['ttft_p50_s']):>13}{ms(f['ttft_p99_s']):>13}"
               f"{f['goodput_rps']:>11.1f}{f['drain_s']:>9.1f}")
-    if args.json:
-        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, **res}, indent=1))
+    add_table(fig, "capacity", [{"idle_ttft_p50_ms": to_ms(res["idle_ttft_p50_s"]), "nominal_per_s": res["nominal_rps"],
+                                 "capacity_per_s": res["capacity_rps"], "offered_per_s": res["offered_rps"],
+                                 "ttft_target_ms": args.ttft_target_s * 1000, "window_s": args.window_s}])
+    add_table(fig, "sweep", [{"rate_per_s": f["rate"], "sent": f["sent"], "completed": f["completed"],
+                              "ttft_p50_ms": to_ms(f["ttft_p50_s"]), "ttft_p99_ms": to_ms(f["ttft_p99_s"]),
+                              "near_idle": f["near_idle"], "per_worker": f["per_worker"]} for f in res["sweep"]])
+    add_table(fig, "overload", [{"gateway": name, "offered_per_s": f["offered_rps"], "sent": f["sent"],
+                                 "completed": f["completed"], "rejected_429": f["rejected_429"],
+                                 "other": sum(f["other"].values()), "ttft_p50_ms": to_ms(f["ttft_p50_s"]),
+                                 "ttft_p99_ms": to_ms(f["ttft_p99_s"]), "good": f["good"],
+                                 "goodput_per_s": f["goodput_rps"], "drain_s": f["drain_s"]}
+                                for name, f in res["runs"].items()])
+    for q in ("p50", "p99"):
+        add_series(fig, "sweep_ttft_ms", f"TTFT {q}", [(f["rate"], to_ms(f[f"ttft_{q}_s"])) for f in res["sweep"]
+                                                       if f[f"ttft_{q}_s"] is not None])
+    title = (f"Poisson {res['offered_rps']:.1f} req/s ({args.overload:g} x capacity {res['capacity_rps']:.1f}) "
+             f"for {args.window_s:g} s, {args.workers} workers")
+    add_chart(fig, "bars", "goodput.png", table="overload", group_by="gateway",
+              values=["offered_per_s", "goodput_per_s"], ylabel="requests/s",
+              title=f"goodput (TTFT <= {args.ttft_target_s:g} s) per gateway; {title}")
+    add_chart(fig, "bars", "overload_ttft.png", table="overload", group_by="gateway",
+              values=["ttft_p50_ms", "ttft_p99_ms"], ylabel="TTFT (ms)", title=f"TTFT of the completed; {title}")
+    add_chart(fig, "cdf", "ttft_cdf.png", samples="ttft_ms", xlabel="TTFT (ms)", title=f"TTFT CDF; {title}")
+    add_chart(fig, "lines", "capacity_sweep.png", series="sweep_ttft_ms", xlabel="offered rate (requests/s)",
+              ylabel="TTFT (ms)", hline=to_ms(res["idle_ttft_p50_s"]),
+              title="capacity sweep through the plain gateway (dashed: idle TTFT p50)")
+    fig.update({"args": {k: str(v) for k, v in vars(args).items()}, **res})
+    emit(fig, args)
     return 0
 
 

@@ -22,10 +22,20 @@ concurrent streams, and how long the cluster takes to converge again after each 
    (bench_overload.py), run after the above, so one run prints every figure of the issue.
 
 Usage: python benchmarks/bench_resilience.py [--requests 2000] [--concurrency 500] [--json FILE]
-       [--fuzz-examples 100] [--overload]
+       [--plot DIR] [--fuzz-examples 100] [--overload]
 Everything runs on loopback; every process has a hard deadline (``timeout -s KILL``) and is stopped
 at the end; every client call has a timeout, so a hang is counted, never waited on. Exit status 0
 only when no client hung, no request that should succeed failed and every fault converged again.
+
+``--json FILE`` writes the figures (:mod:`kvroute.bench.figures`): table ``soak`` (one row:
+``errors``, ``wall_s``, ``requests_per_s``, ``rss_before_bytes``/``rss_peak_bytes``/
+``rss_after_bytes``, ``fds_before``/``fds_peak``/``fds_after``), table ``convergence`` (per fault
+and measure: ``time_s``, None when not reached), table ``stream_outcomes`` (how the streams on the
+killed and on the other worker ended) and, as before, the raw ``soak``, ``worker_kill``,
+``index_faults`` and ``failures``. ``--plot DIR`` draws ``convergence.png``, ``soak_memory.png``,
+``soak_fds.png`` and ``stream_outcomes.png``. With ``--fuzz-examples``/``--overload`` the
+companions get ``--json`` (next to FILE: ``NAME.bench_fuzz.json``...) and ``--plot DIR/bench_fuzz``
+(``DIR/bench_overload``) too.
 """
 from __future__ import annotations
 
@@ -49,6 +59,7 @@ import httpx
 import orjson
 import psutil
 
+from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures
 from kvroute.bench.process_sampler import Sampler
 from kvroute.bench.workers import wait_ready
 from kvroute.up import free_ports
@@ -627,17 +638,63 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def collect(results: dict, fig: dict) -> None:
+    """Add the tables and charts of ``results`` (what :func:`table` prints) to ``fig``."""
+    s = results.get("soak")
+    if s:
+        add_table(fig, "soak", [{
+            "soak": f"{s['requests']} requests at concurrency {s['concurrency']}", "requests": s["requests"],
+            "concurrency": s["concurrency"], "errors": s["errors"], "wall_s": s["wall_s"],
+            "requests_per_s": s["requests_per_s"],
+            **{f"rss_{k}_bytes": v * MIB for k, v in zip(("before", "peak", "after"), s["rss_mib"])},
+            **{f"fds_{k}": v for k, v in zip(("before", "peak", "after"), s["fds"])}}])
+        add_chart(fig, "bars", "soak_memory.png", table="soak", group_by="soak",
+                  values=["rss_before_bytes", "rss_peak_bytes", "rss_after_bytes"], scale=1 / MIB,
+                  ylabel="gateway RSS (MiB)", title="soak: the gateway's resident memory before / peak / after")
+        add_chart(fig, "bars", "soak_fds.png", table="soak", group_by="soak",
+                  values=["fds_before", "fds_peak", "fds_after"], ylabel="open file descriptors",
+                  title="soak: the gateway's open fds before / peak / after")
+    rows = []
+    k = results.get("worker_kill")
+    if k:
+        for what in ("marked_down_s", "restart_sim_ready_s", "healthy_again_s", "routed_again_s"):
+            rows.append({"fault": "kill -9 worker", "measure": what.removesuffix("_s"), "time_s": k[what]})
+        kinds = sorted(set(k["affected_outcomes"]) | set(k["unaffected_outcomes"]))
+        add_table(fig, "stream_outcomes", [{"streams": name, **{kind: d.get(kind, 0) for kind in kinds}}
+                                           for name, d in (("on the killed worker", k["affected_outcomes"]),
+                                                           ("on the other worker", k["unaffected_outcomes"]))])
+        add_chart(fig, "bars", "stream_outcomes.png", table="stream_outcomes", group_by="streams", values=kinds,
+                  ylabel="streams", title=f"kill -9 worker: how the {k['streams']} streams under way ended")
+    x = results.get("index_faults")
+    if x:
+        for fault, what in (("redis stop+start", "redis_matched_again_s"),
+                            ("kill -9 agent", "agent_killed_confirmed_expire_s"),
+                            ("kill -9 agent", "agent_killed_routed_expire_s"),
+                            ("restart agent", "agent_matched_again_s"),
+                            ("restart sim", "sim_new_prompt_matched_s"),
+                            ("restart sim", "sim_old_entries_dropped_s"),
+                            ("restart sim", "sim_matched_again_s")):
+            if what in x:
+                rows.append({"fault": fault, "measure": what.removesuffix("_s"), "time_s": x[what]})
+    if rows:
+        add_table(fig, "convergence", [{**r, "reached": r["time_s"] is not None} for r in rows])
+        add_chart(fig, "bars", "convergence.png", table="convergence", group_by=["fault", "measure"],
+                  values=["time_s"], ylabel="seconds", horizontal=True,
+                  title=f"time to converge after each fault (missing bar: not reached in {CONVERGE_S:g} s)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--concurrency", type=int, default=500)
-    ap.add_argument("--json", type=Path, help="write the figures here as JSON")
+    add_output_args(ap, json_help="write the figures here as JSON")
     ap.add_argument("--keep-logs", action="store_true", help="keep the processes' logs (path printed)")
     ap.add_argument("--fuzz-examples", type=int, default=0, metavar="N",
                     help="also run benchmarks/bench_fuzz.py with N examples per operation (0: skip)")
     ap.add_argument("--overload", action="store_true",
                     help="also run benchmarks/bench_overload.py (goodput at 2x capacity, ~2 min)")
     args = ap.parse_args()
+    fig = new_figures("bench_resilience", args)
     if shutil.which("redis-server") is None:
         print("redis-server is not on PATH", file=sys.stderr)
         return 2
@@ -656,14 +713,19 @@ def main() -> int:
         else:
             print(f"logs: {log_dir}")
     print(table(results))
-    if args.json:
-        args.json.write_text(json.dumps({**results, "failures": failures}, indent=2, default=str))
+    collect(results, fig)
+    fig.update({**results, "failures": list(failures)})
+    emit(fig, args)
     for name, extra in (("bench_fuzz", ["--examples", str(args.fuzz_examples)] if args.fuzz_examples else None),
                         ("bench_overload", [] if args.overload else None)):
         if extra is None:
             continue
         # the companion benchmarks print their own tables; one run of this script gives every figure
         print(f"\n== {name}", flush=True)
+        if args.json:
+            extra += ["--json", str(args.json.with_name(f"{args.json.stem}.{name}.json"))]
+        if args.plot:
+            extra += ["--plot", str(args.plot / name)]
         done = subprocess.run([sys.executable, str(Path(__file__).with_name(f"{name}.py")), *extra], timeout=3600)
         if done.returncode != 0:
             failures.append(f"{name} exited {done.returncode}")

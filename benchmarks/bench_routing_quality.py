@@ -33,6 +33,15 @@ infinite-cache bound is 37.4 %), load imbalance as max/mean over workers of requ
 computed, and modelled TTFT p50/p90. Besides the four policies with default settings, three
 kv_aware variants show what the overload guard and the load term do: without a load term every
 request shares block 0 with every worker's cache, so all traffic piles onto one worker.
+
+``--json FILE`` writes the figures (:mod:`kvroute.bench.figures`): table ``policies`` (one row per
+policy: ``hit_rate``, ``gpu_hit_rate``, ``cpu_hit_rate`` as fractions, ``requests_max_over_mean``,
+``prefill_max_over_mean``, ``ttft_p50_ms``, ``ttft_p90_ms``, ``sim_s``, ``reasons``), table
+``per_worker`` (requests and prefill tokens per policy and worker) and ``report``, a
+``kvroute bench``-style report with one record per request and policy (send time = arrival,
+modelled TTFT, cached tokens, worker). ``--plot DIR`` draws ``ttft_cdf.png`` (modelled TTFT per
+policy), ``hit_rate_over_time.png``, ``worker_load.png`` (:mod:`kvroute.bench.plots`),
+``hit_rate.png`` and ``load_imbalance.png`` (bars per policy).
 """
 from __future__ import annotations
 
@@ -49,6 +58,7 @@ from pathlib import Path
 
 from kvcore.index.base import TierMatch
 from kvcore.index.memory import MemoryIndex
+from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures
 from router.policies.base import Candidate, Policy, RouteRequest, WorkerLoad
 from router.policies.factory import make_policy
 
@@ -179,6 +189,8 @@ class Result:
     reasons: Counter = field(default_factory=Counter)
     workers: list[SimWorker] = field(default_factory=list)
     wall_s: float = 0.0
+    cached_tokens: list[int] = field(default_factory=list)  # per request, in trace order
+    worker_ids: list[str] = field(default_factory=list)  # per request, in trace order
 
 
 def simulate(label: str, policy: Policy, trace: list[TraceRequest], args: argparse.Namespace) -> Result:
@@ -205,6 +217,8 @@ def simulate(label: str, policy: Policy, trace: list[TraceRequest], args: argpar
         result.gpu_hit_tokens += gpu * TRACE_BLOCK_TOKENS
         result.cpu_hit_tokens += cpu * TRACE_BLOCK_TOKENS
         result.reasons[decision.reason] += 1
+        result.cached_tokens.append(cached)
+        result.worker_ids.append(worker.worker_id)
         result.ttft_s.append(worker.start(r.arrival_s, r.input_tokens - cached, r.output_tokens,
                                           args.prefill_tokens_per_s, decode_s))
     result.wall_s = time.perf_counter() - t0
@@ -233,6 +247,60 @@ def report(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def ideal_cached_tokens(trace: list[TraceRequest]) -> int:
+    """Prompt tokens an infinite cache shared by every worker would hit over ``trace``: per
+    request, the longest run of its blocks from block 0 seen in any earlier request."""
+    seen: set[int] = set()
+    total = 0
+    for r in trace:
+        n = 0
+        while n < len(r.keys) and r.keys[n] in seen:
+            n += 1
+        total += n * TRACE_BLOCK_TOKENS
+        seen.update(r.keys)
+    return total
+
+
+def collect_figures(results: list[Result], trace: list[TraceRequest], args: argparse.Namespace) -> dict:
+    """The figures dict of the run (see the module docstring): tables, the bench-style report
+    (TTFT in ms), and the charts ``--plot`` draws."""
+    fig = new_figures("bench_routing_quality", args)
+    input_total = sum(r.input_tokens for r in trace)
+    for r in results:
+        q = statistics.quantiles(r.ttft_s, n=10)
+        add_table(fig, "policies", [{
+            "policy": r.label, "requests": len(r.ttft_s), "input_tokens": r.input_tokens,
+            "hit_rate": (r.gpu_hit_tokens + r.cpu_hit_tokens) / r.input_tokens,
+            "gpu_hit_rate": r.gpu_hit_tokens / r.input_tokens, "cpu_hit_rate": r.cpu_hit_tokens / r.input_tokens,
+            "requests_max_over_mean": _max_over_mean([w.requests for w in r.workers]),
+            "prefill_max_over_mean": _max_over_mean([w.prefill_tokens_done for w in r.workers]),
+            "ttft_p50_ms": 1000 * statistics.median(r.ttft_s), "ttft_p90_ms": 1000 * q[8],
+            "sim_s": r.wall_s, "reasons": dict(r.reasons.most_common())}])
+        add_table(fig, "per_worker", [{"policy": r.label, "worker": w.worker_id, "requests": w.requests,
+                                       "prefill_tokens": w.prefill_tokens_done} for w in r.workers])
+    fig["report"] = {
+        "workload": {"name": f"trace {args.trace.name}", "requests": len(trace),
+                     "mean_prompt_tokens": input_total / len(trace) if trace else 0.0,
+                     "ideal_hit_rate": ideal_cached_tokens(trace) / input_total if input_total else 0.0},
+        "arrivals": f"trace timestamps / {args.time_scale:g}; TTFT modelled",
+        "targets": [{
+            "name": r.label,
+            "per_worker": {w.worker_id: {"requests": w.requests, "prefill_tokens": w.prefill_tokens_done}
+                           for w in r.workers},
+            "records": [{"index": i, "start_s": t.arrival_s, "prompt_tokens": t.input_tokens,
+                         "cached_tokens": c, "ttft_ms": 1000 * ttft, "worker": w, "error": None}
+                        for i, (t, c, ttft, w) in enumerate(zip(trace, r.cached_tokens, r.ttft_s, r.worker_ids))],
+        } for r in results]}
+    add_chart(fig, "bench_report", ".")
+    add_chart(fig, "bars", "hit_rate.png", table="policies", group_by="policy",
+              values=["hit_rate", "gpu_hit_rate", "cpu_hit_rate"], ylabel="share of prompt tokens",
+              title=f"prefix-hit rate per policy, {len(trace)} requests, {args.workers} workers")
+    add_chart(fig, "bars", "load_imbalance.png", table="policies", group_by="policy",
+              values=["requests_max_over_mean", "prefill_max_over_mean"], ylabel="max / mean over workers",
+              title="load imbalance per policy (1.0 = even)")
+    return fig
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", type=Path, default=default_trace(),
@@ -248,6 +316,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kv-config", type=json.loads, default={},
                    help='extra kv_aware settings as JSON, e.g. \'{"load_weight": 0.5}\'')
+    add_output_args(p)
     return p.parse_args(argv)
 
 
@@ -275,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.prefill_tokens_per_s:g} tok/s, decode {args.decode_ms_per_token:g} ms/token")
     results = [simulate(label, make_policy(cfg), trace, args) for label, cfg in variants]
     print(report(results))
+    if args.json or args.plot:
+        emit(collect_figures(results, trace, args), args)
     return 0
 
 

@@ -7,6 +7,13 @@ prints requests/s side by side, plus the sim's RSS, its CPU seconds per request,
 time, and how many sims this machine holds by memory and by idle CPU (goal: 16).
 
     python benchmarks/bench_sim.py [--requests 2000] [--concurrency 1,16,64] [--speedup 1000]
+        [--json FILE] [--plot DIR]
+
+``--json FILE`` writes the figures (:mod:`kvroute.bench.figures`): table ``throughput`` (per
+concurrency and mode: ``requests_per_s``, ``sim_cpu_per_request_ms``,
+``client_cpu_per_request_ms``) and table ``sim`` (one row: ``start_s``, ``rss_idle_bytes``,
+``rss_loaded_bytes``, ``idle_cpu_core_share``, ``mem_available_bytes``, ``sims_fit_by_memory``,
+...). ``--plot DIR`` draws ``requests_per_s.png``, ``cpu_per_request.png`` and ``rss.png``.
 """
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ from pathlib import Path
 
 import aiohttp
 
+from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures
 from kvroute.up import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,7 +80,9 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--concurrency", default="1,16,64")
     ap.add_argument("--speedup", type=float, default=1000.0)
+    add_output_args(ap)
     args = ap.parse_args()
+    fig = new_figures("bench_sim", args)
     port, ev_port = free_ports(2)
     argv = [sys.executable, "-m", "kvroute", "sim", "--model", str(TINY), "--served-model-name", "tiny",
             "--host", "127.0.0.1", "--port", str(port), "--block-size", "32", "--max-model-len", "4096",
@@ -125,12 +135,31 @@ def main() -> int:
               f"{GOAL_SIMS} idle sims use {GOAL_SIMS * idle_cpu_frac * 100:.0f}% of a core; under load "
               f"the machine's {os.cpu_count()} cores serve about "
               f"{os.cpu_count() * 1000 / max(min(r[3] for r in rows), 1e-9):.0f} short requests/s in total")
+        add_table(fig, "throughput", [{"concurrency": c, "mode": mode, "requests": args.requests,
+                                       "requests_per_s": rps, "sim_cpu_per_request_ms": cpu_ms,
+                                       "client_cpu_per_request_ms": client_ms}
+                                      for c, mode, rps, cpu_ms, client_ms in rows])
+        add_table(fig, "sim", [{"sim": "kvroute sim", "start_s": start_s, "rss_idle_bytes": rss_idle,
+                                "rss_loaded_bytes": rss_loaded, "idle_cpu_core_share": idle_cpu_frac,
+                                "mem_available_bytes": avail, "sims_fit_by_memory": fit_mem, "goal_sims": GOAL_SIMS,
+                                "goal_idle_sims_cpu_core_share": GOAL_SIMS * idle_cpu_frac,
+                                "machine_short_requests_per_s": os.cpu_count() * 1000 / max(min(r[3] for r in rows),
+                                                                                             1e-9)}])
+        title = f"kvroute sim, tiny model, --speedup {args.speedup:g}, {args.requests} requests per bar"
+        add_chart(fig, "bars", "requests_per_s.png", table="throughput", group_by="concurrency",
+                  series_by="mode", values=["requests_per_s"], ylabel="requests/s", title=title + "; by concurrency")
+        add_chart(fig, "bars", "cpu_per_request.png", table="throughput", group_by=["concurrency", "mode"],
+                  values=["sim_cpu_per_request_ms", "client_cpu_per_request_ms"], ylabel="CPU ms per request",
+                  title=title + "; by concurrency, mode")
+        add_chart(fig, "bars", "rss.png", table="sim", group_by="sim", values=["rss_idle_bytes", "rss_loaded_bytes"],
+                  scale=1 / 2**20, ylabel="RSS (MiB)", title="the sim's resident memory, idle and after the load")
     finally:
         try:
             os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(10)
         except (ProcessLookupError, subprocess.TimeoutExpired):
             os.killpg(proc.pid, signal.SIGKILL)
+    emit(fig, args)
     return 0
 
 

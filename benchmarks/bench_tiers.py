@@ -15,6 +15,12 @@ SSD read: ``--ssd-blocks`` block files written by the tier's own writer, their p
 the page cache (``posix_fadvise DONTNEED``), read back with checksum checks; ``dd bs=1M`` reads one
 file of the same total size, its pages dropped the same way. Aims: cpu TTFT <= 0.3 x recompute,
 SSD read >= 0.8 x dd.
+
+``--json FILE`` writes the figures (:mod:`kvroute.bench.figures`): table ``ssd_read`` (per checksum
+and I/O threads: ``tier_read_bytes_per_s``, ``raw_read_bytes_per_s``, ``dd_read_bytes_per_s``,
+``ratio_to_dd``), table ``ttft`` (per case: ``ttft_ms``, the median, ``ratio_to_recompute``,
+``runs_ms``) and table ``ssd_load`` (blocks of the last SSD-case load from CPU and from SSD).
+``--plot DIR`` draws ``ttft.png`` (TTFT per case) and ``ssd_read.png`` (GB/s, tier vs dd).
 """
 from __future__ import annotations
 
@@ -38,6 +44,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 from model_cache import ensure_model  # noqa: E402
 
+from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures  # noqa: E402
 from kvroute.up import free_ports  # noqa: E402
 from offload_agent.connector.config import kv_transfer_config, vllm_env  # noqa: E402
 from offload_agent.tiers import TierFingerprint, TierStore, write_block_file  # noqa: E402
@@ -120,9 +127,11 @@ def main() -> int:
     ap.add_argument("--ssd-blocks", type=int, default=256, help="blocks read in the SSD throughput test")
     ap.add_argument("--vllm-python", default=os.environ.get("KVR_VLLM_PYTHON", ""))
     ap.add_argument("--ssd-dir", default=None, help="folder on the disk to test (default: a temp dir)")
+    add_output_args(ap)
     args = ap.parse_args()
     if not args.vllm_python:
         ap.error("set KVR_VLLM_PYTHON or --vllm-python")
+    fig = new_figures("bench_tiers", args)
     work = Path(tempfile.mkdtemp(prefix="kvr-bench-tiers-", dir=args.ssd_dir))
     try:
         print(f"SSD tier read of {args.ssd_blocks} blocks of {SMALL_BLOCK_BYTES} bytes vs dd "
@@ -135,6 +144,10 @@ def main() -> int:
                     break
                 print(f"  {name:34s} {threads} thread(s): tier {checked:5.2f} GB/s (one-at-a-time raw read "
                       f"{raw:5.2f})  dd {dd:5.2f} GB/s  ratio {checked / dd:5.2f}x  (aim >= 0.8x)", flush=True)
+                add_table(fig, "ssd_read", [{"checksum": name.split()[0], "threads": threads, "blocks": args.ssd_blocks,
+                                             "block_bytes": SMALL_BLOCK_BYTES, "tier_read_bytes_per_s": checked * 1e9,
+                                             "raw_read_bytes_per_s": raw * 1e9, "dd_read_bytes_per_s": dd * 1e9,
+                                             "ratio_to_dd": checked / dd}])
         model = ensure_model("small", args.vllm_python)
         port, = free_ports(1)
         cpu_blocks = PROMPT_TOKENS // BLOCK + 4       # one prompt and a little: the next one spills it
@@ -190,8 +203,12 @@ def main() -> int:
             for k in ("recompute", "gpu", "cpu", "ssd"):
                 print(f"  {k:10s} {med[k]:8.1f}  {med[k] / med['recompute']:5.2f}x recompute   "
                       f"runs {', '.join(f'{x * 1000:.0f}' for x in res[k])}")
+                add_table(fig, "ttft", [{"case": k, "prompt_tokens": PROMPT_TOKENS, "ttft_ms": med[k],
+                                         "ratio_to_recompute": med[k] / med["recompute"],
+                                         "runs_ms": [x * 1000 for x in res[k]]}])
             if hits:
                 print(f"  last SSD-case load: {hits[-1][0]} blocks from CPU, {hits[-1][1]} from SSD")
+                add_table(fig, "ssd_load", [{"cpu_blocks": int(hits[-1][0]), "ssd_blocks": int(hits[-1][1])}])
             print(f"  aim: cpu <= 0.3x recompute -> {'met' if med['cpu'] <= 0.3 * med['recompute'] else 'NOT met'}")
         finally:
             os.killpg(proc.pid, 15)
@@ -201,6 +218,12 @@ def main() -> int:
                 os.killpg(proc.pid, 9)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    add_chart(fig, "bars", "ttft.png", table="ttft", group_by="case", values=["ttft_ms"], ylabel="TTFT (ms)",
+              title=f"TTFT of a {PROMPT_TOKENS}-token prompt by where its KV comes from, median of {args.repeats}")
+    add_chart(fig, "bars", "ssd_read.png", table="ssd_read", group_by=["checksum", "threads"],
+              values=["tier_read_bytes_per_s", "raw_read_bytes_per_s", "dd_read_bytes_per_s"], scale=1e-9,
+              ylabel="GB/s", title=f"SSD tier read of {args.ssd_blocks} blocks vs dd (page cache dropped)")
+    emit(fig, args)
     return 0
 
 

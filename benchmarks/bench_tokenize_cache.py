@@ -22,8 +22,14 @@ The table gives the median over repeats of the mean CPU per request (all turns, 
 alone), with min-max over repeats, and the ratio on/off.
 
 Usage: python benchmarks/bench_tokenize_cache.py [--repeats 5] [--conversations 8] [--turns 10]
-       [--tokens 8000] [--model DIR] [--no-gateway]
+       [--tokens 8000] [--model DIR] [--no-gateway] [--json FILE] [--plot DIR]
 Everything runs on loopback and stops by itself (each process has a deadline).
+
+``--json FILE`` writes the figures (:mod:`kvroute.bench.figures`): table ``cpu`` (per measurement
+and turns: ``cache_off_cpu_per_request_ms`` and ``cache_on_cpu_per_request_ms``, medians over the
+repeats, with ``_min_ms``/``_max_ms`` and every repeat's value, ``on_off_ratio``, ``speedup``) and
+table ``cache`` (the in-process cache's hits, misses, entries, tokens held). ``--plot DIR`` draws
+``cpu_per_request.png`` (CPU per request, cache on vs off).
 """
 from __future__ import annotations
 
@@ -44,6 +50,7 @@ import aiohttp
 
 from bench_gateway import start  # same folder: a process started under a deadline
 from kvcore.tokenization import PromptTokenizer
+from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures
 from kvroute.bench.workers import wait_ready
 from kvroute.up import free_ports
 from router.config import ModelConfig
@@ -151,6 +158,20 @@ def print_table(title: str, rows: dict[str, dict[str, list[float]]]) -> None:
         print(f"{label:<14} {summary(off):>24} {summary(on):>24} {ratio:>7.3f} {1 / ratio:>7.1f}x")
 
 
+def table_rows(measurement: str, rows: dict[str, dict[str, list[float]]]) -> list[dict]:
+    """The rows of :func:`print_table` for the figures: CPU ms per request, cache off and on."""
+    out = []
+    for what, label in (("all", "all 10 turns"), ("last", "10th turn")):
+        row: dict = {"measurement": measurement, "turns": label}
+        for mode in ("off", "on"):
+            xs = rows[mode][what]
+            row.update({f"cache_{mode}_cpu_per_request_ms": statistics.median(xs), f"cache_{mode}_min_ms": min(xs),
+                        f"cache_{mode}_max_ms": max(xs), f"cache_{mode}_repeats_ms": list(xs)})
+        ratio = row["cache_on_cpu_per_request_ms"] / row["cache_off_cpu_per_request_ms"]
+        out.append({**row, "on_off_ratio": ratio, "speedup": 1 / ratio})
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
@@ -159,7 +180,13 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=8000, help="prompt tokens of the last turn")
     ap.add_argument("--model", type=Path, default=TINY, help="model directory (tokenizer + chat template)")
     ap.add_argument("--no-gateway", action="store_true", help="only the in-process tokenize path")
+    add_output_args(ap)
     args = ap.parse_args()
+    fig = new_figures("bench_tokenize_cache", args)
+    add_chart(fig, "bars", "cpu_per_request.png", table="cpu", group_by=["measurement", "turns"],
+              values=["cache_off_cpu_per_request_ms", "cache_on_cpu_per_request_ms"], ylabel="CPU ms per request",
+              title=f"prefix token cache off vs on: {args.conversations} conversations x {args.turns} turns to "
+                    f"~{args.tokens} tokens, medians of {args.repeats} repeats")
     model_dir = args.model.resolve()
     model = ModelConfig(name="tiny", tokenizer=str(model_dir), block_size=32)
     toks = {"off": PromptTokenizer(model_dir, cache_max_tokens=0), "on": PromptTokenizer(model_dir)}
@@ -180,10 +207,15 @@ def main() -> int:
             for k, v in got.items():
                 rows[mode][k].append(v)
     print_table("tokenize path (router.tokenize: template + encode + block keys), CPU ms per request", rows)
+    add_table(fig, "cpu", table_rows("tokenize path", rows))
     st = toks["on"].cache_stats()
     print(f"cache: {st.hits} hits, {st.misses} misses, {st.fallbacks} fallbacks; {st.entries} entries, "
           f"{st.cached_tokens} ids held ({st.size_tokens} of {st.max_tokens} counted)")
+    add_table(fig, "cache", [{"hits": st.hits, "misses": st.misses, "fallbacks": st.fallbacks, "entries": st.entries,
+                              "cached_tokens": st.cached_tokens, "size_tokens": st.size_tokens,
+                              "max_tokens": st.max_tokens}])
     if args.no_gateway:
+        emit(fig, args)
         return 0
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-tokcache-"))
@@ -219,6 +251,7 @@ def main() -> int:
                 for k, v in got.items():
                     grows[mode][k].append(v)
         print_table("gateway process (kvroute serve, everything it does per request), CPU ms per request", grows)
+        add_table(fig, "cpu", table_rows("gateway process", grows))
     finally:
         for p in reversed(procs):
             try:
@@ -226,6 +259,7 @@ def main() -> int:
                 p.wait(10)
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 os.killpg(p.pid, signal.SIGKILL)
+    emit(fig, args)
     return 0
 
 

@@ -14,8 +14,16 @@ latency; "added" = target minus direct at the same percentile; then the medians 
 repeats, and the gateway process's CPU time per request.
 
 Usage: python benchmarks/bench_tracing.py [--requests 300] [--repeats 5] [--otel-env KEY=VALUE ...]
+       [--json FILE] [--plot DIR]
 (``--otel-env``: more OTEL_* settings for the traced gateways, e.g. OTEL_BSP_MAX_EXPORT_BATCH_SIZE=512)
 Everything runs on loopback and stops by itself (each process has a deadline).
+
+``--json FILE`` writes the figures (:mod:`kvroute.bench.figures`): table ``repeats`` (per workload,
+repeat and target: ``p50_ms``, ``p99_ms``, ``cpu_per_request_ms``), table ``latency`` (the medians
+and ``added_p50_ms``/``added_p99_ms`` over direct), table ``tracing_cost`` (each traced gateway
+minus tracing off: ``added_p50_ms``, ``added_p99_ms``, ``added_cpu_per_request_ms``) and table
+``spans``. ``--plot DIR`` draws ``tracing_cost.png`` (added latency and CPU, tracing on vs off)
+and ``latency.png`` (p50/p99 per target).
 """
 from __future__ import annotations
 
@@ -36,6 +44,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 import httpx  # noqa: E402
 
+from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures  # noqa: E402
 from kvroute.bench.workers import wait_ready  # noqa: E402
 from kvroute.up import free_ports  # noqa: E402
 
@@ -80,7 +89,9 @@ async def sequential(session: aiohttp.ClientSession, url: str, body: bytes, n: i
     return out
 
 
-async def run(targets: dict[str, str], procs: dict[str, subprocess.Popen | None], args) -> None:
+async def run(targets: dict[str, str], procs: dict[str, subprocess.Popen | None], args, fig: dict) -> None:
+    """Measure every target, print the tables and add them to ``fig`` (tables ``repeats``,
+    ``latency``, ``tracing_cost``)."""
     base = {"model": "tiny", "messages": [{"role": "user", "content": "Hello, how are you today?"}], "max_tokens": 4}
     workloads = {"chat": json.dumps(base).encode(), "chat stream": json.dumps({**base, "stream": True}).encode()}
     order = list(targets)
@@ -104,6 +115,10 @@ async def run(targets: dict[str, str], procs: dict[str, subprocess.Popen | None]
                     per[t]["p99"].append(pct(lat, 0.99))
                 print(f"{r + 1:>6}  " + "  ".join(f"{per[t]['p50'][r] * 1e3:>14.3f} {per[t]['p99'][r] * 1e3:>14.3f}"
                                                    for t in targets))
+                add_table(fig, "repeats", [{"workload": name, "repeat": r + 1, "target": t, "requests": args.requests,
+                                            "p50_ms": per[t]["p50"][r] * 1e3, "p99_ms": per[t]["p99"][r] * 1e3,
+                                            "cpu_per_request_ms": None if procs[t] is None else per[t]["cpu"][r] * 1e3}
+                                           for t in targets])
             med = {t: {k: statistics.median(v) for k, v in per[t].items()} for t in targets}
             added = {t: {q: [(a - d) for a, d in zip(per[t][q], per["direct"][q])] for q in ("p50", "p99")}
                      for t in targets}
@@ -114,6 +129,13 @@ async def run(targets: dict[str, str], procs: dict[str, subprocess.Popen | None]
                          f"{statistics.median(added[t]['p50']) * 1e3:>10.3f} "
                          f"{statistics.median(added[t]['p99']) * 1e3:>10.3f} {med[t]['cpu'] * 1e3:>9.3f}")
                 print(f"{t:<14} {med[t]['p50'] * 1e3:>8.3f} {med[t]['p99'] * 1e3:>8.3f} {extra}")
+                direct = t == "direct"
+                add_table(fig, "latency", [{
+                    "workload": name, "target": t, "repeats": args.repeats,
+                    "p50_ms": med[t]["p50"] * 1e3, "p99_ms": med[t]["p99"] * 1e3,
+                    "added_p50_ms": None if direct else statistics.median(added[t]["p50"]) * 1e3,
+                    "added_p99_ms": None if direct else statistics.median(added[t]["p99"]) * 1e3,
+                    "cpu_per_request_ms": None if direct else med[t]["cpu"] * 1e3}])
             on_off50 = [a - b for a, b in zip(per["tracing on"]["p50"], per["tracing off"]["p50"])]
             on_off99 = [a - b for a, b in zip(per["tracing on"]["p99"], per["tracing off"]["p99"])]
             for t in targets:
@@ -123,6 +145,10 @@ async def run(targets: dict[str, str], procs: dict[str, subprocess.Popen | None]
                     print(f"{t} minus tracing off, median of the repeats' differences: p50 "
                           f"{statistics.median(d50) * 1e3:+.3f} ms, p99 {statistics.median(d99) * 1e3:+.3f} ms, "
                           f"CPU/req {(med[t]['cpu'] - med['tracing off']['cpu']) * 1e3:+.3f} ms")
+                    add_table(fig, "tracing_cost", [{
+                        "workload": name, "target": t, "added_p50_ms": statistics.median(d50) * 1e3,
+                        "added_p99_ms": statistics.median(d99) * 1e3,
+                        "added_cpu_per_request_ms": (med[t]["cpu"] - med["tracing off"]["cpu"]) * 1e3}])
 
 
 def main() -> int:
@@ -132,7 +158,9 @@ def main() -> int:
     ap.add_argument("--speedup", type=float, default=1e6, help="the sim's --speedup (large: near-instant)")
     ap.add_argument("--otel-env", action="append", default=[], metavar="KEY=VALUE",
                     help="an OTEL_* setting for the traced gateways (repeatable)")
+    add_output_args(ap)
     args = ap.parse_args()
+    fig = new_figures("bench_tracing", args)
     extra_env = dict(kv.split("=", 1) for kv in args.otel_env)
     tmp = Path(tempfile.mkdtemp(prefix="bench-tracing-"))
     procs: list[subprocess.Popen] = []
@@ -170,13 +198,14 @@ def main() -> int:
             target_procs[name] = procs[-1]
         print(f"machine: {os.cpu_count()} CPUs; one sim worker (--speedup {args.speedup:g}); logs in {tmp}"
               + (f"; traced gateways also get {extra_env}" if extra_env else ""))
-        asyncio.run(run(targets, target_procs, args))
+        asyncio.run(run(targets, target_procs, args, fig))
         for p in procs[2:]:  # the gateways: the traced ones flush their last spans as they stop
             os.killpg(p.pid, signal.SIGTERM)
             p.wait(30)
         stats = httpx.get(rx_url + "/stats", timeout=120).json()
         print(f"\nspans received from the traced gateways: {stats['spans']} in {stats['posts']} exports "
               f"({stats['bytes'] / 1e6:.1f} MB); services {stats['services']}; names {stats['names']}")
+        add_table(fig, "spans", [{"spans": stats["spans"], "exports": stats["posts"], "export_bytes": stats["bytes"]}])
     finally:
         for p in reversed(procs):
             if p.poll() is not None:
@@ -188,6 +217,13 @@ def main() -> int:
                 os.killpg(p.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+    title = f"{args.requests} sequential requests x {args.repeats} repeats per target, medians"
+    add_chart(fig, "bars", "tracing_cost.png", table="tracing_cost", group_by="workload", series_by="target",
+              values=["added_p50_ms", "added_p99_ms", "added_cpu_per_request_ms"], ylabel="ms",
+              title=f"what tracing adds over tracing off; {title}")
+    add_chart(fig, "bars", "latency.png", table="latency", group_by="workload", series_by="target",
+              values=["p50_ms", "p99_ms"], ylabel="ms", title=f"latency per target; {title}")
+    emit(fig, args)
     return 0
 
 

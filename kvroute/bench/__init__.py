@@ -8,5 +8,6 @@ The data flow, one module per step:
 
 ``rig`` starts workers (``kvroute sim`` or vLLM) and routers (kvroute's policies, and the peers of
 :mod:`kvroute.bench.peers`) and runs the same workload through each in turn; ``calibrate`` fits
-the simulator's timing model to a real worker.
+the simulator's timing model to a real worker. ``figures`` gives the ``benchmarks/`` scripts their
+``--json FILE`` / ``--plot DIR`` (tables as JSON, matplotlib charts, ``plots`` reused).
 """
