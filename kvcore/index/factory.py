@@ -14,6 +14,11 @@ from kvcore.index.memory import MemoryIndex
 _BACKENDS: dict[str, tuple[str, str]] = {
     "redis": ("kvcore.index.redis", "RedisIndex"),
 }
+# with ``mirror: true`` (the default for redis): lookups from a local copy fed by Redis's change log
+_MIRRORED: dict[str, tuple[str, str]] = {
+    "redis": ("kvcore.index.redis_mirror", "RedisMirrorIndex"),
+}
+REDIS_MIRROR_DEFAULT = True
 
 
 def make_index(cfg: dict[str, Any] | None) -> KVIndex:
@@ -21,6 +26,10 @@ def make_index(cfg: dict[str, Any] | None) -> KVIndex:
 
     ``{"backend": "memory", "max_keys": N?}`` -> :class:`MemoryIndex`; other backends get the
     remaining keys as keyword arguments (e.g. ``{"backend": "redis", "url": "redis://..."}``).
+    ``{"backend": "redis", "mirror": true}`` (the default) -> :class:`kvcore.index.redis_mirror.
+    RedisMirrorIndex` (lookups from a local copy that Redis's change log keeps in step; its extra
+    arguments such as ``poll_interval_s`` are accepted only with it); ``mirror: false`` -> the
+    plain :class:`kvcore.index.redis.RedisIndex` (one Redis round trip per lookup).
     Raises ValueError for an unknown backend or arguments it does not take.
     """
     cfg = dict(cfg or {})
@@ -29,7 +38,12 @@ def make_index(cfg: dict[str, Any] | None) -> KVIndex:
         return MemoryIndex(**_only(cfg, {"max_keys"}, backend))
     if backend not in _BACKENDS:
         raise ValueError(f"unknown index backend {backend!r}; expected memory or {sorted(_BACKENDS)}")
-    module, name = _BACKENDS[backend]
+    mirror = cfg.pop("mirror", REDIS_MIRROR_DEFAULT if backend in _MIRRORED else False)
+    if not isinstance(mirror, bool):
+        raise ValueError(f"index backend {backend!r}: mirror must be true or false, got {mirror!r}")
+    if mirror and backend not in _MIRRORED:
+        raise ValueError(f"index backend {backend!r} has no mirror")
+    module, name = (_MIRRORED if mirror else _BACKENDS)[backend]
     try:
         cls = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:

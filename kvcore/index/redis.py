@@ -2,8 +2,16 @@
 
 Uses redis-py's asyncio client (with the hiredis reply parser); every write is one Lua script call
 (atomic, one round trip) and a prompt's lookup for all workers is one round trip of plain
-commands. Needs a standalone Redis >= 6.2 (scripts name keys they build themselves, so Redis
-Cluster is not supported).
+commands. Gateways normally read through :class:`kvcore.index.redis_mirror.RedisMirrorIndex`
+(config ``mirror: true``, the default), which keeps a copy in process from the change log below
+and looks up locally; this class is the plain path (``mirror: false``) and the writer of both.
+
+Servers: a standalone Redis >= 6.2, or Valkey (tested with 9.1: ``tests/test_redis_mirror.py``
+runs on it when ``valkey-server`` is found). Redis Cluster is not supported: the keys carry no hash
+tag and the scripts name keys they build themselves (a block's bitmap, a worker's sets), which a
+cluster spreads over slots; a lookup (MGET of 2048 bitmaps) would span every node. The mirror
+makes lookups local but not writes or its bootstrap, so it does not change that. Scale reads with
+gateway replicas (each with its mirror) and make Redis highly available with replicas + Sentinel.
 
 Schema (``P`` = ``namespace + ":"``, default ``kvr:``; a block key ``k`` is written as its 8 bytes
 big-endian, ``raw(k)``; a worker gets a permanent slot number ``s`` on first use):
@@ -26,6 +34,19 @@ big-endian, ``raw(k)``; a worker gets a permanent slot number ``s`` on first use
   agent's event-ingest state (:meth:`kvcore.kv_events.EventIngestor.state`: last seq, event age,
   gaps, replays, resyncs, blocks by tier as its events say), written with its heartbeats, read by
   the gateways' admin API (:meth:`RedisIndex.worker_states`). A few hundred bytes per worker;
+- ``P seq`` STRING counter and ``P log`` STREAM, the change log: every script call that changes the
+  state above appends one entry describing the change, in the same atomic call, numbered by
+  ``INCR P seq`` and trimmed by ``XADD MAXLEN ~ stream_maxlen`` (default 100,000 entries; about
+  150 B each for an agent's batch of 16 blocks, 8 B per key for larger ones). An entry's fields, in
+  order: ``n`` seq, ``w`` worker id, then pairs applied in order: ``h`` heartbeat TTL ms (the write
+  refreshed the worker's heartbeat); ``s<t>``/``r<t>`` packed keys stored in / removed from tier
+  ``t`` (0 gpu, 1 cpu, 2 ssd; as :meth:`RedisIndex.apply_ops`, copies counted); ``R<t>`` ``""``
+  the worker's duplicate counters of tier ``t`` were dropped; ``F`` ``""`` the worker was purged
+  (heartbeat, marker and state deleted; replicas drop its speculative entries); ``c<t>`` packed
+  keys cleared from tier ``t`` whatever their copies (a batch of :meth:`RedisIndex.clear_worker`);
+  ``p`` TTL ms then ``x`` packed keys: speculative entries of a gateway
+  (:meth:`RedisIndex.publish_speculative`; in the log only, not in the state). Replicas that have
+  applied entries 1..n hold exactly Redis's state after change n;
 - ``P meta:block_key_encoding`` STRING: the block-key encoding version
   (:data:`kvcore.block_keys.ENCODING_VERSION`, as decimal text) of the keys in this namespace,
   written by the first process that reaches it (``SET NX``). Every process compares it with its
@@ -54,7 +75,8 @@ agent) and lower latency; the price is a larger reply (~75 kB for 2048 blocks at
 which needs the hiredis parser (redis-py's pure-Python parser takes ~10 ms on it).
 
 Speculative entries (:meth:`store_speculative`) stay in this process (they are the gateway's own
-guesses for prompts it just routed) and are merged into every lookup as gpu bits.
+guesses for prompts it just routed) and are merged into every lookup as gpu bits. (The mirror
+shares them between gateways through the change log.)
 
 Failure: any connection error or timeout raises :class:`kvcore.index.errors.IndexUnavailable`;
 after one, calls fail fast for ``retry_after_s`` before trying Redis again, so a dead Redis costs a
@@ -109,12 +131,29 @@ local function slot_of(p, w)
 end
 """
 
-# ARGV: prefix, worker, heartbeat ttl ms, then (op 's'|'r', tier, packed 8-byte keys) triples.
-_APPLY_LUA = _SLOT_OF + """
+# Every change to the index state is also appended to the change log (``P log``), in the same
+# script call, so a replica (kvcore.index.redis_mirror) that has applied the log up to seq n holds
+# exactly what Redis held after the change numbered n. ``fields``: the entry after 'n', seq.
+_LOG = """
+local function log(p, maxlen, fields)
+  local n = redis.call('INCR', p .. 'seq')
+  redis.call('XADD', p .. 'log', 'MAXLEN', '~', maxlen, '*', 'n', n, unpack(fields))
+  return n
+end
+"""
+
+# ARGV: prefix, worker, heartbeat ttl ms, log maxlen, then (op 's'|'r', tier, packed 8-byte keys)
+# triples. Returns {keys removed that were absent, log seq of the change}.
+_APPLY_LUA = _SLOT_OF + _LOG + """
 local p = ARGV[1]
 local slot = slot_of(p, ARGV[2])
 local missing = 0
-for j = 4, #ARGV, 3 do
+local fields = {'w', ARGV[2], 'h', ARGV[3]}
+for j = 5, #ARGV, 3 do
+  fields[#fields + 1] = ARGV[j] .. ARGV[j + 1]
+  fields[#fields + 1] = ARGV[j + 2]
+end
+for j = 5, #ARGV, 3 do
   local tier = tonumber(ARGV[j + 1])
   local packed = ARGV[j + 2]
   local off = slot * 4 + tier
@@ -155,24 +194,66 @@ for j = 4, #ARGV, 3 do
   end
 end
 redis.call('SET', p .. 'hb:' .. slot, '1', 'PX', ARGV[3])
-return missing
+return {missing, log(p, ARGV[4], fields)}
 """
 
 # ARGV: prefix, worker, tier, batch size, first call ('1' drops the duplicate counters first),
-# forget ('1': also drop the heartbeat and published marker). Returns how many keys it cleared.
-_CLEAR_LUA = _SLOT_OF + """
+# forget ('1': also drop the heartbeat and published marker), log maxlen. Returns {how many keys
+# it cleared, log seq of the change (0: nothing changed)}.
+_CLEAR_LUA = _SLOT_OF + _LOG + """
 local p = ARGV[1]
 local slot = slot_of(p, ARGV[2])
 local off = slot * 4 + tonumber(ARGV[3])
-if ARGV[5] == '1' then redis.call('DEL', p .. 'rc:' .. slot .. ':' .. ARGV[3]) end
-if ARGV[6] == '1' then redis.call('DEL', p .. 'hb:' .. slot, p .. 'm:' .. slot, p .. 'st:' .. slot) end
+local fields = {'w', ARGV[2]}
+if ARGV[5] == '1' and redis.call('DEL', p .. 'rc:' .. slot .. ':' .. ARGV[3]) == 1 then
+  fields[#fields + 1] = 'R' .. ARGV[3]
+  fields[#fields + 1] = ''
+end
+if ARGV[6] == '1' then
+  redis.call('DEL', p .. 'hb:' .. slot, p .. 'm:' .. slot, p .. 'st:' .. slot)
+  fields[#fields + 1] = 'F'
+  fields[#fields + 1] = ''
+end
 local ks = redis.call('SPOP', p .. 'o:' .. slot .. ':' .. ARGV[3], tonumber(ARGV[4]))
 for _, k in ipairs(ks) do
   local bk = p .. 'b:' .. k
   redis.call('SETBIT', bk, off, 0)
   if redis.call('BITCOUNT', bk) == 0 then redis.call('DEL', bk) end
 end
-return #ks
+if #ks > 0 then
+  fields[#fields + 1] = 'c' .. ARGV[3]
+  fields[#fields + 1] = table.concat(ks)
+end
+if #fields == 2 then return {0, 0} end
+return {#ks, log(p, ARGV[7], fields)}
+"""
+
+# ARGV: prefix, log maxlen, then (worker, ttl ms, packed 8-byte keys) triples: a gateway's
+# speculative entries, which live only in the log (and in the replicas that read it). Returns the
+# log seq of the last one.
+_SPECULATIVE_LUA = _LOG + """
+local p = ARGV[1]
+local n = 0
+for j = 3, #ARGV, 3 do
+  n = log(p, ARGV[2], {'w', ARGV[j], 'p', ARGV[j + 1], 'x', ARGV[j + 2]})
+end
+return n
+"""
+
+# ARGV: prefix, counts ('1': also each slot's owned-set sizes). Returns {Redis TIME seconds,
+# microseconds, epoch, log seq, slot count, [heartbeat PTTL ms per slot], [SCARD per slot and tier]}.
+_POLL_LUA = """
+local p = ARGV[1]
+local t = redis.call('TIME')
+local n = redis.call('HLEN', p .. 'slots')
+local ttl, counts = {}, {}
+for s = 0, n - 1 do
+  ttl[#ttl + 1] = redis.call('PTTL', p .. 'hb:' .. s)
+  if ARGV[2] == '1' then
+    for tier = 0, 2 do counts[#counts + 1] = redis.call('SCARD', p .. 'o:' .. s .. ':' .. tier) end
+  end
+end
+return {t[1], t[2], redis.call('GET', p .. 'epoch') or '', redis.call('GET', p .. 'seq') or '0', n, ttl, counts}
 """
 
 # ARGV: prefix, worker, ttl ms, mark ('1' sets the published marker), ingest state JSON ('' = keep
@@ -215,6 +296,7 @@ return {t[1] .. '.' .. string.format('%06d', tonumber(t[2])), out}
 _REV_BITS = bytes(int(f"{b:08b}"[::-1], 2) for b in range(256))
 _CONNECTION_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 _CLEAR_BATCH = 2000
+DEFAULT_STREAM_MAXLEN = 100_000  # change-log entries kept (about; see the module docstring)
 
 
 def _pack(keys: Sequence[int]) -> bytes:
@@ -251,16 +333,22 @@ class RedisIndex(KVIndex):
     ``url``: ``redis://host:port/db``. ``namespace``: key prefix (several clusters can share one
     Redis). ``heartbeat_ttl_s``: how long a worker counts after its agent's last write or
     heartbeat. ``socket_timeout_s``: per-command timeout before :class:`IndexUnavailable`.
-    ``retry_after_s``: fail-fast window after a failure. ``clock``: monotonic seconds for
-    speculative TTLs (tests).
+    ``retry_after_s``: fail-fast window after a failure. ``stream_maxlen``: the change log is
+    trimmed to about this many entries (``XADD MAXLEN ~``) by this process's writes. ``clock``:
+    monotonic seconds for speculative TTLs (tests). Raises ValueError on a bad value.
     """
 
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", namespace: str = "kvr",
                  heartbeat_ttl_s: float = 10.0, socket_timeout_s: float = 0.5,
-                 retry_after_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 retry_after_s: float = 1.0, stream_maxlen: int = DEFAULT_STREAM_MAXLEN,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if heartbeat_ttl_s <= 0:
             raise ValueError(f"heartbeat_ttl_s must be > 0, got {heartbeat_ttl_s}")
+        if stream_maxlen < 1:
+            raise ValueError(f"stream_maxlen must be >= 1, got {stream_maxlen}")
         self.url = url
+        self.stream_maxlen = int(stream_maxlen)
+        self.socket_timeout_s = socket_timeout_s
         self.prefix = f"{namespace}:"
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.retry_after_s = retry_after_s
@@ -272,6 +360,8 @@ class RedisIndex(KVIndex):
         self._clear_script = self._redis.register_script(_CLEAR_LUA)
         self._heartbeat_script = self._redis.register_script(_HEARTBEAT_LUA)
         self._states_script = self._redis.register_script(_STATES_LUA)
+        self._speculative_script = self._redis.register_script(_SPECULATIVE_LUA)
+        self._poll_script = self._redis.register_script(_POLL_LUA)
         self.encoding_key = f"{self.prefix}{ENCODING_KEY}"
         self._encoding_checked = False  # compared since the last outage / data loss
         self.encoding_error: IndexEncodingMismatch | None = None  # the mismatch found last, if any
@@ -394,7 +484,13 @@ class RedisIndex(KVIndex):
         """Apply ``(op, tier, keys)`` in order in one round trip; ``op`` is ``"store"`` or
         ``"remove"`` (the agent's per-batch writes). Returns how many removed keys were absent.
         Raises ValueError on an unknown op or tier, IndexUnavailable when Redis is down."""
-        args: list[str | int | bytes] = [self.prefix, worker, int(self.heartbeat_ttl_s * 1000)]
+        missing, _ = await self._write_ops(worker, ops)
+        return missing
+
+    async def _write_ops(self, worker: str, ops: Sequence[tuple[str, str, Sequence[int]]]) -> tuple[int, int]:
+        """:meth:`apply_ops`, returning ``(absent removed keys, change-log seq)``; seq 0 when
+        there was nothing to write."""
+        args: list[str | int | bytes] = [self.prefix, worker, int(self.heartbeat_ttl_s * 1000), self.stream_maxlen]
         for op, tier, keys in ops:
             if op not in ("store", "remove"):
                 raise ValueError(f"unknown index op {op!r}")
@@ -403,9 +499,10 @@ class RedisIndex(KVIndex):
                 args += ["s" if op == "store" else "r", t, _pack(keys)]
             if op == "remove" and t == 0 and self._spec:
                 self._drop_speculative(worker, keys)
-        if len(args) == 3:
-            return 0
-        return int(await self._script(self._apply_script, args))
+        if len(args) == 4:
+            return 0, 0
+        missing, seq = await self._script(self._apply_script, args)
+        return int(missing), int(seq)
 
     def _drop_speculative(self, worker: str, keys: Sequence[int]) -> None:
         """Forget ``worker``'s speculative entries for ``keys`` (their heap entries expire as stale)."""
@@ -424,20 +521,44 @@ class RedisIndex(KVIndex):
         """Forget ``worker``'s entries: one tier, or (``tier`` None) every tier plus its heartbeat,
         published marker and speculative entries (the purge of a removed worker). Runs in batches
         of ``_CLEAR_BATCH`` keys per script call, so Redis is never blocked for long."""
-        tiers = [check_tier(tier)] if tier is not None else list(range(len(TIERS)))
-        forget = "1" if tier is None else "0"
-        for t in tiers:
-            first = "1"
-            while True:
-                n = await self._script(self._clear_script, [self.prefix, worker, t, _CLEAR_BATCH, first, forget])
-                first = forget = "0"
-                if int(n) < _CLEAR_BATCH:
-                    break
+        await self._clear(worker, tier)
         if tier is None:
             for key in [k for k, d in self._spec.items() if worker in d]:
                 del self._spec[key][worker]
                 if not self._spec[key]:
                     del self._spec[key]
+
+    async def _clear(self, worker: str, tier: str | None) -> int:
+        """The Redis side of :meth:`clear_worker`; returns the change-log seq of its last change
+        (0: nothing changed). Raises ValueError on an unknown tier, IndexUnavailable."""
+        tiers = [check_tier(tier)] if tier is not None else list(range(len(TIERS)))
+        forget = "1" if tier is None else "0"
+        last = 0
+        for t in tiers:
+            first = "1"
+            while True:
+                n, seq = await self._script(self._clear_script, [self.prefix, worker, t, _CLEAR_BATCH, first, forget,
+                                                                 self.stream_maxlen])
+                first = forget = "0"
+                last = max(last, int(seq))
+                if int(n) < _CLEAR_BATCH:
+                    break
+        return last
+
+    async def publish_speculative(self, entries: Sequence[tuple[str, float, Sequence[int] | bytes]]) -> int:
+        """Append ``(worker, ttl_s, keys)`` speculative entries to the change log (one round trip),
+        for the replicas that read it (:class:`kvcore.index.redis_mirror.RedisMirrorIndex`); the
+        Redis index state itself does not keep them. ``keys``: ints, or already packed as 8-byte
+        big-endian. Returns the log seq of the last entry (0 for none). Raises ValueError for keys
+        that are not unsigned 64-bit ints, IndexUnavailable."""
+        args: list[str | int | bytes] = [self.prefix, self.stream_maxlen]
+        for worker, ttl_s, keys in entries:
+            packed = keys if isinstance(keys, (bytes, bytearray)) else _pack(keys)
+            if packed:
+                args += [worker, max(1, int(ttl_s * 1000)), packed]
+        if len(args) == 2:
+            return 0
+        return int(await self._script(self._speculative_script, args))
 
     async def heartbeat(self, worker: str, ttl_s: float | None = None, mark_published: bool = False,
                         state: dict[str, Any] | None = None) -> bool:
