@@ -128,6 +128,14 @@ CASES = [
      {"operations": {"operation", "cases", "wall_s", "status_2xx", "status_4xx", "status_5xx", "statuses"},
       "summary": {"cases", "gateway_5xx", "bad_4xx", "property_failures", "run_s"}},
      {"statuses_per_operation.png", "summary.png"}),
+    # the scale-out cluster, small: sims with agents on a Redis index, 2 gateway processes
+    ("bench_cluster", ["--workers", "3", "--processes", "2", "--limit", "30", "--time-scale", "4", "--idle-s", "2",
+                       "--lookup-repeats", "1", "--model", str(ROOT / "tests/fixtures/tiny-model")],
+     {"cluster": {"workers", "gateway_processes", "requests", "errors", "hit_rate", "ideal_hit_rate",
+                  "gateway_cpu_per_request_ms", "events_applied_per_s", "gateway_lookup_p99_ms",
+                  "redis_used_memory_bytes", "index_blocks", "index_bytes_per_block"},
+      "lookups": {"prompt", "lookups", "p50_ms", "p99_ms"}},
+     {"lookups.png"}),
 ]
 
 
@@ -147,6 +155,13 @@ def test_benchmark_script_writes_json_and_pngs(tmp_path, name, argv, tables, png
         values = numbers(rows)
         assert values and all(math.isfinite(v) for v in values) and any(v > 0 for v in values), (table, rows[:2])
     assert_pngs(plot_dir, pngs)
+
+    if name == "bench_cluster":
+        (row,) = fig["tables"]["cluster"]
+        assert (row["workers"], row["gateway_processes"], row["requests"], row["errors"]) == (3, 2, 30, 0)
+        assert 0 <= row["hit_rate"] <= row["ideal_hit_rate"] <= 1 and row["index_blocks"] > 0
+        assert row["events_applied_per_s"] > 0 and row["gateway_cpu_per_request_ms"] > 0
+        assert [r["prompt"] for r in fig["tables"]["lookups"]] == ["slice prompts", "2048-block prompt held by 3 workers"]
 
     if name == "bench_routing_quality":
         policies = {row["policy"]: row for row in fig["tables"]["policies"]}
