@@ -190,6 +190,7 @@ def main() -> int:
     ap.add_argument("--idle-s", type=float, default=10.0, help="seconds the gateway's idle CPU is measured before the replay")
     add_output_args(ap)
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop what was started (the finally below)
     redis_exe = shutil.which("redis-server")
     if redis_exe is None:
         print("bench_cluster: redis-server not on PATH (make install-system)", file=sys.stderr)

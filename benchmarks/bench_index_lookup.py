@@ -46,6 +46,7 @@ from kvcore.block_keys import block_keys  # noqa: E402
 from kvcore.index.memory import MemoryIndex  # noqa: E402
 from kvcore.index.redis import RedisIndex  # noqa: E402
 from kvcore.index.redis_mirror import RedisMirrorIndex  # noqa: E402
+from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures  # noqa: E402
 
 NS = "benchlookup"
 
@@ -181,7 +182,7 @@ async def main() -> None:
     ap.add_argument("--interval-ms", type=float, default=10.0)
     ap.add_argument("--load-lookups", type=int, default=300, help="scheduled lookups per variant and repeat in phase 2")
     ap.add_argument("--backlog", type=int, default=50_000)
-    ap.add_argument("--json", default=None, help="write the figures here")
+    add_output_args(ap)
     args = ap.parse_args()
     if args.quick:
         args.workers, args.blocks_per_worker, args.rounds, args.load_lookups, args.backlog = 8, 5_000, 100, 200, 5_000
@@ -322,8 +323,19 @@ async def main() -> None:
         await mirror.clear_worker("probe")
         assert await mirror.match(prompt) == await plain.match(prompt) == await mem.match(prompt)
         print(f"   mirror state: {json.dumps(mirror.mirror_state())}")
-        if args.json:
-            Path(args.json).write_text(json.dumps(out, indent=1))
+        figures = new_figures("bench_index_lookup", args)
+        figures.update(out)  # the raw figures keep their keys; the tables below are what --plot draws
+        add_table(figures, "quiet", [{"variant": v, "p50_ms": f["p50_ms"], "p99_ms": f["p99_ms"]}
+                                     for v, f in out["quiet"].items()])
+        add_table(figures, "under_load", [{"agent_batches_per_s": float(rate), "variant": v, "p50_ms": f["p50_ms"],
+                                           "p99_ms": f["p99_ms"]}
+                                          for rate, load in out["load"].items() for v, f in load["lookups"].items()])
+        add_chart(figures, "bars", "lookup_quiet.png", table="quiet", group_by="variant", values=["p50_ms", "p99_ms"],
+                  ylabel="ms", title=f"lookup of a {args.prompt_tokens}-token prompt, {args.workers} workers, quiet")
+        add_chart(figures, "bars", "lookup_under_load.png", table="under_load",
+                  group_by=["agent_batches_per_s", "variant"], values=["p50_ms", "p99_ms"], ylabel="ms",
+                  title="lookups under agent write load")
+        emit(figures, args)
         for idx in (mirror, plain, writer):
             await idx.close()
         del mem

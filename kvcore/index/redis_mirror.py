@@ -235,9 +235,9 @@ class RedisMirrorIndex(RedisIndex):
         if self._tasks and self.available:
             await self.flush(self.socket_timeout_s)
         self._closed = True
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._outbox_ready is not None:
+            self._outbox_ready.set()  # the publish loop sees _closed
+        await _stop_tasks(self._tasks, self.url)
         self._tasks = []
         if self._stream_conn is not None:
             await self._stream_conn.disconnect()
@@ -365,7 +365,7 @@ class RedisMirrorIndex(RedisIndex):
 
     async def _publish_loop(self) -> None:
         assert self._outbox_ready is not None
-        while True:
+        while not self._closed:
             await self._outbox_ready.wait()
             self._outbox_ready.clear()
             batch, self._outbox = self._outbox, []
@@ -427,7 +427,7 @@ class RedisMirrorIndex(RedisIndex):
 
     async def _read_loop(self) -> None:
         assert self._sync_attempt is not None
-        while True:
+        while not self._closed:
             try:
                 if not self._synced:
                     try:
@@ -681,7 +681,7 @@ class RedisMirrorIndex(RedisIndex):
 
     # ---- liveness, Redis identity, count check ------------------------------------------------
     async def _poll_loop(self) -> None:
-        while True:
+        while not self._closed:
             try:
                 await self._poll()
             except asyncio.CancelledError:
@@ -758,3 +758,24 @@ class RedisMirrorIndex(RedisIndex):
                         "blocks per tier) %s; resyncing. A writer of an older kvroute release that does "
                         "not append to the change log does this.", self.url, seq, sample)
             self._synced = False
+
+
+async def _stop_tasks(tasks: list[asyncio.Task], url: str, rounds: int = 5, wait_s: float = 1.0) -> None:
+    """Cancel ``tasks`` and wait for them to end. A cancellation can be lost on Python 3.11 (an
+    ``asyncio.wait_for`` inside a client library that completes as it is cancelled swallows it),
+    and the loops also stop on ``_closed``; so cancel again each ``wait_s`` for ``rounds`` rounds,
+    then log and leave the rest rather than hang a shutdown."""
+    pending = [t for t in tasks if not t.done()]
+    for _ in range(rounds):
+        if not pending:
+            break
+        for task in pending:
+            task.cancel()
+        _, still = await asyncio.wait(pending, timeout=wait_s)
+        pending = list(still)
+    for task in tasks:
+        if task.done() and not task.cancelled():
+            task.exception()  # retrieved: a loop that failed was logged where it failed
+    if pending:
+        log.warning("redis index %s: %d mirror task(s) did not stop: %s", url, len(pending),
+                    ", ".join(t.get_name() for t in pending))
