@@ -3,6 +3,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 VENV_STAMP := $(VENV)/.installed-kvroute-test
+PEERS_STAMP := $(VENV)/.installed-peers
 WORKERS ?= 2
 PORT ?= 8000
 
@@ -62,12 +63,16 @@ run-vllm: $(VENV_STAMP) install-vllm
 	$(VENV)/bin/kvroute up --engine vllm --vllm-python $(KVR_VLLM_PYTHON) --workers $(WORKERS) \
 	  --model tests/fixtures/tiny-model --served-model-name tiny --port $(PORT)
 
-test: install-system $(VENV_STAMP) install-vllm
+# tests/test_bench_peers.py runs the peer routers: installed first, as everything else
+test: install-system $(VENV_STAMP) $(PEERS_STAMP) install-vllm
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 # The peer routers `kvroute bench rig` compares with: sglang-router and vllm-router into .venv,
 # smg into .venv-peers-smg (its console script has the same name as sglang-router's).
-install-peers: $(VENV_STAMP)
+$(PEERS_STAMP): pyproject.toml $(VENV_STAMP)
 	$(PY) -m pip install -q -e '.[bench]'
 	test -x .venv-peers-smg/bin/python || python3 -m venv .venv-peers-smg
 	.venv-peers-smg/bin/python -m pip install -q smg==1.13.0
+	touch $@
+
+install-peers: $(PEERS_STAMP)
