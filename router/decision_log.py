@@ -72,11 +72,8 @@ class DecisionLog:
         if not self.capacity:
             return None
         entry = DecisionEntry(request_id=request_id, time_unix_s=round(time.time(), 3), model=plan.model.name)
-        entry.update(plan.explain())
-        total = len(entry["candidates"])
-        if total > MAX_CANDIDATES:
-            entry["candidates"] = entry["candidates"][:MAX_CANDIDATES]
-        entry["candidates_total"] = total
+        entry.update(plan.explain(MAX_CANDIDATES))
+        entry["candidates_total"] = len(plan.decision.scores)
         entry["queue_wait_ms"] = round(max(0.0, queue_wait_ms), 3)
         entry["worker"] = None
         entry["upstream_ttft_ms"] = None

@@ -114,13 +114,14 @@ class RoutePlan:
             return 0
         return (self.blocks.prompt_tokens or 0) - (self.predicted_cached_tokens(worker_id) or 0)
 
-    def explain(self) -> dict[str, Any]:
-        """The ``POST /admin/explain`` answer (DESIGN.md)."""
+    def explain(self, max_candidates: int | None = None) -> dict[str, Any]:
+        """The ``POST /admin/explain`` answer (DESIGN.md); ``max_candidates``: only the best that
+        many candidates (the chosen first), all when None."""
         tokens = self.blocks.prompt_tokens if self.blocks is not None else None
         return {
             "prompt_tokens": tokens,
             "blocks": len(self.blocks.first_keys) if self.blocks is not None else 0,
-            "candidates": [s.as_dict() for s in self.decision.scores],
+            "candidates": [s.as_dict() for s in self.decision.scores[:max_candidates]],
             "chosen": self.decision.worker_id,
             "predicted_cached_tokens": self.predicted_cached_tokens(self.decision.worker_id),
             "predicted_ttft_ms": _rounded(self.predicted_ttft_ms(self.decision.worker_id)),
