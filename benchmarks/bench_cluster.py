@@ -40,6 +40,7 @@ import httpx
 
 from kvroute.bench.arrivals import Arrivals
 from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures
+from kvroute.bench.process_sampler import tree_cpu_s
 from kvroute.bench.runner import RunSettings, Target, run_target
 from kvroute.bench.workers import wait_ready
 from kvroute.up import free_ports
@@ -67,35 +68,9 @@ def redis_info(url: str) -> dict:
     return redis.Redis.from_url(url).info("memory")
 
 
-def gateway_pids(up: subprocess.Popen) -> list[int]:
-    """The ``kvroute serve`` processes (supervisor and its children) below ``kvroute up``."""
-    out, todo = [], [up.pid]
-    while todo:
-        p = todo.pop()
-        try:
-            kids = [int(k) for k in open(f"/proc/{p}/task/{p}/children").read().split()]
-        except OSError:
-            kids = []
-        todo += kids
-        for k in kids:
-            try:
-                cmd = open(f"/proc/{k}/cmdline", "rb").read().split(b"\0")
-            except OSError:
-                continue
-            if b"serve" in cmd:
-                out.append(k)
-    return out
-
-
-def cpu_s(pids: list[int]) -> float:
-    total = 0
-    for pid in pids:
-        try:
-            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+def gateway_cpu_s(up: subprocess.Popen) -> float:
+    """CPU seconds of the ``kvroute serve`` processes (supervisor and gateways) below ``kvroute up``."""
+    return tree_cpu_s(up.pid, "serve")
 
 
 def histogram_quantiles(metrics_text: str, name: str, qs: tuple[float, ...]) -> dict[float, float]:
@@ -238,17 +213,16 @@ def main() -> int:
         startup_s = time.monotonic() - t0
         print(f"{args.workers} sim workers + agents, Redis index, {args.processes} gateway processes: "
               f"ready in {startup_s:.0f} s; logs in {tmp}")
-        pids = gateway_pids(up)
-        idle0, idle_t0 = cpu_s(pids), time.monotonic()
+        idle0, idle_t0 = gateway_cpu_s(up), time.monotonic()
         time.sleep(args.idle_s)  # what the gateway spends with no traffic: probes, scrapes, index upkeep
-        idle_cpu_share = (cpu_s(pids) - idle0) / (time.monotonic() - idle_t0)
+        idle_cpu_share = (gateway_cpu_s(up) - idle0) / (time.monotonic() - idle_t0)
         events_before = sum((w.get("kv_events") or {}).get("events_applied", 0)
                             for w in admin(base, "/admin/index")["workers"].values())
-        cpu_before, wall_before = cpu_s(pids), time.monotonic()
+        cpu_before, wall_before = gateway_cpu_s(up), time.monotonic()
         settings = RunSettings(model="small", arrivals=Arrivals("trace"), progress=False)
         result = run_target(Target("kvroute", base), workload, settings)
         replay_s = time.monotonic() - wall_before
-        gateway_cpu_s = cpu_s(pids) - cpu_before
+        gateway_cpu = gateway_cpu_s(up) - cpu_before
         time.sleep(2)  # the last events reach the agents (figures only; nothing waits on it)
         index_state = admin(base, "/admin/index")
         events_after = sum((w.get("kv_events") or {}).get("events_applied", 0) for w in index_state["workers"].values())
@@ -269,9 +243,9 @@ def main() -> int:
             "errors": result["errors"], "ttft_p50_ms": result["ttft_ms"]["p50"], "ttft_p90_ms": result["ttft_ms"]["p90"],
             "ttft_p99_ms": result["ttft_ms"]["p99"], "hit_rate": result["hit_rate"],
             "ideal_hit_rate": result["ideal_hit_rate"], "hit_rate_of_ideal": result["hit_rate_of_ideal"],
-            "gateway_cpu_per_request_ms": gateway_cpu_s / max(1, ok) * 1e3,
+            "gateway_cpu_per_request_ms": gateway_cpu / max(1, ok) * 1e3,
             "gateway_idle_cpu_share": idle_cpu_share,
-            "gateway_cpu_per_request_net_ms": max(0.0, gateway_cpu_s - idle_cpu_share * replay_s) / max(1, ok) * 1e3,
+            "gateway_cpu_per_request_net_ms": max(0.0, gateway_cpu - idle_cpu_share * replay_s) / max(1, ok) * 1e3,
             "events_applied_per_s": (events_after - events_before) / replay_s,
             "gateway_lookup_p50_ms": q[0.5] * 1e3, "gateway_lookup_p99_ms": q[0.99] * 1e3,
             "redis_used_memory_bytes": used_after, "index_blocks": blocks,

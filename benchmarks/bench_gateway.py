@@ -41,6 +41,7 @@ from pathlib import Path
 import aiohttp
 
 from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures
+from kvroute.bench.process_sampler import tree_cpu_s
 from kvroute.bench.workers import wait_ready
 from kvroute.up import free_ports
 
@@ -106,32 +107,12 @@ async def rate(session, url: str, body: bytes, concurrency: int, seconds: float)
     return done[0] / (time.perf_counter() - t0)
 
 
-def _descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            kids = [int(k) for k in open(f"/proc/{p}/task/{p}/children").read().split()]
-        except OSError:
-            kids = []
-        out += kids
-        todo += kids
-    return out
-
-
 def cpu_seconds(proc: subprocess.Popen | None) -> float:
     """User + system CPU seconds of every process below the ``timeout`` started for ``proc``
-    (the gateway, or a supervisor and its gateway processes; 0 for None)."""
+    (the gateway, or a supervisor and its gateway processes; 0 for None, nan when none runs)."""
     if proc is None:
         return 0.0
-    total = 0
-    for pid in _descendants(proc.pid):
-        try:
-            fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK") if total else float("nan")
+    return tree_cpu_s(proc.pid) or float("nan")
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -8,6 +8,7 @@ processes on one port (:mod:`router.siblings` says how they share the work) and 
 - ``SIGTERM``/``SIGINT``: sent on to every child as ``SIGTERM`` (each closes its socket and
   finishes the requests in flight within ``timeouts.shutdown_grace_s``); children still alive
   :data:`KILL_AFTER_S` after that are killed. ``SIGHUP``: sent on (each re-reads the config).
+- A child gets ``SIGTERM`` when the supervisor dies, however it dies (``PR_SET_PDEATHSIG``).
 - A child that exits on its own is started again after a back-off (1 s, doubling to 30 s; back
   to 1 s once a child has run for a minute), with its load row cleared.
 
@@ -37,6 +38,17 @@ HEALTHY_RUN_S = 60.0
 POLL_S = 0.1
 
 
+def _die_with_parent() -> None:
+    """In a child before exec: SIGTERM it when the supervisor dies, even by SIGKILL (Linux
+    ``prctl(PR_SET_PDEATHSIG)``; elsewhere nothing), so no gateway process outlives it."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def run_dir_base() -> str | None:
     """Where the run folder goes: ``/dev/shm`` (memory) when writable, else the temp folder."""
     shm = Path("/dev/shm")
@@ -64,7 +76,7 @@ class Supervisor:
     def _spawn(self, index: int) -> None:
         env = {**os.environ, ENV_INDEX: str(index), ENV_PROCESSES: str(self.processes),
                ENV_RUN_DIR: str(self.run_dir)}
-        self.children[index] = subprocess.Popen(self.child_argv, env=env)
+        self.children[index] = subprocess.Popen(self.child_argv, env=env, preexec_fn=_die_with_parent)
         self.started_at[index] = time.monotonic()
 
     def _signal_all(self, sig: int) -> None:

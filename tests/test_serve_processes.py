@@ -218,3 +218,41 @@ def test_a_killed_process_is_started_again(two_procs):
                timeout_s=60, what="a new gateway process")
     wait_until(lambda: len(_each_process(base, "/admin/workers")) == 2, timeout_s=60, what="both answering")
     assert _fresh("POST", base + "/v1/chat/completions", json=chat_body("after-restart")).status_code == 200
+
+
+def test_gateway_processes_stop_when_the_supervisor_is_killed(tmp_path, tiny_model):
+    import yaml
+
+    port, dead = free_ports(2)
+    cfg = {"listen": {"host": "127.0.0.1", "port": port},
+           "models": [{"name": "tiny", "tokenizer": str(tiny_model), "block_size": BLOCK}],
+           "workers": [{"id": "w0", "url": f"http://127.0.0.1:{dead}", "model": "tiny"}]}
+    path = tmp_path / "gateway.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    gw = Proc("gateway", kvroute_argv("serve", "--config", str(path), "--processes", "2"), tmp_path)
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", gw, timeout_s=120)
+        wait_until(lambda: len(_children(gw.popen.pid)) == 2, what="two gateway processes")
+        children = _children(gw.popen.pid)
+        supervisor = next(int(d) for d in os.listdir("/proc") if d.isdigit() and _is_supervisor(int(d), gw.popen.pid))
+        os.kill(supervisor, signal.SIGKILL)
+        wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") and _state(pid) != "Z" for pid in children),
+                   timeout_s=60, what="the gateway processes ending with their supervisor")
+    finally:
+        gw.stop()
+
+
+def _is_supervisor(pid: int, pgid: int) -> bool:
+    try:
+        cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        stat = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return int(stat[2]) == pgid and b"--processes" in cmd and b"timeout" not in cmd[0]
+
+
+def _state(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"

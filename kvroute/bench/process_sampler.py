@@ -33,3 +33,23 @@ class Sampler:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join(5)
+
+
+def tree_cpu_s(root_pid: int, cmdline_contains: str | None = None) -> float:
+    """User + system CPU seconds (children's waited-for time included) of every process below
+    ``root_pid`` (not ``root_pid`` itself), or of those whose command line has the argument
+    ``cmdline_contains``; processes that end meanwhile are skipped. 0.0 when there are none."""
+    try:
+        below = psutil.Process(root_pid).children(recursive=True)
+    except psutil.Error:
+        return 0.0
+    total = 0.0
+    for proc in below:
+        try:
+            if cmdline_contains is not None and cmdline_contains not in proc.cmdline():
+                continue
+            t = proc.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            continue
+    return total
