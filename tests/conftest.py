@@ -175,19 +175,29 @@ def redis_url(tmp_path_factory):
     if exe is None:
         pytest.fail("redis-server not on PATH (`make install-system` installs it; `make test` runs that first)")
     port = free_port()
-    p = Proc("redis", [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                       "--appendonly", "no"], tmp_path_factory.mktemp("redis"))
-    end = time.monotonic() + 10
+    p = Proc("redis", redis_argv(exe, port), tmp_path_factory.mktemp("redis"))
+    wait_redis(port, p)
+    yield f"redis://127.0.0.1:{port}/0"
+    p.stop()
+
+
+def redis_argv(exe: str, port: int) -> list[str]:
+    """A redis-server (or valkey-server) on loopback ``port``, nothing persisted."""
+    return [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+
+
+def wait_redis(port: int, proc: Proc, timeout_s: float = 10.0) -> None:
+    """Wait until the server on loopback ``port`` answers PING; else stop ``proc`` and fail with
+    its log."""
+    end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         try:
             with socket.create_connection(("127.0.0.1", port), 0.5) as s:
                 s.sendall(b"PING\r\n")
                 if s.recv(16).startswith(b"+PONG"):
-                    break
+                    return
         except OSError:
-            time.sleep(0.1)
-    else:
-        p.stop()
-        pytest.fail("redis-server did not start")
-    yield f"redis://127.0.0.1:{port}/0"
-    p.stop()
+            pass
+        time.sleep(0.05)
+    proc.stop()
+    pytest.fail(f"{proc.name} did not answer PING on port {port}:\n{proc.log_tail()}")

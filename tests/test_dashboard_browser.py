@@ -27,8 +27,8 @@ import pytest
 from openai import OpenAI
 from playwright.sync_api import Page, expect, sync_playwright
 
-from conftest import ADMIN_TOKEN, Proc
-from test_gateway_e2e import assert_openai_error, chat_body, two_sim_gateway
+from conftest import ADMIN_TOKEN
+from test_gateway_e2e import assert_openai_error, chat_body, running_two_sim_gateway
 
 WAIT_MS = 30_000  # the longest any page condition may take (a busy CI machine)
 TOKEN_KEY = "kvroute.adminToken"  # the page's sessionStorage key
@@ -46,14 +46,8 @@ def chromium_path() -> str:
 
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory, tiny_model):
-    log_dir = tmp_path_factory.mktemp("dashboard")
-    started: list[Proc] = []
-    try:
-        base, _, _ = two_sim_gateway(tiny_model, log_dir, started, load_scrape={"interval_s": 0.5})
+    with running_two_sim_gateway(tmp_path_factory, tiny_model, "dashboard", load_scrape={"interval_s": 0.5}) as (base, _, _):
         yield base
-    finally:
-        for p in reversed(started):
-            p.stop()
 
 
 @pytest.fixture(scope="module")

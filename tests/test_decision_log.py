@@ -9,13 +9,13 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from conftest import ADMIN_TOKEN, Proc, wait_until
+from conftest import ADMIN_TOKEN, wait_until
 from kvcore.index.base import TierMatch
 from router.config import ModelConfig
 from router.decision_log import MAX_CANDIDATES, DecisionLog, SummaryWindowError, merge_summaries
 from router.policies.base import CandidateScore, Decision, RouteRequest
 from router.routing import RoutePlan
-from test_gateway_e2e import BLOCK, assert_openai_error, chat_body, two_sim_gateway
+from test_gateway_e2e import BLOCK, assert_openai_error, chat_body, running_two_sim_gateway
 
 
 def _plan(chosen: str, workers: int = 2) -> RoutePlan:
@@ -128,14 +128,8 @@ def test_summaries_of_several_processes_merge_bucket_by_bucket():
 
 @pytest.fixture(scope="module")
 def gw(tmp_path_factory, tiny_model):
-    log_dir = tmp_path_factory.mktemp("decisions")
-    started: list[Proc] = []
-    try:
-        base, _, _ = two_sim_gateway(tiny_model, log_dir, started, routing={"decisions_kept": 5})
+    with running_two_sim_gateway(tmp_path_factory, tiny_model, "decisions", routing={"decisions_kept": 5}) as (base, _, _):
         yield base
-    finally:
-        for p in reversed(started):
-            p.stop()
 
 
 def _decisions(base: str, query: str = "", token: str | None = ADMIN_TOKEN) -> httpx.Response:

@@ -8,6 +8,7 @@ one of them also runs alone (``-k``).
 """
 from __future__ import annotations
 
+import contextlib
 import random
 import re
 import signal
@@ -79,6 +80,18 @@ def two_sim_gateway(tiny_model: Path, log_dir: Path, started: list[Proc], **cfg_
     }
     base, _, gw = start_gateway(cfg, log_dir, started)
     return base, sims, gw
+
+
+@contextlib.contextmanager
+def running_two_sim_gateway(tmp_path_factory, tiny_model: Path, name: str, **cfg_extra):
+    """:func:`two_sim_gateway` in a fresh log folder ``name``, everything stopped on exit:
+    yields ``(base URL, sims by id, gateway process)`` (for module fixtures)."""
+    started: list[Proc] = []
+    try:
+        yield two_sim_gateway(tiny_model, tmp_path_factory.mktemp(name), started, **cfg_extra)
+    finally:
+        for p in reversed(started):
+            p.stop()
 
 
 @pytest.fixture(scope="module")

@@ -12,21 +12,15 @@ import httpx
 import orjson
 import pytest
 
-from conftest import ADMIN_TOKEN, Proc
-from test_gateway_e2e import BLOCK, metric_value, system_prompt, two_sim_gateway, wait_until
+from conftest import ADMIN_TOKEN
+from test_gateway_e2e import metric_value, running_two_sim_gateway, system_prompt, wait_until
 
 
 @pytest.fixture(scope="module")
 def ttft_cluster(tmp_path_factory, tiny_model):
-    log_dir = tmp_path_factory.mktemp("gateway-ttft")
-    started: list[Proc] = []
-    try:
-        base, sims, gw = two_sim_gateway(tiny_model, log_dir, started, load_scrape={"interval_s": 0.5},
-                                         policy={"name": "ttft"})
-        yield base, sims, gw
-    finally:
-        for p in reversed(started):
-            p.stop()
+    with running_two_sim_gateway(tmp_path_factory, tiny_model, "gateway-ttft", load_scrape={"interval_s": 0.5},
+                                 policy={"name": "ttft"}) as running:
+        yield running
 
 
 def metric(base: str, name: str, **labels) -> float:

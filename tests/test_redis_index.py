@@ -9,8 +9,7 @@ import time
 import uuid
 
 import pytest
-import redis
-from conftest import free_port, free_ports
+from conftest import free_port, free_ports, redis_argv, wait_redis
 from kv_replay_publisher import ReplayPublisher, capture_payloads, until
 
 from kvcore.block_keys import block_keys
@@ -134,18 +133,9 @@ async def test_removing_a_worker_purges_its_keys(rindex):
 def _redis_server(procs, port: int):
     exe = shutil.which("redis-server")
     assert exe, "redis-server not on PATH"
-    p = procs(f"redis-{port}-{time.monotonic_ns()}", [exe, "--port", str(port), "--bind", "127.0.0.1",
-                                                      "--save", "", "--appendonly", "no"])
-    client = redis.Redis(port=port, socket_connect_timeout=0.5)
-    end = time.monotonic() + 10
-    while time.monotonic() < end:
-        try:
-            if client.ping():
-                client.close()
-                return p
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    raise AssertionError(p.log_tail())
+    p = procs(f"redis-{port}-{time.monotonic_ns()}", redis_argv(exe, port))
+    wait_redis(port, p)
+    return p
 
 
 async def test_redis_down_raises_index_unavailable_then_recovers(procs):

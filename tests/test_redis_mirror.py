@@ -17,7 +17,7 @@ import uuid
 import pytest
 import redis
 import redis.asyncio
-from conftest import Proc, free_port
+from conftest import Proc, free_port, redis_argv, wait_redis
 from kv_replay_publisher import until
 
 from kvcore.index import make_index
@@ -31,19 +31,9 @@ K = list(range(700, 712))
 
 
 def _start_server(exe: str, log_dir, port: int) -> Proc:
-    p = Proc(f"{os.path.basename(exe)}-{port}-{time.monotonic_ns()}",
-             [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"], log_dir)
-    client = redis.Redis(port=port, socket_connect_timeout=0.5)
-    end = time.monotonic() + 10
-    while time.monotonic() < end:
-        try:
-            if client.ping():
-                client.close()
-                return p
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    p.stop()
-    raise AssertionError(f"{exe} did not start:\n{p.log_tail()}")
+    p = Proc(f"{os.path.basename(exe)}-{port}-{time.monotonic_ns()}", redis_argv(exe, port), log_dir)
+    wait_redis(port, p)
+    return p
 
 
 @pytest.fixture(scope="session")
