@@ -41,7 +41,7 @@ from kvroute.bench.arrivals import Arrivals
 from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures
 from kvroute.bench.process_sampler import tree_cpu_s
 from kvroute.bench.runner import RunSettings, Target, run_target
-from kvroute.bench.workers import wait_ready
+from kvroute.bench.workers import stop_groups, wait_ready
 from kvroute.up import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -273,15 +273,7 @@ def main() -> int:
         emit(figures, args)
         return 0
     finally:
-        for p in reversed(procs):
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-                p.wait(60)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        stop_groups(procs, grace_s=60)  # kvroute up stops its 64 workers and agents first
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ import importlib.util
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import tempfile
@@ -42,7 +41,7 @@ import aiohttp
 
 from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures
 from kvroute.bench.process_sampler import tree_cpu_s
-from kvroute.bench.workers import wait_ready
+from kvroute.bench.workers import stop_groups, wait_ready
 from kvroute.up import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -245,12 +244,7 @@ def main() -> int:
         print(f"machine: {os.cpu_count()} CPUs; one sim worker (--speedup {args.speedup:g}); logs in {tmp}")
         asyncio.run(run(targets, target_procs, args, fig))
     finally:
-        for p in reversed(procs):
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-                p.wait(10)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                os.killpg(p.pid, signal.SIGKILL)
+        stop_groups(procs)
     title = f"one sim worker (--speedup {args.speedup:g}), {args.rounds} rounds x {args.requests} requests per cell"
     add_chart(fig, "bars", "latency.png", table="latency", group_by=["workload", "concurrency"], series_by="target",
               values=["p50_ms", "p99_ms"], ylabel="ms", log_y=True, title=f"latency per target; {title}")

@@ -38,7 +38,6 @@ import asyncio
 import json
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -51,7 +50,7 @@ import aiohttp
 from bench_gateway import start  # same folder: a process started under a deadline
 from kvcore.tokenization import PromptTokenizer
 from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures
-from kvroute.bench.workers import wait_ready
+from kvroute.bench.workers import stop_groups, wait_ready
 from kvroute.up import free_ports
 from router.config import ModelConfig
 from router.tokenize import _prompt_blocks
@@ -253,12 +252,7 @@ def main() -> int:
         print_table("gateway process (kvroute serve, everything it does per request), CPU ms per request", grows)
         add_table(fig, "cpu", table_rows("gateway process", grows))
     finally:
-        for p in reversed(procs):
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-                p.wait(10)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                os.killpg(p.pid, signal.SIGKILL)
+        stop_groups(procs)
     emit(fig, args)
     return 0
 

@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 import httpx  # noqa: E402
 
 from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures  # noqa: E402
-from kvroute.bench.workers import wait_ready  # noqa: E402
+from kvroute.bench.workers import stop_groups, wait_ready  # noqa: E402
 from kvroute.up import free_ports  # noqa: E402
 
 TINY = ROOT / "tests/fixtures/tiny-model"
@@ -136,8 +136,6 @@ async def run(targets: dict[str, str], procs: dict[str, subprocess.Popen | None]
                     "added_p50_ms": None if direct else statistics.median(added[t]["p50"]) * 1e3,
                     "added_p99_ms": None if direct else statistics.median(added[t]["p99"]) * 1e3,
                     "cpu_per_request_ms": None if direct else med[t]["cpu"] * 1e3}])
-            on_off50 = [a - b for a, b in zip(per["tracing on"]["p50"], per["tracing off"]["p50"])]
-            on_off99 = [a - b for a, b in zip(per["tracing on"]["p99"], per["tracing off"]["p99"])]
             for t in targets:
                 if t.startswith("tracing on"):
                     d50 = [a - b for a, b in zip(per[t]["p50"], per["tracing off"]["p50"])]
@@ -207,16 +205,7 @@ def main() -> int:
               f"({stats['bytes'] / 1e6:.1f} MB); services {stats['services']}; names {stats['names']}")
         add_table(fig, "spans", [{"spans": stats["spans"], "exports": stats["posts"], "export_bytes": stats["bytes"]}])
     finally:
-        for p in reversed(procs):
-            if p.poll() is not None:
-                continue
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        stop_groups([p for p in procs if p.poll() is None])
     title = f"{args.requests} sequential requests x {args.repeats} repeats per target, medians"
     add_chart(fig, "bars", "tracing_cost.png", table="tracing_cost", group_by="workload", series_by="target",
               values=["added_p50_ms", "added_p99_ms", "added_cpu_per_request_ms"], ylabel="ms",

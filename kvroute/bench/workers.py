@@ -133,3 +133,23 @@ def reachable(base_url: str, timeout_s: float = 10) -> bool:
     except httpx.HTTPError:
         return False
     return True
+
+
+def stop_groups(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    """Stop benchmark processes started in their own sessions, last started first: SIGTERM to
+    each one's process group, SIGKILL to a group still there after ``grace_s``; a group already
+    gone is skipped."""
+    import os
+    import signal
+
+    for p in reversed(procs):
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+            p.wait(grace_s)
+        except ProcessLookupError:
+            continue
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
