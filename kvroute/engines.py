@@ -53,20 +53,37 @@ def vllm_argv(args: argparse.Namespace, port: int, events_cfg: dict) -> list[str
     return argv + shlex.split(args.vllm_args or "")
 
 
-def tier_argv_env(args: argparse.Namespace, i: int) -> tuple[list[str], dict[str, str]]:
+def tier_argv_env(args: argparse.Namespace, i: int, agent_socket: str | None = None) -> tuple[list[str], dict[str, str]]:
     """The tiers' part of vLLM worker ``i``'s launch: ``--kv-transfer-config`` loading our KV
     connector (offload_agent/connector) with ``--cpu-tier-bytes`` of RAM and, when
     ``--ssd-tier-dir`` is given, ``--ssd-tier-bytes`` of block files in ``<dir>/w<i>`` (one folder
     per worker: two servers sharing a folder would evict each other's files), plus the
-    ``PYTHONPATH`` vLLM needs to import the connector. Nothing when no tier flag is set.
-    Raises ValueError for sizes the connector rejects."""
+    ``PYTHONPATH`` vLLM needs to import the connector. ``agent_socket``: the worker's agent owns
+    the tiers (same sizes; the connector falls back to these local tiers when the agent is
+    absent). Nothing when no tier flag is set. Raises ValueError for sizes the connector rejects."""
     if not args.cpu_tier_bytes:
         return [], {}
     from offload_agent.connector.config import kv_transfer_config, vllm_env as connector_env
 
-    ssd_dir = Path(args.ssd_tier_dir) / f"w{i}" if args.ssd_tier_dir else None
-    cfg = kv_transfer_config(args.cpu_tier_bytes, ssd_dir, args.ssd_tier_bytes or 0)
+    cfg = kv_transfer_config(args.cpu_tier_bytes, ssd_tier_folder(args, i), args.ssd_tier_bytes or 0,
+                             agent_socket=agent_socket)
     return ["--kv-transfer-config", json.dumps(cfg)], connector_env()
+
+
+def ssd_tier_folder(args: argparse.Namespace, i: int) -> Path | None:
+    """Worker ``i``'s SSD tier folder: ``<--ssd-tier-dir>/w<i>``, None without the flag."""
+    return Path(args.ssd_tier_dir) / f"w{i}" if args.ssd_tier_dir else None
+
+
+def agent_tier_argv(args: argparse.Namespace, i: int, socket_path: str, shm_path: str) -> list[str]:
+    """``kvroute agent`` flags making worker ``i``'s agent the owner of its tiers, serving its
+    blocks to peers on a free loopback port and removing the CPU tier file when it stops."""
+    argv = ["--tier-socket", socket_path, "--tier-shm", shm_path, "--cpu-tier-bytes", str(args.cpu_tier_bytes),
+            "--serve-peers", "127.0.0.1:0", "--remove-tiers-on-exit"]
+    ssd = ssd_tier_folder(args, i)
+    if ssd is not None:
+        argv += ["--ssd-tier-dir", str(ssd.resolve()), "--ssd-tier-bytes", str(args.ssd_tier_bytes)]
+    return argv
 
 
 def _cpu_slices(n_workers: int) -> list[str]:

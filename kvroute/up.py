@@ -3,7 +3,8 @@
 Starts N workers (``kvroute sim`` processes, or real vLLM OpenAI servers run by the interpreter
 ``--vllm-python`` with prefix caching, ZMQ KV events + replay, prompt-token details and the given
 block size), one offload agent per worker when the index is Redis (with the embedded in-memory index
-the gateway subscribes to the workers' KV events itself), and the gateway (``kvroute serve``) on
+the gateway subscribes to the workers' KV events itself; with CPU/SSD tiers too, the agents own the
+tiers and pull blocks from each other), and the gateway (``kvroute serve``) on
 ``--port``; shows progress while the workers load, prints the gateway URL once every part answers
 and the gateway sees every worker healthy; on Ctrl-C, SIGTERM or the death of any child, stops every
 process it started (each child runs in its own process group, terminated then killed) and exits.
@@ -31,7 +32,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvroute.engines import kvroute_argv, sim_argv, tier_argv_env, vllm_argv, vllm_env
+from kvroute.engines import agent_tier_argv, kvroute_argv, sim_argv, tier_argv_env, vllm_argv, vllm_env
 
 STOP_GRACE_S = 10.0
 GATEWAY_GRACE_S = 8.0  # under STOP_GRACE_S: the gateway exits before it is killed
@@ -335,22 +336,27 @@ def run(args: argparse.Namespace) -> int:
             events_cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
                           "endpoint": f"tcp://*:{ev_port}",
                           "replay_endpoint": f"tcp://*:{replay_port}"}
+            events, replay = f"tcp://127.0.0.1:{ev_port}", f"tcp://127.0.0.1:{replay_port}"
+            # with a Redis index and tiers, the agent owns the tiers and pulls from peers: it
+            # starts first, so the connector finds it
+            owned = args.engine == "vllm" and bool(args.cpu_tier_bytes) and args.index != "memory"
+            agent_socket = str(log_dir / f"{wid}-tiers.sock") if owned else None
+            if args.index != "memory":
+                extra = agent_tier_argv(args, i, agent_socket, f"/dev/shm/kvroute-tier-{os.getpid()}-{wid}") if owned else []
+                cluster.start(f"agent-{wid}", kvroute_argv(
+                    "agent", "--worker-id", wid, "--events", events, "--replay", replay,
+                    "--index", args.index, "--model", args.served_model_name,
+                    "--block-size", str(args.block_size), *extra), log_dir)
             if args.engine == "vllm":
                 argv, env = vllm_argv(args, port, events_cfg), vllm_env(i, args.workers)
-                tier_args, tier_env = tier_argv_env(args, i)
+                tier_args, tier_env = tier_argv_env(args, i, agent_socket)
                 argv, env = argv + tier_args, {**env, **tier_env}
             else:
                 argv, env = sim_argv(args, i, port, events_cfg), None
             url = f"http://127.0.0.1:{port}"
             cluster.start(wid, argv, log_dir, url + "/health", env)
-            events, replay = f"tcp://127.0.0.1:{ev_port}", f"tcp://127.0.0.1:{replay_port}"
             workers.append({"id": wid, "url": url, "model": args.served_model_name,
                             "events": events, "replay": replay})
-            if args.index != "memory":
-                cluster.start(f"agent-{wid}", kvroute_argv(
-                    "agent", "--worker-id", wid, "--events", events, "--replay", replay,
-                    "--index", args.index, "--model", args.served_model_name,
-                    "--block-size", str(args.block_size)), log_dir)
         cfg_path = log_dir / "gateway.yaml"
         gw_workers = workers if args.index == "memory" else [
             {k: v for k, v in w.items() if k not in ("events", "replay")} for w in workers]
@@ -414,7 +420,8 @@ def register(subparsers) -> None:
     p.add_argument("--vllm-args", default="", metavar="'ARGS'",
                    help="extra flags for each vLLM server, one shell-quoted string (e.g. '--dtype bfloat16')")
     p.add_argument("--cpu-tier-bytes", type=int, default=None,
-                   help="vllm engine: RAM per worker for the CPU tier of KV blocks (enables the tiers)")
+                   help="vllm engine: RAM per worker for the CPU tier of KV blocks (enables the tiers; with a Redis "
+                        "--index the agents own the tiers and pull blocks from each other)")
     p.add_argument("--ssd-tier-dir", default=None,
                    help="vllm engine: folder for the SSD tier (one subfolder per worker)")
     p.add_argument("--ssd-tier-bytes", type=int, default=None, help="vllm engine: bytes of SSD tier per worker")

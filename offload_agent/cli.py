@@ -23,6 +23,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--heartbeat-ttl-s", type=float, default=10.0, metavar="S",
                    help="the worker stops counting this long after the agent's last heartbeat (default 10)")
     p.add_argument("--topic", default="", help="ZMQ topic prefix to subscribe to (default: all)")
+    t = p.add_argument_group(
+        "tiers (the agent owns them)",
+        "With --tier-socket the agent owns the worker's CPU tier (a shared memory file) and SSD tier (a "
+        "folder): the worker's KV connector (kv_connector_extra_config agent_socket) maps them through "
+        "this socket, and the agent serves their blocks to peers and pulls peers' blocks for it.")
+    t.add_argument("--tier-socket", metavar="PATH", help="Unix socket for the worker's KV connector")
+    t.add_argument("--cpu-tier-bytes", type=int, default=0, metavar="N", help="RAM for the CPU tier (required with --tier-socket)")
+    t.add_argument("--tier-shm", metavar="PATH", help="the CPU tier file (default /dev/shm/kvroute-tier-<worker id>)")
+    t.add_argument("--ssd-tier-dir", metavar="DIR", help="folder of the SSD tier")
+    t.add_argument("--ssd-tier-bytes", type=int, default=0, metavar="N", help="bytes of block files allowed there")
+    t.add_argument("--serve-peers", metavar="HOST:PORT", help="serve this worker's blocks to peers here (port 0: any)")
+    t.add_argument("--advertise", metavar="HOST:PORT", help="the address peers use (default: the bound one)")
+    t.add_argument("--no-peer-pull", dest="peer_pull", action="store_false",
+                   help="never pull blocks from peers for this worker")
+    t.add_argument("--peer-secret-env", metavar="VAR",
+                   help="environment variable holding the peer protocol's shared secret (both sides need it)")
+    t.add_argument("--remove-tiers-on-exit", action="store_true",
+                   help="remove the CPU tier file at a clean stop (default: keep it for the next agent)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     p.set_defaults(func=_run)
 

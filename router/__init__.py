@@ -13,6 +13,7 @@ One module per step of a request, in order:
 
 Around them: :mod:`router.registry` (workers, health, in-flight), :mod:`router.worker_probes`
 (health probe, engine-load scrape), :mod:`router.embedded_events` (KV events in embedded mode),
+:mod:`router.peer_pull` (workers' peer-pull states and the worth of a pulled block),
 :mod:`router.metrics`, :mod:`router.errors`, :mod:`router.admin`, :mod:`router.gateway` (the parts
 wired together), :mod:`router.app` (the ASGI app) and :mod:`router.cli`.
 """

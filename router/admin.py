@@ -2,14 +2,14 @@
 
 | method path | answer |
 |---|---|
-| GET /admin/workers | ``{"workers": [worker entry + {"blocks": {gpu, cpu, ssd}, "speculative_blocks"}]}`` |
+| GET /admin/workers | ``{"workers": [worker entry + {"blocks": {gpu, cpu, ssd}, "speculative_blocks", "peer"}]}`` (``peer``: the worker's peer-pull state as routing uses it, :class:`router.peer_pull.PeerInfo`: ``serve``, ``pull``, ``block_bytes``, ``block_size``, ``link_bytes_per_s``, ``pull_overhead_ms``, ``pulls``, ``pulled_blocks``, ``failed_pulls``; null when its agent publishes none) |
 | POST /admin/workers | body: a config worker ``{id?, url, model, events?, replay?}`` -> 201 the entry; 400 bad, 409 id taken |
 | DELETE /admin/workers/{id} | 200 ``{"removed": id}``; index entries purged, in-flight requests finish; 404 unknown |
 | POST /admin/workers/{id}/drain[?wait_s=S] | 200 the entry (``draining: true``; ``drained: true`` once its in-flight count is 0; with ``wait_s`` the answer waits up to S s for that); 404 unknown |
 | GET /admin/policy | the live policy mapping (the config's ``policy`` section) |
 | PUT /admin/policy | body: a policy mapping; validated and swapped atomically; 200 the new mapping, 400 bad |
 | GET /admin/index | ``{"backend", "workers": {id: {"blocks", "speculative_blocks", "kv_events"}}}`` (``kv_events``: the embedded ingestor's, or with Redis the worker's agent's, seq, event age, gaps, replays, resyncs; null without one) |
-| POST /admin/explain | a chat or completions body -> ``{"prompt_tokens", "blocks", "candidates", "chosen", "reason", ...}``; nothing is sent |
+| POST /admin/explain | a chat or completions body -> ``{"prompt_tokens", "blocks", "candidates", "chosen", "reason", ...}``; nothing is sent. A candidate a peer can supply blocks to also has ``peer_blocks``, ``peer_worker``, ``peer_credit`` (the weight per block) and ``peer_credit_source`` (``config``, ``measured``, ``prior``, ``unknown_block_bytes``) |
 | GET /admin/decisions[?limit=N&worker=ID&since_unix_s=T] | ``{"decisions": [...], "kept", "recorded"}``: recent decisions of real traffic, newest first (:mod:`router.decision_log`); 400 bad limit |
 | GET /admin/summary[?window_s=W&bucket_s=B] | the decisions of the last W s (default 300) in counts and B-second buckets (default 10): ``{"totals", "hit_rate", "predicted_hit_rate", "by_reason", "by_worker", "series": [...], ...}`` (:meth:`router.decision_log.DecisionLog.summary`; drawn by ``GET /dashboard``); 400 bad window or bucket |
 
@@ -103,6 +103,8 @@ def make_admin_router(gateway: Gateway) -> APIRouter:
             st = stats.get(reg.id)
             entry["blocks"] = dict(st.blocks) if st else {"gpu": 0, "cpu": 0, "ssd": 0}
             entry["speculative_blocks"] = st.speculative_blocks if st else 0
+            peer = gateway.peers.get(reg.id)
+            entry["peer"] = peer.as_dict() if peer is not None else None
             out.append(entry)
         return _json({"workers": out})
 

@@ -14,6 +14,9 @@ request goes on::
      "actual_cached_tokens": n | null}                   # vLLM's usage.prompt_tokens_details
                                                          # (a several-prompt body: their sum)
 
+A candidate a peer can supply blocks to carries ``peer_blocks``, ``peer_worker``, ``peer_credit``
+and ``peer_credit_source`` (:meth:`router.policies.base.CandidateScore.as_dict`), as in explain.
+
 Entries are plain dicts, written on the event loop only (no locks). ``candidates`` keeps the
 :data:`MAX_CANDIDATES` best-ranked (the chosen first), so an entry stays small on a large
 cluster; ``candidates_total`` says how many there were. Memory: about 0.2-1 KiB per candidate

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcore.index import make_index
+from kvcore.index.base import SupportsWorkerStates
 from kvcore.index.errors import IndexEncodingMismatch, IndexUnavailable
 from router.admission import Admission
 from router.dispatch_queue import DispatchQueue
@@ -25,6 +26,7 @@ from router.config import GatewayConfig, WorkerConfig, load_config
 from router.decision_log import DecisionLog
 from router.embedded_events import embedded_ingest_task
 from router.metrics import GatewayMetrics
+from router.peer_pull import PeerPoller, PeerTable
 from router.proxy import Upstream
 from router.registry import TaskFactory, WorkerRegistration, WorkerRegistry
 from router.routing import PolicyHolder, Router
@@ -59,8 +61,12 @@ class Gateway:
                                         cfg.routing.tokenize_cache_max_tokens)
         self.metrics.watch_tokenize_cache(self.tokenizers.cache_totals)
         self.policy = PolicyHolder(cfg.policy)
+        # workers' peer-pull states (router.peer_pull): polled from a shared index's agent states
+        self.peers = PeerTable()
+        self.metrics.watch_peer_links(self.peers.current)
+        self._peer_poller: PeerPoller | None = None
         self.router = Router(cfg.models, self.tokenizers, self.index, self.registry, self.policy,
-                             self.metrics, cfg.routing)
+                             self.metrics, cfg.routing, self.peers)
         self.upstream = Upstream(cfg.timeouts, cfg.health, self.metrics)
         self.admission = Admission(cfg.admission, lambda: sum(1 for r in self.registry.all() if r.routable),
                                    self.metrics)
@@ -83,7 +89,9 @@ class Gateway:
         configured workers and wait (at most one probe timeout) for their first health probe.
         Raises IndexEncodingMismatch when a shared index holds keys of another block-key
         encoding (the gateway must not start: its keys would never match); an index that is
-        down only means routing on load until it answers. With ``discovery.kubernetes`` it then
+        down only means routing on load until it answers. With a shared index whose agents
+        publish their states (Redis), those are polled every second for peer pull
+        (:mod:`router.peer_pull`; ``self.peers``). With ``discovery.kubernetes`` it then
         starts the pod watch (:mod:`router.discovery.kubernetes`; ``self.discovery``), raising
         ValueError when no Kubernetes client configuration loads."""
         try:
@@ -106,6 +114,9 @@ class Gateway:
         regs = [self.registry.add(w) for w in self.cfg.workers]
         if self.group is not None and self.group.table is not None:  # a silent row counts as a dead process
             self._heartbeat = asyncio.get_running_loop().create_task(self._beat(self.group), name="load-heartbeat")
+        if isinstance(self.index, SupportsWorkerStates):  # agents publish their peer-pull states there
+            self._peer_poller = PeerPoller(self.index, self.peers)
+            self._peer_poller.start()
         await self._wait_first_probe(regs)
         if self.cfg.discovery.kubernetes is not None:  # pods become workers as they turn Ready
             from router.discovery.kubernetes import KubernetesDiscovery
@@ -131,6 +142,8 @@ class Gateway:
         """Stop every task and close connections."""
         if self._heartbeat is not None:
             self._heartbeat.cancel()
+        if self._peer_poller is not None:
+            await self._peer_poller.stop()
         if self.discovery is not None:
             await self.discovery.stop()
         self.dispatch_queue.close()

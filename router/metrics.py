@@ -36,17 +36,20 @@
 | kvroute_dispatch_queue_queued | gauge | | requests waiting in the dispatch queue now |
 | kvroute_broken_streams_total | counter | worker, reason | streams a worker broke or left silent past ``stream_idle_s`` (ended with an error event) |
 | kvroute_tokenize_cache_total | counter | result | prefix token cache outcome per encoded text (``hit``, ``miss``, ``fallback``: junction unsafe, encoded whole) |
+| kvroute_peer_credit_blocks_total | counter | worker | prompt blocks real decisions credited the chosen worker for pulling from a peer (:mod:`router.peer_pull`) |
+| kvroute_worker_peer_link_bytes_per_second | gauge | worker | the worker's measured peer-pull link speed, as its agent publishes it (Redis index; absent until it has pulled) |
 | kvroute_worker_call_failures_total | counter | worker, call | the gateway's own calls to a worker (``models``: ``GET /v1/models``) that failed or timed out; the answer skips that worker |
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from router.peer_pull import PeerInfo
 from router.registry import WorkerRegistration
 
 disable_created_metrics()  # no *_created series: they double the exposition for nothing here
@@ -118,6 +121,21 @@ class _WorkerGauges(Collector):
         yield blocks
         yield events_age
         yield from event_counters.values()
+
+
+class _PeerLinks(Collector):
+    """Each worker's measured peer-pull link speed, read from the peer table at scrape time."""
+
+    def __init__(self, peers: Callable[[], Mapping[str, PeerInfo]]) -> None:
+        self._peers = peers
+
+    def collect(self):
+        family = GaugeMetricFamily("kvroute_worker_peer_link_bytes_per_second",
+                                   "Measured peer-pull link speed of the worker (bytes/s)", labels=["worker"])
+        for worker, info in sorted(self._peers().items()):
+            if info.link_bytes_per_s is not None:
+                family.add_metric([worker], info.link_bytes_per_s)
+        yield family
 
 
 class _CounterFromTotals(Collector):
@@ -193,6 +211,9 @@ class GatewayMetrics:
         self.evidence_distrust = Counter("kvroute_evidence_distrust",
                                          "Times a worker's prefix evidence became distrusted", ["worker"],
                                          registry=r)
+        self.peer_credit_blocks = Counter(
+            "kvroute_peer_credit_blocks",
+            "Prompt blocks decisions credited the chosen worker for pulling from a peer", ["worker"], registry=r)
         r.register(_WorkerGauges(workers))
         self._response_children: dict[tuple[str, int], tuple[Any, Any]] = {}
 
@@ -207,6 +228,11 @@ class GatewayMetrics:
         """Expose the prefix token cache's ``{"hit", "miss", "fallback"}`` counts, read at scrape time."""
         self.registry.register(_CounterFromTotals("kvroute_tokenize_cache", "Prefix token cache outcomes",
                                                   "result", totals))
+
+    def watch_peer_links(self, peers: Callable[[], Mapping[str, PeerInfo]]) -> None:
+        """Expose each worker's measured peer-pull link speed (``peers()``: peer info by worker
+        id, :meth:`router.peer_pull.PeerTable.current`), read at scrape time."""
+        self.registry.register(_PeerLinks(peers))
 
     def watch_dispatch_queue(self, queued: Callable[[], float]) -> None:
         """Expose the dispatch queue's length, read at scrape time."""

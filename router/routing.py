@@ -19,6 +19,7 @@ from kvcore.tokenization import BadPrompt
 from router.config import ModelConfig, RoutingConfig
 from router.errors import GatewayError, bad_request, no_healthy_worker, unknown_model
 from router.metrics import GatewayMetrics
+from router.peer_pull import PeerTable, peer_blocks_by_worker
 from router.policies.base import Candidate, CandidateScore, Decision, Policy, RouteRequest
 from router.policies.factory import describe, make_policy
 from router.registry import WorkerRegistration, WorkerRegistry
@@ -109,10 +110,16 @@ class RoutePlan:
         return score.work_tokens if score is not None else None
 
     def uncached_tokens(self, worker_id: str) -> int:
-        """Prompt tokens the worker must prefill (all prompts), 0 when unknown."""
+        """Prompt tokens the worker must prefill (all prompts), 0 when unknown. Blocks it pulls
+        from a peer count at the share of their prefill the pull takes (``1 - peer_credit``):
+        the pull occupies the worker that long before its prefill."""
         if self.blocks is None or self.blocks.token_ids is None:
             return 0
-        return (self.blocks.prompt_tokens or 0) - (self.predicted_cached_tokens(worker_id) or 0)
+        uncached = (self.blocks.prompt_tokens or 0) - (self.predicted_cached_tokens(worker_id) or 0)
+        score = self._score(worker_id)
+        if score is not None and score.peer_blocks > 0:
+            uncached -= round(score.peer_credit_blocks * self.model.block_size)
+        return max(0, uncached)
 
     def explain(self, max_candidates: int | None = None) -> dict[str, Any]:
         """The ``POST /admin/explain`` answer (DESIGN.md); ``max_candidates``: only the best that
@@ -167,7 +174,7 @@ class Router:
 
     def __init__(self, models: list[ModelConfig], tokenizers: TokenizerPool, index: KVIndex,
                  registry: WorkerRegistry, policy: PolicyHolder, metrics: GatewayMetrics,
-                 routing: RoutingConfig) -> None:
+                 routing: RoutingConfig, peers: PeerTable | None = None) -> None:
         self._models: dict[str, tuple[ModelConfig, str | None]] = {}
         self._bases = list(models)
         for m in models:
@@ -180,6 +187,7 @@ class Router:
         self.policy = policy
         self.metrics = metrics
         self.routing = routing
+        self.peers = peers or PeerTable()  # the agents' peer-pull states (router.peer_pull), polled by the gateway
         self._draws = 0
 
     def resolve_model(self, body: dict[str, Any]) -> tuple[ModelConfig, str | None]:
@@ -280,7 +288,7 @@ class Router:
         if not regs:
             raise no_healthy_worker(model.name)
         with tracing.span("kvroute.choose") as span:
-            decision = policy.choose(request, _candidates(regs, matches))
+            decision = policy.choose(request, self._candidates(regs, matches, request))
             tracing.set_attributes(span, {"policy": policy.name or "", "candidates": len(decision.scores),
                                           "chosen": decision.worker_id, "reason": decision.reason})
         return RoutePlan(model, lora_name, blocks, matches, request, decision, policy.name or "",
@@ -294,7 +302,7 @@ class Router:
         prefill tokens of requests waiting in the gateway ahead of this one for that worker,
         added to its load. Consumes no tie-break draw."""
         policy = self.policy.policy
-        candidates = _candidates(regs, plan.matches)
+        candidates = self._candidates(regs, plan.matches, plan.request)
         for c in candidates:
             extra = (backlog_tokens or {}).get(c.worker_id, 0.0)
             if extra:
@@ -307,6 +315,9 @@ class Router:
         """Count a real (not explained) decision, and whether it went past the longest holder;
         with tracing on, put it on the current (the request's) span."""
         self.metrics.route_decisions.labels(plan.policy_name, plan.decision.reason).inc()
+        chosen_score = plan._score(plan.decision.worker_id)
+        if chosen_score is not None and chosen_score.peer_credit_blocks > 0:
+            self.metrics.peer_credit_blocks.labels(plan.decision.worker_id).inc(chosen_score.peer_blocks)
         if tracing.enabled():
             tracing.set_attributes(tracing.current_span(), plan.trace_attributes())
         held = [m.total for w, m in plan.matches.items() if w in plan.workers]
@@ -341,9 +352,31 @@ class Router:
         return sorted(regs, key=lambda r: r.in_flight)
 
 
-def _candidates(regs: list[WorkerRegistration], matches: dict[str, TierMatch]) -> list[Candidate]:
-    return [Candidate(r.id, r.load(), matches.get(r.id) or TierMatch(), r.prefill_rate.learned,
-                      r.evidence_credited, r.evidence.credit_weight) for r in regs]
+    def _candidates(self, regs: list[WorkerRegistration], matches: dict[str, TierMatch],
+                    request: RouteRequest) -> list[Candidate]:
+        """The policy's candidates: each routable worker's load, match, learned rate and evidence,
+        and, when agents publish peer-pull states (:mod:`router.peer_pull`), its peer info and the
+        blocks it can pull from a peer (capped by the prompt's creditable blocks,
+        ``(prompt_tokens - 1) // block_size``; a worker registered here whose evidence is not
+        credited is no peer)."""
+        out = [Candidate(r.id, r.load(), matches.get(r.id) or TierMatch(), r.prefill_rate.learned,
+                         r.evidence_credited, r.evidence.credit_weight) for r in regs]
+        peers = self.peers.current()
+        if not peers or not matches or not request.prompt_tokens:
+            return out
+        creditable = (request.prompt_tokens - 1) // max(1, request.block_size)
+
+        def distrusted(worker_id: str) -> bool:
+            reg = self.registry.get(worker_id)
+            return reg is not None and not reg.evidence_credited
+
+        supply = peer_blocks_by_worker(((c.worker_id, c.matched) for c in out), matches, peers, creditable,
+                                       distrusted)
+        for c in out:
+            c.peer = peers.get(c.worker_id)
+            if c.worker_id in supply:
+                c.peer_blocks, c.peer_worker = supply[c.worker_id]
+        return out
 
 
 __all__ = ["GatewayError", "PolicyHolder", "RoutePlan", "Router"]

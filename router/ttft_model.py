@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 DECODE_INTERFERENCE_TOKENS = 16.0
+DEFAULT_PREFILL_MS_PER_TOKEN = 0.1  # the prior prefill rate, 10k tokens/s: an 8B model on one mid-size GPU
 WINDOW = 64
 MIN_SAMPLES = 8
 REFIT_EVERY = 4

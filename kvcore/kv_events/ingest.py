@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import zmq.asyncio
@@ -92,14 +92,18 @@ class EventIngestor:
     ``events_url``/``replay_url``: vLLM's ``--kv-events-config`` endpoints as seen from here
     (``tcp://host:port``; replay optional). ``model``: served model name; ``block_size``: the
     engine's block size in tokens (both must match the gateway's, or keys never match).
-    ``heartbeat_ttl_s``: liveness TTL for indexes with heartbeats. Call :meth:`start` and
+    ``heartbeat_ttl_s``: liveness TTL for indexes with heartbeats. ``extra_state``: called for
+    each :meth:`state`; its JSON-serialisable dict is merged in (the agent adds its tiers and peer
+    pull figures there, so they reach the gateways with the heartbeats). Call :meth:`start` and
     :meth:`stop` from the event loop that should run it; :meth:`state` is for /admin.
     """
 
     def __init__(self, worker_id: str, events_url: str, replay_url: str | None, index: KVIndex, model: str,
                  block_size: int, *, topic: bytes = b"", heartbeat_ttl_s: float = 10.0,
-                 replay_timeout_s: float = 2.0, ctx: zmq.asyncio.Context | None = None) -> None:
+                 replay_timeout_s: float = 2.0, ctx: zmq.asyncio.Context | None = None,
+                 extra_state: Callable[[], dict[str, Any]] | None = None) -> None:
         self.worker_id = worker_id
+        self.extra_state = extra_state
         self.index = index
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.translator = EventTranslator(model, block_size)
@@ -235,4 +239,6 @@ class EventIngestor:
         }
         out.update(sub.counters())
         out.update(self.translator.counters_dict())
+        if self.extra_state is not None:
+            out.update(self.extra_state())
         return out

@@ -24,12 +24,25 @@ class TierSettings:
     ``cpu_tier_bytes``: RAM for the CPU tier (> 0); ``ssd_tier_dir``: folder of the SSD tier or
     None; ``ssd_tier_bytes``: bytes of block files allowed there (> 0 when a folder is given);
     ``model_id``: overrides the model identity in the fingerprint (default: vLLM's model path).
+
+    ``agent_socket``: the Unix socket of this worker's offload agent (``kvroute agent
+    --tier-socket``). When the agent answers there, it owns the tiers: the CPU tier is its shared
+    memory file and the SSD tier its folder, with its sizes (the three values above are then
+    unused), and blocks missing locally may be pulled from peers' agents. When it does not answer
+    within ``agent_wait_s`` at start, the connector runs its own local tiers as configured above.
+    ``peer_pull_deadline_ms``: longest wait for a pull (what has not come by then is recomputed);
+    ``peer_locate_timeout_ms``: longest wait for the agent to say which peer holds a prefix (the
+    engine waits meanwhile).
     """
 
     cpu_tier_bytes: int
     ssd_tier_dir: str | None = None
     ssd_tier_bytes: int = 0
     model_id: str | None = None
+    agent_socket: str | None = None
+    agent_wait_s: float = 10.0
+    peer_pull_deadline_ms: float = 1000.0
+    peer_locate_timeout_ms: float = 100.0
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> "TierSettings":
@@ -46,18 +59,34 @@ class TierSettings:
             raise ValueError("kv_connector_extra_config.ssd_tier_bytes must be > 0 with ssd_tier_dir")
         if ssd_dir is None and ssd_bytes:
             raise ValueError("kv_connector_extra_config.ssd_tier_bytes needs ssd_tier_dir")
-        return cls(cpu, str(ssd_dir) if ssd_dir else None, ssd_bytes, extra.get("model_id") or None)
+        timing = {}
+        for key, default in (("agent_wait_s", 10.0), ("peer_pull_deadline_ms", 1000.0),
+                             ("peer_locate_timeout_ms", 100.0)):
+            value = extra.get(key, default)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"kv_connector_extra_config.{key} must be a number >= 0, got {value!r}")
+            timing[key] = float(value)
+        agent_socket = extra.get("agent_socket") or None
+        if agent_socket is not None and not isinstance(agent_socket, str):
+            raise ValueError(f"kv_connector_extra_config.agent_socket must be a path, got {agent_socket!r}")
+        return cls(cpu, str(ssd_dir) if ssd_dir else None, ssd_bytes, extra.get("model_id") or None,
+                   agent_socket, **timing)
 
 
 def kv_transfer_config(cpu_tier_bytes: int, ssd_tier_dir: str | os.PathLike | None = None,
-                       ssd_tier_bytes: int = 0) -> dict[str, Any]:
+                       ssd_tier_bytes: int = 0, agent_socket: str | os.PathLike | None = None,
+                       **extra_settings: Any) -> dict[str, Any]:
     """The JSON object for vLLM's ``--kv-transfer-config`` loading the tiers connector
     (``kv_role`` ``kv_both``; a block that fails to load is recomputed, never an error).
-    Raises ValueError for sizes :class:`TierSettings` rejects."""
+    ``agent_socket`` and ``extra_settings`` (``peer_pull_deadline_ms``, ...): see
+    :class:`TierSettings`. Raises ValueError for values :class:`TierSettings` rejects."""
     extra: dict[str, Any] = {"cpu_tier_bytes": int(cpu_tier_bytes)}
     if ssd_tier_dir is not None:
         extra["ssd_tier_dir"] = str(Path(ssd_tier_dir).resolve())
         extra["ssd_tier_bytes"] = int(ssd_tier_bytes)
+    if agent_socket is not None:
+        extra["agent_socket"] = str(Path(agent_socket).resolve())
+    extra.update(extra_settings)
     TierSettings.from_extra(extra)
     return {"kv_connector": CONNECTOR_CLASS, "kv_connector_module_path": CONNECTOR_MODULE,
             "kv_role": "kv_both", "kv_load_failure_policy": "recompute",

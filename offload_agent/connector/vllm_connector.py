@@ -41,7 +41,11 @@ attention) disable the connector with a warning.
 """
 from __future__ import annotations
 
+import array
+import os
+import time
 from collections import Counter
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,9 +58,11 @@ from vllm.logger import init_logger
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from offload_agent.agent_link import AgentLink, AgentLinkError
 from offload_agent.connector.config import TierSettings
 from offload_agent.tiers.keys import TierFingerprint, tier_block_keys, tier_root
 from offload_agent.tiers.planner import CPU, SSD, EngineHash, TierPlanner
+from offload_agent.tiers.shm_slab import ShmSlab, SlabMismatch
 from offload_agent.tiers.ssd_file import HEADER_BYTES, scan_fingerprint_dir
 from offload_agent.tiers.store import TierStore
 
@@ -68,6 +74,7 @@ if TYPE_CHECKING:
 
 logger = init_logger("vllm.kvroute_tiers")  # under "vllm": shown by vLLM's log setup
 _MEDIUM = {CPU: "CPU", SSD: "STORAGE"}
+PEER = "peer"
 
 
 class TierConnectorMetadata(KVConnectorMetadata):
@@ -119,7 +126,7 @@ class _Layout:
 
 
 class _ReqState:
-    __slots__ = ("request", "keys", "root", "saved_upto", "skip")
+    __slots__ = ("request", "keys", "root", "saved_upto", "skip", "located")
 
     def __init__(self, request: "Request", root: bytes | None) -> None:
         self.request = request
@@ -127,6 +134,7 @@ class _ReqState:
         self.keys: list[bytes] = []
         self.saved_upto = 0
         self.skip = root is None
+        self.located: tuple[int, int, str | None, int] | None = None  # (from, upto, peer, blocks)
 
 
 class KVRouteTierConnector(KVConnectorBase_V1):
@@ -155,15 +163,65 @@ class KVRouteTierConnector(KVConnectorBase_V1):
                            "supported)", len(kv_cache_config.kv_cache_groups))
             return
         self.fingerprint = self.layout.fingerprint(self.settings.model_id)
-        self.num_slots = self.settings.cpu_tier_bytes // self.layout.block_bytes
+        self.agent: AgentLink | None = None
+        self.agent_info: dict[str, Any] | None = None
+        self.peer_pull = False
+        cpu_bytes, self.ssd_dir, ssd_bytes = (self.settings.cpu_tier_bytes, self.settings.ssd_tier_dir,
+                                              self.settings.ssd_tier_bytes)
+        if self.settings.agent_socket:
+            self._hello_agent("scheduler" if role == KVConnectorRole.SCHEDULER else "worker")
+        if self.agent_info is not None:
+            self.num_slots = int(self.agent_info["num_slots"])
+            self.ssd_dir = self.agent_info.get("ssd_dir") or None
+            ssd_bytes = int(self.agent_info.get("ssd_tier_bytes") or 0) if self.ssd_dir else 0
+            self.peer_pull = bool(self.agent_info.get("peer_pull"))
+        else:
+            self.num_slots = cpu_bytes // self.layout.block_bytes
         if self.num_slots < 1:
-            raise ValueError(f"cpu_tier_bytes={self.settings.cpu_tier_bytes} holds no block of "
-                             f"{self.layout.block_bytes} bytes")
-        self.ssd_slots = self.settings.ssd_tier_bytes // (HEADER_BYTES + self.layout.block_bytes)
+            raise ValueError(f"cpu_tier_bytes={cpu_bytes} holds no block of {self.layout.block_bytes} bytes")
+        self.ssd_slots = ssd_bytes // (HEADER_BYTES + self.layout.block_bytes)
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler()
         else:
             self._init_worker()
+
+    def _hello_agent(self, role: str) -> None:
+        """Find the agent that owns the tiers (waiting up to ``agent_wait_s`` for its socket);
+        without an answer, local tiers as configured (a warning says so)."""
+        link = AgentLink(self.settings.agent_socket, timeout_s=5.0)
+        hello = {"op": "hello", "role": role, "pid": os.getpid(), "block_bytes": self.layout.block_bytes,
+                 "fingerprint": asdict(self.fingerprint), "fingerprint_digest": self.fingerprint.digest().hex()}
+        give_up = time.monotonic() + self.settings.agent_wait_s
+        while True:
+            try:
+                answer = link.call(hello)
+                if not answer.get("ok"):
+                    raise AgentLinkError(str(answer.get("error")))
+                break
+            except AgentLinkError as exc:
+                if time.monotonic() >= give_up:
+                    logger.warning("kvroute tiers (%s): no offload agent at %s (%s); running local tiers only",
+                                   role, self.settings.agent_socket, exc)
+                    link.close()
+                    return
+                time.sleep(0.2)
+        self.agent, self.agent_info = link, answer
+        logger.info("kvroute tiers (%s): the agent of worker %s owns the tiers: CPU tier %s (%d slots), "
+                    "SSD tier %s, peer pull %s", role, answer.get("worker_id"), answer["shm_path"],
+                    answer["num_slots"], answer.get("ssd_dir") or "off", "on" if answer.get("peer_pull") else "off")
+
+    def _attach_slab(self) -> ShmSlab | None:
+        """Map the agent's CPU tier file; None (and local tiers) when it is not the expected one."""
+        try:
+            shm = ShmSlab.attach(self.agent_info["shm_path"])
+        except (OSError, SlabMismatch) as exc:
+            logger.warning("kvroute tiers: cannot map the agent's CPU tier: %s", exc)
+            return None
+        if (shm.fingerprint_digest, shm.block_bytes, shm.num_slots) != (
+                self.fingerprint.digest(), self.layout.block_bytes, self.num_slots):
+            logger.warning("kvroute tiers: the agent's CPU tier %s has another layout", shm.path)
+            return None
+        return shm
 
     # =========================================== scheduler side ====================================
     def _init_scheduler(self) -> None:
@@ -175,17 +233,25 @@ class KVRouteTierConnector(KVConnectorBase_V1):
         self._pre_ops: list = []
         self.stats: Counter = Counter()
         found = 0
-        if self.settings.ssd_tier_dir:
-            fp_dir = Path(self.settings.ssd_tier_dir) / self.fingerprint.dir_name()
+        if self.ssd_dir:
+            fp_dir = Path(self.ssd_dir) / self.fingerprint.dir_name()
             infos = sorted(scan_fingerprint_dir(fp_dir, self._fp_digest, self.layout.block_bytes),
                            key=lambda i: i.mtime_s)
             found = len(infos)
             paths = {i.key: i.path for i in infos}
             for key in self.planner.add_ssd_blocks(i.key for i in infos):
                 paths[key].unlink(missing_ok=True)
-        logger.info("kvroute tiers: CPU tier %d blocks of %d bytes (%d bytes), SSD tier %s: %d blocks "
-                    "(%d found on disk), fingerprint %s", self.num_slots, self.layout.block_bytes,
-                    self.num_slots * self.layout.block_bytes, self.settings.ssd_tier_dir or "off",
+        kept = 0
+        if self.agent_info is not None:
+            shm = self._attach_slab()
+            if shm is None:
+                self.agent_info, self.peer_pull = None, False
+            else:
+                kept = self.planner.add_cpu_blocks(shm.stable_slots())  # the tier outlived a restart
+                shm.close()
+        logger.info("kvroute tiers: CPU tier %d blocks of %d bytes (%d bytes, %d kept from before), SSD tier "
+                    "%s: %d blocks (%d found on disk), fingerprint %s", self.num_slots, self.layout.block_bytes,
+                    self.num_slots * self.layout.block_bytes, kept, self.ssd_dir or "off",
                     self.ssd_slots, found, self.fingerprint.dir_name())
 
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
@@ -244,8 +310,33 @@ class KVRouteTierConnector(KVConnectorBase_V1):
             return 0, False
         keys = self._keys(st, n_max)
         n = len(self.planner.lookup(keys[start:n_max]))
-        self._pending_load[request.request_id] = (start, n)
-        return n * bs, False
+        peer, m = None, 0
+        if self.peer_pull and start + n < n_max:
+            peer, m = self._locate(st, start + n, n_max)
+        self._pending_load[request.request_id] = (start, n, peer, m)
+        return (n + m) * bs, False
+
+    def _locate(self, st: _ReqState, first: int, upto: int) -> tuple[str | None, int]:
+        """Which peer's agent holds blocks ``first..upto-1`` of the prompt, and how many from
+        ``first`` (asked once per request and position; no peer when the agent is slow)."""
+        if st.located is not None and st.located[:2] == (first, upto):
+            return st.located[2], st.located[3]
+        tokens = array.array("I", (st.request.prompt_token_ids or [])[:upto * self.layout.block_size])
+        try:
+            answer = self.agent.call({"op": "locate", "start_block": first, "max_blocks": upto - first,
+                                      "cache_salt": getattr(st.request, "cache_salt", None)},
+                                     memoryview(tokens).cast("B"),
+                                     timeout_s=self.settings.peer_locate_timeout_ms / 1000)
+            peer, m = answer.get("peer"), int(answer.get("blocks") or 0)
+            if not answer.get("ok") or peer is None:
+                peer, m = None, 0
+        except (AgentLinkError, TypeError, ValueError) as exc:
+            self.stats["locate_failures"] += 1
+            logger.debug("kvroute tiers: locate failed: %s", exc)
+            peer, m = None, 0
+        m = max(0, min(m, upto - first))
+        st.located = (first, upto, peer, m)
+        return (peer, m) if m else (None, 0)
 
     def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
         if not self.layout.ok:
@@ -254,20 +345,25 @@ class KVRouteTierConnector(KVConnectorBase_V1):
         if num_external_tokens <= 0 or pending is None:
             return
         bs = self.layout.block_size
-        start, n = pending
-        n_ext = min(n, num_external_tokens // bs)
+        start, n, peer, m = pending
+        n_ext = min(n + m, num_external_tokens // bs)
+        n_local = min(n, n_ext)
         st = self._state(request)
         block_ids = blocks.get_block_ids()[0][start:start + n_ext]
         keys = st.keys[start:start + n_ext]
-        hashes = [self._engine_hash(request, b) for b in range(start, start + n_ext)]
-        ops, tiers = self.planner.plan_load(keys, block_ids, hashes)
+        hashes = [self._engine_hash(request, b) for b in range(start, start + n_local)]
+        ops, tiers = self.planner.plan_load(keys[:n_local], block_ids[:n_local], hashes)
+        if n_ext > n_local:  # the rest from a peer, through the agent; saved to the CPU tier once loaded
+            ops.append(("load_peer", peer, keys[n_local:], block_ids[n_local:]))
+            tiers += [PEER] * (n_ext - n_local)
         self._pre_ops += ops
         self._hit_tiers[request.request_id] = tiers
-        st.saved_upto = max(st.saved_upto, start + n_ext)
+        st.saved_upto = max(st.saved_upto, start + n_local)
         by = Counter(tiers)
         self.stats.update({f"loaded_blocks_{t}": c for t, c in by.items()})
-        logger.info("kvroute tiers: request %s: %d tokens from the tiers (blocks: cpu %d, ssd %d, gone %d) "
-                    "after %d on GPU", request.request_id, n_ext * bs, by[CPU], by[SSD], by["miss"], start * bs)
+        logger.info("kvroute tiers: request %s: %d tokens from the tiers (blocks: cpu %d, ssd %d, peer %d%s, "
+                    "gone %d) after %d on GPU", request.request_id, n_ext * bs, by[CPU], by[SSD], by[PEER],
+                    f" from {peer}" if by[PEER] else "", by["miss"], start * bs)
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
         tiers = self._hit_tiers.pop(request.request_id, None)
@@ -277,8 +373,9 @@ class KVRouteTierConnector(KVConnectorBase_V1):
             return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
         bs = self.layout.block_size
         by = Counter(tiers)
-        out = {CacheHitSource.HOST: by[CPU] * bs, CacheHitSource.DISK: by[SSD] * bs}
-        out[CacheHitSource.EXTERNAL_UNSPECIFIED] = num_external_tokens - out[CacheHitSource.HOST] - out[CacheHitSource.DISK]
+        out = {CacheHitSource.HOST: by[CPU] * bs, CacheHitSource.DISK: by[SSD] * bs,
+               CacheHitSource.P2P: by[PEER] * bs}
+        out[CacheHitSource.EXTERNAL_UNSPECIFIED] = num_external_tokens - sum(out.values())
         return {k: v for k, v in out.items() if v}
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
@@ -377,14 +474,25 @@ class KVRouteTierConnector(KVConnectorBase_V1):
         self._kv = views
         self._device = views[0].device
         cuda = self._device.type == "cuda"
-        self._slab = torch.empty((self.num_slots, L.block_bytes), dtype=torch.uint8, pin_memory=cuda)
+        shm = self._attach_slab() if self.agent_info is not None else None
+        if shm is not None:  # the agent's shared memory; registered with CUDA for fast copies
+            self._slab = torch.frombuffer(shm.slab, dtype=torch.uint8).view(self.num_slots, L.block_bytes)
+            if cuda:
+                torch.cuda.cudart().cudaHostRegister(self._slab.data_ptr(), self._slab.numel(), 0)
+            where = f"the agent's shared memory {shm.path}"
+        else:
+            if self.agent_info is not None:
+                self.agent_info, self.peer_pull = None, False
+            self._slab = torch.empty((self.num_slots, L.block_bytes), dtype=torch.uint8, pin_memory=cuda)
+            where = "pinned host memory" if cuda else "host memory"
         self._slab_kv = self._slab.view(L.dtype).view(self.num_slots, len(views), -1)
         self._staging_rows(1)
+        self._pull_buf: torch.Tensor | None = None
         self._stream = torch.cuda.Stream(device=self._device) if cuda else None
-        ssd = Path(self.settings.ssd_tier_dir) if self.settings.ssd_tier_dir else None
-        self._store = TierStore(self._slab.numpy(), self.num_slots, L.block_bytes, self.fingerprint, ssd)
-        logger.info("kvroute tiers: worker slab %d x %d bytes on %s, %d layers", self.num_slots,
-                    L.block_bytes, "pinned host memory" if cuda else "host memory", len(views))
+        ssd = Path(self.ssd_dir) if self.ssd_dir else None
+        self._store = TierStore(self._slab.numpy(), self.num_slots, L.block_bytes, self.fingerprint, ssd, shm=shm)
+        logger.info("kvroute tiers: worker slab %d x %d bytes in %s, %d layers", self.num_slots,
+                    L.block_bytes, where, len(views))
 
     def _staging_rows(self, n: int) -> None:
         """Make the staging buffer (blocks read from SSD on their way to vLLM) hold ``n`` blocks."""
@@ -436,6 +544,8 @@ class KVRouteTierConnector(KVConnectorBase_V1):
             if not batch:
                 return
             if batch[0][0] == "save":
+                for op in batch:
+                    store.begin(op[1])
                 self._copy_to_slab([op[1] for op in batch], [op[3] for op in batch])
                 for op in batch:
                     store.mark(op[1], op[2])
@@ -485,9 +595,38 @@ class KVRouteTierConnector(KVConnectorBase_V1):
                     self._copy_from(self._staging_kv, [row], [op[2]])
                 else:
                     self._load_failed(op[2])
+            elif kind == "load_peer":
+                self._load_from_peer(op[1], op[2], op[3])
             elif kind == "fail_block":
                 self._load_failed(op[1])
         flush()
+
+    def _load_from_peer(self, peer: str, keys: list[bytes], gpu_blocks: list[int]) -> None:
+        """Pull ``keys`` from ``peer`` through the agent (verified there) into ``gpu_blocks``;
+        blocks that do not come in time are reported failed, so vLLM recomputes them."""
+        L = self.layout
+        n = len(keys)
+        if self._pull_buf is None or self._pull_buf.shape[0] < n:
+            self._pull_buf = torch.empty((n, L.block_bytes), dtype=torch.uint8, pin_memory=self._device.type == "cuda")
+            self._pull_kv = self._pull_buf.view(L.dtype).view(n, len(self._kv), -1)
+        deadline_ms = self.settings.peer_pull_deadline_ms
+        got, error = 0, None
+        t0 = time.monotonic()
+        try:
+            answer = self.agent.call({"op": "pull", "peer": peer, "deadline_ms": deadline_ms},
+                                     memoryview(b"".join(keys)), timeout_s=deadline_ms / 1000 + 1.0,
+                                     into=memoryview(self._pull_buf.numpy()).cast("B"))
+            if answer.get("ok"):
+                got = min(n, int(answer.get("payload_bytes", 0)) // L.block_bytes)
+            error = answer.get("error")
+        except (AgentLinkError, TypeError, ValueError) as exc:
+            error = str(exc)
+        if got:
+            self._copy_from(self._pull_kv, list(range(got)), gpu_blocks[:got])
+        for g in gpu_blocks[got:]:
+            self._load_failed(g)
+        logger.info("kvroute tiers: pulled %d of %d blocks from %s in %.1f ms%s", got, n, peer,
+                    (time.monotonic() - t0) * 1000, f" ({error}; the rest is recomputed)" if got < n else "")
 
     def _load_failed(self, gpu_block: int) -> None:
         self._invalid.add(gpu_block)

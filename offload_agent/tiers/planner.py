@@ -125,6 +125,28 @@ class TierPlanner:
             self._ssd_lru[k] = None
         return excess
 
+    def add_cpu_blocks(self, slot_keys: Iterable[tuple[int, bytes]]) -> int:
+        """Register blocks found in a CPU tier that outlived its vLLM process (the agent's shared
+        slab: ``(slot, key)`` of each stable row); returns how many were taken. Slots outside the
+        tier, taken twice, or keys already held are skipped. Call before any operation is handed
+        out (after :meth:`add_ssd_blocks` is fine)."""
+        free = set(self._free_slots)
+        taken = 0
+        for slot, key in slot_keys:
+            if slot not in free:
+                continue
+            e = self._entries.get(key)
+            if e is not None and e.cpu_slot is not None:
+                continue
+            if e is None:
+                e = self._entries[key] = _Entry()
+            free.discard(slot)
+            e.cpu_slot = slot
+            self._cpu_lru[key] = None
+            taken += 1
+        self._free_slots = [s for s in self._free_slots if s in free]
+        return taken
+
     # ---- lookups and plans ------------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> list[str]:
         """Tiers of the longest run of held keys from ``keys[0]`` (no side effects)."""

@@ -13,6 +13,11 @@ Layout of ``<tier dir>/<fingerprint dir>/<key hex[:2]>/<key hex>.kvb`` (little-e
     56     8     zero padding
     64     ...   payload: the block's KV, all layers, as the connector laid it out
 
+A block is read with one ``readv`` of header and payload, the payload straight into the caller's
+buffer, after an ``fstat`` size check; the header (magic, version, fingerprint, key, size) and the
+payload's checksum are then checked. Batch readers announce the next files to the kernel first
+(:func:`prefetch_block_files`), so that the disk serves many of them at once.
+
 A file is written to ``.<key hex>.<pid>.tmp`` beside its final name and renamed into place
 (``os.replace``), so a reader never sees a half-written block under a final name. There is no
 fsync: after a power cut a renamed file may hold stale bytes, which the checksum catches (the block
@@ -24,7 +29,7 @@ from __future__ import annotations
 import os
 import struct
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +45,13 @@ CHECKSUM_CRC32 = 1
 CHECKSUM_XXH3_64 = 2
 _HEADER = struct.Struct("<4sHH16s16sQQ8x")
 SUFFIX = ".kvb"
+_O_RDONLY = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+_fadvise = getattr(os, "posix_fadvise", None)  # Linux; absent on macOS
+READ_AHEAD_BYTES = 8 << 20
+"""Bytes of block files :meth:`TierStore.read_ssd_many` asks the kernel for ahead of its reads
+(on a virtio disk, 8 MiB read faster than 32 MiB and no slower than 2 or 4 MiB)."""
+READ_TASK_BYTES = 1 << 20
+"""Bytes of blocks one I/O thread of :meth:`TierStore.read_ssd_many` reads per task."""
 
 
 class CorruptBlockError(Exception):
@@ -77,6 +89,12 @@ def block_path(fp_dir: Path, key: bytes) -> Path:
     return fp_dir / h[:2] / (h + SUFFIX)
 
 
+def _block_file(fp_dir: str | os.PathLike, key: bytes) -> str:
+    """:func:`block_path` as a string, without building a Path (a few us per block on the read path)."""
+    h = key.hex()
+    return f"{os.fspath(fp_dir)}/{h[:2]}/{h}{SUFFIX}"
+
+
 def write_block_file(fp_dir: Path, key: bytes, fingerprint_digest: bytes, payload,
                      algo: int | None = None) -> int:
     """Write ``payload`` (bytes-like) as ``key``'s block file atomically; return the file's bytes.
@@ -103,43 +121,91 @@ def write_block_file(fp_dir: Path, key: bytes, fingerprint_digest: bytes, payloa
     return HEADER_BYTES + mv.nbytes
 
 
-def _parse_header(raw: bytes, where: Path) -> tuple[int, bytes, bytes, int, int]:
+def _parse_header(raw, where: str | Path) -> tuple[int, bytes, bytes, int, int]:
     if len(raw) < HEADER_BYTES:
         raise CorruptBlockError(f"{where}: truncated header ({len(raw)} of {HEADER_BYTES} bytes)")
-    magic, version, algo, fp, key, n, csum = _HEADER.unpack(raw[:HEADER_BYTES])
+    magic, version, algo, fp, key, n, csum = _HEADER.unpack_from(raw)
     if magic != MAGIC or version != VERSION:
         raise CorruptBlockError(f"{where}: not a kvroute block file (magic {magic!r}, version {version})")
     return algo, fp, key, n, csum
 
 
+def _readv_full(fd: int, bufs: list[memoryview], total: int) -> int:
+    """``os.readv`` into ``bufs`` (``total`` bytes together) from the fd's offset until full or
+    end of file; the bytes read."""
+    got = os.readv(fd, bufs)
+    while 0 < got < total:  # a short read before the end (rare): go on where it stopped
+        rest, skip = [], got
+        for b in bufs:
+            if skip >= b.nbytes:
+                skip -= b.nbytes
+                continue
+            rest.append(b[skip:])
+            skip = 0
+        r = os.readv(fd, rest)
+        if not r:
+            break
+        got += r
+    return got
+
+
 def read_block_file(fp_dir: Path, key: bytes, fingerprint_digest: bytes, out) -> None:
     """Read ``key``'s block into the writable bytes-like ``out`` (exactly the payload size), checking
-    fingerprint, key, size and checksum. Raises CorruptBlockError (``out`` then holds garbage)
-    or FileNotFoundError."""
-    path = block_path(fp_dir, key)
+    magic, version, fingerprint, key, size and checksum. Raises CorruptBlockError (``out`` then
+    holds garbage) or FileNotFoundError.
+
+    A file of the expected size is read with one ``readv`` of header and payload straight into
+    ``out`` (no intermediate copy); any other size only has its header read, for the error."""
+    path = _block_file(fp_dir, key)
     dst = memoryview(out).cast("B")
-    with open(path, "rb", buffering=0) as f:
-        algo, fp, file_key, n, csum = _parse_header(f.read(HEADER_BYTES), path)
-        if fp != fingerprint_digest:
-            raise CorruptBlockError(f"{path}: fingerprint differs")
-        if file_key != key:
-            raise CorruptBlockError(f"{path}: holds key {file_key.hex()}, not {key.hex()}")
-        if n != dst.nbytes:
-            raise CorruptBlockError(f"{path}: payload of {n} bytes, expected {dst.nbytes}")
-        got = 0
-        while got < n:
-            r = f.readinto(dst[got:])
-            if not r:
-                raise CorruptBlockError(f"{path}: truncated ({got} of {n} payload bytes)")
-            got += r
-        if f.read(1):
-            raise CorruptBlockError(f"{path}: longer than its header says")
+    n_want = dst.nbytes
+    head = memoryview(bytearray(HEADER_BYTES))
+    fd = os.open(path, _O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size == HEADER_BYTES + n_want:
+            got = _readv_full(fd, [head, dst], size)
+        else:
+            got = _readv_full(fd, [head], HEADER_BYTES)
+    finally:
+        os.close(fd)
+    algo, fp, file_key, n, csum = _parse_header(head[:min(got, HEADER_BYTES)], path)
+    if fp != fingerprint_digest:
+        raise CorruptBlockError(f"{path}: fingerprint differs")
+    if file_key != key:
+        raise CorruptBlockError(f"{path}: holds key {file_key.hex()}, not {key.hex()}")
+    if n != n_want:
+        raise CorruptBlockError(f"{path}: payload of {n} bytes, expected {n_want}")
+    if size > HEADER_BYTES + n:
+        raise CorruptBlockError(f"{path}: longer than its header says ({size} bytes, not {HEADER_BYTES + n})")
+    if got < HEADER_BYTES + n:
+        raise CorruptBlockError(f"{path}: truncated ({max(0, got - HEADER_BYTES)} of {n} payload bytes)")
     try:
         ok = checksum(algo, dst) == csum
     except ValueError as exc:
         raise CorruptBlockError(f"{path}: {exc}") from exc
     if not ok:
         raise CorruptBlockError(f"{path}: checksum mismatch")
+
+
+def prefetch_block_files(fp_dir: Path, keys: Iterable[bytes]) -> None:
+    """Ask the kernel to start reading these keys' files into the page cache now
+    (``posix_fadvise(WILLNEED)``, which returns once the reads are queued), so that the disk works
+    on many files at once while :func:`read_block_file` reads and checks them one by one. Missing
+    files are skipped; a no-op where the call does not exist."""
+    if _fadvise is None:
+        return
+    for key in keys:
+        try:
+            fd = os.open(_block_file(fp_dir, key), _O_RDONLY)
+        except OSError:
+            continue
+        try:
+            _fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
 
 def scan_fingerprint_dir(fp_dir: Path, fingerprint_digest: bytes, payload_bytes: int) -> Iterator[BlockFileInfo]:

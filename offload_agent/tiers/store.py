@@ -19,7 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from offload_agent.tiers.keys import TierFingerprint
-from offload_agent.tiers.ssd_file import CorruptBlockError, block_path, read_block_file, write_block_file
+from offload_agent.tiers.shm_slab import ShmSlab
+from offload_agent.tiers.ssd_file import (READ_AHEAD_BYTES, READ_TASK_BYTES, CorruptBlockError, block_path,
+                                          prefetch_block_files, read_block_file, write_block_file)
 
 log = logging.getLogger("kvroute.tiers")
 
@@ -28,14 +30,20 @@ class TierStore:
     """CPU slots over ``slab`` (a writable buffer of ``num_slots * block_bytes`` bytes) and, when
     ``ssd_root`` is given, the SSD folder ``ssd_root/<fingerprint dir>``.
 
+    With ``shm`` (the agent's :class:`~offload_agent.tiers.shm_slab.ShmSlab`), the slots are that
+    file's slab and each slot's key lives in its slot table (``slab`` is then ignored), written
+    with the seqlock protocol so that the agent can copy a slot while the slot changes: every
+    write into a slot comes between :meth:`begin` and :meth:`mark`.
+
     ``failures``: ``(key, tier, slot or None)`` of every failed read or write since the last
     :meth:`take_failures`. ``io_threads``: parallel file reads in :meth:`read_ssd_many` (the
     reads and the checksum release the GIL). Raises ValueError when the slab's size does not match.
     """
 
     def __init__(self, slab, num_slots: int, block_bytes: int, fingerprint: TierFingerprint,
-                 ssd_root: Path | None = None, io_threads: int = 4) -> None:
-        self._slab = memoryview(slab).cast("B")
+                 ssd_root: Path | None = None, io_threads: int = 4, shm: ShmSlab | None = None) -> None:
+        self._shm = shm
+        self._slab = memoryview(shm.slab if shm is not None else slab).cast("B")
         if self._slab.nbytes != num_slots * block_bytes:
             raise ValueError(f"slab of {self._slab.nbytes} bytes, expected {num_slots} x {block_bytes}")
         self.num_slots = num_slots
@@ -60,11 +68,24 @@ class TierStore:
         return self._slab[slot * self.block_bytes:(slot + 1) * self.block_bytes]
 
     def holds(self, slot: int, key: bytes) -> bool:
+        """Whether ``slot`` holds ``key`` (and is not being written)."""
+        if self._shm is not None:
+            return self._shm.key_of(slot) == key
         return self._slot_keys[slot] == key
+
+    def begin(self, slot: int) -> None:
+        """``slot`` is about to be written: it holds nothing valid until :meth:`mark`."""
+        if self._shm is not None:
+            self._shm.begin_write(slot)
+        else:
+            self._slot_keys[slot] = None
 
     def mark(self, slot: int, key: bytes | None) -> None:
         """Record that ``slot`` now holds ``key`` (None: nothing valid)."""
-        self._slot_keys[slot] = key
+        if self._shm is not None:
+            self._shm.end_write(slot, key)
+        else:
+            self._slot_keys[slot] = key
 
     def fail(self, key: bytes, tier: str, slot: int | None = None) -> None:
         self.failures.append((key, tier, slot))
@@ -106,21 +127,48 @@ class TierStore:
         return False
 
     def read_ssd_many(self, keys: list[bytes], outs: list) -> list[bool]:
-        """:meth:`read_ssd` of each key into the matching buffer, up to ``io_threads`` at a time."""
-        if len(keys) <= 1 or self._io_threads == 1:
+        """:meth:`read_ssd` of each key into the matching buffer, up to ``io_threads`` at a time.
+
+        The keys go in windows of ``READ_AHEAD_BYTES`` (at least a task per thread); the next
+        window's files are announced to the kernel (:func:`prefetch_block_files`) while this one is
+        read, so the disk has many reads queued while each block is read and checked (one small
+        read at a time leaves it idle). A thread takes ``READ_TASK_BYTES`` of blocks (at least one)
+        per task: for small blocks, a task per block costs more than the block's read."""
+        if len(keys) <= 1 or self.fp_dir is None:
             return [self.read_ssd(k, o) for k, o in zip(keys, outs)]
-        if self._pool is None:
+        if self._io_threads > 1 and self._pool is None:
             self._pool = ThreadPoolExecutor(self._io_threads, thread_name_prefix="kvroute-ssd")
-        return list(self._pool.map(self.read_ssd, keys, outs))
+        per_task = max(1, READ_TASK_BYTES // self.block_bytes)
+        step = max(READ_AHEAD_BYTES // self.block_bytes, per_task * self._io_threads)
+
+        def read_some(lo: int, hi: int) -> list[bool]:
+            return [self.read_ssd(keys[i], outs[i]) for i in range(lo, hi)]
+
+        prefetch_block_files(self.fp_dir, keys[:step])
+        oks: list[bool] = []
+        for i in range(0, len(keys), step):
+            end = min(len(keys), i + step)
+            if self._pool is None:
+                prefetch_block_files(self.fp_dir, keys[end:end + step])
+                oks += read_some(i, end)
+                continue
+            los = range(i, end, per_task)
+            parts = self._pool.map(read_some, los, [min(end, lo + per_task) for lo in los])
+            prefetch_block_files(self.fp_dir, keys[end:end + step])  # while the threads read
+            for part in parts:
+                oks += part
+        return oks
 
     def put(self, slot: int, key: bytes, data) -> None:
         """Copy ``data`` (``block_bytes``, e.g. a block read ahead from SSD) into ``slot`` as ``key``."""
+        self.begin(slot)
         self.slot(slot)[:] = memoryview(data).cast("B")
         self.mark(slot, key)
 
     def promote(self, key: bytes, slot: int) -> bool:
         """Read ``key``'s file into ``slot``; on failure the slot holds nothing and both the SSD
         copy and the slot's CPU copy are recorded failed."""
+        self.begin(slot)
         ok = self.read_ssd(key, self.slot(slot))
         self.mark(slot, key if ok else None)
         if not ok:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcore.index.base import TierMatch
+from router.peer_pull import PeerInfo
 from router.policies.queue import QueueSettings
 from router.ttft_model import PrefillRate
 
@@ -46,6 +47,10 @@ class Candidate:
     well below the index's predictions (:mod:`router.evidence`): policies then give its matches
     no credit; ``evidence_weight`` (0..1): the share of its predicted hits it has been realising
     (:attr:`router.evidence.EvidenceTrust.credit_weight`).
+
+    Peer pull (:mod:`router.peer_pull`): ``peer``: what the worker's agent publishes about
+    pulling (its link measurements), None without peer pull; ``peer_blocks``: prompt blocks past
+    its own matched run that it can pull from another worker, ``peer_worker`` (0 / None: none).
     """
 
     worker_id: str
@@ -54,6 +59,9 @@ class Candidate:
     prefill_rate: PrefillRate | None = None
     evidence_trusted: bool = True
     evidence_weight: float = 1.0
+    peer: PeerInfo | None = None
+    peer_blocks: int = 0
+    peer_worker: str | None = None
 
 
 @dataclass
@@ -82,7 +90,10 @@ class CandidateScore:
     """How a policy scored one candidate: ``cost`` (lower wins; None when not scored) and
     ``load`` (the policy's load figure), plus a note (e.g. "overloaded", "evidence distrusted");
     ``predicted_ttft_ms``: the policy's TTFT prediction from dispatch, when it makes one, and
-    ``work_tokens``, the work it predicted from (:func:`router.ttft_model.work_tokens`)."""
+    ``work_tokens``, the work it predicted from (:func:`router.ttft_model.work_tokens`).
+    Peer pull: ``peer_blocks`` blocks from ``peer_worker``, each credited ``peer_credit`` (0..1)
+    of a block, the weight's ``peer_credit_source`` (:mod:`router.peer_pull`: ``config``,
+    ``measured``, ``prior``, ``unknown_block_bytes``)."""
 
     worker_id: str
     matched: TierMatch
@@ -91,12 +102,28 @@ class CandidateScore:
     note: str = ""
     predicted_ttft_ms: float | None = None
     work_tokens: float | None = None
+    peer_blocks: int = 0
+    peer_worker: str | None = None
+    peer_credit: float = 0.0
+    peer_credit_source: str = ""
+
+    @property
+    def peer_credit_blocks(self) -> float:
+        """Blocks of prefill the peer pull is credited with: ``peer_blocks x peer_credit``."""
+        return self.peer_blocks * self.peer_credit
 
     def as_dict(self) -> dict[str, Any]:
+        """One ``candidates`` entry of ``POST /admin/explain``; the ``peer_*`` keys only when a
+        peer can supply blocks to this candidate."""
         out = {"worker": self.worker_id, "matched_blocks": self.matched.as_dict(),
                "load": self.load, "cost": self.cost, "note": self.note}
         if self.predicted_ttft_ms is not None:
             out["predicted_ttft_ms"] = round(self.predicted_ttft_ms, 3)
+        if self.peer_blocks > 0:
+            out["peer_blocks"] = self.peer_blocks
+            out["peer_worker"] = self.peer_worker
+            out["peer_credit"] = round(self.peer_credit, 4)
+            out["peer_credit_source"] = self.peer_credit_source
         return out
 
 

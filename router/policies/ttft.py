@@ -9,6 +9,7 @@ Predicted TTFT of a candidate, in milliseconds from dispatch (:mod:`router.ttft_
 
     credit_tokens = min(gpu x tier_credit.gpu + cpu x tier_credit.cpu + ssd x tier_credit.ssd,
                         (prompt_tokens - 1) // block_size) x block_size x evidence_weight
+                  + peer_blocks x block_size x peer_credit
     own_tokens    = all_prompt_tokens - credit_tokens      (every prompt of the body is prefilled)
     queued_tokens = load.prefill_tokens + load.unseen_waiting x engine_waiting_prefill_tokens
     decoding      = load.decoding + load.unseen_running
@@ -25,6 +26,17 @@ sends it more than it can take). ``gpu``/``cpu``/``ssd`` are matched blocks by t
 The tier credits say how much of a block's prefill a tier hit saves (default gpu 1.0, cpu 0.75,
 ssd 0.25, Dynamo's device/host/disk weights): a turn whose history left its holder's GPU but
 sits in that worker's CPU tier still goes there when that is fastest.
+
+Peer pull (:mod:`router.peer_pull`): ``peer_blocks`` are the prompt blocks past the candidate's
+own run that another worker's agent serves and the candidate's connector pulls (0 without peer
+pull: the prediction is as it was). ``peer_credit`` (0..1) is ``tier_credit.peer`` when configured,
+else :func:`router.peer_pull.peer_credit_per_block` of the candidate's measured link speed and pull
+overhead (until measured: ``peer_link_gbit_s``, default 10, and ``peer_pull_overhead_ms``, default
+1) against ``rate.ms_per_token`` below; so the pull's own time stays in the prediction, as
+``peer_blocks x block_size x rate.ms_per_token x (1 - peer_credit)`` ms (``peer_blocks`` x the
+pull's milliseconds per block, unless clamped). Pulled blocks do not make a candidate a holder
+below (holding is its own cache), but they are credit: the recompute term charges only what it
+would compute.
 
 The load is the gateway's own accounting (updated at dispatch, first byte and end, so it is never
 older than the last request; a non-streamed request's prefill counts as done once its predicted
@@ -53,8 +65,9 @@ elsewhere (charged twice), another worker gets the request; it then holds the pr
 and its KV events tell the index so; holders then share by time. A conversation stays where its
 history is for as long as that is the best place.
 
-Reasons: ``no_tokens`` (no exact tokens: queue alone), ``spread`` (the longest holder lost on
-its queue), ``prefix_hit`` (the winner has more credit than the least), ``load``.
+Reasons: ``no_tokens`` (no exact tokens: queue alone), ``peer_pull`` (the winner is credited
+for blocks it pulls from a peer), ``spread`` (the longest holder lost on its queue),
+``prefix_hit`` (the winner has more credit than the least), ``load``.
 Candidates whose evidence is distrusted are noted ``evidence distrusted``.
 """
 from __future__ import annotations
@@ -66,13 +79,13 @@ from typing import Any
 
 from router.policies._config import boolean, check_keys, number
 from router.policies.base import Candidate, CandidateScore, Decision, Policy, RouteRequest
-from router.policies.kv_aware import DEFAULT_TIER_CREDIT, tier_credit_from_config, tier_weighted_blocks
+from router.policies.kv_aware import (DEFAULT_TIER_CREDIT, PEER, PEER_KEYS, PeerSettings, note_peer, peer_credit,
+                                      tier_credit_from_config, tier_weighted_blocks)
 from router.policies.queue import QueueSettings
 from router.policies.ranking import EPS, chosen_first, lowest
-from router.ttft_model import PrefillRate, work_tokens
+from router.ttft_model import DEFAULT_PREFILL_MS_PER_TOKEN, PrefillRate, work_tokens
 
 DEFAULT_PREFILL_OVERHEAD_MS = 25.0
-DEFAULT_PREFILL_MS_PER_TOKEN = 0.1  # 10k prefill tokens/s: an 8B model on one mid-size GPU
 DEFAULT_ENGINE_WAITING_PREFILL_TOKENS = 1024.0
 DEFAULT_SPREAD_MARGIN = 1.0
 DEFAULT_RECOMPUTE_WEIGHT = 1.0
@@ -106,14 +119,16 @@ class TTFTPolicy(Policy):
     default_queue = QueueSettings(enabled=True)
     CONFIG_KEYS: tuple[str, ...] = ("tier_credit", "prefill_overhead_ms", "prefill_ms_per_token",
                                     "learn_prefill_rate", "engine_waiting_prefill_tokens", "spread_margin",
-                                    "recompute_weight")
+                                    "recompute_weight") + PEER_KEYS
 
     def __init__(self, tier_credit: Mapping[str, float] | None = None,
                  prior: PrefillRate | None = None, learn_prefill_rate: bool = True,
                  engine_waiting_prefill_tokens: float = DEFAULT_ENGINE_WAITING_PREFILL_TOKENS,
                  spread_margin: float = DEFAULT_SPREAD_MARGIN,
-                 recompute_weight: float = DEFAULT_RECOMPUTE_WEIGHT) -> None:
+                 recompute_weight: float = DEFAULT_RECOMPUTE_WEIGHT, peer: PeerSettings | None = None) -> None:
         self.tier_credit = {**DEFAULT_TIER_CREDIT, **(tier_credit or {})}
+        self.peer = peer or PeerSettings(self.tier_credit.get(PEER))
+        self.peer_pricing = self.peer.pricing
         self.prior = prior or PrefillRate(DEFAULT_PREFILL_OVERHEAD_MS, DEFAULT_PREFILL_MS_PER_TOKEN)
         self.learn_prefill_rate = learn_prefill_rate
         self.engine_waiting_prefill_tokens = engine_waiting_prefill_tokens
@@ -123,8 +138,8 @@ class TTFTPolicy(Policy):
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> TTFTPolicy:
         """Build from the policy config without ``name``. Raises ValueError on unknown keys, a tier
-        credit outside [0, 1] or for an unknown tier, a negative figure or a zero
-        ``prefill_ms_per_token``."""
+        credit outside [0, 1] or for an unknown tier, a negative figure, a zero
+        ``prefill_ms_per_token`` or a bad peer-pull prior (:class:`PeerSettings`)."""
         where = "policy"
         check_keys(cfg, cls.CONFIG_KEYS, f"policy {cls.name!r}")
         tier_credit = tier_credit_from_config(cfg)
@@ -135,15 +150,17 @@ class TTFTPolicy(Policy):
                    engine_waiting_prefill_tokens=number(cfg, "engine_waiting_prefill_tokens",
                                                         DEFAULT_ENGINE_WAITING_PREFILL_TOKENS, where),
                    spread_margin=number(cfg, "spread_margin", DEFAULT_SPREAD_MARGIN, where, lo=1.0),
-                   recompute_weight=number(cfg, "recompute_weight", DEFAULT_RECOMPUTE_WEIGHT, where))
+                   recompute_weight=number(cfg, "recompute_weight", DEFAULT_RECOMPUTE_WEIGHT, where),
+                   peer=PeerSettings.from_config(cfg, tier_credit, where))
 
     def config(self) -> dict[str, Any]:
-        """The effective config without ``name``."""
+        """The effective config without ``name`` (peer-pull keys only when set)."""
         return {"tier_credit": dict(self.tier_credit), "prefill_overhead_ms": self.prior.overhead_ms,
                 "prefill_ms_per_token": self.prior.ms_per_token,
                 "learn_prefill_rate": self.learn_prefill_rate,
                 "engine_waiting_prefill_tokens": self.engine_waiting_prefill_tokens,
-                "spread_margin": self.spread_margin, "recompute_weight": self.recompute_weight}
+                "spread_margin": self.spread_margin, "recompute_weight": self.recompute_weight,
+                **self.peer.config()}
 
     def rate_of(self, candidate: Candidate, pooled: PrefillRate | None = None) -> PrefillRate:
         """The TTFT line used for ``candidate``: its learned one shrunk toward ``pooled`` (the
@@ -174,13 +191,16 @@ class TTFTPolicy(Policy):
         evidence weight."""
         return self.held_tokens(candidate, prompt_tokens, block_size) * _weight(candidate)
 
-    def _score(self, candidate: Candidate, prompt_tokens: int, block_size: int,
+    def _score(self, candidate: Candidate, request: RouteRequest, prompt_tokens: int, block_size: int,
                all_prompt_tokens: int | None, pooled: PrefillRate | None) -> _Scored:
         """One candidate's prediction and the figures its rank is made of."""
         load = candidate.load
         held = self.held_tokens(candidate, prompt_tokens, block_size)
         credit = held * _weight(candidate)
         rate = self.rate_of(candidate, pooled)
+        peer_blocks, peer_weight, source = peer_credit(candidate, self.peer_pricing, request, rate.ms_per_token)
+        if peer_blocks:
+            credit += peer_blocks * block_size * peer_weight
         queued = max(0, load.prefill_tokens) + max(0, load.unseen_waiting) * self.engine_waiting_prefill_tokens
         decoding = max(0, load.decoding) + max(0, load.unseen_running)
         total = prompt_tokens if all_prompt_tokens is None else max(prompt_tokens, all_prompt_tokens)
@@ -189,13 +209,15 @@ class TTFTPolicy(Policy):
         note = "" if candidate.evidence_trusted else "evidence distrusted"
         score = CandidateScore(candidate.worker_id, candidate.matched, load=queued, cost=ttft_ms, note=note,
                                predicted_ttft_ms=ttft_ms, work_tokens=work)
+        note_peer(score, candidate, peer_blocks, peer_weight, source)
         return _Scored(score, credit, queued, held_tokens=held, ms_per_token=rate.ms_per_token)
 
     def choose(self, request: RouteRequest, candidates: list[Candidate]) -> Decision:
         prompt_tokens = request.prompt_tokens
         bs = max(1, request.block_size)
         pooled = pooled_rate(candidates)
-        scored = [self._score(c, prompt_tokens or 0, bs, request.all_prompt_tokens, pooled) for c in candidates]
+        scored = [self._score(c, request, prompt_tokens or 0, bs, request.all_prompt_tokens, pooled)
+                  for c in candidates]
         # the rank (module docstring): a worker holding less than the longest prefix (by more
         # than a block, evidence weights aside) is scaled by the margin, and the prefix it would
         # recompute beyond the best-credited candidate's is charged once more
@@ -208,6 +230,8 @@ class TTFTPolicy(Policy):
         best = lowest(scored, [_rank, _uncredited, _queued], _worker, request.rand)
         if prompt_tokens is None:
             reason = "no_tokens"
+        elif best.score.peer_credit_blocks > EPS:
+            reason = "peer_pull"
         elif not best.holder:
             reason = "spread"
         elif best.held_tokens > min(s.held_tokens for s in scored) + EPS:

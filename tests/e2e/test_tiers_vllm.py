@@ -21,15 +21,13 @@ import os
 import random
 import re
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from e2e.tier_checks import cached_by_source, same_output, wait_until
 from conftest import ADMIN_TOKEN, Proc, free_ports, kvroute_argv, wait_http
 from offload_agent.connector.config import kv_transfer_config, vllm_env
 from offload_agent.tiers import HEADER_BYTES, TierFingerprint, tier_block_keys, tier_root
@@ -80,12 +78,7 @@ class Tiers:
         assert httpx.post(self.vllm_url + "/reset_prefix_cache", timeout=60).status_code == 200
 
     def cached_by_source(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for fam in text_string_to_metric_families(httpx.get(self.vllm_url + "/metrics", timeout=30).text):
-            for s in fam.samples:
-                if s.name == "vllm:prompt_tokens_cached_by_source_total":
-                    out[s.labels["source"]] = out.get(s.labels["source"], 0.0) + s.value
-        return out
+        return cached_by_source(self.vllm_url)
 
     def fp_dir(self) -> Path:
         dirs = [d for d in self.ssd_dir.iterdir() if d.name.startswith("fp-")]
@@ -112,24 +105,6 @@ class Tiers:
 
     def log(self) -> str:
         return self.vllm_proc.log_path.read_text(errors="replace")
-
-
-def _wait(cond, timeout_s: float = 20.0):
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.2)
-    return cond()
-
-
-def _same_output(a: dict, b: dict) -> None:
-    ca, cb = a["choices"][0], b["choices"][0]
-    assert ca["text"] == cb["text"]
-    assert ca["logprobs"]["tokens"] == cb["logprobs"]["tokens"]
-    assert ca["logprobs"]["token_logprobs"] == cb["logprobs"]["token_logprobs"]
-    assert ca["logprobs"]["top_logprobs"] == cb["logprobs"]["top_logprobs"]
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +164,7 @@ def tiers(tmp_path_factory):
             return p
 
         t = Tiers(vllm_url, sim_url, gateway, ssd_dir, vllm, restart)
-        assert _wait(lambda: all((w.get("kv_events") or {}).get("connected") for w in t.index().values()))
+        assert wait_until(lambda: all((w.get("kv_events") or {}).get("connected") for w in t.index().values()))
         yield t
     finally:
         for p in reversed(procs):
@@ -216,7 +191,7 @@ def test_cpu_tier_serves_after_reset_with_identical_logprobs(tiers):
     for p in (P1, P2):
         again = t.complete(p)
         assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (len(p) - 1) // BLOCK * BLOCK
-        _same_output(t.first[id(p)], again)
+        same_output(t.first[id(p)], again)
     after = t.cached_by_source()
     assert after["host"] - before.get("host", 0) == (31 + 21) * BLOCK
     assert after.get("disk", 0) == 0
@@ -232,7 +207,7 @@ def test_router_prefers_cpu_tier_over_nothing_and_gpu_over_cpu(tiers):
         m = c["vllm"]["matched_blocks"]
         return c if m["gpu"] == 0 and m["cpu"] > 0 and m["cpu"] + m["ssd"] == 31 else None
 
-    cands = _wait(vllm_holds_p1_in_tiers)
+    cands = wait_until(vllm_holds_p1_in_tiers)
     assert cands, t.explain(P1)
     assert cands["vllm"]["matched_blocks"]["cpu"] >= 17
     assert sum(cands["sim"]["matched_blocks"].values()) == 0
@@ -240,7 +215,7 @@ def test_router_prefers_cpu_tier_over_nothing_and_gpu_over_cpu(tiers):
     idx = t.index()["vllm"]["blocks"]
     assert idx["cpu"] * BLOCK_BYTES <= CPU_BYTES and idx["ssd"] >= 14
     t.complete(P1, url=t.sim_url)         # now the sim holds P1 on its GPU
-    assert _wait(lambda: {c["worker"]: c for c in t.explain(P1)["candidates"]}["sim"]["matched_blocks"]["gpu"] == 31)
+    assert wait_until(lambda: {c["worker"]: c for c in t.explain(P1)["candidates"]}["sim"]["matched_blocks"]["gpu"] == 31)
     assert t.explain(P1)["chosen"] == "sim"
 
 
@@ -254,7 +229,7 @@ def test_full_cpu_tier_spills_to_ssd_and_ssd_serves(tiers):
     t.reset()
     again = t.complete(P1)
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 992
-    _same_output(t.first[id(P1)], again)
+    same_output(t.first[id(P1)], again)
     after = t.cached_by_source()
     assert after["disk"] - before.get("disk", 0) >= len(on_ssd) * BLOCK
     assert after["host"] + after["disk"] - before["host"] - before.get("disk", 0) == 992
@@ -275,13 +250,13 @@ def test_corrupt_and_truncated_ssd_blocks_are_recomputed_never_served(tiers):
     trunc.write_bytes(trunc.read_bytes()[:HEADER_BYTES + 100])
     t.reset()
     again = t.complete(P1)
-    _same_output(t.first[id(P1)], again)
+    same_output(t.first[id(P1)], again)
     assert not flip.exists() and not trunc.exists()          # detected and deleted
     assert "checksum mismatch" in t.log() and "truncated" in t.log()
     assert "Recovered from KV load failure" in t.log()
     # recomputed, saved again, and served from the tiers once more
     t.reset()
-    _same_output(t.first[id(P1)], t.complete(P1))
+    same_output(t.first[id(P1)], t.complete(P1))
 
 
 def test_byte_limits_hold_under_a_stream_of_prompts(tiers):
@@ -307,6 +282,6 @@ def test_restart_rebuilds_the_ssd_tier_from_disk(tiers):
     t.vllm_proc = t.start_vllm()
     again = t.complete(_tokens(seed))     # the CPU tier died with the process; SSD files remain
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 992
-    _same_output(t.first[seed], again)
+    same_output(t.first[seed], again)
     assert t.cached_by_source().get("disk", 0) == 992
     assert re.search(r"SSD tier \S+: \d+ blocks \(\d*[1-9]\d* found on disk\)", t.log())

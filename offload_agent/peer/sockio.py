@@ -1,0 +1,121 @@
+"""Non-blocking socket reads and writes on the event loop with a staging buffer and a deadline.
+
+:class:`SockIO` reads with ``recv_into`` into a preallocated staging buffer (so small frames cost
+no syscall each) or straight into the caller's buffer for large payloads, and writes with
+``loop.sock_sendall`` (the data is in the kernel when it returns, so the caller may reuse its
+buffer). Shared by the peer server and client.
+"""
+from __future__ import annotations
+
+import asyncio
+import socket
+
+
+class PeerClosed(ConnectionError):
+    """The other side closed the connection (EOF)."""
+
+
+class SockIO:
+    """One connected socket (made non-blocking here). ``deadline`` (event loop time, s, or None)
+    bounds every wait; past it a wait raises TimeoutError. ``staging_bytes``: size of the staging
+    buffer, the most :meth:`read_exact` can return. Not for concurrent use by several tasks."""
+
+    def __init__(self, sock: socket.socket, staging_bytes: int = 1 << 20) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self.deadline: float | None = None
+        self._loop = asyncio.get_running_loop()
+        self._buf = bytearray(staging_bytes)
+        self._view = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes received and not yet read."""
+        return self._end - self._start
+
+    async def _recv_into(self, view: memoryview) -> int:
+        try:
+            n = self.sock.recv_into(view)
+        except (BlockingIOError, InterruptedError):
+            async with asyncio.timeout_at(self.deadline):
+                n = await self._loop.sock_recv_into(self.sock, view)
+        if n == 0:
+            raise PeerClosed("peer closed the connection")
+        return n
+
+    async def _fill(self, n: int) -> None:
+        """Make at least ``n`` bytes (<= staging size) contiguous in the staging buffer."""
+        avail = self._end - self._start
+        if self._start + n > len(self._buf):
+            self._buf[:avail] = self._buf[self._start:self._end]
+            self._start, self._end = 0, avail
+        while self._end - self._start < n:
+            self._end += await self._recv_into(self._view[self._end:])
+
+    async def read_exact(self, n: int) -> memoryview:
+        """The next ``n`` bytes (n <= staging size) as a view valid until the next read.
+        Raises PeerClosed, OSError, TimeoutError (deadline)."""
+        if self._end - self._start < n:
+            if n > len(self._buf):
+                raise ValueError(f"read_exact({n}) beyond the staging buffer of {len(self._buf)} bytes")
+            if self._start == self._end:
+                self._start = self._end = 0
+            await self._fill(n)
+        v = self._view[self._start:self._start + n]
+        self._start += n
+        return v
+
+    async def read_payload(self, n: int, fallback: memoryview) -> memoryview:
+        """The next ``n`` bytes as a view valid until the next read: into the staging buffer when
+        they fit there cheaply (no copy when already received), else into ``fallback`` (writable,
+        at least ``n`` bytes) with large reads straight from the socket. Raises like read_exact."""
+        avail = self._end - self._start
+        if avail >= n or n <= len(self._buf) // 4:
+            return await self.read_exact(n)
+        dst = fallback[:n]
+        dst[:avail] = self._view[self._start:self._end]
+        self._start = self._end = 0
+        got = avail
+        while got < n:
+            got += await self._recv_into(dst[got:])
+        return dst
+
+    async def send(self, data) -> None:
+        """Send all of ``data`` (bytes-like); returns once the kernel has it. Raises OSError,
+        TimeoutError (deadline: part of it may have gone)."""
+        async with asyncio.timeout_at(self.deadline):
+            await self._loop.sock_sendall(self.sock, data)
+
+    def at_eof_or_junk(self) -> bool:
+        """True when the idle connection is no longer usable: closed by the peer, in error, or
+        with unexpected bytes waiting (checked without blocking)."""
+        if self._end != self._start:
+            return True
+        try:
+            self.sock.recv(1, socket.MSG_PEEK)
+            return True  # b"" (EOF) or bytes nobody asked for: not usable
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+
+    def peer_gone(self) -> bool:
+        """True when the peer has closed the connection or it is in error (checked without
+        blocking; bytes waiting to be read do not count as gone)."""
+        if self._end != self._start:
+            return False
+        try:
+            return self.sock.recv(1, socket.MSG_PEEK) == b""
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+
+    def close(self) -> None:
+        """Close the socket (idempotent)."""
+        try:
+            self.sock.close()
+        except OSError:
+            pass

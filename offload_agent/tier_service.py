@@ -1,0 +1,352 @@
+"""The agent as owner of its worker's tiers: it makes the CPU tier's shared memory file, names the
+SSD folder, answers the worker's KV connector on a Unix socket (:mod:`offload_agent.agent_link`),
+serves its blocks to peers over TCP (:mod:`offload_agent.peer`) and pulls blocks from peers for
+its connector.
+
+Ownership (see also :mod:`offload_agent.tiers.shm_slab`): the agent creates the CPU tier file and
+is the only one that removes it (at a clean stop with ``remove_on_exit``); it never writes a slot.
+The connector's planner places and evicts blocks in both tiers; the connector writes the slots and
+the SSD files (atomically renamed). The agent reads both, only to serve peers: a slot through the
+seqlock (a slot changing under the copy is not served), a file through its checksum.
+
+Which peer holds a prefix comes from the cluster index (Redis): the connector sends the prompt's
+token ids, the agent makes the index's block keys (:func:`kvcore.block_keys.block_keys`, the
+gateway's encoding) and asks :meth:`RedisIndex.match`; among workers whose agents publish a
+``peer.serve`` address with the same layout fingerprint, the one with the longest run wins. A
+peer's whole run counts as servable: its connector saves every prompt block to its CPU tier in the
+step that computes it, so what vLLM holds on GPU is normally in the CPU tier too; a block that is
+not is reported missing by the peer and recomputed.
+
+What the agent publishes with its heartbeats (the ingest state's ``"peer"`` key, read by the
+gateways to credit peer blocks): ``serve`` (host:port or None), ``pull`` (bool), ``block_bytes``,
+``block_size``, ``fingerprint`` (hex), ``link_bytes_per_s`` and ``pull_overhead_ms`` (measured over
+its recent pulls by :class:`offload_agent.peer.client.PeerClient`, None before), ``pulls``, ``pulled_blocks``, ``failed_pulls``.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import struct
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from kvcore.block_keys import BlockExtras, block_keys
+from kvcore.index.base import KVIndex, SupportsWorkerStates
+from kvcore.index.errors import IndexUnavailable
+from offload_agent.agent_link import MAX_HEADER_BYTES, AgentLinkError, decode_header, encode_frame
+from offload_agent.peer.client import PeerClient
+from offload_agent.peer.server import PeerServer
+from offload_agent.tiers.keys import KEY_BYTES
+from offload_agent.tiers.shm_slab import ShmSlab
+from offload_agent.tiers.ssd_file import CorruptBlockError, read_block_file
+
+log = logging.getLogger("kvroute.agent.tiers")
+MAX_PROMPT_TOKENS = 4 << 20
+MAX_PULL_KEYS = 1 << 16
+PEERS_TTL_S = 1.0
+_LEN = struct.Struct(">I")
+
+
+class SlabSource:
+    """The blocks this agent can serve (the peer server's ``BlockSource``): the CPU tier file,
+    then the SSD folder ``ssd_fp_dir``. Thread-safe (the server reads from worker threads)."""
+
+    def __init__(self, shm: ShmSlab, ssd_fp_dir: Path | None) -> None:
+        self.shm = shm
+        self.fingerprint_digest = shm.fingerprint_digest
+        self.block_bytes = shm.block_bytes
+        self._ssd_fp_dir = ssd_fp_dir
+        self._slots: dict[bytes, int] = {}
+        self._seen_version = -1
+        self._lock = threading.Lock()
+
+    def _rescan(self) -> None:
+        with self._lock:
+            version = self.shm.table_version()
+            if version != self._seen_version:
+                self._slots = {key: slot for slot, key in self.shm.stable_slots()}
+                self._seen_version = version
+
+    def read_block(self, key: bytes, out: memoryview) -> bool:
+        """Copy ``key``'s block into ``out`` (``block_bytes``); False when neither tier holds it
+        (or its slot changed during the copy, or its file is corrupt)."""
+        for attempt in range(2):
+            slot = self._slots.get(key)
+            if slot is not None and self.shm.read_consistent(slot, key, out):
+                return True
+            if attempt == 0:
+                self._rescan()
+        if self._ssd_fp_dir is None:
+            return False
+        try:
+            read_block_file(self._ssd_fp_dir, key, self.fingerprint_digest, out)
+            return True
+        except (FileNotFoundError, CorruptBlockError, OSError):
+            return False
+
+
+class TierService:
+    """Owner of one worker's tiers; see the module docstring.
+
+    ``socket_path``: the Unix socket the connector connects to; ``shm_path``: the CPU tier file
+    (made at the connector's first hello, when the layout is known); ``cpu_tier_bytes`` > 0;
+    ``ssd_dir``/``ssd_tier_bytes``: the SSD tier (None/0: none); ``index``: the cluster index
+    (peer locations and addresses; any :class:`KVIndex`, peers need :class:`SupportsWorkerStates`);
+    ``serve``: ``(host, port)`` to serve peers on, None not to; ``advertise``: the address peers
+    should use (default the bound one); ``secret``: shared secret of the peer protocol;
+    ``peer_pull``: whether the connector may pull. Raises ValueError for bad sizes.
+    """
+
+    def __init__(self, worker_id: str, model: str, block_size: int, socket_path: str | os.PathLike,
+                 shm_path: str | os.PathLike, cpu_tier_bytes: int, index: KVIndex, *,
+                 ssd_dir: str | os.PathLike | None = None, ssd_tier_bytes: int = 0,
+                 serve: tuple[str, int] | None = None, advertise: str | None = None,
+                 secret: bytes | None = None, peer_pull: bool = True, remove_on_exit: bool = False) -> None:
+        if cpu_tier_bytes < 1:
+            raise ValueError(f"cpu_tier_bytes must be > 0, got {cpu_tier_bytes}")
+        if ssd_dir is not None and ssd_tier_bytes < 1:
+            raise ValueError("ssd_tier_bytes must be > 0 with an SSD folder")
+        self.worker_id = worker_id
+        self.model = model
+        self.block_size = block_size
+        self.socket_path = Path(socket_path)
+        self.shm_path = Path(shm_path)
+        self.cpu_tier_bytes = cpu_tier_bytes
+        self.ssd_dir = Path(ssd_dir).resolve() if ssd_dir is not None else None
+        self.ssd_tier_bytes = ssd_tier_bytes if ssd_dir is not None else 0
+        self.index = index
+        self.serve = serve
+        self.advertise = advertise
+        self.secret = secret
+        self.peer_pull = peer_pull
+        self.remove_on_exit = remove_on_exit
+        self.shm: ShmSlab | None = None
+        self.source: SlabSource | None = None
+        self.peer_server: PeerServer | None = None
+        self.serving_at: str | None = None
+        self.client = PeerClient(secret=secret)
+        self._pulled_from: set[str] = set()
+        self.counters = {"hellos": 0, "locates": 0, "located_blocks": 0, "pulls": 0, "pulled_blocks": 0,
+                         "failed_pulls": 0, "pulled_bytes": 0}
+        self._server: asyncio.AbstractServer | None = None
+        self._peers: dict[str, dict[str, Any]] = {}
+        self._peers_at = -1e9
+        self._layout_lock = asyncio.Lock()
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Listen on the Unix socket (a stale socket file is replaced). Raises OSError."""
+        self.socket_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.socket_path.unlink()
+        except FileNotFoundError:
+            pass
+        self._server = await asyncio.start_unix_server(self._handle, path=str(self.socket_path))
+        os.chmod(self.socket_path, 0o600)
+        log.info("tiers of worker %s: connector socket %s, CPU tier %d bytes in %s, SSD tier %s, peers %s, "
+                 "pull %s", self.worker_id, self.socket_path, self.cpu_tier_bytes, self.shm_path,
+                 f"{self.ssd_dir} ({self.ssd_tier_bytes} bytes)" if self.ssd_dir else "off",
+                 f"served on {self.serve[0]}:{self.serve[1]}" if self.serve else "not served",
+                 "on" if self.peer_pull else "off")
+
+    async def stop(self) -> None:
+        """Stop serving; the CPU tier file stays unless ``remove_on_exit`` (its memory lives on
+        in the worker's mapping either way)."""
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+        if self.peer_server is not None:
+            await self.peer_server.close()
+            self.peer_server = None
+        await self.client.close()
+        try:
+            self.socket_path.unlink()
+        except FileNotFoundError:
+            pass
+        if self.shm is not None and self.remove_on_exit:
+            self.shm.unlink()
+
+    # ---- state for the gateways ---------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """The ``"tiers"`` and ``"peer"`` keys of the agent's published state (module docstring)."""
+        bytes_per_s, overhead_ms = self.link_estimate()
+        shm = self.shm
+        return {
+            "tiers": {"cpu_tier_bytes": self.cpu_tier_bytes, "shm": str(self.shm_path),
+                      "ssd_dir": str(self.ssd_dir) if self.ssd_dir else None, "ssd_tier_bytes": self.ssd_tier_bytes,
+                      "cpu_slots": shm.num_slots if shm else None, **self.counters},
+            "peer": {"serve": self.serving_at, "pull": self.peer_pull,
+                     "block_bytes": shm.block_bytes if shm else None, "block_size": self.block_size,
+                     "fingerprint": shm.fingerprint_digest.hex() if shm else None,
+                     "link_bytes_per_s": round(bytes_per_s, 1) if bytes_per_s else None,
+                     "pull_overhead_ms": round(overhead_ms, 3) if overhead_ms is not None else None,
+                     "pulls": self.counters["pulls"], "pulled_blocks": self.counters["pulled_blocks"],
+                     "failed_pulls": self.counters["failed_pulls"],
+                     "served": self.peer_server.stats() if self.peer_server else None},
+        }
+
+    def link_estimate(self) -> tuple[float | None, float | None]:
+        """``(bytes_per_s, overhead_ms)`` of this agent's pulls: the client's measures
+        (:meth:`PeerClient.link_stats`) of the peers it pulled from, weighted by their pulls;
+        Nones until measured (a rate needs a pull of 256 KiB or more)."""
+        rates, overheads = [], []
+        for addr in sorted(self._pulled_from):
+            st = self.client.link_stats(addr)
+            if not st:
+                continue
+            if st.get("bytes_per_s"):
+                rates.append((st["bytes_per_s"], st["pulls"]))
+            if st.get("overhead_ms") is not None:
+                overheads.append((st["overhead_ms"], st["pulls"]))
+
+        def mean(pairs):
+            total = sum(w for _, w in pairs)
+            return sum(v * w for v, w in pairs) / total if total else None
+        return mean(rates), mean(overheads)
+
+    # ---- the connector's requests -------------------------------------------------------------
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                try:
+                    head = await reader.readexactly(4)
+                except asyncio.IncompleteReadError:
+                    return
+                n = _LEN.unpack(head)[0]
+                if n > MAX_HEADER_BYTES:
+                    raise AgentLinkError(f"header of {n} bytes")
+                header = decode_header(await reader.readexactly(n))
+                size = header.get("payload_bytes", 0)
+                if size > max(4 * MAX_PROMPT_TOKENS, KEY_BYTES * MAX_PULL_KEYS):
+                    raise AgentLinkError(f"payload of {size} bytes")
+                payload = await reader.readexactly(size) if size else b""
+                try:
+                    answer, out = await self._answer(header, payload)
+                except (ValueError, KeyError, TypeError) as exc:
+                    answer, out = {"ok": False, "error": f"bad {header.get('op')!r} request: {exc}"}, None
+                for piece in encode_frame(answer, out):
+                    writer.write(piece)
+                await writer.drain()
+        except (AgentLinkError, asyncio.IncompleteReadError, ConnectionError) as exc:
+            log.warning("connector link dropped: %s", exc)
+        finally:
+            writer.close()
+
+    async def _answer(self, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes | memoryview | None]:
+        op = header.get("op")
+        if op == "hello":
+            return await self._hello(header), None
+        if self.shm is None:
+            return {"ok": False, "error": "no hello yet: the tiers' layout is unknown"}, None
+        if op == "locate":
+            return await self._locate(header, payload), None
+        if op == "pull":
+            return await self._pull(header, payload)
+        return {"ok": False, "error": f"unknown op {op!r}"}, None
+
+    async def _hello(self, header: dict[str, Any]) -> dict[str, Any]:
+        block_bytes = int(header["block_bytes"])
+        digest = bytes.fromhex(header["fingerprint_digest"])
+        num_slots = self.cpu_tier_bytes // block_bytes
+        if num_slots < 1:
+            return {"ok": False, "error": f"the CPU tier ({self.cpu_tier_bytes} bytes) holds no block of {block_bytes}"}
+        async with self._layout_lock:
+            shm = self.shm
+            if shm is None or (shm.fingerprint_digest, shm.block_bytes) != (digest, block_bytes):
+                if self.peer_server is not None:
+                    await self.peer_server.close()
+                    self.peer_server, self.serving_at = None, None
+                self.shm = ShmSlab.create(self.shm_path, digest, block_bytes, num_slots)
+                fp_dir = None
+                if self.ssd_dir is not None:
+                    fp_dir = self.ssd_dir / ("fp-" + digest.hex()[:16])
+                self.source = SlabSource(self.shm, fp_dir)
+                log.info("CPU tier %s: %d slots of %d bytes for fingerprint %s (pid %s, %s)", self.shm_path,
+                         num_slots, block_bytes, digest.hex()[:16], header.get("pid"), header.get("role"))
+                if self.serve is not None:
+                    self.peer_server = PeerServer(self.source, self.serve[0], self.serve[1], secret=self.secret)
+                    host, port = await self.peer_server.start()
+                    self.serving_at = self.advertise or f"{host}:{port}"
+                    log.info("serving blocks to peers on %s:%d (advertised as %s)", host, port, self.serving_at)
+        self.counters["hellos"] += 1
+        return {"ok": True, "worker_id": self.worker_id, "shm_path": str(self.shm_path),
+                "num_slots": self.shm.num_slots, "ssd_dir": str(self.ssd_dir) if self.ssd_dir else None,
+                "ssd_tier_bytes": self.ssd_tier_bytes, "peer_pull": self.peer_pull}
+
+    async def peers(self) -> dict[str, dict[str, Any]]:
+        """Other workers whose agents serve blocks of this layout: id -> their ``peer`` state
+        (cached for ``PEERS_TTL_S``; empty when the index cannot say)."""
+        now = time.monotonic()
+        if now - self._peers_at < PEERS_TTL_S:
+            return self._peers
+        self._peers_at = now
+        if not isinstance(self.index, SupportsWorkerStates) or self.shm is None:
+            self._peers = {}
+            return self._peers
+        try:
+            states = await self.index.worker_states()
+        except IndexUnavailable as exc:
+            log.debug("peers unknown: %s", exc)
+            return self._peers
+        fp = self.shm.fingerprint_digest.hex()
+        self._peers = {wid: st["peer"] for wid, st in states.items()
+                       if wid != self.worker_id and isinstance(st.get("peer"), dict)
+                       and st["peer"].get("serve") and st["peer"].get("fingerprint") == fp}
+        return self._peers
+
+    async def _locate(self, header: dict[str, Any], payload: bytes) -> dict[str, Any]:
+        first, n = int(header["start_block"]), int(header["max_blocks"])
+        if first < 0 or n < 0 or len(payload) % 4:
+            raise ValueError("start_block and max_blocks must be >= 0, tokens uint32")
+        self.counters["locates"] += 1
+        peers = await self.peers()
+        if not peers or n == 0:
+            return {"ok": True, "peer": None, "blocks": 0}
+        tokens = struct.unpack(f"<{len(payload) // 4}I", payload)
+        salt = header.get("cache_salt")
+        keys = block_keys(tokens[:(first + n) * self.block_size], self.block_size, self.model,
+                          BlockExtras(cache_salt=salt) if salt else BlockExtras())
+        try:
+            matches = await self.index.match(keys)
+        except IndexUnavailable:
+            return {"ok": True, "peer": None, "blocks": 0}
+        best, best_total = None, first
+        for wid in sorted(peers):
+            total = matches[wid].total if wid in matches else 0
+            if total > best_total:
+                best, best_total = wid, total
+        blocks = min(best_total, first + n) - first if best else 0
+        self.counters["located_blocks"] += blocks
+        return {"ok": True, "peer": best, "blocks": blocks}
+
+    async def _pull(self, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes | memoryview | None]:
+        peer = header["peer"]
+        deadline_s = float(header.get("deadline_ms", 1000)) / 1000
+        if len(payload) % KEY_BYTES:
+            raise ValueError("keys must be 16 bytes each")
+        keys = [payload[i:i + KEY_BYTES] for i in range(0, len(payload), KEY_BYTES)]
+        peers = await self.peers()
+        if peer not in peers:
+            self.counters["failed_pulls"] += 1
+            return {"ok": True, "blocks": 0, "error": f"peer {peer!r} does not serve this layout"}, b""
+        shm = self.shm
+        bb = shm.block_bytes
+        buf = bytearray(len(keys) * bb)
+        view = memoryview(buf)
+
+        def on_block(i: int, data: memoryview) -> None:
+            view[i * bb:(i + 1) * bb] = data
+
+        self._pulled_from.add(peers[peer]["serve"])
+        result = await self.client.pull(peers[peer]["serve"], shm.fingerprint_digest, bb, keys, deadline_s, on_block)
+        self.counters["pulls"] += 1
+        self.counters["pulled_blocks"] += result.blocks
+        self.counters["pulled_bytes"] += result.blocks * bb
+        if result.error:
+            self.counters["failed_pulls"] += 1
+            log.info("pull of %d blocks from %s: %d came (%s)", len(keys), peer, result.blocks, result.error)
+        return {"ok": True, "blocks": result.blocks, "error": result.error}, view[:result.blocks * bb]

@@ -1,0 +1,260 @@
+"""Peer pull on two real vLLM servers (CPU build): worker B loads a prefix that worker A computed
+from A's agent instead of recomputing it.
+
+Each worker runs our KV connector with ``agent_socket`` set; its ``kvroute agent`` owns the tiers
+(CPU tier in a shared memory file, SSD tier off), writes the worker's KV events into a real Redis
+and serves its blocks to peers (shared-secret auth on). A's agent advertises a TCP forwarder run
+by this test in front of its real port, so the test can corrupt one byte of a transfer. The
+gateway (Redis index, the default policy) sees both workers; A computes each prompt (sent to its
+own URL), then the admin API drains A so the gateway must send the prompt to B.
+
+1. A computes a long prompt; its blocks reach A's CPU tier (the index says so); the gateway's
+   explain credits B with peer blocks from A;
+2. the prompt sent to B (A drained): B pulls it from A: vLLM reports the tokens cached (source
+   ``p2p``), the greedy tokens and logprobs are identical to A's computation, the pulled blocks
+   are B's own afterwards (B's CPU tier in the index; a second request hits B's GPU cache);
+3. a transfer corrupted on the wire is detected (checksum), B recomputes (identical output) and
+   nothing wrong is served. (vLLM 0.32 still reports the tokens it meant to load as cached in that
+   request's usage: it counts them when it schedules the load, before the failure.)
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import socket
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from e2e.tier_checks import cached_by_source, same_output, wait_until
+from conftest import ADMIN_TOKEN, Proc, free_ports, kvroute_argv, wait_http
+from offload_agent.connector.config import kv_transfer_config, vllm_env
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools"))
+from model_cache import ensure_model  # noqa: E402
+
+BLOCK = 32
+GPU_BLOCKS = 96
+BLOCK_BYTES = 2 * 2 * BLOCK * 1 * 64 * 2      # tiny model: 2 layers x (K, V) x 32 tokens x 1 head x 64 x bf16
+CPU_BYTES = 400 * BLOCK_BYTES
+PROMPT_TOKENS = 1000                            # 31 creditable blocks: (1000 - 1) // 32
+AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+SECRET = "peer-secret-for-the-e2e-test"
+
+
+def _vllm_python() -> str:
+    py = os.environ.get("KVR_VLLM_PYTHON", "")
+    if not py or shutil.which(py) is None:
+        pytest.fail("KVR_VLLM_PYTHON must name an interpreter with vLLM installed")
+    return py
+
+
+def _tokens(seed: int, n: int = PROMPT_TOKENS) -> list[int]:
+    rnd = random.Random(seed)
+    return [10 + rnd.randrange(480) for _ in range(n)]
+
+
+class Forwarder:
+    """A TCP forwarder in front of a peer server. ``corrupt_next()`` flips one byte, 4096 bytes
+    into the next answer (inside the first block's payload), once."""
+
+    def __init__(self, listen_port: int, target_port: int) -> None:
+        self.target_port = target_port
+        self.armed = threading.Event()
+        self.corrupted = threading.Event()
+        self.connections = 0
+        self._sock = socket.create_server(("127.0.0.1", listen_port))
+        self._sock.settimeout(0.5)
+        self._stop = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def corrupt_next(self) -> None:
+        self.corrupted.clear()
+        self.armed.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._sock.close()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                client, _ = self._sock.accept()
+            except OSError:
+                continue
+            self.connections += 1
+            server = socket.create_connection(("127.0.0.1", self.target_port), timeout=30)
+            pos = [0]  # bytes of the current answer forwarded so far
+            threading.Thread(target=self._pump, args=(client, server, pos, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, pos, True), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, pos: list[int], answers: bool) -> None:
+        try:
+            while not self._stop.is_set():
+                data = src.recv(1 << 16)
+                if not data:
+                    break
+                if not answers:
+                    pos[0] = 0      # a new request: its answer starts
+                else:
+                    at = 4096 - pos[0]
+                    if self.armed.is_set() and 0 <= at < len(data):
+                        data = data[:at] + bytes([data[at] ^ 0x20]) + data[at + 1:]
+                        self.armed.clear()
+                        self.corrupted.set()
+                    pos[0] += len(data)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
+class Pair:
+    def __init__(self, urls: dict[str, str], gateway: str, procs: dict[str, Proc], forwarder: Forwarder) -> None:
+        self.urls, self.gateway, self.procs, self.forwarder = urls, gateway, procs, forwarder
+        self.first: dict[int, dict] = {}
+
+    def complete(self, tokens: list[int], worker: str | None = None) -> tuple[dict, str]:
+        """Sent to ``worker``'s own URL, or through the gateway; returns the body and the worker."""
+        r = httpx.post((self.urls[worker] if worker else self.gateway) + "/v1/completions", timeout=180,
+                       json={"model": "tiny", "prompt": tokens, "max_tokens": 8, "temperature": 0, "logprobs": 3})
+        assert r.status_code == 200, r.text
+        return r.json(), worker or r.headers["x-kvroute-worker"]
+
+    def admin(self, path: str, body: dict | None = None) -> dict:
+        r = (httpx.post(self.gateway + path, headers=AUTH, json=body, timeout=30) if body is not None
+             else httpx.get(self.gateway + path, headers=AUTH, timeout=30))
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def cached_by_source(self, worker: str) -> dict[str, float]:
+        return cached_by_source(self.urls[worker])
+
+    def log(self, name: str) -> str:
+        return self.procs[name].log_path.read_text(errors="replace")
+
+
+def _cached(body: dict) -> int:
+    return (body["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory, redis_url):
+    py = _vllm_python()
+    model = ensure_model("tiny", py)
+    log_dir = tmp_path_factory.mktemp("peer")
+    procs: dict[str, Proc] = {}
+    forwarder = None
+    tag = f"{os.getpid()}"
+    try:
+        (a_http, a_ev, a_rp, b_http, b_ev, b_rp, a_serve, a_fwd, b_serve, gw_port) = free_ports(10)
+        ports = {"a": (a_http, a_ev, a_rp, a_serve), "b": (b_http, b_ev, b_rp, b_serve)}
+        forwarder = Forwarder(a_fwd, a_serve)
+        env_secret = {"KVR_PEER_SECRET": SECRET}
+        urls = {}
+        for wid, (http_port, ev, rp, serve) in ports.items():
+            sock = log_dir / f"{wid}.sock"
+            advertise = f"127.0.0.1:{a_fwd}" if wid == "a" else f"127.0.0.1:{serve}"
+            procs[f"agent-{wid}"] = Proc(f"agent-{wid}", kvroute_argv(
+                "agent", "--worker-id", wid, "--events", f"tcp://127.0.0.1:{ev}", "--replay", f"tcp://127.0.0.1:{rp}",
+                "--index", redis_url, "--model", "tiny", "--block-size", str(BLOCK),
+                "--tier-socket", str(sock), "--tier-shm", f"/dev/shm/kvroute-e2e-{tag}-{wid}",
+                "--cpu-tier-bytes", str(CPU_BYTES), "--serve-peers", f"127.0.0.1:{serve}",
+                "--advertise", advertise, "--peer-secret-env", "KVR_PEER_SECRET", "--remove-tiers-on-exit"),
+                log_dir, env=env_secret)
+            events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
+                      "endpoint": f"tcp://*:{ev}", "replay_endpoint": f"tcp://*:{rp}"}
+            argv = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                    "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(http_port),
+                    "--max-model-len", "1024", "--block-size", str(BLOCK), "--enable-prefix-caching",
+                    "--dtype", "bfloat16", "--enforce-eager", "--num-gpu-blocks-override", str(GPU_BLOCKS),
+                    "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(events),
+                    "--kv-transfer-config", json.dumps(kv_transfer_config(CPU_BYTES, agent_socket=sock))]
+            procs[wid] = Proc(wid, argv, log_dir, env={
+                "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1",
+                "VLLM_CPU_OMP_THREADS_BIND": "0" if wid == "a" else str(min(1, os.cpu_count() - 1)), **vllm_env()})
+            urls[wid] = f"http://127.0.0.1:{http_port}"
+        for wid in urls:
+            wait_http(urls[wid] + "/health", procs[wid], timeout_s=480)
+        cfg = {"listen": {"host": "127.0.0.1", "port": gw_port},
+               "models": [{"name": "tiny", "tokenizer": str(model), "block_size": BLOCK}],
+               "index": {"backend": "redis", "url": redis_url},
+               "workers": [{"id": wid, "url": url, "model": "tiny"} for wid, url in urls.items()]}
+        cfg_path = log_dir / "gw.yaml"
+        cfg_path.write_text(json.dumps(cfg))
+        procs["gateway"] = Proc("gateway", kvroute_argv("serve", "--config", str(cfg_path)), log_dir)
+        gateway = f"http://127.0.0.1:{gw_port}"
+        wait_http(gateway + "/health", procs["gateway"])
+        p = Pair(urls, gateway, procs, forwarder)
+
+        def both_serving():
+            workers = p.admin("/admin/workers")["workers"]
+            return all(w["healthy"] and ((w.get("peer") or {}).get("serve")) for w in workers)
+        assert wait_until(both_serving, 60), p.admin("/admin/workers")
+        yield p
+    finally:
+        for proc in reversed(list(procs.values())):
+            proc.stop()
+        if forwarder is not None:
+            forwarder.close()
+
+
+P1, P2 = _tokens(1), _tokens(2)
+
+
+def test_a_computes_and_the_router_credits_b_with_peer_blocks(pair):
+    body, worker = pair.complete(P1, "a")
+    assert worker == "a" and _cached(body) == 0
+    pair.first[1] = body
+    # A's connector saved every prompt block to its CPU tier; its agent's events put them in the index
+    assert wait_until(lambda: pair.admin("/admin/index")["workers"]["a"]["blocks"]["cpu"] >= 31), pair.admin("/admin/index")
+    assert pair.admin("/admin/workers/a/drain", {})["draining"] is True
+    explain = pair.admin("/admin/explain", {"model": "tiny", "prompt": P1, "max_tokens": 1})
+    assert explain["chosen"] == "b"
+    b = next(c for c in explain["candidates"] if c["worker"] == "b")
+    assert b["matched_blocks"]["gpu"] == 0 and b["peer_blocks"] == 31 and b["peer_worker"] == "a"
+    assert 0 < b["peer_credit"] <= 1
+
+
+def test_b_pulls_the_prefix_from_a_with_identical_output(pair):
+    before = pair.cached_by_source("b").get("p2p", 0.0)
+    body, worker = pair.complete(P1)                   # A is drained: the gateway picks B
+    assert worker == "b"
+    assert _cached(body) == 31 * BLOCK
+    same_output(pair.first[1], body)
+    assert pair.cached_by_source("b").get("p2p", 0.0) - before == 31 * BLOCK
+    assert "pulled 31 of 31 blocks from a" in pair.log("b")
+    # the pulled blocks are B's own now: announced in its CPU tier, and B's GPU cache hits them
+    assert wait_until(lambda: pair.admin("/admin/index")["workers"]["b"]["blocks"]["cpu"] >= 31)
+    again, worker = pair.complete(P1)
+    assert worker == "b" and _cached(again) == 31 * BLOCK
+    assert pair.cached_by_source("b").get("p2p", 0.0) - before == 31 * BLOCK   # no second pull
+    same_output(pair.first[1], again)
+
+
+def test_a_corrupted_transfer_is_detected_and_recomputed(pair):
+    first, worker = pair.complete(P2, "a")
+    assert worker == "a"
+    assert wait_until(lambda: pair.admin("/admin/index")["workers"]["a"]["blocks"]["cpu"] >= 62)
+    pair.forwarder.corrupt_next()
+    before = pair.cached_by_source("b").get("p2p", 0.0)
+    body, worker = pair.complete(P2)
+    assert worker == "b"
+    assert pair.forwarder.corrupted.is_set()
+    same_output(first, body)                          # recomputed: never a wrong result
+    assert "pulled 0 of 31 blocks from a" in pair.log("b")
+    assert "Recovered from KV load failure: 1 request(s) rescheduled (992 tokens affected)" in pair.log("b")
+    # vLLM 0.32 counts the planned load by source when it schedules it and keeps the count
+    assert pair.cached_by_source("b").get("p2p", 0.0) - before == 31 * BLOCK
+    assert "checksum" in pair.log("agent-b")

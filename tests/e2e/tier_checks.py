@@ -1,0 +1,39 @@
+"""Shared by the tier tests on real vLLM (test_tiers_vllm.py, test_peer_pull_vllm.py): waiting on a
+condition, comparing two greedy completions with logprobs, and vLLM's cached tokens by source."""
+from __future__ import annotations
+
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def wait_until(cond, timeout_s: float = 20.0):
+    """Poll ``cond()`` every 0.2 s until it is truthy or ``timeout_s`` passed; its last value."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.2)
+    return cond()
+
+
+def same_output(a: dict, b: dict) -> None:
+    """Assert two completions (``logprobs`` requested) have the same text, tokens and logprobs."""
+    ca, cb = a["choices"][0], b["choices"][0]
+    assert ca["text"] == cb["text"]
+    assert ca["logprobs"]["tokens"] == cb["logprobs"]["tokens"]
+    assert ca["logprobs"]["token_logprobs"] == cb["logprobs"]["token_logprobs"]
+    assert ca["logprobs"]["top_logprobs"] == cb["logprobs"]["top_logprobs"]
+
+
+def cached_by_source(vllm_url: str) -> dict[str, float]:
+    """vLLM's ``vllm:prompt_tokens_cached_by_source_total`` per ``source`` label (device, host,
+    p2p, disk, ...), summed over its other labels."""
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(httpx.get(vllm_url + "/metrics", timeout=30).text):
+        for s in fam.samples:
+            if s.name == "vllm:prompt_tokens_cached_by_source_total":
+                out[s.labels["source"]] = out.get(s.labels["source"], 0.0) + s.value
+    return out

@@ -1,0 +1,123 @@
+"""The agent as owner of the tiers (offload_agent/tier_service.py), without vLLM: two agents'
+tier services over a real Redis index, driven through their Unix sockets exactly as the KV
+connector drives them (offload_agent/agent_link.py), with blocks written into the shared CPU tier
+as the connector writes them."""
+from __future__ import annotations
+
+import array
+import asyncio
+import random
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from kvcore.block_keys import block_keys
+from kvcore.index.redis import RedisIndex
+from offload_agent.agent_link import AgentLink, AgentLinkError
+from offload_agent.tier_service import TierService
+from offload_agent.tiers import TierFingerprint, TierStore, tier_block_keys, tier_root
+from offload_agent.tiers.shm_slab import ShmSlab
+
+BS = 4
+FP = TierFingerprint(model="m", num_layers=2, dtype="bfloat16", block_size=BS, block_bytes=512)
+BLOCK_BYTES = 512
+
+
+def hello(link: AgentLink) -> dict:
+    return link.call({"op": "hello", "role": "worker", "pid": 1, "block_bytes": BLOCK_BYTES,
+                      "fingerprint": asdict(FP), "fingerprint_digest": FP.digest().hex()})
+
+
+def payload(i: int) -> bytes:
+    return bytes([(i * 7 + j) % 251 for j in range(BLOCK_BYTES)])
+
+
+async def run(tmp_path: Path, redis_url: str, body) -> None:
+    ns = f"t{uuid.uuid4().hex[:8]}"
+    idx = {w: RedisIndex(redis_url, namespace=ns, socket_timeout_s=5) for w in ("a", "b")}
+    svc = {w: TierService(w, "tiny", BS, tmp_path / f"{w}.sock", tmp_path / f"{w}.shm", 64 * BLOCK_BYTES, idx[w],
+                          serve=("127.0.0.1", 0), secret=b"s3cret") for w in ("a", "b")}
+    try:
+        for s in svc.values():
+            await s.start()
+        await body(svc, idx)
+    finally:
+        for w in svc:
+            await svc[w].stop()
+            await idx[w].close()
+
+
+def test_hello_makes_the_shared_cpu_tier_and_reuses_it(tmp_path: Path, redis_url: str) -> None:
+    async def body(svc, idx):
+        link = AgentLink(str(tmp_path / "a.sock"))
+        answer = await asyncio.to_thread(hello, link)
+        assert answer == {"ok": True, "worker_id": "a", "shm_path": str(tmp_path / "a.shm"), "num_slots": 64,
+                          "ssd_dir": None, "ssd_tier_bytes": 0, "peer_pull": True}
+        shm = ShmSlab.attach(answer["shm_path"])
+        assert (shm.num_slots, shm.block_bytes, shm.fingerprint_digest) == (64, BLOCK_BYTES, FP.digest())
+        again = await asyncio.to_thread(hello, AgentLink(str(tmp_path / "a.sock")))  # the other side
+        assert again["shm_path"] == answer["shm_path"]
+        state = svc["a"].state()
+        assert state["peer"]["serve"].startswith("127.0.0.1:") and state["peer"]["block_bytes"] == BLOCK_BYTES
+        assert state["peer"]["fingerprint"] == FP.digest().hex()
+        assert state["tiers"]["hellos"] == 2
+        bad = await asyncio.to_thread(link.call, {"op": "pull", "peer": "b", "payload_bytes": 0})
+        assert bad["ok"] and bad["blocks"] == 0 and "does not serve" in bad["error"]
+        assert (await asyncio.to_thread(link.call, {"op": "what"}))["ok"] is False
+        shm.close()
+    asyncio.run(run(tmp_path, redis_url, body))
+
+
+def test_b_locates_and_pulls_a_prefix_that_a_holds(tmp_path: Path, redis_url: str) -> None:
+    tokens = [random.Random(5).randrange(1000) for _ in range(10 * BS + 2)]   # 10 full blocks
+    tier_keys = tier_block_keys(tokens, BS, tier_root(FP.digest()))
+
+    async def body(svc, idx):
+        la, lb = AgentLink(str(tmp_path / "a.sock")), AgentLink(str(tmp_path / "b.sock"))
+        a_info = await asyncio.to_thread(hello, la)
+        await asyncio.to_thread(hello, lb)
+        # A's connector computed the prompt: its 10 blocks in A's CPU tier slots 5..14 ...
+        store = TierStore(None, 64, BLOCK_BYTES, FP, shm=ShmSlab.attach(a_info["shm_path"]))
+        for i, k in enumerate(tier_keys):
+            store.put(5 + i, k, payload(i))
+        # ... and A's events put the index's block keys for A (its agent's ingestor does this)
+        await idx["a"].store("a", "cpu", block_keys(tokens, BS, "tiny"))
+        for w in ("a", "b"):
+            await idx[w].heartbeat(w, 10.0, state=svc[w].state())
+        toks = array.array("I", tokens[:10 * BS])
+
+        def locate(first: int, n: int) -> dict:
+            return lb.call({"op": "locate", "start_block": first, "max_blocks": n, "cache_salt": None},
+                           memoryview(toks).cast("B")[:4 * (first + n) * BS])
+
+        assert await asyncio.to_thread(locate, 0, 10) == {"ok": True, "peer": "a", "blocks": 10}
+        assert await asyncio.to_thread(locate, 3, 7) == {"ok": True, "peer": "a", "blocks": 7}
+        # A never asks itself
+        self_loc = await asyncio.to_thread(la.call, {"op": "locate", "start_block": 0, "max_blocks": 10},
+                                           memoryview(toks).cast("B"))
+        assert self_loc == {"ok": True, "peer": None, "blocks": 0}
+
+        out = bytearray(10 * BLOCK_BYTES)
+        answer = await asyncio.to_thread(lb.call, {"op": "pull", "peer": "a", "deadline_ms": 5000},
+                                         memoryview(b"".join(tier_keys)), None, memoryview(out))
+        assert answer["ok"] and answer["blocks"] == 10 and answer["error"] is None
+        assert answer["payload_bytes"] == 10 * BLOCK_BYTES
+        assert bytes(out) == b"".join(payload(i) for i in range(10))
+        # a slot overwritten with another block: the pull stops there (a prefix chain)
+        store.put(5 + 4, b"\x01" * 16, payload(99))
+        answer = await asyncio.to_thread(lb.call, {"op": "pull", "peer": "a", "deadline_ms": 5000},
+                                         memoryview(b"".join(tier_keys)), None, memoryview(out))
+        assert answer["blocks"] == 4 and answer["error"].startswith("miss")
+        st = svc["b"].state()["peer"]
+        assert st["pulls"] == 2 and st["pulled_blocks"] == 14 and st["failed_pulls"] == 1
+        assert st["link_bytes_per_s"] is None and st["pull_overhead_ms"] > 0   # too small to measure a rate
+        assert svc["a"].state()["peer"]["served"]["blocks_served"] == 14
+    asyncio.run(run(tmp_path, redis_url, body))
+
+
+def test_the_connector_side_fails_cleanly_without_an_agent(tmp_path: Path) -> None:
+    link = AgentLink(str(tmp_path / "absent.sock"), timeout_s=0.5)
+    with pytest.raises(AgentLinkError, match="absent.sock"):
+        hello(link)
