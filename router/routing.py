@@ -83,16 +83,20 @@ class RoutePlan:
 
     def predicted_cached_tokens(self, worker_id: str) -> int | None:
         """Prefix-hit tokens the worker should report (vLLM's ``cached_tokens``) for the first
-        prompt: matched blocks in any tier, capped as vLLM caps a hit at ``prompt_len - 1``
-        tokens, times the block size. None when the tokens are unknown."""
+        prompt: matched blocks in any tier plus blocks it pulls from a peer (vLLM counts a pulled
+        token as cached, source ``p2p``), capped as vLLM caps a hit at ``prompt_len - 1`` tokens,
+        times the block size. None when the tokens are unknown."""
+        score = self._score(worker_id)
+        return self._cached_tokens(worker_id, score.peer_blocks if score is not None else 0)
+
+    def _cached_tokens(self, worker_id: str, peer_blocks: int = 0) -> int | None:
         if self.blocks is None or self.blocks.token_ids is None:
             return None
         match = self.matches.get(worker_id)
-        if match is None:
-            return 0
+        held = (match.total if match is not None else 0) + peer_blocks
         n = len(self.blocks.token_ids[0])
         bs = self.model.block_size
-        return min(match.total, max(0, n - 1) // bs) * bs
+        return min(held, max(0, n - 1) // bs) * bs
 
     def _score(self, worker_id: str) -> CandidateScore | None:
         return next((s for s in self.decision.scores if s.worker_id == worker_id), None)
@@ -115,7 +119,7 @@ class RoutePlan:
         the pull occupies the worker that long before its prefill."""
         if self.blocks is None or self.blocks.token_ids is None:
             return 0
-        uncached = (self.blocks.prompt_tokens or 0) - (self.predicted_cached_tokens(worker_id) or 0)
+        uncached = (self.blocks.prompt_tokens or 0) - (self._cached_tokens(worker_id) or 0)
         score = self._score(worker_id)
         if score is not None and score.peer_blocks > 0:
             uncached -= round(score.peer_credit_blocks * self.model.block_size)

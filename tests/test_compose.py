@@ -105,10 +105,20 @@ def test_services_agree(compose):
         assert agent.events == f"tcp://{svc}:{ev_port}" and agent.replay == f"tcp://{svc}:{replay_port}"
         assert agent.index == cfg.index.model_dump()["url"]
         assert agent.index.startswith("redis://redis:")
-        # The worker's SSD tier folder is a volume its agent shares, and no other worker's.
+        # The agent owns the tiers: the connector finds it on the socket, the CPU tier file and the
+        # socket sit in a tmpfs volume both mount, the SSD folder in a volume both mount, and no
+        # other worker's; the agent serves peers where the other agents can reach it.
         worker_vols, agent_vols = _named_volumes(services[svc]), _named_volumes(services[f"agent-{w.id}"])
+        assert agent.tier_socket == tiers.agent_socket and agent.ssd_tier_dir == tiers.ssd_tier_dir
+        assert (agent.cpu_tier_bytes, agent.ssd_tier_bytes) == (tiers.cpu_tier_bytes, tiers.ssd_tier_bytes)
+        (cpu_vol,) = [v for v, target in worker_vols.items() if target == str(Path(tiers.agent_socket).parent)]
+        assert agent_vols.get(cpu_vol) == str(Path(agent.tier_shm).parent) == str(Path(agent.tier_socket).parent)
+        assert compose["volumes"][cpu_vol]["driver_opts"]["type"] == "tmpfs" and cpu_vol.endswith(w.id)
         (ssd_vol,) = [v for v, target in worker_vols.items() if target == tiers.ssd_tier_dir]
-        assert ssd_vol in agent_vols and ssd_vol.endswith(w.id)
+        assert agent_vols.get(ssd_vol) == tiers.ssd_tier_dir and ssd_vol.endswith(w.id)
+        assert agent.serve_peers == "0.0.0.0:7601" and agent.advertise == f"agent-{w.id}:7601"
+        assert agent.peer_secret_env in services[f"agent-{w.id}"]["environment"]
+        assert services[svc]["depends_on"] == {f"agent-{w.id}": {"condition": "service_started"}}
         (dev,) = services[svc]["deploy"]["resources"]["reservations"]["devices"]
         gpus.update(dev["device_ids"])
         assert services[svc]["environment"]["PYTHONPATH"] == "/opt/kvroute"

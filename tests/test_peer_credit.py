@@ -321,7 +321,7 @@ async def test_router_puts_peer_blocks_on_candidates_and_explains_them(rig):
     assert (w["worker"], w["peer_blocks"], w["peer_worker"], w["peer_credit_source"]) == ("w", 40, "v", "measured")
     assert w["peer_credit"] == 0.6719 and w["predicted_ttft_ms"] == pytest.approx(67.1)
     assert out["candidates"][1]["worker"] == "v" and "peer_blocks" not in out["candidates"][1]
-    assert out["predicted_cached_tokens"] == 0  # its own cache; the pulled blocks are not a hit there
+    assert out["predicted_cached_tokens"] == 40 * BS  # vLLM reports pulled tokens as cached (source p2p)
     # the puller's load counts the pull's share of the prefill: 1281 - 40 x 32 x 0.671875
     assert plan.uncached_tokens("w") == PROMPT - 860 and plan.uncached_tokens("v") == 1
     real = await router.plan("completion", body, [], orjson.dumps(body))
