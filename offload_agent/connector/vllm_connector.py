@@ -77,6 +77,25 @@ _MEDIUM = {CPU: "CPU", SSD: "STORAGE"}
 PEER = "peer"
 
 
+def _request_amx_permission() -> None:
+    """Ask Linux for the AMX tile state for this process (x86-64 only; a no-op elsewhere or when
+    refused). vLLM 0.32's CPU attention kernel runs AMX instructions on a step that prefills a few
+    tokens after a long cached prefix without asking for that state first; Linux then kills the
+    worker with SIGILL. The step that would ask is a large matrix product, so it only goes wrong
+    when such a step is the first: exactly a request whose prefix came from the tiers or a peer on a
+    fresh worker (seen with a 900-token prompt pulled whole, 4 tokens left to compute)."""
+    if os.uname().machine != "x86_64":
+        return
+    import ctypes
+
+    arch_prctl, req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18  # asm/prctl.h, fpu/types.h
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall(arch_prctl, req_xcomp_perm, xfeature_xtiledata)
+    except (OSError, AttributeError):
+        pass
+
+
 class TierConnectorMetadata(KVConnectorMetadata):
     """Scheduler -> worker, one step: ``pre_ops`` run before the forward pass (loads),
     ``post_ops`` after it (saves); see :data:`offload_agent.tiers.planner.Op`."""
@@ -453,6 +472,7 @@ class KVRouteTierConnector(KVConnectorBase_V1):
 
     # ============================================ worker side ======================================
     def _init_worker(self) -> None:
+        _request_amx_permission()
         self._kv: list[torch.Tensor] = []
         self._store: TierStore | None = None
         self._invalid: set[int] = set()
