@@ -222,8 +222,20 @@ def test_worker_pod_matches_compose_and_runs_the_agent(docs):
         assert url == "tcp://127.0.0.1:" + events[key].rsplit(":", 1)[1]
     assert args.index == cfg.index.model_dump()["url"]
     assert (args.model, args.block_size) == (cfg.models[0].name, cfg.models[0].block_size)
-    # the SSD tier folder: a volume the worker and its agent share (as in docker-compose.yml)
-    assert mounts(server)["kv-ssd"] == mounts(agent)["kv-ssd"] == tiers.ssd_tier_dir
+    # the agent owns the tiers (as in docker-compose.yml): the connector's socket and the CPU tier
+    # file in a memory volume both mount, the SSD folder in a volume both mount, peers on the pod IP
+    assert mounts(server)["kv-ssd"] == mounts(agent)["kv-ssd"] == tiers.ssd_tier_dir == args.ssd_tier_dir
+    assert args.tier_socket == tiers.agent_socket
+    assert mounts(server)["kv-cpu"] == mounts(agent)["kv-cpu"] == str(Path(args.tier_shm).parent) \
+        == str(Path(args.tier_socket).parent)
+    (kv_cpu,) = [v for v in spec["volumes"] if v["name"] == "kv-cpu"]
+    assert kv_cpu["emptyDir"]["medium"] == "Memory"
+    assert (args.cpu_tier_bytes, args.ssd_tier_bytes) == (tiers.cpu_tier_bytes, tiers.ssd_tier_bytes)
+    assert args.serve_peers == "0.0.0.0:7601" and args.advertise == "$(POD_IP):7601"
+    agent_env = {e["name"]: e.get("valueFrom") for e in agent["env"]}
+    assert agent_env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert agent_env[args.peer_secret_env]["secretKeyRef"]["name"] == "kvroute-peer"
+    assert {"name": "kv-peer", "containerPort": 7601, "protocol": "TCP"} in agent["ports"]
     volumes = {v["name"] for v in spec["volumes"]}
     for c in [*spec["containers"], *spec["initContainers"]]:
         assert set(mounts(c)) <= volumes, c["name"]
