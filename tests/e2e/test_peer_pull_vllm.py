@@ -18,12 +18,15 @@ own URL), then the admin API drains A so the gateway must send the prompt to B.
 3. a transfer corrupted on the wire is detected (checksum), B recomputes (identical output) and
    nothing wrong is served. (vLLM 0.32 still reports the tokens it meant to load as cached in that
    request's usage: it counts them when it schedules the load, before the failure.)
+4. B's vLLM restarted: its connector maps the agent's CPU tier file again and takes back the
+   blocks in it; the pulled prompt is then a CPU-tier hit on the fresh engine, identical output.
 """
 from __future__ import annotations
 
 import json
 import os
 import random
+import re
 import shutil
 import socket
 import sys
@@ -165,7 +168,7 @@ def pair(tmp_path_factory, redis_url):
         ports = {"a": (a_http, a_ev, a_rp, a_serve), "b": (b_http, b_ev, b_rp, b_serve)}
         forwarder = Forwarder(a_fwd, a_serve)
         env_secret = {"KVR_PEER_SECRET": SECRET}
-        urls = {}
+        urls, starts = {}, {}
         for wid, (http_port, ev, rp, serve) in ports.items():
             sock = log_dir / f"{wid}.sock"
             advertise = f"127.0.0.1:{a_fwd}" if wid == "a" else f"127.0.0.1:{serve}"
@@ -184,9 +187,10 @@ def pair(tmp_path_factory, redis_url):
                     "--dtype", "bfloat16", "--enforce-eager", "--num-gpu-blocks-override", str(GPU_BLOCKS),
                     "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(events),
                     "--kv-transfer-config", json.dumps(kv_transfer_config(CPU_BYTES, agent_socket=sock))]
-            procs[wid] = Proc(wid, argv, log_dir, env={
-                "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1",
-                "VLLM_CPU_OMP_THREADS_BIND": "0" if wid == "a" else str(min(1, os.cpu_count() - 1)), **vllm_env()})
+            env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1",
+                   "VLLM_CPU_OMP_THREADS_BIND": "0" if wid == "a" else str(min(1, os.cpu_count() - 1)), **vllm_env()}
+            starts[wid] = (argv, env)
+            procs[wid] = Proc(wid, argv, log_dir, env=env)
             urls[wid] = f"http://127.0.0.1:{http_port}"
         for wid in urls:
             wait_http(urls[wid] + "/health", procs[wid], timeout_s=480)
@@ -200,6 +204,12 @@ def pair(tmp_path_factory, redis_url):
         gateway = f"http://127.0.0.1:{gw_port}"
         wait_http(gateway + "/health", procs["gateway"])
         p = Pair(urls, gateway, procs, forwarder)
+
+        def restart(wid: str) -> None:  # the same server again: same ports, same agent
+            procs[wid].stop()
+            procs[f"{wid}-restarted"] = Proc(f"{wid}-restarted", *starts[wid][:1], log_dir, env=starts[wid][1])
+            wait_http(urls[wid] + "/health", procs[f"{wid}-restarted"], timeout_s=480)
+        p.restart = restart
 
         def both_serving():
             workers = p.admin("/admin/workers")["workers"]
@@ -261,3 +271,17 @@ def test_a_corrupted_transfer_is_detected_and_recomputed(pair):
     # vLLM 0.32 counts the planned load by source when it schedules it and keeps the count
     assert pair.cached_by_source("b").get("p2p", 0.0) - before == N * BLOCK
     assert "checksum" in pair.log("agent-b")
+
+
+def test_b_keeps_its_cpu_tier_across_a_vllm_restart(pair):
+    """The agent owns the CPU tier: a restarted vLLM maps the agent's file again and takes back
+    the blocks it held (P1's, pulled from A and saved), so P1 is a CPU-tier hit on a fresh engine."""
+    pair.restart("b")
+    log = pair.log("b-restarted")
+    kept = int(re.search(r"CPU tier \d+ blocks of \d+ bytes \(\d+ bytes, (\d+) kept from before\)", log).group(1))
+    assert kept >= N                                 # at least P1's blocks, pulled from A and saved
+    body, worker = pair.complete(P1, "b")
+    assert _cached(body) == N * BLOCK
+    same_output(pair.first[1], body)
+    assert pair.cached_by_source("b").get("host", 0.0) == N * BLOCK   # from B's own CPU tier
+    assert "peer 0" in pair.log("b-restarted") and "pulled" not in pair.log("b-restarted")
