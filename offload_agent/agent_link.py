@@ -69,12 +69,16 @@ def decode_header(raw: bytes) -> dict[str, Any]:
 
 class AgentLink:
     """The connector's blocking client of its agent's socket ``path``; reconnects after a
-    failure. ``timeout_s``: default per-call limit. Not thread-safe (one per connector side)."""
+    failure. ``timeout_s``: default per-call limit. Once a ``hello`` has been answered, every
+    new connection starts with that hello again, so an agent that restarted (and reopened the CPU
+    tier file it left) knows the layout before the next request. Not thread-safe (one per
+    connector side)."""
 
     def __init__(self, path: str, timeout_s: float = 2.0) -> None:
         self.path = path
         self.timeout_s = timeout_s
         self._sock: socket.socket | None = None
+        self._hello: dict[str, Any] | None = None
 
     def close(self) -> None:
         if self._sock is not None:
@@ -102,39 +106,57 @@ class AgentLink:
             sock.settimeout(left)
             n = sock.recv_into(out[got:])
             if n == 0:
-                raise ConnectionError("agent closed the connection")
+                raise EOFError("agent closed the connection")
             got += n
 
     def call(self, header: dict[str, Any], payload: bytes | memoryview | None = None,
              timeout_s: float | None = None, into: memoryview | None = None) -> dict[str, Any]:
         """Send one request, return the answer's header. Its payload is read into ``into`` (which
-        must be large enough) or dropped. Raises AgentLinkError on any failure (the connection
-        is then closed: a late answer can never be taken for the next request's)."""
+        must be large enough) or dropped. A kept connection found closed by the agent (it
+        restarted) is replaced once, the hello first. Raises AgentLinkError on any failure (the
+        connection is then closed: a late answer can never be taken for the next request's)."""
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         try:
-            sock = self._connect()
-            sock.settimeout(max(0.001, deadline - time.monotonic()))
-            for piece in encode_frame(header, payload):
-                sock.sendall(piece)
-            head = bytearray(4)
-            self._recv_exact(sock, memoryview(head), deadline)
-            n = _LEN.unpack(head)[0]
-            if n > MAX_HEADER_BYTES:
-                raise AgentLinkError(f"answer header of {n} bytes")
-            raw = bytearray(n)
-            self._recv_exact(sock, memoryview(raw), deadline)
-            answer = decode_header(bytes(raw))
-            size = answer.get("payload_bytes", 0)
-            if size:
-                if into is None or into.nbytes < size:
-                    sink = memoryview(bytearray(size))
-                else:
-                    sink = into[:size]
-                self._recv_exact(sock, sink, deadline)
-            return answer
+            for attempt in range(2):
+                fresh = self._sock is None
+                sock = self._connect()
+                try:
+                    if fresh and self._hello is not None and header.get("op") != "hello":
+                        again = self._exchange(sock, self._hello, None, deadline, None)
+                        if not again.get("ok"):
+                            raise AgentLinkError(f"hello after reconnecting refused: {again.get('error')}")
+                    answer = self._exchange(sock, header, payload, deadline, into)
+                except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, EOFError):
+                    if fresh or attempt:
+                        raise
+                    self.close()  # a kept connection the agent closed (it restarted): once more, fresh
+                    continue
+                if header.get("op") == "hello" and answer.get("ok"):
+                    self._hello = header
+                return answer
+            raise AgentLinkError("unreachable")
         except AgentLinkError:
             self.close()
             raise
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, EOFError) as exc:
             self.close()
             raise AgentLinkError(f"agent socket {self.path}: {exc or type(exc).__name__}") from exc
+
+    def _exchange(self, sock: socket.socket, header: dict[str, Any], payload, deadline: float,
+                  into: memoryview | None) -> dict[str, Any]:
+        sock.settimeout(max(0.001, deadline - time.monotonic()))
+        for piece in encode_frame(header, payload):
+            sock.sendall(piece)
+        head = bytearray(4)
+        self._recv_exact(sock, memoryview(head), deadline)
+        n = _LEN.unpack(head)[0]
+        if n > MAX_HEADER_BYTES:
+            raise AgentLinkError(f"answer header of {n} bytes")
+        raw = bytearray(n)
+        self._recv_exact(sock, memoryview(raw), deadline)
+        answer = decode_header(bytes(raw))
+        size = answer.get("payload_bytes", 0)
+        if size:
+            sink = memoryview(bytearray(size)) if into is None or into.nbytes < size else into[:size]
+            self._recv_exact(sock, sink, deadline)
+        return answer

@@ -132,6 +132,7 @@ class TierService:
         self.counters = {"hellos": 0, "locates": 0, "located_blocks": 0, "pulls": 0, "pulled_blocks": 0,
                          "failed_pulls": 0, "pulled_bytes": 0}
         self._server: asyncio.AbstractServer | None = None
+        self._links: set[asyncio.StreamWriter] = set()  # the connector's open connections
         self._peers: dict[str, dict[str, Any]] = {}
         self._peers_at = -1e9
         self._layout_lock = asyncio.Lock()
@@ -157,6 +158,8 @@ class TierService:
         in the worker's mapping either way)."""
         if self._server is not None:
             self._server.close()
+            for writer in list(self._links):  # as a stopped process would: the connector reconnects
+                writer.close()
             await self._server.wait_closed()
             self._server = None
         if self.peer_server is not None:
@@ -210,6 +213,7 @@ class TierService:
 
     # ---- the connector's requests -------------------------------------------------------------
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._links.add(writer)
         try:
             while True:
                 try:
@@ -234,6 +238,7 @@ class TierService:
         except (AgentLinkError, asyncio.IncompleteReadError, ConnectionError) as exc:
             log.warning("connector link dropped: %s", exc)
         finally:
+            self._links.discard(writer)
             writer.close()
 
     async def _answer(self, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes | memoryview | None]:

@@ -121,3 +121,33 @@ def test_the_connector_side_fails_cleanly_without_an_agent(tmp_path: Path) -> No
     link = AgentLink(str(tmp_path / "absent.sock"), timeout_s=0.5)
     with pytest.raises(AgentLinkError, match="absent.sock"):
         hello(link)
+
+
+def test_a_restarted_agent_gets_the_hello_again_and_reuses_the_tier_file(tmp_path: Path, redis_url: str) -> None:
+    async def main():
+        idx = RedisIndex(redis_url, namespace=f"t{uuid.uuid4().hex[:8]}", socket_timeout_s=5)
+        shm_path = tmp_path / "a.shm"
+
+        def service() -> TierService:
+            return TierService("a", "tiny", BS, tmp_path / "a.sock", shm_path, 64 * BLOCK_BYTES, idx)
+        first = service()
+        await first.start()
+        link = AgentLink(str(tmp_path / "a.sock"))
+        await asyncio.to_thread(hello, link)
+        store = TierStore(None, 64, BLOCK_BYTES, FP, shm=ShmSlab.attach(shm_path))
+        store.put(3, b"k" * 16, payload(3))
+        await first.stop()                          # crashed or restarted: the file stays
+        second = service()
+        await second.start()
+        try:
+            assert second.shm is None               # no layout until a connector says hello
+            # the connector's next request reconnects, says hello again first, then asks
+            answer = await asyncio.to_thread(link.call, {"op": "locate", "start_block": 0, "max_blocks": 0})
+            assert answer == {"ok": True, "peer": None, "blocks": 0}
+            assert second.counters["hellos"] == 1 and second.shm.stable_slots() == [(3, b"k" * 16)]
+            out = bytearray(BLOCK_BYTES)
+            assert second.source.read_block(b"k" * 16, memoryview(out)) and bytes(out) == payload(3)
+        finally:
+            await second.stop()
+            await idx.close()
+    asyncio.run(main())
