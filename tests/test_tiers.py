@@ -61,8 +61,13 @@ def test_ssd_file_roundtrip_and_atomic_names(tmp_path):
     assert bytes(out) == payload(1)
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "extend", "header"])
-def test_ssd_file_damage_is_detected(tmp_path, damage):
+@pytest.mark.parametrize("damage, message", [
+    ("flip", "checksum mismatch"), ("truncate", r"truncated \(30 of 64 payload bytes\)"),
+    ("extend", "longer than its header says"), ("header", "not a kvroute block file"),
+    ("version", "version 7"), ("short_header", r"truncated header \(10 of 64 bytes\)"),
+    ("empty", r"truncated header \(0 of 64 bytes\)"), ("size_field", "payload of 65 bytes, expected 64"),
+    ("checksum_field", "checksum mismatch")])
+def test_ssd_file_damage_is_detected(tmp_path, damage, message):
     key = keys_of(range(4))[0]
     write_block_file(tmp_path, key, FPD, payload(2), algo=CHECKSUM_CRC32)
     path = block_path(tmp_path, key)
@@ -73,11 +78,104 @@ def test_ssd_file_damage_is_detected(tmp_path, damage):
         raw = raw[:HEADER_BYTES + 30]
     elif damage == "extend":
         raw += b"x"
-    else:
+    elif damage == "header":
         raw[0:4] = b"XXXX"
+    elif damage == "version":
+        raw[4:6] = (7).to_bytes(2, "little")
+    elif damage == "short_header":
+        raw = raw[:10]
+    elif damage == "empty":
+        raw = bytearray()
+    elif damage == "size_field":
+        raw[40:48] = (65).to_bytes(8, "little")          # the header claims one more payload byte
+    else:
+        raw[48] ^= 0x01
     path.write_bytes(bytes(raw))
-    with pytest.raises(CorruptBlockError):
+    with pytest.raises(CorruptBlockError, match=message):
         read_block_file(tmp_path, key, FPD, bytearray(64))
+
+
+def test_ssd_file_read_checks_the_expected_size_and_checksum_algorithm(tmp_path, monkeypatch):
+    from offload_agent.tiers import ssd_file
+    k0, k1 = keys_of(range(8))
+    write_block_file(tmp_path, k0, FPD, payload(4), algo=CHECKSUM_CRC32)
+    with pytest.raises(CorruptBlockError, match="payload of 64 bytes, expected 32"):
+        read_block_file(tmp_path, k0, FPD, bytearray(32))   # a caller expecting another block size
+    with pytest.raises(FileNotFoundError):
+        read_block_file(tmp_path, k1, FPD, bytearray(64))
+    write_block_file(tmp_path, k1, FPD, payload(5), algo=ssd_file.CHECKSUM_XXH3_64 if ssd_file._xxhash else 99)
+    monkeypatch.setattr(ssd_file, "_xxhash", None)          # vLLM's interpreter without xxhash
+    with pytest.raises(CorruptBlockError, match="not available here"):
+        read_block_file(tmp_path, k1, FPD, bytearray(64))
+    out = bytearray(64)
+    read_block_file(tmp_path, k0, FPD, out)                 # crc32 files need only zlib
+    assert bytes(out) == payload(4) and ssd_file.default_checksum_algo() == CHECKSUM_CRC32
+
+
+def test_ssd_file_read_goes_on_after_short_reads_into_a_slot_view(tmp_path, monkeypatch):
+    key = keys_of(range(4))[0]
+    write_block_file(tmp_path, key, FPD, payload(6))
+    real_readv, calls = os.readv, []
+
+    def readv_7_bytes(fd, bufs):                            # at most 7 bytes a call, like a slow pipe
+        calls.append(sum(memoryview(b).nbytes for b in bufs))
+        rest, out = 7, []
+        for b in bufs:
+            b = memoryview(b)[:rest]
+            rest -= b.nbytes
+            if b.nbytes:
+                out.append(b)
+        return real_readv(fd, out)
+
+    monkeypatch.setattr(os, "readv", readv_7_bytes)
+    slab = bytearray(3 * 64)
+    read_block_file(tmp_path, key, FPD, memoryview(slab)[64:128])
+    assert bytes(slab[64:128]) == payload(6) and slab[:64] == bytes(64) and slab[128:] == bytes(64)
+    assert len(calls) == -(-(HEADER_BYTES + 64) // 7) and calls[0] == HEADER_BYTES + 64
+    path = block_path(tmp_path, key)
+    path.write_bytes(path.read_bytes()[:HEADER_BYTES + 20])
+    with pytest.raises(CorruptBlockError, match=r"truncated \(20 of 64 payload bytes\)"):
+        read_block_file(tmp_path, key, FPD, bytearray(64))
+
+
+def test_ssd_file_large_payload_is_read_after_its_header(tmp_path, monkeypatch):
+    from offload_agent.tiers import ssd_file
+    key = keys_of(range(4))[0]
+    write_block_file(tmp_path, key, FPD, payload(7))
+    real_readv, calls = os.readv, []
+
+    def readv(fd, bufs):
+        calls.append([memoryview(b).nbytes for b in bufs])
+        return real_readv(fd, bufs)
+
+    monkeypatch.setattr(os, "readv", readv)
+    out = bytearray(64)
+    read_block_file(tmp_path, key, FPD, out)                # small: header and payload in one call
+    assert calls == [[HEADER_BYTES, 64]] and bytes(out) == payload(7)
+    monkeypatch.setattr(ssd_file, "SPLIT_READ_BYTES", 64)   # large: the header, then the payload
+    calls.clear()
+    out = bytearray(64)
+    read_block_file(tmp_path, key, FPD, out)
+    assert calls == [[HEADER_BYTES], [64]] and bytes(out) == payload(7)
+    path = block_path(tmp_path, key)
+    raw = bytearray(path.read_bytes())
+    raw[HEADER_BYTES] ^= 0x01
+    path.write_bytes(bytes(raw))
+    with pytest.raises(CorruptBlockError, match="checksum mismatch"):
+        read_block_file(tmp_path, key, FPD, bytearray(64))
+
+
+def test_prefetch_block_files_skips_missing_files(tmp_path, monkeypatch):
+    from offload_agent.tiers import ssd_file
+    k0, k1 = keys_of(range(8))
+    write_block_file(tmp_path, k0, FPD, payload(1))
+    advised = []
+    monkeypatch.setattr(ssd_file, "_fadvise", lambda fd, off, n, advice: advised.append((os.fstat(fd).st_size, advice)))
+    ssd_file.prefetch_block_files(tmp_path, [k1, k0, k1])   # k1 has no file
+    assert advised == [(HEADER_BYTES + 64, os.POSIX_FADV_WILLNEED)]
+    monkeypatch.setattr(ssd_file, "_fadvise", None)         # no posix_fadvise (macOS): nothing to do
+    ssd_file.prefetch_block_files(tmp_path, [k0])
+    assert len(advised) == 1
 
 
 def test_ssd_file_wrong_fingerprint_or_key_is_refused(tmp_path):
@@ -295,3 +393,60 @@ def test_store_read_ssd_many_in_parallel_checks_each_block(tmp_path):
     assert oks == [i != 4 for i in range(6)]
     assert [bytes(o) for i, o in enumerate(outs) if i != 4] == [payload(i) for i in range(6) if i != 4]
     assert st.take_failures() == [(ks[4], "ssd", None)] and not bad.exists()
+
+
+@pytest.mark.parametrize("io_threads", [1, 3])
+def test_store_read_ssd_many_prefetches_each_window_before_reading_it(tmp_path, monkeypatch, io_threads):
+    from offload_agent.tiers import store as store_mod
+    monkeypatch.setattr(store_mod, "READ_AHEAD_BYTES", 4 * 64)   # windows of 4 blocks (at least a task per thread)
+    monkeypatch.setattr(store_mod, "READ_TASK_BYTES", 2 * 64)    # 2 blocks per task
+    st = TierStore(bytearray(64), 1, 64, FP, tmp_path, io_threads=io_threads)
+    ks = keys_of(range(4 * 15))
+    for i, k in enumerate(ks):
+        if i != 9:                                               # ks[9] has no file
+            write_block_file(st.fp_dir, k, FPD, payload(i))
+    bad = block_path(st.fp_dir, ks[5])
+    raw = bytearray(bad.read_bytes())
+    raw[-1] ^= 0x01
+    bad.write_bytes(bytes(raw))
+    prefetched, reads = [], []                                   # reads: (block, blocks announced by then)
+    real_prefetch, real_read = store_mod.prefetch_block_files, store_mod.read_block_file
+
+    def prefetch(fp_dir, keys):
+        prefetched.extend(keys)
+        real_prefetch(fp_dir, keys)
+
+    def read(fp_dir, key, fp, out):
+        reads.append((ks.index(key), len(prefetched)))
+        real_read(fp_dir, key, fp, out)
+
+    monkeypatch.setattr(store_mod, "prefetch_block_files", prefetch)
+    monkeypatch.setattr(store_mod, "read_block_file", read)
+    outs = [bytearray(64) for _ in ks]
+    oks = st.read_ssd_many(ks, outs)
+    assert oks == [i not in (5, 9) for i in range(15)]
+    assert [bytes(o) for i, o in enumerate(outs) if oks[i]] == [payload(i) for i in range(15) if oks[i]]
+    step = max(4, 2 * io_threads)                                # blocks per window
+    assert prefetched == ks                                      # each file announced once, in order,
+    assert sorted(i for i, _ in reads) == list(range(15))
+    for i, n in reads:                                           # with its window before it is read,
+        assert (i // step + 1) * step <= n or n == 15            # and never more than one window ahead
+        assert n <= (i // step + 2) * step
+    if io_threads == 1:                                          # the next window goes first when reading alone
+        assert all(n == min(15, (i // step + 2) * step) for i, n in reads)
+    assert sorted(st.take_failures()) == sorted([(ks[5], "ssd", None), (ks[9], "ssd", None)])
+    assert not bad.exists()
+
+
+def test_store_read_ssd_many_leaves_large_blocks_to_its_threads(tmp_path, monkeypatch):
+    from offload_agent.tiers import store as store_mod
+    monkeypatch.setattr(store_mod, "READ_AHEAD_BYTES", 4 * 64)   # 4 threads x 64 bytes in flight: enough
+    prefetched = []
+    monkeypatch.setattr(store_mod, "prefetch_block_files", lambda fp_dir, keys: prefetched.extend(keys))
+    st = TierStore(bytearray(64), 1, 64, FP, tmp_path, io_threads=4)
+    ks = keys_of(range(4 * 9))
+    for i, k in enumerate(ks):
+        write_block_file(st.fp_dir, k, FPD, payload(i))
+    outs = [bytearray(64) for _ in ks]
+    assert st.read_ssd_many(ks, outs) == [True] * 9
+    assert [bytes(o) for o in outs] == [payload(i) for i in range(9)] and prefetched == []

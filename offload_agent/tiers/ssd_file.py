@@ -13,10 +13,11 @@ Layout of ``<tier dir>/<fingerprint dir>/<key hex[:2]>/<key hex>.kvb`` (little-e
     56     8     zero padding
     64     ...   payload: the block's KV, all layers, as the connector laid it out
 
-A block is read with one ``readv`` of header and payload, the payload straight into the caller's
-buffer, after an ``fstat`` size check; the header (magic, version, fingerprint, key, size) and the
-payload's checksum are then checked. Batch readers announce the next files to the kernel first
-(:func:`prefetch_block_files`), so that the disk serves many of them at once.
+A block is read after an ``fstat`` size check, the payload straight into the caller's buffer, with
+the header in one ``readv`` (small blocks) or right after it (from :data:`SPLIT_READ_BYTES`); the
+header (magic, version, fingerprint, key, size) and the payload's checksum are then checked. Batch
+readers announce the next files to the kernel first (:func:`prefetch_block_files`), so that the disk
+serves many of them at once.
 
 A file is written to ``.<key hex>.<pid>.tmp`` beside its final name and renamed into place
 (``os.replace``), so a reader never sees a half-written block under a final name. There is no
@@ -52,6 +53,11 @@ READ_AHEAD_BYTES = 8 << 20
 (on a virtio disk, 8 MiB read faster than 32 MiB and no slower than 2 or 4 MiB)."""
 READ_TASK_BYTES = 1 << 20
 """Bytes of blocks one I/O thread of :meth:`TierStore.read_ssd_many` reads per task."""
+SPLIT_READ_BYTES = 1 << 20
+"""From this payload size on, :func:`read_block_file` reads the header first and the payload with a
+second call: the kernel then streams the payload (its read-ahead ramps up while the first pages are
+copied), where one call for both waits for the whole payload's I/O before copying. Measured on a
+cold 2 MiB file: 1.3 ms split, 2.0 ms in one call; equal at 1 MiB; one call is faster below."""
 
 
 class CorruptBlockError(Exception):
@@ -154,8 +160,9 @@ def read_block_file(fp_dir: Path, key: bytes, fingerprint_digest: bytes, out) ->
     magic, version, fingerprint, key, size and checksum. Raises CorruptBlockError (``out`` then
     holds garbage) or FileNotFoundError.
 
-    A file of the expected size is read with one ``readv`` of header and payload straight into
-    ``out`` (no intermediate copy); any other size only has its header read, for the error."""
+    The payload is read straight into ``out`` (no intermediate copy), with the header in one
+    ``readv`` (below :data:`SPLIT_READ_BYTES`) or after it; a file of another size than expected
+    only has its header read, for the error."""
     path = _block_file(fp_dir, key)
     dst = memoryview(out).cast("B")
     n_want = dst.nbytes
@@ -163,10 +170,14 @@ def read_block_file(fp_dir: Path, key: bytes, fingerprint_digest: bytes, out) ->
     fd = os.open(path, _O_RDONLY)
     try:
         size = os.fstat(fd).st_size
-        if size == HEADER_BYTES + n_want:
+        if size != HEADER_BYTES + n_want:
+            got = _readv_full(fd, [head], HEADER_BYTES)
+        elif n_want < SPLIT_READ_BYTES:
             got = _readv_full(fd, [head, dst], size)
         else:
             got = _readv_full(fd, [head], HEADER_BYTES)
+            if got == HEADER_BYTES:
+                got += _readv_full(fd, [dst], n_want)
     finally:
         os.close(fd)
     algo, fp, file_key, n, csum = _parse_header(head[:min(got, HEADER_BYTES)], path)
@@ -178,8 +189,9 @@ def read_block_file(fp_dir: Path, key: bytes, fingerprint_digest: bytes, out) ->
         raise CorruptBlockError(f"{path}: payload of {n} bytes, expected {n_want}")
     if size > HEADER_BYTES + n:
         raise CorruptBlockError(f"{path}: longer than its header says ({size} bytes, not {HEADER_BYTES + n})")
-    if got < HEADER_BYTES + n:
-        raise CorruptBlockError(f"{path}: truncated ({max(0, got - HEADER_BYTES)} of {n} payload bytes)")
+    if size < HEADER_BYTES + n or got < size:  # short on disk, or cut while being read
+        have = (size if size < HEADER_BYTES + n else got) - HEADER_BYTES
+        raise CorruptBlockError(f"{path}: truncated ({have} of {n} payload bytes)")
     try:
         ok = checksum(algo, dst) == csum
     except ValueError as exc:

@@ -127,33 +127,43 @@ class TierStore:
         return False
 
     def read_ssd_many(self, keys: list[bytes], outs: list) -> list[bool]:
-        """:meth:`read_ssd` of each key into the matching buffer, up to ``io_threads`` at a time.
+        """:meth:`read_ssd` of each key into the matching buffer, up to ``io_threads`` at a time, a
+        thread taking ``READ_TASK_BYTES`` of blocks (at least one) per task: for small blocks, a task
+        per block costs more than the block's read.
 
-        The keys go in windows of ``READ_AHEAD_BYTES`` (at least a task per thread); the next
-        window's files are announced to the kernel (:func:`prefetch_block_files`) while this one is
-        read, so the disk has many reads queued while each block is read and checked (one small
-        read at a time leaves it idle). A thread takes ``READ_TASK_BYTES`` of blocks (at least one)
-        per task: for small blocks, a task per block costs more than the block's read."""
+        When the threads alone would have less than ``READ_AHEAD_BYTES`` in flight (one thread, or
+        small blocks), the keys go in windows of that size (at least a task per thread) and the
+        next window's files are announced to the kernel (:func:`prefetch_block_files`) while this
+        one is read, so that the disk has many reads queued while each block is read and checked
+        (one small read at a time leaves it idle). With enough threads on large blocks, the
+        announcement only adds work."""
         if len(keys) <= 1 or self.fp_dir is None:
             return [self.read_ssd(k, o) for k, o in zip(keys, outs)]
         if self._io_threads > 1 and self._pool is None:
             self._pool = ThreadPoolExecutor(self._io_threads, thread_name_prefix="kvroute-ssd")
         per_task = max(1, READ_TASK_BYTES // self.block_bytes)
-        step = max(READ_AHEAD_BYTES // self.block_bytes, per_task * self._io_threads)
 
         def read_some(lo: int, hi: int) -> list[bool]:
             return [self.read_ssd(keys[i], outs[i]) for i in range(lo, hi)]
 
-        prefetch_block_files(self.fp_dir, keys[:step])
+        def in_tasks(lo: int, end: int):  # the pool's results of keys[lo:end], lazily
+            los = range(lo, end, per_task)
+            return self._pool.map(read_some, los, [min(end, x + per_task) for x in los])
+
         oks: list[bool] = []
+        if self._pool is not None and self._io_threads * self.block_bytes >= READ_AHEAD_BYTES:
+            for part in in_tasks(0, len(keys)):
+                oks += part
+            return oks
+        step = max(READ_AHEAD_BYTES // self.block_bytes, per_task * self._io_threads)
+        prefetch_block_files(self.fp_dir, keys[:step])
         for i in range(0, len(keys), step):
             end = min(len(keys), i + step)
             if self._pool is None:
                 prefetch_block_files(self.fp_dir, keys[end:end + step])
                 oks += read_some(i, end)
                 continue
-            los = range(i, end, per_task)
-            parts = self._pool.map(read_some, los, [min(end, lo + per_task) for lo in los])
+            parts = in_tasks(i, end)
             prefetch_block_files(self.fp_dir, keys[end:end + step])  # while the threads read
             for part in parts:
                 oks += part
