@@ -61,7 +61,7 @@ sys.path.insert(0, str(REPO / "tools"))
 from model_cache import ensure_model  # noqa: E402
 
 from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures  # noqa: E402
-from kvroute.bench.workers import stop_groups  # noqa: E402
+from kvroute.bench.workers import LogTail, stop_groups  # noqa: E402
 from kvroute.up import free_ports  # noqa: E402
 from offload_agent.connector.config import kv_transfer_config, vllm_env  # noqa: E402
 from offload_agent.tiers import TierFingerprint, TierStore, write_block_file  # noqa: E402
@@ -210,19 +210,8 @@ def ssd_read_table(fig: dict, work: Path, block_sizes: list[int], total_mib: int
                     "ratio_to_dd": statistics.median(ratios), "ratios_to_dd": ratios}])
 
 
-class TierLog:
+class TierLog(LogTail):
     """The connector's per-request tier lines in vLLM's log, read from where the last call stopped."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.pos = 0
-
-    def text(self) -> str:
-        with open(self.path, "rb") as f:
-            f.seek(self.pos)
-            raw = f.read()
-        self.pos += len(raw)
-        return raw.decode(errors="replace")
 
     def loads(self) -> list[tuple[int, int, str]]:
         """``(cpu blocks, ssd blocks, log line)`` of each load logged since the last call."""

@@ -153,3 +153,20 @@ def stop_groups(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
                 os.killpg(p.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+class LogTail:
+    """A worker's log file read from where the last :meth:`text` call stopped (what a step of a
+    benchmark added to it)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.pos = 0
+
+    def text(self) -> str:
+        """The bytes appended since the last call, decoded (bad UTF-8 replaced)."""
+        with open(self.path, "rb") as f:
+            f.seek(self.pos)
+            raw = f.read()
+        self.pos += len(raw)
+        return raw.decode(errors="replace")
