@@ -151,3 +151,19 @@ def test_a_restarted_agent_gets_the_hello_again_and_reuses_the_tier_file(tmp_pat
             await second.stop()
             await idx.close()
     asyncio.run(main())
+
+
+def test_connector_settings_for_the_agent(tmp_path: Path) -> None:
+    from offload_agent.connector.config import TierSettings, kv_transfer_config
+
+    cfg = kv_transfer_config(1 << 20, agent_socket=tmp_path / "a.sock", peer_pull_deadline_ms=250)
+    extra = cfg["kv_connector_extra_config"]
+    assert extra == {"cpu_tier_bytes": 1 << 20, "agent_socket": str((tmp_path / "a.sock").resolve()),
+                     "peer_pull_deadline_ms": 250}
+    st = TierSettings.from_extra(extra)
+    assert (st.agent_socket, st.peer_pull_deadline_ms, st.agent_wait_s, st.peer_locate_timeout_ms,
+            st.peer_pull_min_blocks) == (extra["agent_socket"], 250.0, 10.0, 100.0, 4.0)
+    for bad in ({"peer_pull_deadline_ms": -1}, {"agent_wait_s": True}, {"peer_locate_timeout_ms": "x"},
+                {"agent_socket": 5}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            TierSettings.from_extra({"cpu_tier_bytes": 1, **bad})

@@ -32,7 +32,8 @@ class TierSettings:
     within ``agent_wait_s`` at start, the connector runs its own local tiers as configured above.
     ``peer_pull_deadline_ms``: longest wait for a pull (what has not come by then is recomputed);
     ``peer_locate_timeout_ms``: longest wait for the agent to say which peer holds a prefix (the
-    engine waits meanwhile).
+    engine waits meanwhile); ``peer_pull_min_blocks``: a prompt missing fewer blocks than this
+    locally is not looked up (its pull would save less than the lookup costs the engine).
     """
 
     cpu_tier_bytes: int
@@ -43,6 +44,7 @@ class TierSettings:
     agent_wait_s: float = 10.0
     peer_pull_deadline_ms: float = 1000.0
     peer_locate_timeout_ms: float = 100.0
+    peer_pull_min_blocks: float = 4.0
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> "TierSettings":
@@ -61,7 +63,7 @@ class TierSettings:
             raise ValueError("kv_connector_extra_config.ssd_tier_bytes needs ssd_tier_dir")
         timing = {}
         for key, default in (("agent_wait_s", 10.0), ("peer_pull_deadline_ms", 1000.0),
-                             ("peer_locate_timeout_ms", 100.0)):
+                             ("peer_locate_timeout_ms", 100.0), ("peer_pull_min_blocks", 4.0)):
             value = extra.get(key, default)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ValueError(f"kv_connector_extra_config.{key} must be a number >= 0, got {value!r}")

@@ -330,7 +330,7 @@ class KVRouteTierConnector(KVConnectorBase_V1):
         keys = self._keys(st, n_max)
         n = len(self.planner.lookup(keys[start:n_max]))
         peer, m = None, 0
-        if self.peer_pull and start + n < n_max:
+        if self.peer_pull and n_max - (start + n) >= max(1, self.settings.peer_pull_min_blocks):
             peer, m = self._locate(st, start + n, n_max)
         self._pending_load[request.request_id] = (start, n, peer, m)
         return (n + m) * bs, False
