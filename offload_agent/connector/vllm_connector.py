@@ -35,6 +35,21 @@ What it does, per engine step (vLLM 0.32 connector API):
   own KV event stream after the step's GPU events. Consumers map the hash through the GPU event
   that preceded it.
 
+With the worker's offload agent on ``agent_socket`` (:mod:`offload_agent.agent_link`; both sides
+say hello at start, waiting up to ``agent_wait_s``; without an answer, local tiers as above):
+
+- the CPU slab is the agent's shared memory file (:mod:`offload_agent.tiers.shm_slab`), each
+  slot written between ``begin_write`` and ``end_write`` so the agent can serve it to peers; the
+  SSD folder is the agent's; the planner starts with the blocks the file still holds;
+- peer pull: when the local tiers end before the prompt's creditable blocks (at least
+  ``peer_pull_min_blocks`` short), the scheduler side asks the agent (``locate``, at most
+  ``peer_locate_timeout_ms``) which peer holds the next blocks, and offers them to vLLM as
+  external tokens (source ``p2p``); the worker side's ``load_peer`` op asks the agent to pull them
+  (``pull``, deadline ``peer_pull_deadline_ms``), copies what came (each block verified by the
+  agent) into vLLM's blocks and reports the rest failed, so vLLM recomputes it. Pulled blocks are
+  then saved to the CPU tier like computed ones. The pull runs synchronously in the step, as the
+  local loads do.
+
 Requests with a LoRA adapter, multimodal inputs or prompt embeddings are neither saved nor loaded
 (their KV depends on more than the tokens). Models with more than one KV cache group (hybrid
 attention) disable the connector with a warning.
