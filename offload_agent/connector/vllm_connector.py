@@ -262,7 +262,8 @@ class KVRouteTierConnector(KVConnectorBase_V1):
         self.planner = TierPlanner(self.num_slots, self.ssd_slots)
         self._fp_digest = self.fingerprint.digest()
         self._reqs: dict[str, _ReqState] = {}
-        self._pending_load: dict[str, tuple[int, int]] = {}
+        self._pending_load: dict[str, tuple[int, int, str | None, int]] = {}
+        self._locate_ms: dict[str, float] = {}  # request -> how long its peer lookup took
         self._hit_tiers: dict[str, list[str]] = {}
         self._pre_ops: list = []
         self.stats: Counter = Counter()
@@ -356,6 +357,7 @@ class KVRouteTierConnector(KVConnectorBase_V1):
         if st.located is not None and st.located[:2] == (first, upto):
             return st.located[2], st.located[3]
         tokens = array.array("I", (st.request.prompt_token_ids or [])[:upto * self.layout.block_size])
+        t0 = time.monotonic()
         try:
             answer = self.agent.call({"op": "locate", "start_block": first, "max_blocks": upto - first,
                                       "cache_salt": getattr(st.request, "cache_salt", None)},
@@ -369,6 +371,7 @@ class KVRouteTierConnector(KVConnectorBase_V1):
             logger.debug("kvroute tiers: locate failed: %s", exc)
             peer, m = None, 0
         m = max(0, min(m, upto - first))
+        self._locate_ms[st.request.request_id] = (time.monotonic() - t0) * 1000
         st.located = (first, upto, peer, m)
         return (peer, m) if m else (None, 0)
 
@@ -395,9 +398,11 @@ class KVRouteTierConnector(KVConnectorBase_V1):
         st.saved_upto = max(st.saved_upto, start + n_local)
         by = Counter(tiers)
         self.stats.update({f"loaded_blocks_{t}": c for t, c in by.items()})
+        located_ms = self._locate_ms.pop(request.request_id, None)
         logger.info("kvroute tiers: request %s: %d tokens from the tiers (blocks: cpu %d, ssd %d, peer %d%s, "
-                    "gone %d) after %d on GPU", request.request_id, n_ext * bs, by[CPU], by[SSD], by[PEER],
-                    f" from {peer}" if by[PEER] else "", by["miss"], start * bs)
+                    "gone %d) after %d on GPU%s", request.request_id, n_ext * bs, by[CPU], by[SSD], by[PEER],
+                    f" from {peer}" if by[PEER] else "", by["miss"], start * bs,
+                    "" if located_ms is None else f"; peer located in {located_ms:.1f} ms")
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
         tiers = self._hit_tiers.pop(request.request_id, None)
@@ -455,6 +460,7 @@ class KVRouteTierConnector(KVConnectorBase_V1):
         self._reqs.pop(request.request_id, None)
         self._pending_load.pop(request.request_id, None)
         self._hit_tiers.pop(request.request_id, None)
+        self._locate_ms.pop(request.request_id, None)
         return False, None
 
     def take_events(self):
