@@ -232,6 +232,9 @@ class TierService:
                     answer, out = await self._answer(header, payload)
                 except (ValueError, KeyError, TypeError) as exc:
                     answer, out = {"ok": False, "error": f"bad {header.get('op')!r} request: {exc}"}, None
+                except OSError as exc:  # e.g. the CPU tier file cannot be made (/dev/shm full)
+                    log.error("%s request failed: %s", header.get("op"), exc)
+                    answer, out = {"ok": False, "error": f"{header.get('op')!r} failed: {exc}"}, None
                 for piece in encode_frame(answer, out):
                     writer.write(piece)
                 await writer.drain()

@@ -167,3 +167,19 @@ def test_connector_settings_for_the_agent(tmp_path: Path) -> None:
                 {"agent_socket": 5}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             TierSettings.from_extra({"cpu_tier_bytes": 1, **bad})
+
+
+def test_hello_fails_cleanly_when_the_tier_file_cannot_be_made(tmp_path: Path, redis_url: str) -> None:
+    async def main():
+        idx = RedisIndex(redis_url, namespace=f"t{uuid.uuid4().hex[:8]}", socket_timeout_s=5)
+        svc = TierService("a", "tiny", BS, tmp_path / "a.sock", tmp_path / "missing" / "dir" / "a.shm",
+                          64 * BLOCK_BYTES, idx)
+        await svc.start()
+        try:
+            answer = await asyncio.to_thread(hello, AgentLink(str(tmp_path / "a.sock")))
+            assert answer["ok"] is False and "hello" in answer["error"] and "No such file" in answer["error"]
+            assert svc.shm is None      # the connector keeps asking, then runs local tiers
+        finally:
+            await svc.stop()
+            await idx.close()
+    asyncio.run(main())
