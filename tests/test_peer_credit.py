@@ -33,9 +33,6 @@ from router.routing import PolicyHolder, Router
 from router.tokenize import TokenizerPool
 from test_gateway_e2e import running_two_sim_gateway
 
-# the peer-credit scenarios below are priced with the recompute charge at 1 (the default is 3,
-# which charges the share of a pull not credited three times and so needs a busier holder)
-TTFT = {"name": "ttft", "recompute_weight": 1.0}
 BS = 32
 PROMPT = 40 * BS + 1  # 40 creditable blocks
 FP = "ab12cd34"  # the KV layout's fingerprint: blocks move only between equal ones
@@ -175,7 +172,7 @@ def test_kv_aware_peer_weight_fixed_by_config():
 
 
 def test_ttft_prediction_includes_the_pull_and_the_puller_wins():
-    policy = make_policy(TTFT)
+    policy = make_policy({"name": "ttft"})
     d = policy.choose(REQ, _candidates(FAST))
     s = _scores(d)
     # v: 25 + 0.1 x (1000 queued + 1 own) = 125.1 ms
@@ -200,15 +197,15 @@ def test_ttft_prediction_includes_the_pull_and_the_puller_wins():
 
 def test_ttft_prior_link_until_measured_and_its_config_key():
     fresh = {**FAST, "link_bytes_per_s": None, "pull_overhead_ms": None}
-    d = make_policy(TTFT).choose(REQ, _candidates(fresh))
+    d = make_policy({"name": "ttft"}).choose(REQ, _candidates(fresh))
     s = _scores(d)["w"]
     # 10 Gbit/s: 0.8 ms a block, + 1 ms per pull
     assert s.peer_credit_source == "prior" and s.peer_credit == pytest.approx(1 - 0.825 / 3.2)
     assert s.predicted_ttft_ms == pytest.approx(25.1 + 40 * 0.8 + 1.0)
-    slow = make_policy({**TTFT, "peer_link_gbit_s": 1, "peer_pull_overhead_ms": 5})
+    slow = make_policy({"name": "ttft", "peer_link_gbit_s": 1, "peer_pull_overhead_ms": 5})
     s = _scores(slow.choose(REQ, _candidates(fresh)))["w"]
     assert s.peer_credit_source == "prior" and s.peer_credit == 0.0  # 8 ms a block of 3.2 ms
-    fixed = make_policy({**TTFT, "tier_credit": {"peer": 1.0}})
+    fixed = make_policy({"name": "ttft", "tier_credit": {"peer": 1.0}})
     s = _scores(fixed.choose(REQ, _candidates(fresh)))["w"]
     assert (s.peer_credit, s.peer_credit_source, s.predicted_ttft_ms) == (1.0, "config", pytest.approx(25.1))
 
@@ -300,7 +297,7 @@ async def rig(tiny_model):
     metrics = GatewayMetrics(registry.all)
     peers = PeerTable()
     metrics.watch_peer_links(peers.current)
-    router = Router([model], pool, index, registry, PolicyHolder(TTFT), metrics, RoutingConfig(), peers)
+    router = Router([model], pool, index, registry, PolicyHolder({"name": "ttft"}), metrics, RoutingConfig(), peers)
     yield router, registry, index, peers
     pool.close()
 

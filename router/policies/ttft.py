@@ -56,13 +56,7 @@ counts that work only in this request's own wait, yet every request queued behin
 worker waits for it too, and a second copy of a prefix evicts others. On the 8-worker Mooncake
 sim rig without it (a multiplicative margin of 1.3 alone), 22 of the 43 follow-up turns went
 away from the worker holding their history and 21 of those missed; sglang's cache-aware router
-kept all 43 at home. Defaults: ``spread_margin`` 1.0, ``recompute_weight`` 3.0 (the prefix is
-charged three times more: the other requests it delays, and the hits a second copy costs later).
-On the same rig under KV pressure (2 gateway processes, 1 run each, paired with the peers),
-weight 1 / 2 / 3 / 5 / 10 gave hit rates 0.080 / 0.087 / 0.093 and 0.095 / 0.094 / 0.093 (sglang
-0.097, 0.102) at TTFT p50 905 / 866 / 908 and 900 / 901 / 910 ms, p90 3203 / 3233 / 3083 and 3368 /
-3274 / 3204 ms: more hits from 3 on at the same TTFT; with a roomy cache weight 3 kept p99 8590 ms
-(round robin 21641) at hit rate 0.115 (weight 1: 0.112).
+kept all 43 at home. Defaults: ``spread_margin`` 1.0, ``recompute_weight`` 1.0.
 
 Ties (within 1e-9 ms) go to more prefix credit (no second copy of a prefix for nothing), then to
 less queued work; remaining ties in worker-id order, ``request.rand`` picking one. This is also
@@ -94,7 +88,7 @@ from router.ttft_model import DEFAULT_PREFILL_MS_PER_TOKEN, PrefillRate, work_to
 DEFAULT_PREFILL_OVERHEAD_MS = 25.0
 DEFAULT_ENGINE_WAITING_PREFILL_TOKENS = 1024.0
 DEFAULT_SPREAD_MARGIN = 1.0
-DEFAULT_RECOMPUTE_WEIGHT = 3.0
+DEFAULT_RECOMPUTE_WEIGHT = 1.0
 POOL_SAMPLES = 64  # a worker's own line weighs samples / (samples + 64) against the pooled one
 
 
