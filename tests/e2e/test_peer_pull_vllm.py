@@ -8,11 +8,13 @@ by this test in front of its real port, so the test can corrupt one byte of a tr
 gateway (Redis index, the default policy) sees both workers; A computes each prompt (sent to its
 own URL), then the admin API drains A so the gateway must send the prompt to B.
 
-1. A computes a long prompt; its blocks reach A's CPU tier (the index says so); the gateway's
-   explain credits B with peer blocks from A;
-2. the prompt sent to B (A drained; B's first request, whose forward pass computes only the last
-   4 tokens: the case that made vLLM's CPU attention die with SIGILL before the connector asked
-   for AMX state): B pulls it from A: vLLM reports the tokens cached (source
+Each test has its own prompts, so any one runs alone (``-k``) or in any order:
+
+1. A computes a long prompt; its blocks reach A's CPU tier (the index says so); with A drained,
+   the gateway's explain sends it to B, credited with peer blocks from A;
+2. the prompt sent to B (A drained; in file order B's first request, whose forward pass computes
+   only the last 4 tokens: the case that made vLLM's CPU attention die with SIGILL before the
+   connector asked for AMX state): B pulls it from A: vLLM reports the tokens cached (source
    ``p2p``), the greedy tokens and logprobs are identical to A's computation, the pulled blocks
    are B's own afterwards (B's CPU tier in the index; a second request hits B's GPU cache);
 3. a transfer corrupted on the wire is detected (checksum), B recomputes (identical output) and
@@ -129,7 +131,7 @@ class Forwarder:
 class Pair:
     def __init__(self, urls: dict[str, str], gateway: str, procs: dict[str, Proc], forwarder: Forwarder) -> None:
         self.urls, self.gateway, self.procs, self.forwarder = urls, gateway, procs, forwarder
-        self.first: dict[int, dict] = {}
+        self.first: dict[tuple[int, ...], dict] = {}  # prompt -> A's completion of it
 
     def complete(self, tokens: list[int], worker: str | None = None) -> tuple[dict, str]:
         """Sent to ``worker``'s own URL, or through the gateway; returns the body and the worker."""
@@ -148,6 +150,7 @@ class Pair:
         return cached_by_source(self.urls[worker])
 
     def log(self, name: str) -> str:
+        """The current process's log for ``name`` (a worker, its agent, the gateway)."""
         return self.procs[name].log_path.read_text(errors="replace")
 
 
@@ -205,10 +208,13 @@ def pair(tmp_path_factory, redis_url):
         wait_http(gateway + "/health", procs["gateway"])
         p = Pair(urls, gateway, procs, forwarder)
 
-        def restart(wid: str) -> None:  # the same server again: same ports, same agent
+        def restart(wid: str) -> Proc:  # the same server again: same ports, same agent
+            n = sum(1 for name in procs if name.startswith(f"{wid}-")) + 1
             procs[wid].stop()
-            procs[f"{wid}-restarted"] = Proc(f"{wid}-restarted", *starts[wid][:1], log_dir, env=starts[wid][1])
-            wait_http(urls[wid] + "/health", procs[f"{wid}-restarted"], timeout_s=480)
+            proc = procs[wid] = Proc(f"{wid}-{n}", *starts[wid][:1], log_dir, env=starts[wid][1])
+            procs[f"{wid}-{n}"] = proc
+            wait_http(urls[wid] + "/health", proc, timeout_s=480)
+            return proc
         p.restart = restart
 
         def both_serving():
@@ -223,29 +229,41 @@ def pair(tmp_path_factory, redis_url):
             forwarder.close()
 
 
-P1, P2 = _tokens(1), _tokens(2)
+P0, P1, P2, P3 = _tokens(0), _tokens(1), _tokens(2), _tokens(3)  # one prompt per test: any order works
 
 
-def test_a_computes_and_the_router_credits_b_with_peer_blocks(pair):
-    body, worker = pair.complete(P1, "a")
-    assert worker == "a" and _cached(body) == 0
-    pair.first[1] = body
-    # A's connector saved every prompt block to its CPU tier; its agent's events put them in the index
-    assert wait_until(lambda: pair.admin("/admin/index")["workers"]["a"]["blocks"]["cpu"] >= N), pair.admin("/admin/index")
+def _a_computes(pair: Pair, tokens: list[int]) -> dict:
+    """``tokens`` computed on A (its own URL), once, and in the index as A's (its connector saves
+    every prompt block to its CPU tier in the step that computes it); then A drained, so the
+    gateway must send the prompt to B. Returns A's completion."""
+    key = tuple(tokens)
+    if key not in pair.first:
+        before = pair.admin("/admin/index")["workers"]["a"]["blocks"]["cpu"]
+        body, _ = pair.complete(tokens, "a")
+        assert _cached(body) == 0
+        assert wait_until(lambda: pair.admin("/admin/index")["workers"]["a"]["blocks"]["cpu"] >= before + N)
+        pair.first[key] = body
     assert pair.admin("/admin/workers/a/drain", {})["draining"] is True
-    explain = pair.admin("/admin/explain", {"model": "tiny", "prompt": P1, "max_tokens": 1})
-    assert explain["chosen"] == "b"
+    return pair.first[key]
+
+
+def test_the_router_credits_b_with_the_blocks_a_can_serve(pair):
+    _a_computes(pair, P0)
+    explain = pair.admin("/admin/explain", {"model": "tiny", "prompt": P0, "max_tokens": 1})
+    assert (explain["chosen"], explain["reason"]) == ("b", "peer_pull")
     b = next(c for c in explain["candidates"] if c["worker"] == "b")
-    assert b["matched_blocks"]["gpu"] == 0 and b["peer_blocks"] == N and b["peer_worker"] == "a"
-    assert 0 < b["peer_credit"] <= 1
+    assert b["matched_blocks"] == {"gpu": 0, "cpu": 0, "ssd": 0}
+    assert (b["peer_blocks"], b["peer_worker"]) == (N, "a") and 0 < b["peer_credit"] <= 1
+    assert explain["predicted_cached_tokens"] == N * BLOCK     # vLLM reports pulled tokens as cached
 
 
 def test_b_pulls_the_prefix_from_a_with_identical_output(pair):
+    first = _a_computes(pair, P1)
     before = pair.cached_by_source("b").get("p2p", 0.0)
     body, worker = pair.complete(P1)                   # A is drained: the gateway picks B
     assert worker == "b"
     assert _cached(body) == N * BLOCK
-    same_output(pair.first[1], body)
+    same_output(first, body)
     assert pair.cached_by_source("b").get("p2p", 0.0) - before == N * BLOCK
     assert f"pulled {N} of {N} blocks from a" in pair.log("b")
     # the pulled blocks are B's own now: announced in its CPU tier, and B's GPU cache hits them
@@ -253,13 +271,11 @@ def test_b_pulls_the_prefix_from_a_with_identical_output(pair):
     again, worker = pair.complete(P1)
     assert worker == "b" and _cached(again) == N * BLOCK
     assert pair.cached_by_source("b").get("p2p", 0.0) - before == N * BLOCK   # no second pull
-    same_output(pair.first[1], again)
+    same_output(first, again)
 
 
 def test_a_corrupted_transfer_is_detected_and_recomputed(pair):
-    first, worker = pair.complete(P2, "a")
-    assert worker == "a"
-    assert wait_until(lambda: pair.admin("/admin/index")["workers"]["a"]["blocks"]["cpu"] >= 2 * N)
+    first = _a_computes(pair, P2)
     pair.forwarder.corrupt_next()
     before = pair.cached_by_source("b").get("p2p", 0.0)
     body, worker = pair.complete(P2)
@@ -275,13 +291,19 @@ def test_a_corrupted_transfer_is_detected_and_recomputed(pair):
 
 def test_b_keeps_its_cpu_tier_across_a_vllm_restart(pair):
     """The agent owns the CPU tier: a restarted vLLM maps the agent's file again and takes back
-    the blocks it held (P1's, pulled from A and saved), so P1 is a CPU-tier hit on a fresh engine."""
-    pair.restart("b")
-    log = pair.log("b-restarted")
+    the blocks it held (P3's, pulled from A and saved), so P3 is a CPU-tier hit on a fresh engine."""
+    first = _a_computes(pair, P3)
+    _, worker = pair.complete(P3)
+    assert worker == "b"
+    assert wait_until(lambda: pair.admin("/admin/index")["workers"]["b"]["blocks"]["cpu"] >= N)
+    restarted = pair.restart("b")
+    log = restarted.log_path.read_text(errors="replace")
     kept = int(re.search(r"CPU tier \d+ blocks of \d+ bytes \(\d+ bytes, (\d+) kept from before\)", log).group(1))
-    assert kept >= N                                 # at least P1's blocks, pulled from A and saved
-    body, worker = pair.complete(P1, "b")
+    assert kept >= N                                 # at least P3's blocks, pulled from A and saved
+    before = pair.cached_by_source("b").get("host", 0.0)
+    body, worker = pair.complete(P3, "b")
     assert _cached(body) == N * BLOCK
-    same_output(pair.first[1], body)
-    assert pair.cached_by_source("b").get("host", 0.0) == N * BLOCK   # from B's own CPU tier
-    assert "peer 0" in pair.log("b-restarted") and "pulled" not in pair.log("b-restarted")
+    same_output(first, body)
+    assert pair.cached_by_source("b").get("host", 0.0) - before == N * BLOCK   # from B's own CPU tier
+    log = restarted.log_path.read_text(errors="replace")
+    assert "peer 0" in log and "pulled" not in log
