@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
-import shutil
 import socket
 import sys
 import threading
@@ -38,7 +36,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from e2e.tier_checks import cached_by_source, same_output, wait_until
+from e2e.conftest import vllm_python
+from e2e.tier_checks import cached_by_source, random_tokens, same_output, wait_until
 from conftest import ADMIN_TOKEN, Proc, free_ports, kvroute_argv, wait_http
 from offload_agent.connector.config import kv_transfer_config, vllm_env
 
@@ -56,16 +55,8 @@ AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 SECRET = "peer-secret-for-the-e2e-test"
 
 
-def _vllm_python() -> str:
-    py = os.environ.get("KVR_VLLM_PYTHON", "")
-    if not py or shutil.which(py) is None:
-        pytest.fail("KVR_VLLM_PYTHON must name an interpreter with vLLM installed")
-    return py
-
-
 def _tokens(seed: int, n: int = PROMPT_TOKENS) -> list[int]:
-    rnd = random.Random(seed)
-    return [10 + rnd.randrange(480) for _ in range(n)]
+    return random_tokens(seed, n)
 
 
 class Forwarder:
@@ -160,7 +151,7 @@ def _cached(body: dict) -> int:
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory, redis_url):
-    py = _vllm_python()
+    py = vllm_python()
     model = ensure_model("tiny", py)
     log_dir = tmp_path_factory.mktemp("peer")
     procs: dict[str, Proc] = {}

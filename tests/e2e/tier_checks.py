@@ -2,6 +2,7 @@
 condition, comparing two greedy completions with logprobs, and vLLM's cached tokens by source."""
 from __future__ import annotations
 
+import random
 import time
 
 import httpx
@@ -37,3 +38,9 @@ def cached_by_source(vllm_url: str) -> dict[str, float]:
             if s.name == "vllm:prompt_tokens_cached_by_source_total":
                 out[s.labels["source"]] = out.get(s.labels["source"], 0.0) + s.value
     return out
+
+
+def random_tokens(seed: int, n: int) -> list[int]:
+    """``n`` token ids in 10..489 (inside the tiny model's vocabulary), the same for a seed."""
+    rnd = random.Random(seed)
+    return [10 + rnd.randrange(480) for _ in range(n)]
