@@ -183,3 +183,37 @@ def test_hello_fails_cleanly_when_the_tier_file_cannot_be_made(tmp_path: Path, r
             await svc.stop()
             await idx.close()
     asyncio.run(main())
+
+
+def test_the_served_map_follows_slot_rewrites(tmp_path: Path) -> None:
+    from offload_agent.tier_service import SlabSource
+
+    owner = ShmSlab.create(tmp_path / "t.shm", FP.digest(), BLOCK_BYTES, 8)
+    writer = ShmSlab.attach(tmp_path / "t.shm")
+    source = SlabSource(owner, None)
+    out = memoryview(bytearray(BLOCK_BYTES))
+    k = [bytes([i]) * 16 for i in range(1, 6)]
+
+    def put(slot: int, key: bytes | None, data: bytes = b"") -> None:
+        writer.begin_write(slot)
+        if data:
+            writer.slot_view(slot)[:] = data
+        writer.end_write(slot, key)
+
+    put(2, k[0], payload(0))
+    put(5, k[1], payload(1))
+    assert source.read_block(k[0], out) and bytes(out) == payload(0)
+    assert source.read_block(k[1], out) and bytes(out) == payload(1)
+    put(2, k[2], payload(2))                     # slot 2 now holds another block
+    assert not source.read_block(k[0], out)      # the old key is gone from the map
+    assert source.read_block(k[2], out) and bytes(out) == payload(2)
+    put(5, None)                                 # emptied
+    assert not source.read_block(k[1], out)
+    writer.begin_write(7)                        # mid-write: not served until finished
+    writer.slot_view(7)[:] = payload(3)
+    assert not source.read_block(k[3], out)
+    writer.end_write(7, k[3])
+    assert source.read_block(k[3], out) and bytes(out) == payload(3)
+    assert source._slots == {k[2]: 2, k[3]: 7}
+    writer.close()
+    owner.close()

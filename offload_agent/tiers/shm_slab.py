@@ -223,13 +223,18 @@ class ShmSlab:
     def stable_slots(self) -> list[tuple[int, bytes]]:
         """``(slot, key)`` of every slot holding a block, in slot order."""
         out = []
-        table = bytes(self._mm[self._table_at:self._table_at + self.num_slots * ROW_BYTES])
+        table = self.table_bytes()
         for slot in range(self.num_slots):
             at = slot * ROW_BYTES
             key = table[at:at + KEY_BYTES]
             if key != _ZERO_KEY and not _SEQ.unpack_from(table, at + KEY_BYTES)[0] & 1:
                 out.append((slot, key))
         return out
+
+    def table_bytes(self) -> bytes:
+        """A copy of the whole slot table (``num_slots x 32`` bytes, rows as in the module
+        docstring), for a reader that diffs it against its last copy."""
+        return bytes(self._mm[self._table_at:self._table_at + self.num_slots * ROW_BYTES])
 
     def read_consistent(self, slot: int, key: bytes, out) -> bool:
         """Copy ``slot`` into ``out`` (``block_bytes``, writable) if it holds ``key`` and was not
