@@ -282,7 +282,9 @@ async def test_redis_losing_its_data_drops_the_copy_and_resyncs(env):
         except IndexUnavailable:  # while the copy is reloaded
             return False
     await until(reloaded, what="mirror reloaded after Redis lost its data")
-    assert m.gaps >= 1 and m.resyncs >= 2
+    # the loss is seen by whichever comes first: the restarted change log (a gap) or the periodic
+    # count check against Redis (a mismatch); both resync (failed once in CI seen as a mismatch)
+    assert m.resyncs >= 2 and m.gaps + m.verify_mismatches >= 1
 
 
 async def test_clear_and_purge_propagate(env):
