@@ -53,6 +53,15 @@ def encode_frame(header: dict[str, Any], payload: bytes | memoryview | None = No
     return pieces
 
 
+def header_length(prefix: bytes) -> int:
+    """The header length a frame's 4-byte prefix announces; AgentLinkError beyond
+    :data:`MAX_HEADER_BYTES`."""
+    n = _LEN.unpack(prefix)[0]
+    if n > MAX_HEADER_BYTES:
+        raise AgentLinkError(f"header of {n} bytes")
+    return n
+
+
 def decode_header(raw: bytes) -> dict[str, Any]:
     """Parse a header; AgentLinkError unless it is a JSON object with a sane ``payload_bytes``."""
     try:
@@ -117,30 +126,33 @@ class AgentLink:
         connection is then closed: a late answer can never be taken for the next request's)."""
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         try:
-            for attempt in range(2):
-                fresh = self._sock is None
-                sock = self._connect()
-                try:
-                    if fresh and self._hello is not None and header.get("op") != "hello":
-                        again = self._exchange(sock, self._hello, None, deadline, None)
-                        if not again.get("ok"):
-                            raise AgentLinkError(f"hello after reconnecting refused: {again.get('error')}")
-                    answer = self._exchange(sock, header, payload, deadline, into)
-                except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, EOFError):
-                    if fresh or attempt:
-                        raise
-                    self.close()  # a kept connection the agent closed (it restarted): once more, fresh
-                    continue
-                if header.get("op") == "hello" and answer.get("ok"):
-                    self._hello = header
-                return answer
-            raise AgentLinkError("unreachable")
+            kept = self._sock is not None
+            try:
+                answer = self._request(header, payload, deadline, into)
+            except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, EOFError):
+                if not kept:
+                    raise
+                self.close()  # a kept connection the agent closed (it restarted): once more, fresh
+                answer = self._request(header, payload, deadline, into)
+            if header.get("op") == "hello" and answer.get("ok"):
+                self._hello = header
+            return answer
         except AgentLinkError:
             self.close()
             raise
         except (OSError, ValueError, EOFError) as exc:
             self.close()
             raise AgentLinkError(f"agent socket {self.path}: {exc or type(exc).__name__}") from exc
+
+    def _request(self, header: dict[str, Any], payload, deadline: float, into: memoryview | None) -> dict[str, Any]:
+        """One request on the current connection; a new connection starts with the kept hello."""
+        fresh = self._sock is None
+        sock = self._connect()
+        if fresh and self._hello is not None and header.get("op") != "hello":
+            again = self._exchange(sock, self._hello, None, deadline, None)
+            if not again.get("ok"):
+                raise AgentLinkError(f"hello after reconnecting refused: {again.get('error')}")
+        return self._exchange(sock, header, payload, deadline, into)
 
     def _exchange(self, sock: socket.socket, header: dict[str, Any], payload, deadline: float,
                   into: memoryview | None) -> dict[str, Any]:
@@ -149,10 +161,7 @@ class AgentLink:
             sock.sendall(piece)
         head = bytearray(4)
         self._recv_exact(sock, memoryview(head), deadline)
-        n = _LEN.unpack(head)[0]
-        if n > MAX_HEADER_BYTES:
-            raise AgentLinkError(f"answer header of {n} bytes")
-        raw = bytearray(n)
+        raw = bytearray(header_length(bytes(head)))
         self._recv_exact(sock, memoryview(raw), deadline)
         answer = decode_header(bytes(raw))
         size = answer.get("payload_bytes", 0)

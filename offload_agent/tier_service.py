@@ -38,7 +38,7 @@ import numpy as np
 from kvcore.block_keys import BlockExtras, block_keys
 from kvcore.index.base import KVIndex, SupportsWorkerStates
 from kvcore.index.errors import IndexUnavailable
-from offload_agent.agent_link import MAX_HEADER_BYTES, AgentLinkError, decode_header, encode_frame
+from offload_agent.agent_link import AgentLinkError, decode_header, encode_frame, header_length
 from offload_agent.peer.client import PeerClient
 from offload_agent.peer.server import PeerServer
 from offload_agent.tiers.keys import KEY_BYTES
@@ -49,7 +49,6 @@ log = logging.getLogger("kvroute.agent.tiers")
 MAX_PROMPT_TOKENS = 4 << 20
 MAX_PULL_KEYS = 1 << 16
 PEERS_TTL_S = 1.0
-_LEN = struct.Struct(">I")
 _ROW = np.dtype([("key", "V16"), ("seq", "<u8"), ("pad", "<u8")])  # a slot table row (shm_slab)
 _ZERO_KEY = bytes(KEY_BYTES)
 
@@ -244,10 +243,7 @@ class TierService:
                     head = await reader.readexactly(4)
                 except asyncio.IncompleteReadError:
                     return
-                n = _LEN.unpack(head)[0]
-                if n > MAX_HEADER_BYTES:
-                    raise AgentLinkError(f"header of {n} bytes")
-                header = decode_header(await reader.readexactly(n))
+                header = decode_header(await reader.readexactly(header_length(head)))
                 size = header.get("payload_bytes", 0)
                 if size > max(4 * MAX_PROMPT_TOKENS, KEY_BYTES * MAX_PULL_KEYS):
                     raise AgentLinkError(f"payload of {size} bytes")
