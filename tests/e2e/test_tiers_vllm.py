@@ -26,8 +26,8 @@ import httpx
 import pytest
 
 from e2e.conftest import vllm_python
-from e2e.tier_checks import cached_by_source, random_tokens, same_output, wait_until
-from conftest import ADMIN_TOKEN, Proc, free_ports, kvroute_argv, wait_http
+from e2e.tier_checks import cached_by_source, random_tokens, same_output
+from conftest import ADMIN_TOKEN, Proc, free_ports, kvroute_argv, wait_http, wait_until
 from offload_agent.connector.config import kv_transfer_config, vllm_env
 from offload_agent.tiers import HEADER_BYTES, TierFingerprint, tier_block_keys, tier_root
 from offload_agent.tiers.ssd_file import block_path

@@ -1,23 +1,11 @@
-"""Shared by the tier tests on real vLLM (test_tiers_vllm.py, test_peer_pull_vllm.py): waiting on a
-condition, comparing two greedy completions with logprobs, and vLLM's cached tokens by source."""
+"""Shared by the tier tests on real vLLM (test_tiers_vllm.py, test_peer_pull_vllm.py): comparing two
+greedy completions with logprobs, vLLM's cached tokens by source, and prompts of random tokens."""
 from __future__ import annotations
 
 import random
-import time
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-
-
-def wait_until(cond, timeout_s: float = 20.0):
-    """Poll ``cond()`` every 0.2 s until it is truthy or ``timeout_s`` passed; its last value."""
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.2)
-    return cond()
 
 
 def same_output(a: dict, b: dict) -> None:
