@@ -2,7 +2,7 @@
 
 | method path | answer |
 |---|---|
-| GET /admin/workers | ``{"workers": [worker entry + {"blocks": {gpu, cpu, ssd}, "speculative_blocks", "peer"}]}`` (``peer``: the worker's peer-pull state as routing uses it, :class:`router.peer_pull.PeerInfo`: ``serve``, ``pull``, ``block_bytes``, ``block_size``, ``link_bytes_per_s``, ``pull_overhead_ms``, ``pulls``, ``pulled_blocks``, ``failed_pulls``; null when its agent publishes none) |
+| GET /admin/workers | ``{"workers": [worker entry + {"blocks": {gpu, cpu, ssd}, "speculative_blocks", "peer"}], "models": {model: {"prefill_rate"}}}`` (``models``: each base model's TTFT line learned from all of its workers, the entry's ``prefill_rate`` shape; ``peer``: the worker's peer-pull state as routing uses it, :class:`router.peer_pull.PeerInfo`: ``serve``, ``pull``, ``block_bytes``, ``block_size``, ``link_bytes_per_s``, ``pull_overhead_ms``, ``pulls``, ``pulled_blocks``, ``failed_pulls``; null when its agent publishes none) |
 | POST /admin/workers | body: a config worker ``{id?, url, model, events?, replay?}`` -> 201 the entry; 400 bad, 409 id taken |
 | DELETE /admin/workers/{id} | 200 ``{"removed": id}``; index entries purged, in-flight requests finish; 404 unknown |
 | POST /admin/workers/{id}/drain[?wait_s=S] | 200 the entry (``draining: true``; ``drained: true`` once its in-flight count is 0; with ``wait_s`` the answer waits up to S s for that); 404 unknown |
@@ -106,7 +106,9 @@ def make_admin_router(gateway: Gateway) -> APIRouter:
             peer = gateway.peers.get(reg.id)
             entry["peer"] = peer.as_dict() if peer is not None else None
             out.append(entry)
-        return _json({"workers": out})
+        models = {m: {"prefill_rate": gateway.registry.model_rate(m).state()}
+                  for m in sorted({reg.model for reg in gateway.registry.all()})}
+        return _json({"workers": out, "models": models})
 
     async def to_siblings(request: Request, method: str, path: str, body: Any = None) -> None:
         """Send a change this process applied to the other gateway processes (not when it came

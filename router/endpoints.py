@@ -245,7 +245,8 @@ class ProxyEndpoint:
 
 def record_first_token(gw: Gateway, plan: RoutePlan, handle: InFlight, logged: DecisionEntry | None = None) -> None:
     """A streamed request's first token: its TTFT against the policy's prediction (metrics), and
-    against the work it met, which teaches the worker's prefill rate. The work is the figure the
+    against the work it met, which teaches the worker's prefill rate (and its model's, learned
+    from all of its workers). The work is the figure the
     policy predicted with for that worker (the same terms, so the learned rate is the one the
     prediction needs); a policy that predicts no TTFT leaves the gateway's own figures (queue at
     dispatch, predicted uncached prompt, decodes). Learned at the first token rather than at the
@@ -266,6 +267,7 @@ def record_first_token(gw: Gateway, plan: RoutePlan, handle: InFlight, logged: D
         if work is None:
             work = work_tokens(handle.queued_tokens, plan.uncached_tokens(reg.id), handle.decoding)
         reg.prefill_rate.observe(work, handle.ttft_ms)
+        gw.registry.model_rate(reg.model).observe(work, handle.ttft_ms)
     except Exception:  # a bookkeeping bug must never break a response
         log.exception("TTFT bookkeeping failed for worker %s", handle.reg.id)
 

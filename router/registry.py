@@ -251,17 +251,9 @@ class WorkerRegistration:
             "last_probe_error": self.last_probe_error,
             "kv_events": self.event_state(),
             "events_live": self.events_live, "events_problem": self.events_problem,
-            "prefill_rate": _rate(self.prefill_rate),
+            "prefill_rate": self.prefill_rate.state(),
             "evidence": self.evidence.state(),
         }
-
-
-def _rate(estimator: PrefillRateEstimator) -> dict[str, Any]:
-    learned = estimator.learned
-    out: dict[str, Any] = {"learned": learned is not None, "observed": estimator.observed}
-    if learned is not None:
-        out.update(learned.as_dict())
-    return out
 
 
 def _finite_ms(ms: float) -> float | None:
@@ -340,6 +332,7 @@ class WorkerRegistry:
         self._workers: dict[str, WorkerRegistration] = {}
         self._factories: list[TaskFactory] = list(task_factories or [])
         self.shared_load = shared_load
+        self._model_rates: dict[str, PrefillRateEstimator] = {}
 
     def add_task_factory(self, factory: TaskFactory) -> None:
         """Run ``factory`` for every worker added from now on and for those already present."""
@@ -373,6 +366,17 @@ class WorkerRegistry:
         await asyncio.gather(*reg.tasks, return_exceptions=True)
         reg.tasks.clear()
         return reg
+
+    def model_rate(self, model: str) -> PrefillRateEstimator:
+        """The TTFT line of base model ``model`` learned from every one of its workers' requests
+        (made on first use): the line a worker starts from until enough workers have their own
+        (:func:`router.policies.ttft.pooled_rate`). One estimator learns from all workers, so a
+        gateway knows its hardware after a handful of requests rather than after a handful per
+        worker."""
+        rate = self._model_rates.get(model)
+        if rate is None:
+            rate = self._model_rates[model] = PrefillRateEstimator()
+        return rate
 
     def get(self, worker_id: str) -> WorkerRegistration | None:
         """The current registration of ``worker_id``, or None."""

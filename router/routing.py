@@ -358,13 +358,16 @@ class Router:
 
     def _candidates(self, regs: list[WorkerRegistration], matches: dict[str, TierMatch],
                     request: RouteRequest) -> list[Candidate]:
-        """The policy's candidates: each routable worker's load, match, learned rate and evidence,
+        """The policy's candidates: each routable worker's load, match, learned rate (and the
+        model's, :meth:`~router.registry.WorkerRegistry.model_rate`) and evidence,
         and, when agents publish peer-pull states (:mod:`router.peer_pull`), its peer info and the
         blocks it can pull from a peer (capped by the prompt's creditable blocks,
         ``(prompt_tokens - 1) // block_size``; a worker registered here whose evidence is not
         credited is no peer)."""
+        model_rate = self.registry.model_rate(request.model).learned
         out = [Candidate(r.id, r.load(), matches.get(r.id) or TierMatch(), r.prefill_rate.learned,
-                         r.evidence_credited, r.evidence.credit_weight) for r in regs]
+                         r.evidence_credited, r.evidence.credit_weight, model_prefill_rate=model_rate)
+               for r in regs]
         peers = self.peers.current()
         if not peers or not matches or not request.prompt_tokens:
             return out

@@ -110,6 +110,14 @@ class PrefillRateEstimator:
         """The learned line, or ``prior`` until enough samples have been seen."""
         return self._fit if self._fit is not None else prior
 
+    def state(self) -> dict[str, Any]:
+        """``{"learned", "observed"}`` plus the learned line's :meth:`PrefillRate.as_dict` once
+        learned (the ``prefill_rate`` entries of ``GET /admin/workers``)."""
+        out: dict[str, Any] = {"learned": self._fit is not None, "observed": self.observed}
+        if self._fit is not None:
+            out.update(self._fit.as_dict())
+        return out
+
     @property
     def learned(self) -> PrefillRate | None:
         """The learned line, None before :data:`MIN_SAMPLES` distinct samples."""

@@ -73,6 +73,22 @@ def test_explain_predicts_ttft(ttft_cluster):
     assert out["predicted_ttft_ms"] == by_worker[out["chosen"]]["predicted_ttft_ms"]
 
 
+def test_the_models_line_is_learned_from_all_its_workers_before_each_has_its_own(ttft_cluster):
+    base, _, _ = ttft_cluster
+    assert admin(base, "GET", "/admin/workers").json()["models"]["tiny"]["prefill_rate"] == {
+        "learned": False, "observed": 0}
+    for i in range(8):  # 8 distinct sizes in all: too few for either worker's own line
+        stream_chat(base, chat(f"model-line-{i}", 30 + 40 * i))
+    state = admin(base, "GET", "/admin/workers").json()
+    assert all(not w["prefill_rate"]["learned"] for w in state["workers"])
+    line = state["models"]["tiny"]["prefill_rate"]
+    assert line["learned"] is True and line["observed"] == 8 and line["ms_per_token"] > 0
+    out = admin(base, "POST", "/admin/explain", chat("model-line-cold", 120)).json()
+    for c in out["candidates"]:  # idle and cold: the model's line, not the prior
+        assert c["predicted_ttft_ms"] == pytest.approx(
+            line["overhead_ms"] + line["ms_per_token"] * out["prompt_tokens"], abs=0.01 + 1e-6 * out["prompt_tokens"])
+
+
 def test_streamed_requests_teach_each_worker_its_prefill_rate(ttft_cluster):
     base, _, _ = ttft_cluster
     ratios0 = metric(base, "kvroute_ttft_prediction_ratio_count")

@@ -159,6 +159,24 @@ def test_one_noisy_fit_is_pulled_to_its_peers_and_new_workers_start_from_them():
     assert t["w2"] == pytest.approx((0.2 * 180 + 0.8 * 60) + (0.2 * 0.25 + 0.8 * 0.6) * 1000)
 
 
+def test_until_two_workers_have_lines_every_worker_starts_from_the_models():
+    policy = make_policy({"name": "ttft"})
+    model_line = PrefillRate(20.0, 0.5, 8)  # learned from all workers' requests together
+    cands = [cand("w0", rate=PrefillRate(10.0, 0.2, 64)), cand("w1")]
+    for c in cands:
+        c.model_prefill_rate = model_line
+    t = ttfts(policy.choose(req(1000), cands))
+    # w1 has no line: the model's, 20 + 0.5 x 1000; w0's own (64 samples) is shrunk halfway to it
+    assert t == pytest.approx({"w1": 520.0, "w0": 15.0 + 0.35 * 1000})
+    # two workers with lines: their median is the pooled line; the model's is no longer used
+    cands.append(cand("w2", rate=PrefillRate(30.0, 0.4, 64)))
+    cands[2].model_prefill_rate = model_line
+    t = ttfts(policy.choose(req(1000), cands))
+    assert t["w1"] == pytest.approx(20.0 + 0.3 * 1000)  # median of (10, 0.2) and (30, 0.4)
+    # nothing learned anywhere: the configured prior
+    assert ttfts(policy.choose(req(1000), [cand("w0"), cand("w1")]))["w1"] == pytest.approx(25 + 0.1 * 1000)
+
+
 def test_other_clients_requests_count_as_queue():
     policy = make_policy({"name": "ttft", "engine_waiting_prefill_tokens": 500})
     d = policy.choose(req(400), [cand("w0", gpu=20, unseen_waiting=2), cand("w1", unseen_running=3)])

@@ -51,6 +51,9 @@ class Candidate:
     Peer pull (:mod:`router.peer_pull`): ``peer``: what the worker's agent publishes about
     pulling (its link measurements), None without peer pull; ``peer_blocks``: prompt blocks past
     its own matched run that it can pull from another worker, ``peer_worker`` (0 / None: none).
+
+    ``model_prefill_rate``: the TTFT line learned from every worker of the request's model (the
+    same for every candidate), None before it has been learned.
     """
 
     worker_id: str
@@ -62,6 +65,7 @@ class Candidate:
     peer: PeerInfo | None = None
     peer_blocks: int = 0
     peer_worker: str | None = None
+    model_prefill_rate: PrefillRate | None = None
 
 
 @dataclass

@@ -16,9 +16,9 @@ Predicted TTFT of a candidate, in milliseconds from dispatch (:mod:`router.ttft_
     ttft_ms       = rate.overhead_ms + rate.ms_per_token x work_tokens(queued, own, decoding)
 
 ``rate`` is the worker's :class:`~router.ttft_model.PrefillRate` learned from its observed TTFTs
-(``learn_prefill_rate``), shrunk toward the median line of the candidates (:func:`pooled_rate`),
-or the configured prior (``prefill_overhead_ms``,
-``prefill_ms_per_token``) until learned. ``evidence_weight`` is the share of its predicted hits
+(``learn_prefill_rate``), shrunk toward the median line of the candidates (:func:`pooled_rate`;
+the line learned from all of the model's workers together until two workers have their own), or
+the configured prior (``prefill_overhead_ms``, ``prefill_ms_per_token``) until learned. ``evidence_weight`` is the share of its predicted hits
 the worker has been realising (:mod:`router.evidence`: 0 while distrusted; under heavy KV
 pressure a worker evicts part of a matched prefix before its prefill, and crediting all of it
 sends it more than it can take). ``gpu``/``cpu``/``ssd`` are matched blocks by tier; the
@@ -247,13 +247,17 @@ def _weight(candidate: Candidate) -> float:
 
 
 def pooled_rate(candidates: list[Candidate]) -> PrefillRate | None:
-    """The median overhead and median ms/token of the candidates' learned lines, None with fewer
-    than two learned. Workers of one model are usually alike, and one worker's fit over a narrow
-    range of work trades overhead against slope (on the shared-prefix sim rig: 0.25 to 0.68 ms
-    per token among identical workers), which made cold recomputes look cheap on some."""
+    """The median overhead and median ms/token of the candidates' learned lines; with fewer than
+    two learned, the line learned from all of the model's workers together
+    (``Candidate.model_prefill_rate``), None before that too. Workers of one model are usually
+    alike, and one worker's fit over a narrow range of work trades overhead against slope (on the
+    shared-prefix sim rig: 0.25 to 0.68 ms per token among identical workers), which made cold
+    recomputes look cheap on some. The model's line is learned after a handful of requests in
+    all: on the 8-worker Mooncake sim rig, with 2 gateway processes, the prior's predictions
+    (an H100's speed against sims 6x slower) were used for the first ~100 requests before."""
     learned = [c.prefill_rate for c in candidates if c.prefill_rate is not None]
     if len(learned) < 2:
-        return None
+        return next((c.model_prefill_rate for c in candidates if c.model_prefill_rate is not None), None)
     return PrefillRate(statistics.median(r.overhead_ms for r in learned),
                        statistics.median(r.ms_per_token for r in learned),
                        sum(r.samples for r in learned))
