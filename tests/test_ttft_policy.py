@@ -45,21 +45,25 @@ def test_ttft_config_defaults_round_trip():
     cfg = describe(make_policy({"name": "ttft"}))
     assert cfg == {"name": "ttft", "tier_credit": {"gpu": 1.0, "cpu": 0.75, "ssd": 0.25},
                    "prefill_overhead_ms": 25.0, "prefill_ms_per_token": 0.1, "learn_prefill_rate": True,
-                   "engine_waiting_prefill_tokens": 1024.0, "spread_margin": 1.0, "recompute_weight": 1.0,
+                   "engine_waiting_prefill_tokens": 1024.0, "spread_margin": 1.0, "recompute_weight": 3.0,
                    "queue": {"enabled": True, "worker_queue_ms": 0.0, "affinity": "policy",
-                             "affinity_wait_s": 2.0, "max_wait_s": 10.0}}
+                             "affinity_wait_s": 5.0, "max_wait_s": 10.0}}
     assert describe(make_policy(cfg)) == cfg  # round trip
 
 
 def test_prediction_counts_queue_own_prefill_and_decodes():
     policy = make_policy({"name": "ttft"})
-    assert (policy.spread_margin, policy.recompute_weight) == (1.0, 1.0)
+    assert (policy.spread_margin, policy.recompute_weight) == (1.0, 3.0)
     # 1000-token prompt; w0 holds 40 of 62 blocks in GPU and has 2000 tokens queued and 3 decoding
     d = policy.choose(req(1000), [cand("w0", gpu=40, prefill_tokens=2000, decoding=3), cand("w1")])
     # w0: 25 + 0.1 x (2000 + (1000 - 640) + 16 x 3) = 265.8 ms; w1: 25 + 0.1 x 1000 = 125 ms
     assert ttfts(d) == pytest.approx({"w0": 265.8, "w1": 125.0})
-    assert (d.worker_id, d.reason) == ("w1", "spread")
-    assert d.scores[0].as_dict()["predicted_ttft_ms"] == 125.0
+    # ranked: w1 is charged the 640 held tokens it would compute again, 3 x 0.1 x 640 = 192 ms more
+    assert (d.worker_id, d.reason) == ("w0", "prefix_hit")
+    assert d.scores[0].as_dict()["predicted_ttft_ms"] == 265.8
+    d = make_policy({"name": "ttft", "recompute_weight": 1}).choose(
+        req(1000), [cand("w0", gpu=40, prefill_tokens=2000, decoding=3), cand("w1")])
+    assert (d.worker_id, d.reason) == ("w1", "spread")  # 125 + 64 = 189 < 265.8
 
 
 def test_vllm_caps_a_full_hit_one_token_short():
@@ -81,19 +85,20 @@ def test_holder_wins_while_its_queue_is_shorter_than_recomputing():
     assert d.ranked_worker_ids() == ["w1", "w0"]
 
 
-def test_hot_prefix_spreads_to_a_second_holder_then_shares():
+@pytest.mark.parametrize("weight", [1.0, 3.0])
+def test_hot_prefix_spreads_to_a_second_holder_then_shares(weight):
     """A shared system prompt held by w0 only; requests arrive a little faster than one worker
     prefills their own parts (160 tokens each, 120 drained between arrivals). w0 takes them until
-    its queue costs more than recomputing the prefix, charged twice (this request waits for it,
-    and so do those behind it); then one cold worker recomputes it once and holds it too (its
-    events say so), and from then on the two holders share the requests. The third worker is
-    never used: the prefix is neither pinned nor scattered."""
-    policy = make_policy({"name": "ttft"})
+    its queue costs more than recomputing the prefix, charged 1 + ``recompute_weight`` times
+    (this request waits for it, and so do those behind it); then one cold worker recomputes it
+    once and holds it too (its events say so), and from then on the two holders share the
+    requests. The third worker is never used: the prefix is neither pinned nor scattered."""
+    policy = make_policy({"name": "ttft", "recompute_weight": weight})
     prompt, shared_blocks = 1600, 90  # 1440 shared tokens + 160 own
     queue = {"w0": 0, "w1": 0, "w2": 0}
     holders = {"w0"}
     chosen, reasons, queue_at_spread = [], [], None
-    for i in range(120):
+    for i in range(300):
         cands = [cand(w, gpu=shared_blocks if w in holders else 0, prefill_tokens=queue[w]) for w in queue]
         d = policy.choose(req(prompt, rand=(i * 0.618) % 1), cands)
         if d.reason == "spread" and queue_at_spread is None:
@@ -105,8 +110,9 @@ def test_hot_prefix_spreads_to_a_second_holder_then_shares():
         queue = {w: max(0, q - 120) for w, q in queue.items()}
     first = reasons.index("spread")
     assert chosen[:first] == ["w0"] * first and first > 60
-    # the holder's queue + own part had passed the full prompt plus the prefix once more
-    assert queue_at_spread + 160 > 1600 + 1440
+    # the holder's queue + own part had passed the full prompt plus the prefix `weight` times more
+    assert queue_at_spread + 160 > 1600 + weight * 1440
+    assert queue_at_spread + 160 - 40 <= 1600 + weight * 1440  # (and not a request later)
     assert reasons.count("spread") == 1  # the prefix was copied once
     second = chosen[first]
     assert len(holders) == 2 and second != "w0"
@@ -116,14 +122,14 @@ def test_hot_prefix_spreads_to_a_second_holder_then_shares():
 
 
 def test_conversation_follows_its_cpu_tier_when_that_is_fastest():
-    policy = make_policy({"name": "ttft", "spread_margin": 1.0})
+    policy = make_policy({"name": "ttft", "spread_margin": 1.0, "recompute_weight": 1.0})
     # turn 3 of a chat: 3000 tokens, 150 blocks of history evicted from w0's GPU to its CPU tier
     d = policy.choose(req(3000), [cand("w0", cpu=150, prefill_tokens=500), cand("w1")])
     # w0: 25 + 0.1 x (500 + 3000 - 0.75 x 2400) = 195 ms; w1: 325 ms
     assert ttfts(d) == pytest.approx({"w0": 195.0, "w1": 325.0})
     assert (d.worker_id, d.reason) == ("w0", "prefix_hit")
-    # from SSD (credit 0.25: 600 tokens saved) with the same queue it no longer pays: 235 vs 325,
-    # but with 1500 queued it does not
+    # from SSD (credit 0.25: 600 tokens saved) it pays with the same queue (235 vs 325 + 60
+    # charged), but not with 1500 queued (415 vs 385)
     d = policy.choose(req(3000), [cand("w0", ssd=150, prefill_tokens=1500), cand("w1")])
     assert (d.worker_id, d.reason) == ("w1", "spread")
 
@@ -245,14 +251,16 @@ def test_recomputed_prefix_is_charged_once_more():
     cands = [cand("w0", gpu=100, prefill_tokens=1700), cand("w1")]
     d = make_policy({"name": "ttft", "recompute_weight": 0}).choose(req(2000), cands)
     assert (d.worker_id, d.reason) == ("w1", "spread")  # TTFT alone
-    d = make_policy({"name": "ttft"}).choose(req(2000), cands)  # w1 ranked 225 + 0.1 x 1600 = 385
+    once = {"name": "ttft", "recompute_weight": 1}
+    d = make_policy(once).choose(req(2000), cands)  # w1 ranked 225 + 0.1 x 1600 = 385
     assert (d.worker_id, d.reason) == ("w0", "prefix_hit")
     assert ttfts(d) == pytest.approx({"w0": 235.0, "w1": 225.0})  # predictions are not changed
-    # w0 at 25 + 0.1 x (queued + 400): 3100 queued -> 375 ms, stays; 3300 -> 395 ms > 385: spread
-    for queued, winner in ((3100, "w0"), (3300, "w1")):
-        d = make_policy({"name": "ttft"}).choose(req(2000), [cand("w0", gpu=100, prefill_tokens=queued),
-                                                            cand("w1")])
-        assert d.worker_id == winner
+    # w0 at 25 + 0.1 x (queued + 400): 3100 queued -> 375 ms, stays; 3300 -> 395 ms > 385: spread;
+    # at the default weight 3, w1 is ranked 225 + 3 x 160 = 705: w0 keeps it up to 6400 queued
+    for cfg, queued, winner in ((once, 3100, "w0"), (once, 3300, "w1"), ({"name": "ttft"}, 6300, "w0"),
+                                ({"name": "ttft"}, 6500, "w1")):
+        d = make_policy(cfg).choose(req(2000), [cand("w0", gpu=100, prefill_tokens=queued), cand("w1")])
+        assert d.worker_id == winner, (cfg, queued)
 
 
 def test_spread_margin_multiplies_a_non_holders_prediction():

@@ -15,7 +15,8 @@ shortest prefill first), which :mod:`router.dispatch_queue` runs.
   longest cached prefix (within one block); ``policy``: the one the policy would choose among all
   routable workers, busy ones included (a busy holder is waited for only while that beats
   recomputing the prefix elsewhere, by the policy's own cost).
-- ``affinity_wait_s`` (2): how long a request waits so before any open worker may take it.
+- ``affinity_wait_s`` (2; 5 for ``ttft``): how long a request waits so before any open worker
+  may take it.
 - ``max_wait_s`` (10): a request that has waited this long goes before shorter ones (arrival
   order among such), so a long prompt is never starved by a stream of short ones.
 """

@@ -2,8 +2,10 @@
 soonest. Its dispatch queue (:mod:`router.dispatch_queue`, ``queue.enabled`` true by default for
 this policy only) holds requests in the gateway until a worker is free for them, shortest prefill
 first; the choice below is then made among the free workers, or the request waits while this
-policy prefers a busy one. On the 8-worker Mooncake sim rig (3 runs, medians) this pair gave TTFT
-p50 / p90 901 / 3137 ms against 1253 / 3775 for ``kv_aware`` and 1451 / 4154 for the best peer.
+policy prefers a busy one (``queue.affinity_wait_s``, 5 s for this policy). On the 8-worker
+Mooncake sim rig (3 runs, medians) this pair gave TTFT p50 / p90 901 / 3118 ms and a prefix hit
+rate of 0.092, against 1253 / 3775 ms for ``kv_aware`` and 1609 / 6347 ms at 0.098 for sglang's
+cache-aware router, which sends every follow-up to its holder whatever the wait.
 
 Predicted TTFT of a candidate, in milliseconds from dispatch (:mod:`router.ttft_model`)::
 
@@ -56,7 +58,11 @@ counts that work only in this request's own wait, yet every request queued behin
 worker waits for it too, and a second copy of a prefix evicts others. On the 8-worker Mooncake
 sim rig without it (a multiplicative margin of 1.3 alone), 22 of the 43 follow-up turns went
 away from the worker holding their history and 21 of those missed; sglang's cache-aware router
-kept all 43 at home. Defaults: ``spread_margin`` 1.0, ``recompute_weight`` 1.0.
+kept all 43 at home. Defaults: ``spread_margin`` 1.0, ``recompute_weight`` 3.0 with
+``queue.affinity_wait_s`` 5 s. On that rig (3 runs each, with sglang alongside), weight 1 with a
+2 s wait gave hit rate 0.078 at p50 / p90 915 / 3213 ms, weight 3 with 5 s 0.092 at 901 / 3118;
+weight 10 with 10 s 0.096 at 899 / 3451, but one shared-prefix run of three piled a group on its
+holder (p90 8.0 s), where weight 3 with 5 s stayed at 1.1-2.1 s (weight 1: 1.1-1.8 s).
 
 Ties (within 1e-9 ms) go to more prefix credit (no second copy of a prefix for nothing), then to
 less queued work; remaining ties in worker-id order, ``request.rand`` picking one. This is also
@@ -88,7 +94,7 @@ from router.ttft_model import DEFAULT_PREFILL_MS_PER_TOKEN, PrefillRate, work_to
 DEFAULT_PREFILL_OVERHEAD_MS = 25.0
 DEFAULT_ENGINE_WAITING_PREFILL_TOKENS = 1024.0
 DEFAULT_SPREAD_MARGIN = 1.0
-DEFAULT_RECOMPUTE_WEIGHT = 1.0
+DEFAULT_RECOMPUTE_WEIGHT = 3.0
 POOL_SAMPLES = 64  # a worker's own line weighs samples / (samples + 64) against the pooled one
 
 
@@ -116,7 +122,7 @@ class TTFTPolicy(Policy):
 
     name = "ttft"
     uses_index = True
-    default_queue = QueueSettings(enabled=True)
+    default_queue = QueueSettings(enabled=True, affinity_wait_s=5.0)
     CONFIG_KEYS: tuple[str, ...] = ("tier_credit", "prefill_overhead_ms", "prefill_ms_per_token",
                                     "learn_prefill_rate", "engine_waiting_prefill_tokens", "spread_margin",
                                     "recompute_weight") + PEER_KEYS
