@@ -20,10 +20,10 @@ Predicted TTFT of a candidate, in milliseconds from dispatch (:mod:`router.ttft_
 ``rate`` is the worker's :class:`~router.ttft_model.PrefillRate` learned from its observed TTFTs
 (``learn_prefill_rate``), shrunk toward the median line of the candidates (:func:`pooled_rate`;
 the line learned from all of the model's workers together until two workers have their own), or
-the configured prior (``prefill_overhead_ms``, ``prefill_ms_per_token``) until learned. ``evidence_weight`` is the share of its predicted hits
-the worker has been realising (:mod:`router.evidence`: 0 while distrusted; under heavy KV
-pressure a worker evicts part of a matched prefix before its prefill, and crediting all of it
-sends it more than it can take). ``gpu``/``cpu``/``ssd`` are matched blocks by tier; the
+the configured prior (``prefill_overhead_ms``, ``prefill_ms_per_token``) until learned.
+``evidence_weight`` is the share of its predicted hits the worker has been realising
+(:mod:`router.evidence`: 0 while distrusted; under heavy KV pressure a worker evicts part of a
+matched prefix before its prefill, and crediting all of it sends it more than it can take). ``gpu``/``cpu``/``ssd`` are matched blocks by tier; the
 ``(prompt_tokens - 1) // block_size`` cap is vLLM's (the last prompt token is always computed).
 The tier credits say how much of a block's prefill a tier hit saves (default gpu 1.0, cpu 0.75,
 ssd 0.25, Dynamo's device/host/disk weights): a turn whose history left its holder's GPU but
@@ -260,7 +260,7 @@ def pooled_rate(candidates: list[Candidate]) -> PrefillRate | None:
     shared-prefix sim rig: 0.25 to 0.68 ms per token among identical workers), which made cold
     recomputes look cheap on some. The model's line is learned after a handful of requests in
     all: on the 8-worker Mooncake sim rig, with 2 gateway processes, the prior's predictions
-    (an H100's speed against sims 6x slower) were used for the first ~100 requests before."""
+    (a mid-size GPU's speed, against sims 6x slower) were used for the first ~100 requests before."""
     learned = [c.prefill_rate for c in candidates if c.prefill_rate is not None]
     if len(learned) < 2:
         return next((c.model_prefill_rate for c in candidates if c.model_prefill_rate is not None), None)
