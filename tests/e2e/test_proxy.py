@@ -55,12 +55,16 @@ def test_streaming_through_the_gateway(cluster):
 def test_client_disconnect_aborts_the_vllm_request(cluster):
     cli = cluster.openai()
     before = {w: cluster.metrics(w) for w in cluster.workers}
+    # 20 top logprobs a token add work to every streamed token, so the abort has longer to arrive:
+    # 900 plain tiny-model tokens take ~1 s idle, and once, in a fresh-clone CI run on a loaded
+    # machine, all 900 were generated before the abort reached vLLM
     stream = cli.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Write a very long story."}],
-        max_tokens=DISCONNECT_MAX_TOKENS, stream=True, extra_body={"ignore_eos": True})
+        max_tokens=DISCONNECT_MAX_TOKENS, stream=True, logprobs=True, top_logprobs=20,
+        extra_body={"ignore_eos": True})
     worker = stream.response.headers["x-kvroute-worker"]
     next(iter(stream))  # the first chunk: the request is under way
-    stream.close()  # the client goes away mid-stream, at once (900 tiny-model tokens take ~1 s idle)
+    stream.close()  # the client goes away mid-stream, at once
 
     _wait_metric(cluster, worker, "vllm:num_requests_running", 0)
     after = cluster.metrics(worker)
