@@ -73,8 +73,15 @@ def test_explain_predicts_ttft(ttft_cluster):
     assert out["predicted_ttft_ms"] == by_worker[out["chosen"]]["predicted_ttft_ms"]
 
 
-def test_the_models_line_is_learned_from_all_its_workers_before_each_has_its_own(ttft_cluster):
-    base, _, _ = ttft_cluster
+@pytest.fixture
+def cold_ttft_cluster(tmp_path_factory, tiny_model):
+    """A cluster of its own, so no other test has taught its workers anything."""
+    with running_two_sim_gateway(tmp_path_factory, tiny_model, "gateway-ttft-cold", policy={"name": "ttft"}) as running:
+        yield running
+
+
+def test_the_models_line_is_learned_from_all_its_workers_before_each_has_its_own(cold_ttft_cluster):
+    base, _, _ = cold_ttft_cluster
     assert admin(base, "GET", "/admin/workers").json()["models"]["tiny"]["prefill_rate"] == {
         "learned": False, "observed": 0}
     for i in range(8):  # 8 distinct sizes in all: too few for either worker's own line
