@@ -16,7 +16,9 @@ when the router knows least. Holding requests in the gateway instead:
   predicted prefill (prompt tokens less the longest credited prefix any candidate holds), then
   arrival; this is shortest-job-first, which cuts the median and p90 TTFT of a loaded cluster
   (Harchol-Balter, *Performance Modeling and Design of Computer Systems*, ch. 30-32, for why);
-- until a request has waited ``affinity_wait_s`` it may go only to certain open workers: with
+- until a request has waited ``affinity_wait_s`` (or the wait its policy set for it,
+  ``Decision.affinity_wait_s``: ``ttft`` gives a conversation's follow-up longer) it may go only
+  to certain open workers: with
   ``affinity: holder``, those that hold its longest cached prefix within one block; with
   ``affinity: policy``, the worker the live policy chooses among all routable ones (their load as
   it is then, plus the prefill of the requests ahead of it in this queue that wait for the same
@@ -74,6 +76,11 @@ class _Entry:
     size_tokens: float  # predicted own prefill at the best holder; inf when tokens are unknown
     held_blocks: dict[str, int]  # credited matched blocks per worker id
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+    def affinity_wait_s(self, settings: QueueSettings) -> float:
+        """The policy's wait for this request (``Decision.affinity_wait_s``), else the queue's."""
+        own = self.plan.decision.affinity_wait_s
+        return settings.affinity_wait_s if own is None else own
 
     def order(self, now: float, settings: QueueSettings) -> tuple[int, float, float]:
         if now - self.arrival_s >= settings.max_wait_s:
@@ -157,14 +164,15 @@ class DispatchQueue:
             ready = [r for r in regs if _is_open(r, now, settings)]
             if not ready:
                 continue
-            if now - entry.arrival_s < settings.affinity_wait_s and settings.affinity == "policy":
+            affinity_wait_s = entry.affinity_wait_s(settings)
+            if now - entry.arrival_s < affinity_wait_s and settings.affinity == "policy":
                 plan = self.router.redecide(entry.plan, regs, backlog)
                 chosen = plan.decision.worker_id
                 if not any(r.id == chosen for r in ready):
                     backlog[chosen] = backlog.get(chosen, 0.0) + plan.uncached_tokens(chosen)
                     continue
             else:
-                if now - entry.arrival_s < settings.affinity_wait_s:
+                if now - entry.arrival_s < affinity_wait_s:
                     top = max(entry.held_blocks.get(r.id, 0) for r in regs)
                     ready = [r for r in ready if entry.held_blocks.get(r.id, 0) >= top - 1]
                 if not ready:
@@ -186,7 +194,7 @@ class DispatchQueue:
             if reg.routable and math.isfinite(left_ms) and left_ms > settings.worker_queue_ms:
                 wake_s = min(wake_s, now + (left_ms - settings.worker_queue_ms) / 1000.0)
         for entry in self._entries:
-            expiry = entry.arrival_s + settings.affinity_wait_s
+            expiry = entry.arrival_s + entry.affinity_wait_s(settings)
             if expiry > now:
                 wake_s = min(wake_s, expiry)
         self._timer = asyncio.get_running_loop().call_later(max(0.0, wake_s - now) + 1e-4, self.pump)

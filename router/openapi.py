@@ -222,7 +222,9 @@ def build_openapi(app: FastAPI, models: list[str] | None = None) -> dict[str, An
                                                              for t in ("gpu", "cpu", "ssd")}},
             "load_weight": number, "temperature": number, "decode_tokens_per_request": number,
             "engine_waiting_prefill_tokens": number, "prefill_overhead_ms": number, "prefill_ms_per_token": number,
-            "spread_margin": number, "recompute_weight": number, "learn_prefill_rate": _BOOL,
+            "spread_margin": number, "recompute_weight": number, "private_recompute_weight": number,
+            "private_affinity_wait_s": number,
+            "learn_prefill_rate": _BOOL,
             "overload_guard": {"anyOf": [{"type": "object", "properties": {
                 "enabled": _BOOL, "excess_tokens": number, "ratio": {"type": "number", "minimum": 1}}},
                 {"type": "boolean"}, {"type": "null"}]},

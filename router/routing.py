@@ -22,6 +22,7 @@ from router.metrics import GatewayMetrics
 from router.peer_pull import PeerTable, peer_blocks_by_worker
 from router.policies.base import Candidate, CandidateScore, Decision, Policy, RouteRequest
 from router.policies.factory import describe, make_policy
+from router.prefix_uses import PrefixUses
 from router.registry import WorkerRegistration, WorkerRegistry
 from router.tokenize import PromptBlocks, PromptKind, TokenizerPool
 from router import tracing
@@ -192,6 +193,7 @@ class Router:
         self.metrics = metrics
         self.routing = routing
         self.peers = peers or PeerTable()  # the agents' peer-pull states (router.peer_pull), polled by the gateway
+        self.prefix_uses = PrefixUses()  # recent dispatches per block key: hot against private prefixes
         self._draws = 0
 
     def resolve_model(self, body: dict[str, Any]) -> tuple[ModelConfig, str | None]:
@@ -292,7 +294,7 @@ class Router:
         if not regs:
             raise no_healthy_worker(model.name)
         with tracing.span("kvroute.choose") as span:
-            decision = policy.choose(request, self._candidates(regs, matches, request))
+            decision = policy.choose(request, self._candidates(regs, matches, request, blocks))
             tracing.set_attributes(span, {"policy": policy.name or "", "candidates": len(decision.scores),
                                           "chosen": decision.worker_id, "reason": decision.reason})
         return RoutePlan(model, lora_name, blocks, matches, request, decision, policy.name or "",
@@ -306,7 +308,7 @@ class Router:
         prefill tokens of requests waiting in the gateway ahead of this one for that worker,
         added to its load. Consumes no tie-break draw."""
         policy = self.policy.policy
-        candidates = self._candidates(regs, plan.matches, plan.request)
+        candidates = self._candidates(regs, plan.matches, plan.request, plan.blocks)
         for c in candidates:
             extra = (backlog_tokens or {}).get(c.worker_id, 0.0)
             if extra:
@@ -332,9 +334,11 @@ class Router:
                 self.metrics.off_longest_prefix.labels(plan.policy_name, plan.decision.reason).inc()
 
     async def commit(self, plan: RoutePlan, reg: WorkerRegistration) -> None:
-        """Record the prompt's keys as speculative entries on the worker the request went to."""
+        """Record the prompt's keys as speculative entries on the worker the request went to, and
+        count the first prompt's keys as used (:attr:`prefix_uses`)."""
         if plan.blocks is None or not plan.blocks.keys:
             return
+        self.prefix_uses.record(plan.blocks.first_keys)
         # events confirm the entries soon (the gateway's own ingest, or an agent writing a shared
         # index): keep them only that long, so a worker whose agent died stops attracting prompts
         event_fed = reg.has_events or self.index.agent_fed(reg.id)
@@ -357,9 +361,10 @@ class Router:
 
 
     def _candidates(self, regs: list[WorkerRegistration], matches: dict[str, TierMatch],
-                    request: RouteRequest) -> list[Candidate]:
+                    request: RouteRequest, blocks: PromptBlocks | None = None) -> list[Candidate]:
         """The policy's candidates: each routable worker's load, match, learned rate (and the
-        model's, :meth:`~router.registry.WorkerRegistry.model_rate`) and evidence,
+        model's, :meth:`~router.registry.WorkerRegistry.model_rate`) and evidence, the recent
+        uses of its matched prefix (:attr:`prefix_uses` at the last matched block of ``blocks``),
         and, when agents publish peer-pull states (:mod:`router.peer_pull`), its peer info and the
         blocks it can pull from a peer (capped by the prompt's creditable blocks,
         ``(prompt_tokens - 1) // block_size``; a worker registered here whose evidence is not
@@ -368,6 +373,11 @@ class Router:
         out = [Candidate(r.id, r.load(), matches.get(r.id) or TierMatch(), r.prefill_rate.learned,
                          r.evidence_credited, r.evidence.credit_weight, model_prefill_rate=model_rate)
                for r in regs]
+        keys = blocks.first_keys if blocks is not None else []
+        for c in out:
+            depth = min(c.matched.total, len(keys))
+            if depth > 0:
+                c.prefix_uses = self.prefix_uses.uses(keys[depth - 1])
         peers = self.peers.current()
         if not peers or not matches or not request.prompt_tokens:
             return out

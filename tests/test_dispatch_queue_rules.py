@@ -174,3 +174,45 @@ async def test_policy_affinity_counts_the_requests_already_waiting_for_a_worker(
     assert len(done) == 1 and queue.queued == 11
     assert done[0].result()[0].decision.worker_id == "w1"
     busy.finish()
+
+
+async def test_ttft_waits_longer_for_a_conversations_history_than_for_a_hot_prefix(rig):
+    """``ttft`` sets a follow-up's wait: ``private_affinity_wait_s`` (6 here) while the holder's
+    prefix is private (no other recent request through it), the queue's ``affinity_wait_s`` (2)
+    once it is hot (two requests sent through it: the router counts each sent request's block
+    keys)."""
+    router, registry, queue, clock, holder, index = rig
+    holder.replace({"name": "ttft", "private_affinity_wait_s": 6,
+                    "queue": {"enabled": True, "affinity": "policy", "affinity_wait_s": 2}})
+    body = _body(300, "p")
+    warm = await _plan(router, body)
+    await index.store("w0", "gpu", warm.blocks.first_keys)
+    busy = registry.get("w0").begin(50)  # closed until its first byte; still the cheaper place
+    plan = await _plan(router, body)
+    assert (plan.decision.worker_id, plan.decision.affinity_wait_s) == ("w0", 6)
+    follow = await _enqueue(queue, plan)
+    clock.offset_s += 2.5  # past the queue's wait, not the private one
+    queue.pump()
+    await _settle()
+    assert not follow.done()
+    clock.offset_s += 4.0  # past 6 s: any open worker
+    queue.pump()
+    await _settle()
+    assert follow.done() and follow.result()[0].decision.worker_id == "w1"
+    follow.result()[1].release()
+    assert router.prefix_uses.uses(warm.blocks.first_keys[-1]) == 0  # routed here, never committed
+    for _ in range(2):  # two other requests are sent through the prefix (to w0): it is hot now
+        other = await _plan(router, body)
+        await router.commit(other, registry.get("w0"))
+    assert router.prefix_uses.uses(warm.blocks.first_keys[-1]) == 2
+    plan = await _plan(router, body)
+    assert (plan.decision.worker_id, plan.decision.affinity_wait_s) == ("w0", None)
+    hot = await _enqueue(queue, plan)
+    await _settle()
+    assert not hot.done()
+    clock.offset_s += 2.5
+    queue.pump()
+    await _settle()
+    assert hot.done() and hot.result()[0].decision.worker_id == "w1"
+    hot.result()[1].release()
+    busy.finish()

@@ -172,7 +172,7 @@ def test_kv_aware_peer_weight_fixed_by_config():
 
 
 def test_ttft_prediction_includes_the_pull_and_the_puller_wins():
-    policy = make_policy({"name": "ttft", "recompute_weight": 1})
+    policy = make_policy({"name": "ttft", "recompute_weight": 1, "private_recompute_weight": 1})
     d = policy.choose(REQ, _candidates(FAST))
     s = _scores(d)
     # v: 25 + 0.1 x (1000 queued + 1 own) = 125.1 ms
@@ -297,7 +297,8 @@ async def rig(tiny_model):
     metrics = GatewayMetrics(registry.all)
     peers = PeerTable()
     metrics.watch_peer_links(peers.current)
-    router = Router([model], pool, index, registry, PolicyHolder({"name": "ttft", "recompute_weight": 1}), metrics,
+    router = Router([model], pool, index, registry, PolicyHolder({"name": "ttft", "recompute_weight": 1,
+                                                                                "private_recompute_weight": 1}), metrics,
                     RoutingConfig(), peers)
     yield router, registry, index, peers
     pool.close()

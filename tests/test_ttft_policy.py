@@ -23,12 +23,13 @@ BS = 16
 
 def cand(worker: str, gpu: int = 0, cpu: int = 0, ssd: int = 0, prefill_tokens: int = 0,
          decoding: int = 0, in_flight: int | None = None, unseen_waiting: int = 0, unseen_running: int = 0,
-         rate: PrefillRate | None = None, trusted: bool = True) -> Candidate:
+         rate: PrefillRate | None = None, trusted: bool = True, uses: int = 0) -> Candidate:
+    """``uses``: recent requests through the candidate's matched prefix (2 or more: hot)."""
     if in_flight is None:
         in_flight = decoding + (1 if prefill_tokens else 0)
     load = WorkerLoad(in_flight=in_flight, prefill_tokens=prefill_tokens, decoding=decoding,
                       unseen_waiting=unseen_waiting, unseen_running=unseen_running)
-    return Candidate(worker, load, TierMatch(gpu=gpu, cpu=cpu, ssd=ssd), rate, trusted)
+    return Candidate(worker, load, TierMatch(gpu=gpu, cpu=cpu, ssd=ssd), rate, trusted, prefix_uses=uses)
 
 
 def req(prompt_tokens: int | None, rand: float = 0.0) -> RouteRequest:
@@ -45,7 +46,8 @@ def test_ttft_config_defaults_round_trip():
     cfg = describe(make_policy({"name": "ttft"}))
     assert cfg == {"name": "ttft", "tier_credit": {"gpu": 1.0, "cpu": 0.75, "ssd": 0.25},
                    "prefill_overhead_ms": 25.0, "prefill_ms_per_token": 0.1, "learn_prefill_rate": True,
-                   "engine_waiting_prefill_tokens": 1024.0, "spread_margin": 1.0, "recompute_weight": 3.0,
+                   "engine_waiting_prefill_tokens": 1024.0, "spread_margin": 1.0, "recompute_weight": 1.0,
+                   "private_recompute_weight": 10.0, "private_affinity_wait_s": 10.0,
                    "queue": {"enabled": True, "worker_queue_ms": 0.0, "affinity": "policy",
                              "affinity_wait_s": 5.0, "max_wait_s": 10.0}}
     assert describe(make_policy(cfg)) == cfg  # round trip
@@ -53,17 +55,27 @@ def test_ttft_config_defaults_round_trip():
 
 def test_prediction_counts_queue_own_prefill_and_decodes():
     policy = make_policy({"name": "ttft"})
-    assert (policy.spread_margin, policy.recompute_weight) == (1.0, 3.0)
-    # 1000-token prompt; w0 holds 40 of 62 blocks in GPU and has 2000 tokens queued and 3 decoding
-    d = policy.choose(req(1000), [cand("w0", gpu=40, prefill_tokens=2000, decoding=3), cand("w1")])
+    assert (policy.spread_margin, policy.recompute_weight, policy.private_recompute_weight) == (1.0, 1.0, 10.0)
+    # 1000-token prompt; w0 holds 40 of 62 blocks in GPU and has 2000 tokens queued and 3 decoding;
+    # it is one conversation's history (1 recent request through it: its previous turn)
+    d = policy.choose(req(1000), [cand("w0", gpu=40, prefill_tokens=2000, decoding=3, uses=1), cand("w1")])
     # w0: 25 + 0.1 x (2000 + (1000 - 640) + 16 x 3) = 265.8 ms; w1: 25 + 0.1 x 1000 = 125 ms
     assert ttfts(d) == pytest.approx({"w0": 265.8, "w1": 125.0})
-    # ranked: w1 is charged the 640 held tokens it would compute again, 3 x 0.1 x 640 = 192 ms more
+    # ranked: w1 is charged the 640 held tokens it would compute again, 10 x 0.1 x 640 = 640 ms more
     assert (d.worker_id, d.reason) == ("w0", "prefix_hit")
     assert d.scores[0].as_dict()["predicted_ttft_ms"] == 265.8
-    d = make_policy({"name": "ttft", "recompute_weight": 1}).choose(
-        req(1000), [cand("w0", gpu=40, prefill_tokens=2000, decoding=3), cand("w1")])
-    assert (d.worker_id, d.reason) == ("w1", "spread")  # 125 + 64 = 189 < 265.8
+    assert d.affinity_wait_s == 10.0  # and it may wait 10 s in the dispatch queue for w0
+    assert (d.scores[0].note, d.scores[1].note) == ("private prefix (recent uses: 1)", "")
+    # the same prefix hot (2 recent requests through it) is charged recompute_weight (1):
+    # 125 + 64 = 189 < 265.8, so a second copy is made
+    d = policy.choose(req(1000), [cand("w0", gpu=40, prefill_tokens=2000, decoding=3, uses=2), cand("w1")])
+    assert (d.worker_id, d.reason, d.affinity_wait_s) == ("w1", "spread", None)
+    assert [s.note for s in d.scores] == ["", "hot prefix (recent uses: 2)"]
+    d = make_policy({"name": "ttft", "recompute_weight": 3}).choose(
+        req(1000), [cand("w0", gpu=40, prefill_tokens=2000, decoding=3, uses=2), cand("w1")])
+    assert (d.worker_id, d.reason) == ("w0", "prefix_hit")  # 125 + 192 = 317 > 265.8
+    # no holder at all: the queue's wait
+    assert policy.choose(req(1000), [cand("w0"), cand("w1")]).affinity_wait_s is None
 
 
 def test_vllm_caps_a_full_hit_one_token_short():
@@ -74,7 +86,7 @@ def test_vllm_caps_a_full_hit_one_token_short():
 
 
 def test_holder_wins_while_its_queue_is_shorter_than_recomputing():
-    policy = make_policy({"name": "ttft", "recompute_weight": 0})  # predicted TTFT alone
+    policy = make_policy({"name": "ttft", "recompute_weight": 0, "private_recompute_weight": 0})  # predicted TTFT alone
     # 2000-token prompt, 100 blocks (1600 tokens) cached on w0: recompute elsewhere costs 2000
     # tokens, the holder 400 + its queue. Queue 1500: holder 1900 < 2000 -> prefix_hit.
     d = policy.choose(req(2000), [cand("w0", gpu=100, prefill_tokens=1500), cand("w1")])
@@ -99,7 +111,8 @@ def test_hot_prefix_spreads_to_a_second_holder_then_shares(weight):
     holders = {"w0"}
     chosen, reasons, queue_at_spread = [], [], None
     for i in range(300):
-        cands = [cand(w, gpu=shared_blocks if w in holders else 0, prefill_tokens=queue[w]) for w in queue]
+        cands = [cand(w, gpu=shared_blocks if w in holders else 0, prefill_tokens=queue[w],
+                      uses=i if w in holders else 0) for w in queue]
         d = policy.choose(req(prompt, rand=(i * 0.618) % 1), cands)
         if d.reason == "spread" and queue_at_spread is None:
             queue_at_spread = queue["w0"]
@@ -122,7 +135,7 @@ def test_hot_prefix_spreads_to_a_second_holder_then_shares(weight):
 
 
 def test_conversation_follows_its_cpu_tier_when_that_is_fastest():
-    policy = make_policy({"name": "ttft", "spread_margin": 1.0, "recompute_weight": 1.0})
+    policy = make_policy({"name": "ttft", "spread_margin": 1.0, "private_recompute_weight": 1.0})
     # turn 3 of a chat: 3000 tokens, 150 blocks of history evicted from w0's GPU to its CPU tier
     d = policy.choose(req(3000), [cand("w0", cpu=150, prefill_tokens=500), cand("w1")])
     # w0: 25 + 0.1 x (500 + 3000 - 0.75 x 2400) = 195 ms; w1: 325 ms
@@ -143,14 +156,14 @@ def test_prefix_gone_everywhere_goes_by_queue():
 
 
 def test_learned_rates_make_a_faster_worker_win():
-    policy = make_policy({"name": "ttft", "recompute_weight": 0})
+    policy = make_policy({"name": "ttft", "recompute_weight": 0, "private_recompute_weight": 0})
     slow, fast = PrefillRate(30.0, 0.4, 64), PrefillRate(10.0, 0.1, 64)
     d = policy.choose(req(1000), [cand("slow", gpu=30, rate=slow), cand("fast", rate=fast)])
     # each line shrunk halfway (64 samples) to the median line (20 ms, 0.25 ms/token):
     # slow 25 + 0.325 x 520 = 194 ms; fast 15 + 0.175 x 1000 = 190 ms
     assert ttfts(d) == pytest.approx({"slow": 194.0, "fast": 190.0})
     assert d.worker_id == "fast"
-    frozen = make_policy({"name": "ttft", "learn_prefill_rate": False, "recompute_weight": 0})
+    frozen = make_policy({"name": "ttft", "learn_prefill_rate": False, "recompute_weight": 0, "private_recompute_weight": 0})
     assert frozen.choose(req(1000), [cand("slow", gpu=30, rate=slow), cand("fast", rate=fast)]).worker_id == "slow"
 
 
@@ -205,7 +218,7 @@ def test_distrusted_evidence_earns_no_credit():
 def test_credit_is_weighted_by_the_hits_a_worker_has_been_realising():
     """Under KV pressure a worker evicts part of a matched prefix before its prefill: a holder
     that realised 40 % of its predicted hits is credited 40 % of its match."""
-    policy = make_policy({"name": "ttft", "recompute_weight": 0})
+    policy = make_policy({"name": "ttft", "recompute_weight": 0, "private_recompute_weight": 0})
     holder = cand("w0", gpu=60, prefill_tokens=600)  # 960 of a 1000-token prompt matched
     d = policy.choose(req(1000), [holder, cand("w1")])
     assert (d.worker_id, ttfts(d)["w0"]) == ("w0", pytest.approx(25 + 0.1 * (600 + 40)))
@@ -218,10 +231,12 @@ def test_credit_is_weighted_by_the_hits_a_worker_has_been_realising():
 
 def test_two_holders_of_a_prefix_compete_on_time_whatever_their_evidence_weights():
     """The margin guards the longest holder against workers holding less; two holders of the same
-    prefix with slightly different evidence weights are both holders: the faster one wins."""
+    prefix with slightly different evidence weights are both holders: the faster one wins. (Two
+    holders of one prefix: a hot prefix that spread, so charged ``recompute_weight``, 1 x 0.1 x
+    0.03 x 1440 = 4.32 ms on b.)"""
     policy = make_policy({"name": "ttft"})
-    a = cand("a", gpu=90, prefill_tokens=200)
-    b = cand("b", gpu=90)
+    a = cand("a", gpu=90, prefill_tokens=200, uses=4)
+    b = cand("b", gpu=90, uses=4)
     a.evidence_weight, b.evidence_weight = 1.0, 0.97
     d = policy.choose(req(1600), [a, b])
     # a: 25 + 0.1 x (200 + 160) = 61 ms; b: 25 + 0.1 x (1600 - 0.97 x 1440) = 45.32 ms
@@ -249,23 +264,28 @@ def test_cold_ties_share_traffic_and_no_tokens_goes_by_queue():
 def test_recomputed_prefix_is_charged_once_more():
     # 2000-token prompt, 1600 cached on w0 (1700 queued): w0 235 ms predicted, cold w1 225 ms
     cands = [cand("w0", gpu=100, prefill_tokens=1700), cand("w1")]
-    d = make_policy({"name": "ttft", "recompute_weight": 0}).choose(req(2000), cands)
+    d = make_policy({"name": "ttft", "recompute_weight": 0, "private_recompute_weight": 0}).choose(req(2000), cands)
     assert (d.worker_id, d.reason) == ("w1", "spread")  # TTFT alone
-    once = {"name": "ttft", "recompute_weight": 1}
+    once = {"name": "ttft", "recompute_weight": 1, "private_recompute_weight": 1}
     d = make_policy(once).choose(req(2000), cands)  # w1 ranked 225 + 0.1 x 1600 = 385
     assert (d.worker_id, d.reason) == ("w0", "prefix_hit")
     assert ttfts(d) == pytest.approx({"w0": 235.0, "w1": 225.0})  # predictions are not changed
-    # w0 at 25 + 0.1 x (queued + 400): 3100 queued -> 375 ms, stays; 3300 -> 395 ms > 385: spread;
-    # at the default weight 3, w1 is ranked 225 + 3 x 160 = 705: w0 keeps it up to 6400 queued
-    for cfg, queued, winner in ((once, 3100, "w0"), (once, 3300, "w1"), ({"name": "ttft"}, 6300, "w0"),
-                                ({"name": "ttft"}, 6500, "w1")):
-        d = make_policy(cfg).choose(req(2000), [cand("w0", gpu=100, prefill_tokens=queued), cand("w1")])
-        assert d.worker_id == winner, (cfg, queued)
+    # w0 at 25 + 0.1 x (queued + 400): 3100 queued -> 375 ms, stays; 3300 -> 395 ms > 385: spread.
+    # Weight 3 for a hot prefix (uses 2) ranks w1 225 + 3 x 160 = 705, so w0 keeps it up to 6400
+    # queued; a private one (uses 1) at the default weight 10 ranks w1 1825: up to 17,600 queued;
+    # a hot one at the default weight 1 as ``once``
+    three = {"name": "ttft", "recompute_weight": 3}
+    for cfg, queued, uses, winner in ((once, 3100, 2, "w0"), (once, 3300, 2, "w1"), (once, 3300, 1, "w1"),
+                                      (three, 6300, 2, "w0"), (three, 6500, 2, "w1"),
+                                      ({"name": "ttft"}, 3100, 2, "w0"), ({"name": "ttft"}, 3300, 2, "w1"),
+                                      ({"name": "ttft"}, 17500, 1, "w0"), ({"name": "ttft"}, 17700, 1, "w1")):
+        d = make_policy(cfg).choose(req(2000), [cand("w0", gpu=100, prefill_tokens=queued, uses=uses), cand("w1")])
+        assert d.worker_id == winner, (cfg, queued, uses)
 
 
 def test_spread_margin_multiplies_a_non_holders_prediction():
     cands = [cand("w0", gpu=100, prefill_tokens=1700), cand("w1")]
-    policy = make_policy({"name": "ttft", "recompute_weight": 0, "spread_margin": 1.3})
+    policy = make_policy({"name": "ttft", "recompute_weight": 0, "private_recompute_weight": 0, "spread_margin": 1.3})
     d = policy.choose(req(2000), cands)  # 1.3 x 225 = 292.5 > 235: stay
     assert (d.worker_id, d.reason) == ("w0", "prefix_hit")
     d = policy.choose(req(2000), [cand("w0", gpu=100, prefill_tokens=2400), cand("w1")])  # 305 > 292.5

@@ -54,6 +54,10 @@ class Candidate:
 
     ``model_prefill_rate``: the TTFT line learned from every worker of the request's model (the
     same for every candidate), None before it has been learned.
+
+    ``prefix_uses``: how many of the gateway's recent requests passed through the last block of
+    this candidate's matched prefix (:mod:`router.prefix_uses`; 0 without a match): 0 or 1 for a
+    conversation's history, more for a prefix many requests share.
     """
 
     worker_id: str
@@ -66,6 +70,7 @@ class Candidate:
     peer_blocks: int = 0
     peer_worker: str | None = None
     model_prefill_rate: PrefillRate | None = None
+    prefix_uses: int = 0
 
 
 @dataclass
@@ -135,11 +140,14 @@ class CandidateScore:
 class Decision:
     """The chosen worker, the reason label (a Prometheus label value: e.g. ``prefix_hit``,
     ``load``, ``round_robin``, ``session``, ``overload_guard``), and every candidate's score, the
-    best first."""
+    best first. ``affinity_wait_s``: how long this request may wait in the dispatch queue for
+    the worker the policy prefers, when the policy sets it for this request; None: the queue's
+    ``affinity_wait_s``."""
 
     worker_id: str
     reason: str
     scores: list[CandidateScore]
+    affinity_wait_s: float | None = None
 
     def ranked_worker_ids(self) -> list[str]:
         """Candidates best first (the gateway retries a connect failure on the second)."""

@@ -2,10 +2,11 @@
 soonest. Its dispatch queue (:mod:`router.dispatch_queue`, ``queue.enabled`` true by default for
 this policy only) holds requests in the gateway until a worker is free for them, shortest prefill
 first; the choice below is then made among the free workers, or the request waits while this
-policy prefers a busy one (``queue.affinity_wait_s``, 5 s for this policy). On the 8-worker
-Mooncake sim rig (3 runs, medians) this pair gave TTFT p50 / p90 901 / 3118 ms and a prefix hit
-rate of 0.092, against 1253 / 3775 ms for ``kv_aware`` and 1609 / 6347 ms at 0.098 for sglang's
-cache-aware router, which sends every follow-up to its holder whatever the wait.
+policy prefers a busy one (``queue.affinity_wait_s``, 5 s for this policy; a conversation's
+follow-up ``private_affinity_wait_s``, 10 s). On the 8-worker Mooncake sim rig (3 runs,
+medians) this gave TTFT p50 / p90 904 / 3776 ms and a prefix hit rate of 0.098, against
+1519 / 6528 ms at 0.095 for sglang's cache-aware router, which sends every follow-up to its
+holder whatever the wait (``kv_aware``: 1253 / 3775 ms in another set).
 
 Predicted TTFT of a candidate, in milliseconds from dispatch (:mod:`router.ttft_model`)::
 
@@ -49,7 +50,8 @@ so a stale scrape never counts the gateway's own requests twice.
 Selection: the lowest rank, where::
 
     rank_ms = ttft_ms x (spread_margin if not a longest holder else 1)
-            + recompute_weight x rate.ms_per_token x (top_credit_tokens - credit_tokens)
+            + weight x rate.ms_per_token x (top_credit_tokens - credit_tokens)
+    weight  = recompute_weight if the longest holders' prefix is hot, else private_recompute_weight
 
 A longest holder holds (tier-weighted, evidence weights aside) within one block of the most any
 candidate holds; holders of one prefix compete on time alone. The second term charges the prefix
@@ -58,11 +60,20 @@ counts that work only in this request's own wait, yet every request queued behin
 worker waits for it too, and a second copy of a prefix evicts others. On the 8-worker Mooncake
 sim rig without it (a multiplicative margin of 1.3 alone), 22 of the 43 follow-up turns went
 away from the worker holding their history and 21 of those missed; sglang's cache-aware router
-kept all 43 at home. Defaults: ``spread_margin`` 1.0, ``recompute_weight`` 3.0 with
-``queue.affinity_wait_s`` 5 s. On that rig (3 runs each, with sglang alongside), weight 1 with a
-2 s wait gave hit rate 0.078 at p50 / p90 915 / 3213 ms, weight 3 with 5 s 0.092 at 901 / 3118;
-weight 10 with 10 s 0.096 at 899 / 3451, but one shared-prefix run of three piled a group on its
-holder (p90 8.0 s), where weight 3 with 5 s stayed at 1.1-2.1 s (weight 1: 1.1-1.8 s).
+kept all 43 at home.
+
+Hot or private (:mod:`router.prefix_uses`): a prefix is hot when ``HOT_PREFIX_USES`` (2) or more
+of the gateway's recent requests passed through the last block a longest holder matched (a
+system prompt, a shared document), private otherwise (a conversation's history: only its own
+earlier turn went through it). A second copy of a hot prefix serves every request queued behind
+the first, so it is charged ``recompute_weight`` (1) and waited for ``queue.affinity_wait_s``
+(5 s); moving a conversation buys nothing beyond this request, so its history is charged
+``private_recompute_weight`` (10) and waited for ``private_affinity_wait_s`` (10 s,
+``Decision.affinity_wait_s``). With one weight for both, no setting won both rigs: on the
+Mooncake rig (3 runs each, sglang alongside) weight 3 with 5 s gave hit rate 0.087 at p50 / p90
+899 / 3112 ms (sglang 0.095), weight 10 with 10 s 0.101 at 913 / 3474, but the latter piled the
+shared-prefix rig's groups on their holders (p90 3.8-4.2 s in 3 of 3 runs, against 1.2-3.6 s).
+Split, the Mooncake rig gave 0.098 at 904 / 3776 ms (private wait 5 s: 0.097 at 909 / 3375).
 
 Ties (within 1e-9 ms) go to more prefix credit (no second copy of a prefix for nothing), then to
 less queued work; remaining ties in worker-id order, ``request.rand`` picking one. This is also
@@ -74,7 +85,8 @@ history is for as long as that is the best place.
 Reasons: ``no_tokens`` (no exact tokens: queue alone), ``peer_pull`` (the winner is credited
 for blocks it pulls from a peer), ``spread`` (the longest holder lost on its queue),
 ``prefix_hit`` (the winner has more credit than the least), ``load``.
-Candidates whose evidence is distrusted are noted ``evidence distrusted``.
+Candidates whose evidence is distrusted are noted ``evidence distrusted``; the longest holders
+are noted ``hot prefix (recent uses: N)`` or ``private prefix (recent uses: N)``.
 """
 from __future__ import annotations
 
@@ -94,7 +106,10 @@ from router.ttft_model import DEFAULT_PREFILL_MS_PER_TOKEN, PrefillRate, work_to
 DEFAULT_PREFILL_OVERHEAD_MS = 25.0
 DEFAULT_ENGINE_WAITING_PREFILL_TOKENS = 1024.0
 DEFAULT_SPREAD_MARGIN = 1.0
-DEFAULT_RECOMPUTE_WEIGHT = 3.0
+DEFAULT_RECOMPUTE_WEIGHT = 1.0
+DEFAULT_PRIVATE_RECOMPUTE_WEIGHT = 10.0
+DEFAULT_PRIVATE_AFFINITY_WAIT_S = 10.0
+HOT_PREFIX_USES = 2  # recent requests through a prefix's last block that make it hot, not private
 POOL_SAMPLES = 64  # a worker's own line weighs samples / (samples + 64) against the pooled one
 
 
@@ -107,6 +122,7 @@ class _Scored:
     holder: bool = True
     ms_per_token: float = 0.0
     rank_ms: float = 0.0
+    prefix_uses: int = 0
 
     @property
     def worker_id(self) -> str:
@@ -125,13 +141,17 @@ class TTFTPolicy(Policy):
     default_queue = QueueSettings(enabled=True, affinity_wait_s=5.0)
     CONFIG_KEYS: tuple[str, ...] = ("tier_credit", "prefill_overhead_ms", "prefill_ms_per_token",
                                     "learn_prefill_rate", "engine_waiting_prefill_tokens", "spread_margin",
-                                    "recompute_weight") + PEER_KEYS
+                                    "recompute_weight", "private_recompute_weight",
+                                    "private_affinity_wait_s") + PEER_KEYS
 
     def __init__(self, tier_credit: Mapping[str, float] | None = None,
                  prior: PrefillRate | None = None, learn_prefill_rate: bool = True,
                  engine_waiting_prefill_tokens: float = DEFAULT_ENGINE_WAITING_PREFILL_TOKENS,
                  spread_margin: float = DEFAULT_SPREAD_MARGIN,
-                 recompute_weight: float = DEFAULT_RECOMPUTE_WEIGHT, peer: PeerSettings | None = None) -> None:
+                 recompute_weight: float = DEFAULT_RECOMPUTE_WEIGHT,
+                 private_recompute_weight: float = DEFAULT_PRIVATE_RECOMPUTE_WEIGHT,
+                 private_affinity_wait_s: float = DEFAULT_PRIVATE_AFFINITY_WAIT_S,
+                 peer: PeerSettings | None = None) -> None:
         self.tier_credit = {**DEFAULT_TIER_CREDIT, **(tier_credit or {})}
         self.peer = peer or PeerSettings(self.tier_credit.get(PEER))
         self.peer_pricing = self.peer.pricing
@@ -140,6 +160,8 @@ class TTFTPolicy(Policy):
         self.engine_waiting_prefill_tokens = engine_waiting_prefill_tokens
         self.spread_margin = spread_margin
         self.recompute_weight = recompute_weight
+        self.private_recompute_weight = private_recompute_weight
+        self.private_affinity_wait_s = private_affinity_wait_s
 
     @classmethod
     def from_config(cls, cfg: Mapping[str, Any]) -> TTFTPolicy:
@@ -157,6 +179,10 @@ class TTFTPolicy(Policy):
                                                         DEFAULT_ENGINE_WAITING_PREFILL_TOKENS, where),
                    spread_margin=number(cfg, "spread_margin", DEFAULT_SPREAD_MARGIN, where, lo=1.0),
                    recompute_weight=number(cfg, "recompute_weight", DEFAULT_RECOMPUTE_WEIGHT, where),
+                   private_recompute_weight=number(cfg, "private_recompute_weight",
+                                                   DEFAULT_PRIVATE_RECOMPUTE_WEIGHT, where),
+                   private_affinity_wait_s=number(cfg, "private_affinity_wait_s",
+                                                  DEFAULT_PRIVATE_AFFINITY_WAIT_S, where),
                    peer=PeerSettings.from_config(cfg, tier_credit, where))
 
     def config(self) -> dict[str, Any]:
@@ -166,6 +192,8 @@ class TTFTPolicy(Policy):
                 "learn_prefill_rate": self.learn_prefill_rate,
                 "engine_waiting_prefill_tokens": self.engine_waiting_prefill_tokens,
                 "spread_margin": self.spread_margin, "recompute_weight": self.recompute_weight,
+                "private_recompute_weight": self.private_recompute_weight,
+                "private_affinity_wait_s": self.private_affinity_wait_s,
                 **self.peer.config()}
 
     def rate_of(self, candidate: Candidate, pooled: PrefillRate | None = None) -> PrefillRate:
@@ -216,7 +244,8 @@ class TTFTPolicy(Policy):
         score = CandidateScore(candidate.worker_id, candidate.matched, load=queued, cost=ttft_ms, note=note,
                                predicted_ttft_ms=ttft_ms, work_tokens=work)
         note_peer(score, candidate, peer_blocks, peer_weight, source)
-        return _Scored(score, credit, queued, held_tokens=held, ms_per_token=rate.ms_per_token)
+        return _Scored(score, credit, queued, held_tokens=held, ms_per_token=rate.ms_per_token,
+                       prefix_uses=candidate.prefix_uses)
 
     def choose(self, request: RouteRequest, candidates: list[Candidate]) -> Decision:
         prompt_tokens = request.prompt_tokens
@@ -231,8 +260,14 @@ class TTFTPolicy(Policy):
         top_credit = max(s.credit_tokens for s in scored)
         for s in scored:
             s.holder = s.held_tokens >= top_held - bs + EPS
+        hot = prefix_is_hot(scored)
+        weight = self.recompute_weight if hot else self.private_recompute_weight
+        for s in scored:
+            if s.holder and s.held_tokens > 0:
+                kind = "hot" if hot else "private"
+                s.score.note = "; ".join(filter(None, (s.score.note, f"{kind} prefix (recent uses: {s.prefix_uses})")))
             s.rank_ms = (s.ttft_ms * (1.0 if s.holder else self.spread_margin)
-                         + self.recompute_weight * s.ms_per_token * (top_credit - s.credit_tokens))
+                         + weight * s.ms_per_token * (top_credit - s.credit_tokens))
         best = lowest(scored, [_rank, _uncredited, _queued], _worker, request.rand)
         if prompt_tokens is None:
             reason = "no_tokens"
@@ -245,7 +280,18 @@ class TTFTPolicy(Policy):
         else:
             reason = "load"
         ranked = chosen_first(scored, best, _order)
-        return Decision(best.worker_id, reason, [s.score for s in ranked])
+        private = not hot and top_held > 0
+        return Decision(best.worker_id, reason, [s.score for s in ranked],
+                        affinity_wait_s=self.private_affinity_wait_s if private else None)
+
+
+
+
+def prefix_is_hot(scored: list[_Scored]) -> bool:
+    """Whether the longest holders' prefix is hot: some holder's matched prefix had
+    ``HOT_PREFIX_USES`` or more of the gateway's recent requests through its last block
+    (:mod:`router.prefix_uses`). Not hot: a conversation's history, or no holder at all."""
+    return any(s.holder and s.held_tokens > 0 and s.prefix_uses >= HOT_PREFIX_USES for s in scored)
 
 
 def _weight(candidate: Candidate) -> float:
