@@ -17,7 +17,7 @@ when the router knows least. Holding requests in the gateway instead:
   arrival; this is shortest-job-first, which cuts the median and p90 TTFT of a loaded cluster
   (Harchol-Balter, *Performance Modeling and Design of Computer Systems*, ch. 30-32, for why);
 - until a request has waited ``affinity_wait_s`` (or the wait its policy set for it,
-  ``Decision.affinity_wait_s``: ``ttft`` gives a conversation's follow-up longer) it may go only
+  ``Decision.affinity_wait_s``: ``ttft``'s for a conversation's follow-up) it may go only
   to certain open workers: with
   ``affinity: holder``, those that hold its longest cached prefix within one block; with
   ``affinity: policy``, the worker the live policy chooses among all routable ones (their load as

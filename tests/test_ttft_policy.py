@@ -47,7 +47,7 @@ def test_ttft_config_defaults_round_trip():
     assert cfg == {"name": "ttft", "tier_credit": {"gpu": 1.0, "cpu": 0.75, "ssd": 0.25},
                    "prefill_overhead_ms": 25.0, "prefill_ms_per_token": 0.1, "learn_prefill_rate": True,
                    "engine_waiting_prefill_tokens": 1024.0, "spread_margin": 1.0, "recompute_weight": 1.0,
-                   "private_recompute_weight": 10.0, "private_affinity_wait_s": 10.0,
+                   "private_recompute_weight": 3.0, "private_affinity_wait_s": 5.0,
                    "queue": {"enabled": True, "worker_queue_ms": 0.0, "affinity": "policy",
                              "affinity_wait_s": 5.0, "max_wait_s": 10.0}}
     assert describe(make_policy(cfg)) == cfg  # round trip
@@ -55,16 +55,16 @@ def test_ttft_config_defaults_round_trip():
 
 def test_prediction_counts_queue_own_prefill_and_decodes():
     policy = make_policy({"name": "ttft"})
-    assert (policy.spread_margin, policy.recompute_weight, policy.private_recompute_weight) == (1.0, 1.0, 10.0)
+    assert (policy.spread_margin, policy.recompute_weight, policy.private_recompute_weight) == (1.0, 1.0, 3.0)
     # 1000-token prompt; w0 holds 40 of 62 blocks in GPU and has 2000 tokens queued and 3 decoding;
     # it is one conversation's history (1 recent request through it: its previous turn)
     d = policy.choose(req(1000), [cand("w0", gpu=40, prefill_tokens=2000, decoding=3, uses=1), cand("w1")])
     # w0: 25 + 0.1 x (2000 + (1000 - 640) + 16 x 3) = 265.8 ms; w1: 25 + 0.1 x 1000 = 125 ms
     assert ttfts(d) == pytest.approx({"w0": 265.8, "w1": 125.0})
-    # ranked: w1 is charged the 640 held tokens it would compute again, 10 x 0.1 x 640 = 640 ms more
+    # ranked: w1 is charged the 640 held tokens it would compute again, 3 x 0.1 x 640 = 192 ms more
     assert (d.worker_id, d.reason) == ("w0", "prefix_hit")
     assert d.scores[0].as_dict()["predicted_ttft_ms"] == 265.8
-    assert d.affinity_wait_s == 10.0  # and it may wait 10 s in the dispatch queue for w0
+    assert d.affinity_wait_s == 5.0  # and it may wait private_affinity_wait_s in the queue for w0
     assert (d.scores[0].note, d.scores[1].note) == ("private prefix (recent uses: 1)", "")
     # the same prefix hot (2 recent requests through it) is charged recompute_weight (1):
     # 125 + 64 = 189 < 265.8, so a second copy is made
@@ -272,13 +272,15 @@ def test_recomputed_prefix_is_charged_once_more():
     assert ttfts(d) == pytest.approx({"w0": 235.0, "w1": 225.0})  # predictions are not changed
     # w0 at 25 + 0.1 x (queued + 400): 3100 queued -> 375 ms, stays; 3300 -> 395 ms > 385: spread.
     # Weight 3 for a hot prefix (uses 2) ranks w1 225 + 3 x 160 = 705, so w0 keeps it up to 6400
-    # queued; a private one (uses 1) at the default weight 10 ranks w1 1825: up to 17,600 queued;
-    # a hot one at the default weight 1 as ``once``
+    # queued, as the default weight 3 for a private one (uses 1); a private one at weight 10 ranks
+    # w1 1825: up to 17,600 queued; a hot one at the default weight 1 as ``once``
     three = {"name": "ttft", "recompute_weight": 3}
+    ten = {"name": "ttft", "private_recompute_weight": 10}
     for cfg, queued, uses, winner in ((once, 3100, 2, "w0"), (once, 3300, 2, "w1"), (once, 3300, 1, "w1"),
                                       (three, 6300, 2, "w0"), (three, 6500, 2, "w1"),
                                       ({"name": "ttft"}, 3100, 2, "w0"), ({"name": "ttft"}, 3300, 2, "w1"),
-                                      ({"name": "ttft"}, 17500, 1, "w0"), ({"name": "ttft"}, 17700, 1, "w1")):
+                                      ({"name": "ttft"}, 6300, 1, "w0"), ({"name": "ttft"}, 6500, 1, "w1"),
+                                      (ten, 17500, 1, "w0"), (ten, 17700, 1, "w1"), (ten, 3300, 2, "w1")):
         d = make_policy(cfg).choose(req(2000), [cand("w0", gpu=100, prefill_tokens=queued, uses=uses), cand("w1")])
         assert d.worker_id == winner, (cfg, queued, uses)
 

@@ -5,8 +5,8 @@ The config is the ``policy:`` mapping of DESIGN.md, the same for the YAML file a
 
     {name: ttft, tier_credit: {gpu: 1.0, cpu: 0.75, ssd: 0.25}, prefill_overhead_ms: 25,
      prefill_ms_per_token: 0.1, learn_prefill_rate: true, engine_waiting_prefill_tokens: 1024,
-     spread_margin: 1.0, recompute_weight: 1.0, private_recompute_weight: 10.0,
-     private_affinity_wait_s: 10.0}
+     spread_margin: 1.0, recompute_weight: 1.0, private_recompute_weight: 3.0,
+     private_affinity_wait_s: 5.0}
     {name: kv_aware, tier_credit: {gpu: 1.0, cpu: 0.75, ssd: 0.25}, load_weight: 1.0,
      temperature: 0.0, overload_guard: {enabled: true, excess_tokens: 32768, ratio: 1.5},
      decode_tokens_per_request: 128, engine_waiting_prefill_tokens: 1024}

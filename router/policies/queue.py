@@ -17,7 +17,7 @@ shortest prefill first), which :mod:`router.dispatch_queue` runs.
   recomputing the prefix elsewhere, by the policy's own cost).
 - ``affinity_wait_s`` (2; 5 for ``ttft``): how long a request waits so before any open worker
   may take it. A policy may set a request's own wait (``Decision.affinity_wait_s``): ``ttft``
-  waits ``private_affinity_wait_s`` (10 s) for a conversation's follow-up.
+  waits ``private_affinity_wait_s`` (5 s, as the queue) for a conversation's follow-up.
 - ``max_wait_s`` (10): a request that has waited this long goes before shorter ones (arrival
   order among such), so a long prompt is never starved by a stream of short ones.
 """

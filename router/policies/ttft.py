@@ -2,11 +2,11 @@
 soonest. Its dispatch queue (:mod:`router.dispatch_queue`, ``queue.enabled`` true by default for
 this policy only) holds requests in the gateway until a worker is free for them, shortest prefill
 first; the choice below is then made among the free workers, or the request waits while this
-policy prefers a busy one (``queue.affinity_wait_s``, 5 s for this policy; a conversation's
-follow-up ``private_affinity_wait_s``, 10 s). On the 8-worker Mooncake sim rig (3 runs,
-medians) this gave TTFT p50 / p90 904 / 3776 ms and a prefix hit rate of 0.098, against
-1519 / 6528 ms at 0.095 for sglang's cache-aware router, which sends every follow-up to its
-holder whatever the wait (``kv_aware``: 1253 / 3775 ms in another set).
+policy prefers a busy one (``queue.affinity_wait_s``, 5 s for this policy). On the 8-worker
+Mooncake sim rig (3 runs, medians) this gave TTFT p50 / p90 896 / 3158 ms and a prefix hit
+rate of 0.097, against 1540 / 6756 ms at 0.093 for sglang's cache-aware router, which
+sends every follow-up to its holder whatever the wait (``kv_aware``: 1253 / 3775 ms in another
+set).
 
 Predicted TTFT of a candidate, in milliseconds from dispatch (:mod:`router.ttft_model`)::
 
@@ -68,12 +68,15 @@ system prompt, a shared document), private otherwise (a conversation's history: 
 earlier turn went through it). A second copy of a hot prefix serves every request queued behind
 the first, so it is charged ``recompute_weight`` (1) and waited for ``queue.affinity_wait_s``
 (5 s); moving a conversation buys nothing beyond this request, so its history is charged
-``private_recompute_weight`` (10) and waited for ``private_affinity_wait_s`` (10 s,
-``Decision.affinity_wait_s``). With one weight for both, no setting won both rigs: on the
-Mooncake rig (3 runs each, sglang alongside) weight 3 with 5 s gave hit rate 0.087 at p50 / p90
-899 / 3112 ms (sglang 0.095), weight 10 with 10 s 0.101 at 913 / 3474, but the latter piled the
-shared-prefix rig's groups on their holders (p90 3.8-4.2 s in 3 of 3 runs, against 1.2-3.6 s).
-Split, the Mooncake rig gave 0.098 at 904 / 3776 ms (private wait 5 s: 0.097 at 909 / 3375).
+``private_recompute_weight`` (3) and waited for ``private_affinity_wait_s`` (5 s,
+``Decision.affinity_wait_s``). One weight for both lost one rig or the other: weight 3 piled
+the shared-prefix sim rig's groups on their holders in some runs (p90 1.1-5.4 s over 15 runs),
+where a hot weight of 1 gave 1.2-1.7 s with a private weight of 10 and 1.8-3.5 s with the
+defaults (3 runs each; smg 3.2-3.8 s); weight 1 for conversations lost Mooncake follow-ups (hit
+rate 0.078 against 0.087-0.092 at 3). A private weight of 10 with a
+10 s wait raised the Mooncake rig's hit rate to 0.098-0.099 (sglang 0.092-0.095) but its p90 to
+3.4-3.8 s (3.1-3.3 s at 3 / 5 s), and on 2 real vLLM workers (6 runs) it cost TTFT p50 207 ms
+against 158 at 3 / 5 s, at hit rate 0.337 against 0.367: so 3 / 5 s is the default.
 
 Ties (within 1e-9 ms) go to more prefix credit (no second copy of a prefix for nothing), then to
 less queued work; remaining ties in worker-id order, ``request.rand`` picking one. This is also
@@ -107,8 +110,8 @@ DEFAULT_PREFILL_OVERHEAD_MS = 25.0
 DEFAULT_ENGINE_WAITING_PREFILL_TOKENS = 1024.0
 DEFAULT_SPREAD_MARGIN = 1.0
 DEFAULT_RECOMPUTE_WEIGHT = 1.0
-DEFAULT_PRIVATE_RECOMPUTE_WEIGHT = 10.0
-DEFAULT_PRIVATE_AFFINITY_WAIT_S = 10.0
+DEFAULT_PRIVATE_RECOMPUTE_WEIGHT = 3.0
+DEFAULT_PRIVATE_AFFINITY_WAIT_S = 5.0
 HOT_PREFIX_USES = 2  # recent requests through a prefix's last block that make it hot, not private
 POOL_SAMPLES = 64  # a worker's own line weighs samples / (samples + 64) against the pooled one
 
