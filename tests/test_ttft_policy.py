@@ -163,7 +163,8 @@ def test_learned_rates_make_a_faster_worker_win():
     # slow 25 + 0.325 x 520 = 194 ms; fast 15 + 0.175 x 1000 = 190 ms
     assert ttfts(d) == pytest.approx({"slow": 194.0, "fast": 190.0})
     assert d.worker_id == "fast"
-    frozen = make_policy({"name": "ttft", "learn_prefill_rate": False, "recompute_weight": 0, "private_recompute_weight": 0})
+    frozen = make_policy({"name": "ttft", "learn_prefill_rate": False, "recompute_weight": 0,
+                          "private_recompute_weight": 0})
     assert frozen.choose(req(1000), [cand("slow", gpu=30, rate=slow), cand("fast", rate=fast)]).worker_id == "slow"
 
 

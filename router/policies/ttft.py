@@ -265,10 +265,11 @@ class TTFTPolicy(Policy):
             s.holder = s.held_tokens >= top_held - bs + EPS
         hot = prefix_is_hot(scored)
         weight = self.recompute_weight if hot else self.private_recompute_weight
+        kind = "hot" if hot else "private"
         for s in scored:
             if s.holder and s.held_tokens > 0:
-                kind = "hot" if hot else "private"
-                s.score.note = "; ".join(filter(None, (s.score.note, f"{kind} prefix (recent uses: {s.prefix_uses})")))
+                prefix_note = f"{kind} prefix (recent uses: {s.prefix_uses})"
+                s.score.note = f"{s.score.note}; {prefix_note}" if s.score.note else prefix_note
             s.rank_ms = (s.ttft_ms * (1.0 if s.holder else self.spread_margin)
                          + weight * s.ms_per_token * (top_credit - s.credit_tokens))
         best = lowest(scored, [_rank, _uncredited, _queued], _worker, request.rand)
@@ -286,8 +287,6 @@ class TTFTPolicy(Policy):
         private = not hot and top_held > 0
         return Decision(best.worker_id, reason, [s.score for s in ranked],
                         affinity_wait_s=self.private_affinity_wait_s if private else None)
-
-
 
 
 def prefix_is_hot(scored: list[_Scored]) -> bool:
