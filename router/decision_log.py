@@ -10,6 +10,9 @@ request goes on::
      "predicted_cached_tokens", "predicted_ttft_ms", "tokenization_fallback",  # explain's shape
      "queue_wait_ms",                                    # time in the dispatch queue (0 when off)
      "worker": id | null,                                # where it was sent (a retry may move it)
+     "gateway_ms": ms | null,                            # arrival to that send, less queue_wait_ms:
+                                                         # the gateway's own work (parse, admission,
+                                                         # tokenize, lookup, choose) and CPU waits
      "upstream_ttft_ms": ms | null,                      # dispatch to the worker's first byte
      "actual_cached_tokens": n | null}                   # vLLM's usage.prompt_tokens_details
                                                          # (a several-prompt body: their sum)
@@ -79,6 +82,7 @@ class DecisionLog:
         entry["candidates_total"] = len(plan.decision.scores)
         entry["queue_wait_ms"] = round(max(0.0, queue_wait_ms), 3)
         entry["worker"] = None
+        entry["gateway_ms"] = None
         entry["upstream_ttft_ms"] = None
         entry["actual_cached_tokens"] = None
         self._entries.append(entry)
@@ -86,10 +90,16 @@ class DecisionLog:
         return entry
 
     @staticmethod
-    def sent(entry: DecisionEntry | None, worker_id: str) -> None:
-        """The request was sent to ``worker_id`` (the chosen one, or the next on a retry)."""
+    def sent(entry: DecisionEntry | None, worker_id: str, arrived_s: float | None = None) -> None:
+        """The request was sent to ``worker_id`` (the chosen one, or the next on a retry).
+        ``arrived_s``: the request's arrival on ``time.perf_counter()``'s clock; sets
+        ``gateway_ms``, the time since then less ``queue_wait_ms`` (a retry's includes the
+        failed attempt)."""
         if entry is not None:
             entry["worker"] = worker_id
+            if arrived_s is not None:
+                since_ms = (time.perf_counter() - arrived_s) * 1000.0
+                entry["gateway_ms"] = round(max(0.0, since_ms - entry["queue_wait_ms"]), 3)
 
     @staticmethod
     def first_token(entry: DecisionEntry | None, upstream_ttft_ms: float | None) -> None:

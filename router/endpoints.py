@@ -203,7 +203,7 @@ class ProxyEndpoint:
         gw = self.gw
 
         async def on_attempt(reg: WorkerRegistration) -> None:
-            DecisionLog.sent(logged, reg.id)
+            DecisionLog.sent(logged, reg.id, t0)
             await gw.router.commit(plan, reg)
             if reservation is not None:  # counted in flight right after this returns
                 reservation.release()

@@ -55,6 +55,9 @@ def test_rig_runs_kv_aware_and_round_robin_on_the_same_sims(tiny_model, tmp_path
         # also for streams whose client closed on [DONE] before the worker's end of stream
         assert run["gateway"]["reported_cached_tokens"] == run["cached_tokens"]
         assert run["gateway"]["reported_requests"] == 12
+        split = run["gateway"]["ttft_split_ms"]  # every request paired with its decision
+        assert split["requests"] == 12 and split["gateway"]["mean"] > 0 and split["worker"]["mean"] > 0
+        assert "TTFT split, mean/p90 ms: gateway " in run["note"]
     # each kvroute run's decision log, saved beside the logs: one entry per request, oldest first,
     # named by workload index, with the worker and the cached tokens the records show
     for label, target in (("kv_aware", kv), ("round_robin", rr)):

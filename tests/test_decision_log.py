@@ -6,6 +6,8 @@ traffic is listed under its request id with the worker the request went to, the 
 the worker reported and the predicted ones, and explained requests are not listed."""
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -46,6 +48,19 @@ def test_ring_keeps_the_newest_and_filters():
     assert log.snapshot(since_unix_s=got[0]["time_unix_s"]) == []
     got[0]["worker"] = "changed"  # a snapshot is a copy
     assert log.snapshot(limit=1)[0]["worker"] == "w1"
+
+
+def test_gateway_ms_is_the_time_to_the_send_less_the_queue_wait():
+    log = DecisionLog()
+    entry = log.record(_plan("w0"), "r", queue_wait_ms=30.0)
+    assert entry["gateway_ms"] is None  # not sent yet
+    DecisionLog.sent(entry, "w0", arrived_s=time.perf_counter() - 0.050)  # arrived 50 ms ago
+    assert 20.0 <= entry["gateway_ms"] < 20.0 + 1000.0  # 50 ms less the 30 ms queued, plus this call
+    DecisionLog.sent(entry, "w1")  # no arrival time given: the figure stays
+    assert entry["worker"] == "w1" and entry["gateway_ms"] >= 20.0
+    quick = log.record(_plan("w0"), "q", queue_wait_ms=500.0)
+    DecisionLog.sent(quick, "w0", arrived_s=time.perf_counter())
+    assert quick["gateway_ms"] == 0.0  # never negative
 
 
 def test_candidates_are_cut_and_zero_capacity_keeps_nothing():
@@ -167,6 +182,7 @@ def test_real_decisions_are_listed_with_their_outcome(gw):
         assert d["prompt_tokens"] == usage.prompt_tokens and d["model"] == "tiny"
         assert {c["worker"] for c in d["candidates"]} == {"w0", "w1"} and d["candidates_total"] == 2
         assert d["queue_wait_ms"] >= 0 and d["policy"] == "ttft"
+        assert d["gateway_ms"] > 0  # parse, tokenize, lookup, choose: never free
     warm, cold = by_id["dl-warm"], by_id["dl-cold"]
     assert cold["predicted_cached_tokens"] == 0 and cold["actual_cached_tokens"] == 0
     # the warm turn shares the system prompt's full blocks with the cold one, on the same worker

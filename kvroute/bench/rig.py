@@ -26,6 +26,7 @@ import httpx
 from kvroute.bench import workers as worker_http
 from kvroute.bench.peers import PEERS, RigWorker, RouterLaunch
 from kvroute.bench.runner import RunSettings, Target, run_target
+from kvroute.bench.ttft_split import describe, ttft_split
 from kvroute.bench.workload import Workload
 from kvroute.up import Cluster, _wait_ready, free_ports
 
@@ -198,7 +199,10 @@ def run_router(name: str, spec: RigSpec, workers: list[RigWorker], workload: Wor
             result["gateway"] = gw
             gw["workers"] = {w["id"]: {k: w.get(k) for k in ("prefill_rate", "evidence")}
                              for w in _admin_get(launch.base_url, "/admin/workers")["workers"]}
-            save_decisions(_admin_get(launch.base_url, "/admin/decisions")["decisions"], spec.log_dir, name)
+            decisions = _admin_get(launch.base_url, "/admin/decisions")["decisions"]
+            save_decisions(decisions, spec.log_dir, name)
+            split = ttft_split(result.get("records", []), decisions)
+            gw["ttft_split_ms"] = split
             reasons = ", ".join(f"{k} {v}" for k, v in gw["decisions_by_reason"].items())
             result["note"] = (f"decisions: {reasons}; predicted cached tokens {gw['predicted_cached_tokens']}, "
                               f"reported {gw['reported_cached_tokens']} (usage booked for {gw['reported_requests']} "
@@ -208,6 +212,8 @@ def run_router(name: str, spec: RigSpec, workers: list[RigWorker], workload: Wor
                 result["note"] += f"; {off} sent past the longest prefix holder"
             if gw["ttft_observed_over_predicted_mean"] is not None:
                 result["note"] += f"; TTFT observed/predicted mean {gw['ttft_observed_over_predicted_mean']:.2f}"
+            if split is not None:
+                result["note"] += f"; {describe(split)}"
         elif launch.metrics_url:
             try:
                 note = PEERS[name].event_path(httpx.get(launch.metrics_url, timeout=10).text)
