@@ -141,9 +141,9 @@ class Upstream:
         ``on_cached_tokens(handle, n)``: the worker's reported cached tokens, after the response
         is complete; ``handle`` is the request's :class:`InFlight` on that worker (what it met at
         dispatch, its TTFT); ``on_first_token(handle)``: a 200 event stream's first bytes arrived
-        (its TTFT is known); ``presumed_ttft_ms(worker_id)``: for a request whose answer is not
-        streamed, when to count its prefill as done (its first byte comes only with the whole
-        answer); ``predicted_ttft_ms(worker_id)``: the policy's TTFT prediction there, which
+        (its TTFT is known), called once they have been passed on to the client;
+        ``presumed_ttft_ms(worker_id)``: for a request whose answer is not streamed, when to count
+        its prefill as done (its first byte comes only with the whole answer); ``predicted_ttft_ms(worker_id)``: the policy's TTFT prediction there, which
         tells the dispatch queue when the worker's prefill should end. Raises GatewayError
         (502/504) when nothing reached the client. With tracing on (:mod:`router.tracing`) each
         attempt is a CLIENT span ``kvroute.upstream`` whose context goes to the worker as
@@ -217,12 +217,13 @@ class Upstream:
             handle.streamed = stream and status == 200
             handle.first_byte()
             self.metrics.record_response(reg.id, status, time.perf_counter() - t0)
-            if handle.streamed and on_first_token is not None:
-                on_first_token(handle)
             with tracing.span("kvroute.stream"):
                 if stream:
+                    # the first token's bookkeeping runs once it is on its way to the client:
+                    # on a busy host the gateway waits for CPU, and the client's TTFT must not
+                    after_first = (lambda: on_first_token(handle)) if handle.streamed and on_first_token else None
                     await self._relay_stream(send, state, resp, reg, handle, first, request_id, on_cached_tokens,
-                                             strip_usage and status == 200, trace_cached)
+                                             strip_usage and status == 200, trace_cached, after_first)
                 else:
                     state.response_started = True
                     await send({"type": "http.response.start", "status": status,
@@ -246,7 +247,8 @@ class Upstream:
     async def _relay_stream(self, send, state: ClientState, resp: aiohttp.ClientResponse,
                             reg: WorkerRegistration, handle: InFlight, first: bytes, request_id: str,
                             on_cached_tokens,
-                            strip_usage: bool, trace_cached: Callable[[int], None] | None = None) -> None:
+                            strip_usage: bool, trace_cached: Callable[[int], None] | None = None,
+                            after_first: Callable[[], None] | None = None) -> None:
         watcher = (UsageStrip() if strip_usage else UsageTap()) if on_cached_tokens is not None else None
         state.response_started = True
         await send({"type": "http.response.start", "status": resp.status,
@@ -260,6 +262,9 @@ class Upstream:
                     out = watcher.feed(chunk) if watcher is not None else chunk
                     if out:
                         await send({"type": "http.response.body", "body": out, "more_body": True})
+                    if after_first is not None:
+                        after_first()
+                        after_first = None
                     async with asyncio.timeout(idle_s):
                         chunk = await resp.content.readany()
                 rest = watcher.finish() if watcher is not None else b""

@@ -38,9 +38,9 @@ def _steps_with_tokens(capture):
 def test_tokens_equal_real_vllm_tokenize(pool, model, capture):
     steps = _steps_with_tokens(capture)
     assert {s["name"] for s in steps} >= {"completion_A", "chat_1", "chat_2_multiturn", "completion_B_evicts"}
-    for step in steps:
+    for step, inline in ((s, inline) for s in steps for inline in (False, True)):  # pool thread, event loop
         kind = "chat" if step["path"] == "/v1/chat/completions" else "completion"
-        got = _run(pool.prompt_blocks(model, kind, step["request"]))
+        got = _run(pool.prompt_blocks(model, kind, step["request"], inline=inline))
         want = step["tokenize_response"]["tokens"]
         assert got.fallback is None
         assert got.token_ids == [want], step["name"]
