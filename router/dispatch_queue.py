@@ -6,10 +6,13 @@ Why: an engine serves its waiting queue in arrival order, so a request sent to a
 waits behind every prompt sent there before it, and the choice of worker is frozen at arrival,
 when the router knows least. Holding requests in the gateway instead:
 
-- a worker is *open* while the prefill its requests are predicted to have left
+- a worker is *open* while the engine shows no waiting requests of other clients and either
+  fewer than ``worker_prefills`` (2) requests are before their first byte there
+  (:meth:`~router.registry.WorkerRegistration.prefills_pending`: one in prefill, one waiting in
+  the engine to follow it at once) or the prefill its requests are predicted to have left
   (:meth:`~router.registry.WorkerRegistration.prefill_left_ms`, from the policy's TTFT
   predictions at dispatch; ``inf`` for a request the policy made none for, until its first byte)
-  is at most ``worker_queue_ms``, and the engine shows no waiting requests of other clients;
+  is at most ``worker_queue_ms``;
 - whenever a worker may have opened (a request's first byte or end, a reservation released, a
   timer at the next predicted opening, a 100 ms tick while requests wait), waiting requests are
   taken in order: those that waited ``max_wait_s`` first (arrival order), then the smallest
@@ -201,7 +204,9 @@ class DispatchQueue:
 
 
 def _is_open(reg: WorkerRegistration, now: float, settings: QueueSettings) -> bool:
-    return reg.unseen_waiting <= 0 and reg.prefill_left_ms(now) <= settings.worker_queue_ms
+    if reg.unseen_waiting > 0:
+        return False
+    return reg.prefills_pending() < settings.worker_prefills or reg.prefill_left_ms(now) <= settings.worker_queue_ms
 
 
 def _held_blocks(plan: RoutePlan) -> dict[str, int]:

@@ -213,6 +213,12 @@ class WorkerRegistration:
         self.publish_load()
         return handle
 
+    def prefills_pending(self) -> int:
+        """Requests before their first byte here: this process's in flight and reserved by its
+        dispatch queue, plus the other gateway processes' in flight not yet decoding."""
+        o = self.others()
+        return len(self.prefilling) + len(self.reserved) + max(0, o.in_flight - o.decoding)
+
     def prefill_left_ms(self, now: float) -> float:
         """Predicted milliseconds until the last of this worker's requests before their first
         byte (and of the dispatch queue's reservations) gets it: 0 when there are none; ``inf``

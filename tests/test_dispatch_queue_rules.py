@@ -2,7 +2,8 @@
 index, registry, policies) with a clock the test moves: shortest prefill first, ``max_wait_s``
 first of all, the ``holder`` and ``policy`` affinity rules, and 503 once no worker is left.
 Workers here are busy through requests counted in flight without a TTFT prediction
-(``kv_aware`` makes none), so each stays closed until the test gives that request its first byte."""
+(``kv_aware`` makes none); with ``worker_prefills: 1`` each stays closed until the test gives
+that request its first byte (the last test: the default, 2, one request waiting behind it)."""
 from __future__ import annotations
 
 import asyncio
@@ -21,6 +22,7 @@ from router.routing import PolicyHolder, Router
 from router.tokenize import TokenizerPool
 
 BLOCK = 32
+ONE_AT_A_TIME = {"enabled": True, "worker_prefills": 1}  # a worker opens only at its request's first byte
 
 
 class Clock:
@@ -39,7 +41,7 @@ async def rig(tiny_model):
     registry = WorkerRegistry()
     for wid in ("w0", "w1"):
         registry.add(WorkerConfig(id=wid, url=f"http://127.0.0.1:1/{wid}", model="tiny")).healthy = True
-    holder = PolicyHolder({"name": "kv_aware", "queue": {"enabled": True, "affinity": "holder", "affinity_wait_s": 2,
+    holder = PolicyHolder({"name": "kv_aware", "queue": {**ONE_AT_A_TIME, "affinity": "holder", "affinity_wait_s": 2,
                                                           "max_wait_s": 10}})
     metrics = GatewayMetrics(registry.all)
     index = MemoryIndex()
@@ -119,7 +121,7 @@ async def test_holder_affinity_waits_for_the_holder_then_gives_up(rig):
 
 async def test_policy_affinity_waits_only_while_the_policy_prefers_the_busy_holder(rig):
     router, registry, queue, _, holder, index = rig
-    holder.replace({"name": "kv_aware", "queue": {"enabled": True, "affinity": "policy", "affinity_wait_s": 30}})
+    holder.replace({"name": "kv_aware", "queue": {**ONE_AT_A_TIME, "affinity": "policy", "affinity_wait_s": 30}})
     body = _body(300, "p")
     warm = await _plan(router, body)
     await index.store("w0", "gpu", warm.blocks.first_keys)
@@ -158,7 +160,7 @@ async def test_queue_off_returns_the_plan_untouched(rig):
 
 async def test_policy_affinity_counts_the_requests_already_waiting_for_a_worker(rig):
     router, registry, queue, _, holder, index = rig
-    holder.replace({"name": "kv_aware", "queue": {"enabled": True, "affinity": "policy", "affinity_wait_s": 30}})
+    holder.replace({"name": "kv_aware", "queue": {**ONE_AT_A_TIME, "affinity": "policy", "affinity_wait_s": 30}})
     shared = _body(300, "p")
     await index.store("w0", "gpu", (await _plan(router, shared)).blocks.first_keys)
     busy = registry.get("w0").begin(50)
@@ -183,7 +185,7 @@ async def test_ttft_waits_longer_for_a_conversations_history_than_for_a_hot_pref
     keys)."""
     router, registry, queue, clock, holder, index = rig
     holder.replace({"name": "ttft", "private_affinity_wait_s": 6,
-                    "queue": {"enabled": True, "affinity": "policy", "affinity_wait_s": 2}})
+                    "queue": {**ONE_AT_A_TIME, "affinity": "policy", "affinity_wait_s": 2}})
     body = _body(300, "p")
     warm = await _plan(router, body)
     await index.store("w0", "gpu", warm.blocks.first_keys)
@@ -216,3 +218,32 @@ async def test_ttft_waits_longer_for_a_conversations_history_than_for_a_hot_pref
     assert hot.done() and hot.result()[0].decision.worker_id == "w1"
     hot.result()[1].release()
     busy.finish()
+
+
+async def test_two_prefills_per_worker_keep_one_request_waiting_in_the_engine(rig):
+    """The default ``worker_prefills: 2``: a worker with one request before its first byte is
+    still open (the next one waits in the engine, ready to follow at once); with two it is
+    closed until one of them has its first byte. Reservations count as requests on their way."""
+    router, registry, queue, _, holder, _ = rig
+    holder.replace({"name": "kv_aware", "queue": {"enabled": True, "affinity": "holder"}})
+    assert holder.policy.queue.worker_prefills == 2
+    registry.get("w1").healthy = False
+    w0 = registry.get("w0")
+    first = w0.begin(500)
+    second = await _enqueue(queue, await _plan(router, _body(10, "a")))
+    await _settle()
+    assert second.done() and second.result()[0].decision.worker_id == "w0"  # one ahead: open
+    third = await _enqueue(queue, await _plan(router, _body(10, "b")))
+    await _settle()
+    assert not third.done() and w0.prefills_pending() == 2  # the request and the reservation
+    second.result()[1].release()  # the second is counted in flight in its place...
+    second_in_flight = w0.begin(10)
+    queue.pump()
+    await _settle()
+    assert not third.done() and w0.prefills_pending() == 2  # ...still two before a first byte
+    first.first_byte()  # the first one's prefill is done: one left, the worker opens
+    await _settle()
+    assert third.done() and third.result()[0].decision.worker_id == "w0" and queue.queued == 0
+    third.result()[1].release()
+    first.finish()
+    second_in_flight.finish()
