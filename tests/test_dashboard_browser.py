@@ -190,6 +190,11 @@ def test_workers_and_decisions_are_shown_and_move_with_traffic(gw, page):
     expect(page.locator("#decisions tbody tr").first).to_have_attribute("data-request-id", "dash-more-3")
     # each decision lists both candidates with their matched blocks, load and cost
     expect(decision_row(page, "dash-more-3").locator("table.cands tr")).to_have_count(2)
+    # and the gateway's own time before the send, as /admin/decisions has it
+    logged = next(d for d in admin_get(gw, "/admin/decisions").json()["decisions"] if d["request_id"] == "dash-more-3")
+    cell = decision_row(page, "dash-more-3").locator(".gateway-ms")
+    expect(cell).to_have_text(re.compile(r"^\d+\.\d$"))  # one decimal, as the page rounds it
+    assert abs(float(cell.inner_text()) - logged["gateway_ms"]) <= 0.05 + 1e-9
 
 
 def test_the_explain_box_shows_the_decision_for_a_pasted_body(gw, page):
