@@ -100,7 +100,10 @@ def remove_stale() -> list[str]:
                 removed.append(f"netns {name}")
     for dev in re.findall(r"^\d+: (" + PREFIX + r"\d+[ab])[@:]", links, re.MULTILINE):
         if not _pid_alive(int(dev[len(PREFIX):-1])):
-            if _run(["ip", "link", "del", dev], check=False).returncode == 0:
+            # deleting a namespace takes its veth end's peer down with it, in the background: the
+            # host end may be gone by now, removed all the same
+            if (_run(["ip", "link", "del", dev], check=False).returncode == 0
+                    or _run(["ip", "link", "show", "dev", dev], check=False).returncode != 0):
                 removed.append(f"link {dev}")
     return removed
 
