@@ -143,9 +143,10 @@ async def test_waits_for_the_prefix_holder_until_affinity_wait(cluster):
         for affinity_wait_s, want in ((30.0, home), (0.0, other)):
             put = await client.put(base + "/admin/policy", json=_queue_policy(affinity_wait_s), headers=ADMIN)
             assert put.status_code == 200 and put.json()["queue"]["affinity_wait_s"] == affinity_wait_s
-            # a long prompt on the shared prefix goes home and keeps it prefilling
-            long = asyncio.create_task(_first_chunk(client, base, _body(shared + " " + _prompt("l", LONG_WORDS)),
-                                                    [], "long"))
+            # a long prompt on the shared prefix goes home and keeps it prefilling (its own words
+            # each round: the same prompt again would be cached there, its prefill over at once)
+            own = _prompt(f"l{int(affinity_wait_s)}x", LONG_WORDS)
+            long = asyncio.create_task(_first_chunk(client, base, _body(shared + " " + own), [], "long"))
             await asyncio.to_thread(wait_until, lambda: _prefilling(base, home), 30, "long dispatched")
             follow_up = await _first_chunk(client, base, _body(shared + " one more"), [], "follow")
             assert follow_up == want, (affinity_wait_s, home)
