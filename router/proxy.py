@@ -143,8 +143,9 @@ class Upstream:
         dispatch, its TTFT); ``on_first_token(handle)``: a 200 event stream's first bytes arrived
         (its TTFT is known), called once they have been passed on to the client;
         ``presumed_ttft_ms(worker_id)``: for a request whose answer is not streamed, when to count
-        its prefill as done (its first byte comes only with the whole answer); ``predicted_ttft_ms(worker_id)``: the policy's TTFT prediction there, which
-        tells the dispatch queue when the worker's prefill should end. Raises GatewayError
+        its prefill as done (its first byte comes only with the whole answer);
+        ``predicted_ttft_ms(worker_id)``: the policy's TTFT prediction there, which tells the
+        dispatch queue when the worker's prefill should end. Raises GatewayError
         (502/504) when nothing reached the client. With tracing on (:mod:`router.tracing`) each
         attempt is a CLIENT span ``kvroute.upstream`` whose context goes to the worker as
         ``traceparent`` (in place of the client's), with children ``kvroute.ttfb`` and

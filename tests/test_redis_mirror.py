@@ -17,7 +17,7 @@ import uuid
 import pytest
 import redis
 import redis.asyncio
-from conftest import SESSION_DEADLINE_S, Proc, free_port, redis_argv, wait_redis
+from conftest import PROCESS_DEADLINE_S, SESSION_DEADLINE_S, Proc, free_port, redis_argv, wait_redis
 from kv_replay_publisher import until
 
 from kvcore.index import make_index
@@ -30,9 +30,9 @@ from kvcore.index.redis_mirror import RedisMirrorIndex
 K = list(range(700, 712))
 
 
-def _start_server(exe: str, log_dir, port: int, deadline_s: float | None = None) -> Proc:
-    kw = {} if deadline_s is None else {"deadline_s": deadline_s}
-    p = Proc(f"{os.path.basename(exe)}-{port}-{time.monotonic_ns()}", redis_argv(exe, port), log_dir, **kw)
+def _start_server(exe: str, log_dir, port: int, deadline_s: float = PROCESS_DEADLINE_S) -> Proc:
+    p = Proc(f"{os.path.basename(exe)}-{port}-{time.monotonic_ns()}", redis_argv(exe, port), log_dir,
+             deadline_s=deadline_s)
     wait_redis(port, p)
     return p
 
