@@ -170,13 +170,15 @@ def test_repeats_aggregate_to_medians_and_keep_every_run():
 
     def run(p50, hit, errors, w0):
         return {"name": "r", "requests": 10, "errors": errors, "ttft_ms": {"p50": p50, "p90": None},
-                "hit_rate": hit, "per_worker": {"w0": {"requests": w0}}, "records": [{"index": 0}]}
+                "hit_rate": hit, "per_worker": {"w0": {"requests": w0}}, "records": [{"index": 0}],
+                "note": f"decisions: load {w0}"}
     agg = aggregate_repeats([run(100.0, 0.5, 0, 4), run(300.0, 0.1, 1, 6), run(200.0, 0.3, 0, 5)])
     assert agg["ttft_ms"] == {"p50": 200.0, "p90": None}
     assert agg["hit_rate"] == pytest.approx(0.3) and agg["per_worker"] == {"w0": {"requests": 5}}
     assert (agg["errors"], agg["runs"], agg["requests"]) == (1, 3, 30)  # totals over the runs
     assert [r["ttft_ms"]["p50"] for r in agg["repeats"]] == [100.0, 300.0, 200.0]
     assert [r["repeat"] for r in agg["records"]] == [0, 1, 2]
+    assert agg["note"] == "run 1 of 3: decisions: load 4"  # a note is text: the first run's, said so
     assert aggregate_repeats([run(1.0, 0.2, 0, 1)])["runs"] == 1
 
 

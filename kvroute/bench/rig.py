@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 
 from kvroute.bench import workers as worker_http
+from kvroute.bench.cpu import CpuMeter, cpu_report
 from kvroute.bench.peers import PEERS, RigWorker, RouterLaunch
 from kvroute.bench.runner import RunSettings, Target, run_target
 from kvroute.bench.ttft_split import describe, ttft_split
@@ -190,7 +191,11 @@ def run_router(name: str, spec: RigSpec, workers: list[RigWorker], workload: Wor
             worker_http.reset_prefix_cache(w.url, spec.served_model_name)
         if name.startswith("kvroute:"):
             _wait_until(lambda: _index_empty(launch.base_url), INDEX_CLEAR_TIMEOUT_S, f"{name}'s index emptied")
+        worker_pids = [c.popen.pid for c in cluster.children if c.name in {w.id for w in workers}]
+        meter = CpuMeter({"router": [child.popen.pid], "workers": worker_pids})
+        meter.start()
         result = run_target(Target(name, launch.base_url), workload, settings)
+        result["cpu"] = cpu_report(meter.stop(), result["requests"], result["duration_s"])
         if name.startswith("kvroute:"):
             ok = result["requests"] - result["errors"]
             # the gateway books a request's usage as its stream ends: wait until all are booked

@@ -114,7 +114,8 @@ def aggregate_repeats(results: list[dict[str, Any]]) -> dict[str, Any]:
     """One entry for a target measured ``len(results)`` times (repeats of the same workload):
     every figure is the median over the repeats, ``requests`` and ``errors`` the totals, ``runs`` the count,
     ``repeats`` each run's figures (records left out) and ``records`` every run's records, each
-    with its ``repeat`` number (0-based). A single result is returned with ``runs`` 1."""
+    with its ``repeat`` number (0-based); a ``note`` (text) is the first run's, prefixed
+    ``run 1 of N:``. A single result is returned with ``runs`` 1."""
     if len(results) == 1:
         return {**results[0], "runs": 1}
     figures = [{k: v for k, v in r.items() if k != "records"} for r in results]
@@ -122,6 +123,8 @@ def aggregate_repeats(results: list[dict[str, Any]]) -> dict[str, Any]:
     out["requests"] = sum(r["requests"] for r in results)  # both totals over the runs
     out["errors"] = sum(r["errors"] for r in results)
     out["runs"] = len(results)
+    if out.get("note"):  # notes are text: the first run's, said so
+        out["note"] = f"run 1 of {len(results)}: {out['note']}"
     out["repeats"] = figures
     out["records"] = [{**rec, "repeat": i} for i, r in enumerate(results) for rec in r["records"]]
     return out
