@@ -2,7 +2,7 @@
 
 | method path | answer |
 |---|---|
-| GET /admin/workers | ``{"workers": [worker entry + {"blocks": {gpu, cpu, ssd}, "speculative_blocks", "peer"}], "models": {model: {"prefill_rate"}}}`` (``models``: each base model's TTFT line learned from all of its workers, the entry's ``prefill_rate`` shape; ``peer``: the worker's peer-pull state as routing uses it, :class:`router.peer_pull.PeerInfo`: ``serve``, ``pull``, ``block_bytes``, ``block_size``, ``link_bytes_per_s``, ``pull_overhead_ms``, ``pulls``, ``pulled_blocks``, ``failed_pulls``; null when its agent publishes none) |
+| GET /admin/workers | ``{"workers": [worker entry + {"blocks": {gpu, cpu, ssd}, "speculative_blocks", "peer"}], "models": {model: {"prefill_rate"}}}`` (``models``: each base model's TTFT line learned from all of its workers, the entry's ``prefill_rate`` shape; a worker's ``prefill_rate.speed_factor``: its TTFTs over that line's, the median, which ``ttft`` scales the line by, null until known; ``peer``: the worker's peer-pull state as routing uses it, :class:`router.peer_pull.PeerInfo`: ``serve``, ``pull``, ``block_bytes``, ``block_size``, ``link_bytes_per_s``, ``pull_overhead_ms``, ``pulls``, ``pulled_blocks``, ``failed_pulls``; null when its agent publishes none) |
 | POST /admin/workers | body: a config worker ``{id?, url, model, events?, replay?}`` -> 201 the entry; 400 bad, 409 id taken |
 | DELETE /admin/workers/{id} | 200 ``{"removed": id}``; index entries purged, in-flight requests finish; 404 unknown |
 | POST /admin/workers/{id}/drain[?wait_s=S] | 200 the entry (``draining: true``; ``drained: true`` once its in-flight count is 0; with ``wait_s`` the answer waits up to S s for that); 404 unknown |
@@ -105,6 +105,9 @@ def make_admin_router(gateway: Gateway) -> APIRouter:
             entry["speculative_blocks"] = st.speculative_blocks if st else 0
             peer = gateway.peers.get(reg.id)
             entry["peer"] = peer.as_dict() if peer is not None else None
+            model_line = gateway.registry.model_rate(reg.model).learned
+            speed = reg.prefill_rate.speed_factor(model_line) if model_line is not None else None
+            entry["prefill_rate"]["speed_factor"] = round(speed[0], 3) if speed is not None else None
             out.append(entry)
         models = {m: {"prefill_rate": gateway.registry.model_rate(m).state()}
                   for m in sorted({reg.model for reg in gateway.registry.all()})}

@@ -6,10 +6,13 @@ Why: an engine serves its waiting queue in arrival order, so a request sent to a
 waits behind every prompt sent there before it, and the choice of worker is frozen at arrival,
 when the router knows least. Holding requests in the gateway instead:
 
-- a worker is *open* while the engine shows no waiting requests of other clients and either
-  fewer than ``worker_prefills`` (2) requests are before their first byte there
-  (:meth:`~router.registry.WorkerRegistration.prefills_pending`: one in prefill, one waiting in
-  the engine to follow it at once) or the prefill its requests are predicted to have left
+- a worker is *open* to a request while the engine shows no waiting requests of other clients
+  and either fewer than ``worker_prefills`` (2: one in prefill, one waiting in the engine to
+  follow it at once) requests are before their first byte there
+  (:meth:`~router.registry.WorkerRegistration.prefills_pending`), or ``holder_prefills`` (2)
+  when the worker holds the request's longest cached prefix and that is more than every
+  routable worker holds (the larger of the two applies), or the
+  prefill its requests are predicted to have left
   (:meth:`~router.registry.WorkerRegistration.prefill_left_ms`, from the policy's TTFT
   predictions at dispatch; ``inf`` for a request the policy made none for, until its first byte)
   is at most ``worker_queue_ms``;
@@ -164,7 +167,8 @@ class DispatchQueue:
                 self._entries.remove(entry)
                 entry.future.set_exception(no_healthy_worker(entry.plan.model.name))
                 continue
-            ready = [r for r in regs if _is_open(r, now, settings)]
+            holders = _holders(entry, regs)
+            ready = [r for r in regs if _is_open(r, now, settings, r.id in holders)]
             if not ready:
                 continue
             affinity_wait_s = entry.affinity_wait_s(settings)
@@ -203,10 +207,21 @@ class DispatchQueue:
         self._timer = asyncio.get_running_loop().call_later(max(0.0, wake_s - now) + 1e-4, self.pump)
 
 
-def _is_open(reg: WorkerRegistration, now: float, settings: QueueSettings) -> bool:
+def _is_open(reg: WorkerRegistration, now: float, settings: QueueSettings, holder: bool = False) -> bool:
     if reg.unseen_waiting > 0:
         return False
-    return reg.prefills_pending() < settings.worker_prefills or reg.prefill_left_ms(now) <= settings.worker_queue_ms
+    limit = max(settings.worker_prefills, settings.holder_prefills) if holder else settings.worker_prefills
+    return reg.prefills_pending() < limit or reg.prefill_left_ms(now) <= settings.worker_queue_ms
+
+
+def _holders(entry: "_Entry", regs: list[WorkerRegistration]) -> set[str]:
+    """Workers holding ``entry``'s longest credited prefix (within one block) when that is more
+    than every routable worker holds (a prefix all of them hold sets none apart)."""
+    held = [entry.held_blocks.get(r.id, 0) for r in regs]
+    top, floor = max(held), min(held)
+    if top <= floor:
+        return set()
+    return {r.id for r, n in zip(regs, held) if n > floor and n >= top - 1}
 
 
 def _held_blocks(plan: RoutePlan) -> dict[str, int]:

@@ -375,10 +375,11 @@ class WorkerRegistry:
 
     def model_rate(self, model: str) -> PrefillRateEstimator:
         """The TTFT line of base model ``model`` learned from every one of its workers' requests
-        (made on first use): the line a worker starts from until enough workers have their own
-        (:func:`router.policies.ttft.pooled_rate`). One estimator learns from all workers, so a
-        gateway knows its hardware after a handful of requests rather than after a handful per
-        worker."""
+        (made on first use). ``ttft`` predicts every worker by this line, scaled by the worker's
+        own speed factor against it (:meth:`router.ttft_model.PrefillRateEstimator.speed_factor`):
+        one estimator learns from all workers, so a gateway knows its hardware after a handful of
+        requests rather than after a handful per worker, and one line fitted to many TTFTs is
+        steadier than one per worker."""
         rate = self._model_rates.get(model)
         if rate is None:
             rate = self._model_rates[model] = PrefillRateEstimator()

@@ -363,7 +363,8 @@ class Router:
     def _candidates(self, regs: list[WorkerRegistration], matches: dict[str, TierMatch],
                     request: RouteRequest, blocks: PromptBlocks | None = None) -> list[Candidate]:
         """The policy's candidates: each routable worker's load, match, learned rate (and the
-        model's, :meth:`~router.registry.WorkerRegistry.model_rate`) and evidence, the recent
+        model's, :meth:`~router.registry.WorkerRegistry.model_rate`, with the worker's speed
+        factor against it) and evidence, the recent
         uses of its matched prefix (:attr:`prefix_uses` at the last matched block of ``blocks``),
         and, when agents publish peer-pull states (:mod:`router.peer_pull`), its peer info and the
         blocks it can pull from a peer (capped by the prompt's creditable blocks,
@@ -371,7 +372,8 @@ class Router:
         credited is no peer)."""
         model_rate = self.registry.model_rate(request.model).learned
         out = [Candidate(r.id, r.load(), matches.get(r.id) or TierMatch(), r.prefill_rate.learned,
-                         r.evidence_credited, r.evidence.credit_weight, model_prefill_rate=model_rate)
+                         r.evidence_credited, r.evidence.credit_weight, model_prefill_rate=model_rate,
+                         prefill_speed=r.prefill_rate.speed_factor(model_rate) if model_rate else None)
                for r in regs]
         keys = blocks.first_keys if blocks is not None else []
         for c in out:

@@ -3,7 +3,8 @@ index, registry, policies) with a clock the test moves: shortest prefill first, 
 first of all, the ``holder`` and ``policy`` affinity rules, and 503 once no worker is left.
 Workers here are busy through requests counted in flight without a TTFT prediction
 (``kv_aware`` makes none); with ``worker_prefills: 1`` each stays closed until the test gives
-that request its first byte (the last test: the default, 2, one request waiting behind it)."""
+that request its first byte (the default; then 2, one request waiting behind it, and a prefix
+holder's second slot, ``holder_prefills``)."""
 from __future__ import annotations
 
 import asyncio
@@ -22,7 +23,7 @@ from router.routing import PolicyHolder, Router
 from router.tokenize import TokenizerPool
 
 BLOCK = 32
-ONE_AT_A_TIME = {"enabled": True, "worker_prefills": 1}  # a worker opens only at its request's first byte
+ONE_AT_A_TIME = {"enabled": True, "worker_prefills": 1, "holder_prefills": 1}  # opens only at a first byte
 
 
 class Clock:
@@ -221,12 +222,11 @@ async def test_ttft_waits_longer_for_a_conversations_history_than_for_a_hot_pref
 
 
 async def test_two_prefills_per_worker_keep_one_request_waiting_in_the_engine(rig):
-    """The default ``worker_prefills: 2``: a worker with one request before its first byte is
-    still open (the next one waits in the engine, ready to follow at once); with two it is
-    closed until one of them has its first byte. Reservations count as requests on their way."""
+    """``worker_prefills: 2``: a worker with one request before its first byte is still open
+    (the next one waits in the engine, ready to follow at once); with two it is closed until one
+    of them has its first byte. Reservations count as requests on their way."""
     router, registry, queue, _, holder, _ = rig
-    holder.replace({"name": "kv_aware", "queue": {"enabled": True, "affinity": "holder"}})
-    assert holder.policy.queue.worker_prefills == 2
+    holder.replace({"name": "kv_aware", "queue": {"enabled": True, "affinity": "holder", "worker_prefills": 2}})
     registry.get("w1").healthy = False
     w0 = registry.get("w0")
     first = w0.begin(500)
@@ -247,3 +247,39 @@ async def test_two_prefills_per_worker_keep_one_request_waiting_in_the_engine(ri
     third.result()[1].release()
     first.finish()
     second_in_flight.finish()
+
+
+async def test_a_prefix_holder_takes_one_more_of_its_own_requests(rig):
+    """``worker_prefills: 1, holder_prefills: 2``: a worker with one request before its first
+    byte is closed to a prompt it holds nothing of, but still open to a follow-up of a prefix it
+    holds (more than the other worker), which waits in its engine; a prefix both hold sets no
+    worker apart."""
+    router, registry, queue, _, holder, index = rig
+    holder.replace({"name": "kv_aware", "queue": {"enabled": True, "worker_prefills": 1, "holder_prefills": 2,
+                                                  "affinity": "holder", "affinity_wait_s": 30}})
+    w0, w1 = registry.get("w0"), registry.get("w1")
+    history = _body(300, "h")
+    await index.store("w0", "gpu", (await _plan(router, history)).blocks.first_keys)
+    both = _body(300, "b")
+    keys = (await _plan(router, both)).blocks.first_keys
+    await index.store("w0", "gpu", keys)
+    await index.store("w1", "gpu", keys)
+    first0, first1 = w0.begin(500), w1.begin(500)
+    fresh = await _enqueue(queue, await _plan(router, _body(10, "f")))
+    shared = await _enqueue(queue, await _plan(router, both))
+    follow = await _enqueue(queue, await _plan(router, history))
+    await _settle()
+    assert not fresh.done() and not shared.done()  # one before its first byte on each: closed to these
+    assert follow.done() and follow.result()[0].decision.worker_id == "w0"  # the holder's second slot
+    follow.result()[1].release()
+    follow_in_flight = w0.begin(20)
+    first1.first_byte()  # w1 opens: the shorter waiting prefill (shared's, cached) goes first
+    await _settle()
+    assert shared.done() and shared.result()[0].decision.worker_id == "w1" and not fresh.done()
+    shared.result()[1].release()
+    for handle in (first0, first1, follow_in_flight):
+        handle.finish()
+    queue.pump()
+    await _settle()
+    assert fresh.done()
+    fresh.result()[1].release()

@@ -116,6 +116,20 @@ def test_streamed_requests_teach_each_worker_its_prefill_rate(ttft_cluster):
             assert rate["learned"] is True and rate["ms_per_token"] > 0 and min(total, 64) - 4 < rate["samples"] <= min(total, 64)
     assert metric(base, "kvroute_ttft_prediction_ratio_count") - ratios0 == 40
     assert metric(base, "kvroute_predicted_ttft_seconds_count") - predicted0 == 40
+    # each worker's speed factor against the model's line, once it has 8 samples, scales that
+    # line in its predictions (shrunk toward 1 by samples / (samples + 16))
+    line = admin(base, "GET", "/admin/workers").json()["models"]["tiny"]["prefill_rate"]
+    out = admin(base, "POST", "/admin/explain", chat("learn-explain", 150)).json()
+    for c in out["candidates"]:
+        rate = state[c["worker"]]["prefill_rate"]
+        factor, n = rate["speed_factor"], min(rate["observed"], 64)
+        if n < 8:
+            assert factor is None
+            continue
+        assert factor > 0
+        k = 1 + (factor - 1) * n / (n + 16)
+        assert c["predicted_ttft_ms"] == pytest.approx(
+            k * (line["overhead_ms"] + line["ms_per_token"] * out["prompt_tokens"]), rel=0.01)
     learned = [w for w, n in sent.items() if state[w]["prefill_rate"]["learned"]]
     text = httpx.get(base + "/metrics", timeout=10).text
     for wid in learned:

@@ -7,6 +7,7 @@ DECODE_INTERFERENCE_TOKENS (16) tokens.
 from __future__ import annotations
 
 import random
+import statistics
 
 import pytest
 
@@ -48,8 +49,8 @@ def test_ttft_config_defaults_round_trip():
                    "prefill_overhead_ms": 25.0, "prefill_ms_per_token": 0.1, "learn_prefill_rate": True,
                    "engine_waiting_prefill_tokens": 1024.0, "spread_margin": 1.0, "recompute_weight": 1.0,
                    "private_recompute_weight": 3.0, "private_affinity_wait_s": 5.0,
-                   "queue": {"enabled": True, "worker_prefills": 2, "worker_queue_ms": 0.0, "affinity": "policy",
-                             "affinity_wait_s": 5.0, "max_wait_s": 10.0}}
+                   "queue": {"enabled": True, "worker_prefills": 2, "holder_prefills": 2, "worker_queue_ms": 0.0,
+                             "affinity": "policy", "affinity_wait_s": 5.0, "max_wait_s": 10.0}}
     assert describe(make_policy(cfg)) == cfg  # round trip
 
 
@@ -155,46 +156,65 @@ def test_prefix_gone_everywhere_goes_by_queue():
     assert (d.worker_id, d.reason) == ("w1", "load")
 
 
-def test_learned_rates_make_a_faster_worker_win():
+def test_a_slower_worker_by_its_speed_factor_loses():
     policy = make_policy({"name": "ttft", "recompute_weight": 0, "private_recompute_weight": 0})
-    slow, fast = PrefillRate(30.0, 0.4, 64), PrefillRate(10.0, 0.1, 64)
-    d = policy.choose(req(1000), [cand("slow", gpu=30, rate=slow), cand("fast", rate=fast)])
-    # each line shrunk halfway (64 samples) to the median line (20 ms, 0.25 ms/token):
-    # slow 25 + 0.325 x 520 = 194 ms; fast 15 + 0.175 x 1000 = 190 ms
-    assert ttfts(d) == pytest.approx({"slow": 194.0, "fast": 190.0})
+    model_line = PrefillRate(20.0, 0.25, 64)  # learned from every worker's TTFTs together
+    slow, fast = cand("slow", gpu=30), cand("fast")
+    slow.prefill_speed, fast.prefill_speed = (2.0, 48), (0.5, 48)  # median observed / model line
+    for c in (slow, fast):
+        c.model_prefill_rate = model_line
+    d = policy.choose(req(1000), [slow, fast])
+    # factors shrunk toward 1 by 48 / (48 + 16): slow 1.75x, fast 0.625x the model's line
+    assert ttfts(d) == pytest.approx({"slow": 1.75 * (20 + 0.25 * 520), "fast": 0.625 * (20 + 0.25 * 1000)})
     assert d.worker_id == "fast"
     frozen = make_policy({"name": "ttft", "learn_prefill_rate": False, "recompute_weight": 0,
                           "private_recompute_weight": 0})
-    assert frozen.choose(req(1000), [cand("slow", gpu=30, rate=slow), cand("fast", rate=fast)]).worker_id == "slow"
+    assert frozen.choose(req(1000), [slow, fast]).worker_id == "slow"  # the prior for both: the hit wins
 
 
-def test_one_noisy_fit_is_pulled_to_its_peers_and_new_workers_start_from_them():
+def test_noisy_lines_of_identical_workers_do_not_outrank_a_cached_prefix():
+    """Seen on 2 real vLLM-CPU workers: own lines (overhead, slope) fitted to ~30 TTFTs each were
+    (91 ms, 0.055) and (98 ms, 0.092); shrunk toward their median they ranked the worker holding
+    800 of a 924-token prompt below an idle one holding nothing. Their speed factors against the
+    model's line are near 1, so the holder wins."""
     policy = make_policy({"name": "ttft"})
-    peers = [PrefillRate(50.0, 0.6, 64), PrefillRate(60.0, 0.6, 64), PrefillRate(180.0, 0.25, 16)]
-    cands = [cand(f"w{i}", rate=r) for i, r in enumerate(peers)] + [cand("new")]
-    d = policy.choose(req(1000), cands)
-    t = ttfts(d)
-    # median line 60 ms + 0.6 ms/token; w2 (16 samples) keeps a fifth of its own
-    assert t["new"] == pytest.approx(60 + 0.6 * 1000)
-    assert t["w2"] == pytest.approx((0.2 * 180 + 0.8 * 60) + (0.2 * 0.25 + 0.8 * 0.6) * 1000)
+    model_line = PrefillRate(95.0, 0.073, 64)
+    holder = cand("holder", gpu=50, rate=PrefillRate(98.0, 0.092, 26))
+    other = cand("other", rate=PrefillRate(91.0, 0.055, 37))
+    holder.prefill_speed, other.prefill_speed = (1.04, 26), (0.97, 37)
+    for c in (holder, other):
+        c.model_prefill_rate = model_line
+    d = policy.choose(req(924), [holder, other])
+    k_holder, k_other = 1 + 0.04 * 26 / 42, 1 - 0.03 * 37 / 53
+    assert ttfts(d) == pytest.approx({"holder": k_holder * (95 + 0.073 * (924 - 800)),
+                                      "other": k_other * (95 + 0.073 * 924)})
+    assert (d.worker_id, d.reason) == ("holder", "prefix_hit")
 
 
-def test_until_two_workers_have_lines_every_worker_starts_from_the_models():
+def test_the_models_line_until_a_worker_has_a_factor_and_the_prior_before_that():
     policy = make_policy({"name": "ttft"})
     model_line = PrefillRate(20.0, 0.5, 8)  # learned from all workers' requests together
     cands = [cand("w0", rate=PrefillRate(10.0, 0.2, 64)), cand("w1")]
     for c in cands:
         c.model_prefill_rate = model_line
+    cands[0].prefill_speed = (0.5, 16)
     t = ttfts(policy.choose(req(1000), cands))
-    # w1 has no line: the model's, 20 + 0.5 x 1000; w0's own (64 samples) is shrunk halfway to it
-    assert t == pytest.approx({"w1": 520.0, "w0": 15.0 + 0.35 * 1000})
-    # two workers with lines: their median is the pooled line; the model's is no longer used
-    cands.append(cand("w2", rate=PrefillRate(30.0, 0.4, 64)))
-    cands[2].model_prefill_rate = model_line
-    t = ttfts(policy.choose(req(1000), cands))
-    assert t["w1"] == pytest.approx(20.0 + 0.3 * 1000)  # median of (10, 0.2) and (30, 0.4)
+    # w1 has no factor: the model's line; w0's own line is not used, its factor (halved to 0.75) is
+    assert t == pytest.approx({"w1": 520.0, "w0": 0.75 * 520.0})
     # nothing learned anywhere: the configured prior
     assert ttfts(policy.choose(req(1000), [cand("w0"), cand("w1")]))["w1"] == pytest.approx(25 + 0.1 * 1000)
+
+
+def test_speed_factor_is_the_median_ratio_to_the_models_line():
+    est = PrefillRateEstimator()
+    model_line = PrefillRate(10.0, 0.1)
+    for i in range(7):
+        est.observe(100.0 * (i + 1), 2 * (10.0 + 10.0 * (i + 1)))
+    assert est.speed_factor(model_line) is None  # fewer than MIN_SAMPLES
+    est.observe(800.0, 2 * 90.0)
+    est.observe(900.0, 5000.0)  # one stall: the median does not move
+    assert est.speed_factor(model_line) == (pytest.approx(2.0), 9)
+    assert est.speed_factor(PrefillRate(20.0, 0.2)) == (pytest.approx(1.0), 9)  # a new reference
 
 
 def test_other_clients_requests_count_as_queue():
@@ -420,3 +440,28 @@ def test_in_flight_handle_books_the_queue_it_joined_and_its_ttft():
     second.finish()
     second.finish()
     assert (reg.in_flight, reg.prefill_tokens, reg.decoding) == (0, 0, 0)
+
+
+def test_a_line_that_traded_slope_for_overhead_is_capped_at_the_fastest_requests():
+    """Cold prompts whose TTFTs do not grow with their size (the larger ones came at quieter
+    moments of a busy CPU host) and a few cached ones that came back fast: Theil-Sen alone fits a
+    flat line with a large overhead, which values a cached prefix at nothing. The overhead is
+    capped at the fastest tenth of the TTFTs and the slope re-taken through it."""
+    rng = random.Random(3)
+    samples = []
+    for _ in range(28):
+        x = rng.uniform(800, 2400)
+        samples.append((x, 260 - 0.05 * (x - 800) + rng.uniform(-30, 30)))
+    samples += [(124.0, 50.0 + i) for i in range(4)]
+    xs, ys = [x for x, _ in samples], [y for _, y in samples]
+    raw_intercept, raw_slope = theil_sen(xs, ys)
+    assert raw_slope < 0 and raw_intercept > 200  # the flat line (its slope would be clamped to ~0)
+    est = PrefillRateEstimator()
+    for x, y in samples:
+        est.observe(x, y)
+    line = est.learned
+    assert line.overhead_ms == pytest.approx(statistics.quantiles(ys, n=10)[0])  # 10th percentile
+    assert 50.0 <= line.overhead_ms <= 54.0
+    assert line.ms_per_token == pytest.approx(statistics.median((y - line.overhead_ms) / x for x, y in samples))
+    assert line.ms_per_token > 0.05
+    assert line.ttft_ms(924) - line.ttft_ms(124) > 40  # a cached 800-token prefix is worth something

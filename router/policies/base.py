@@ -53,7 +53,9 @@ class Candidate:
     its own matched run that it can pull from another worker, ``peer_worker`` (0 / None: none).
 
     ``model_prefill_rate``: the TTFT line learned from every worker of the request's model (the
-    same for every candidate), None before it has been learned.
+    same for every candidate), None before it has been learned; ``prefill_speed``: this
+    worker's ``(speed factor, samples)`` against that line
+    (:meth:`router.ttft_model.PrefillRateEstimator.speed_factor`), None until it has enough.
 
     ``prefix_uses``: how many of the gateway's recent requests passed through the last block of
     this candidate's matched prefix (:mod:`router.prefix_uses`; 0 without a match): 0 or 1 for a
@@ -70,6 +72,7 @@ class Candidate:
     peer_blocks: int = 0
     peer_worker: str | None = None
     model_prefill_rate: PrefillRate | None = None
+    prefill_speed: tuple[float, int] | None = None
     prefix_uses: int = 0
 
 

