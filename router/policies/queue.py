@@ -24,15 +24,19 @@ shortest prefill first), which :mod:`router.dispatch_queue` runs.
 
   | rig | 1 and 1 | 2 and 2 (default) | 1 and 2 |
   |---|---|---|---|
-  | 8-worker Mooncake sim (2 runs) | 897 / 3231, 0.092 | 1149 / 3866, 0.091 | 926 / 3316, 0.103 |
-  | 2 real vLLM-CPU, p50 / round robin's | 1.00x | 0.82-0.98x | 0.93, 0.95, 1.14x |
+  | 8-worker Mooncake sim, 2 runs | 897 / 3231, 0.092 | 1149 / 3866, 0.091 | 926 / 3316, 0.103 |
+  | the same, one run, with every peer router | | 1086 / 3630, 0.097 | 853 / 3240, 0.099 |
+  | 2 real vLLM-CPU, p50 / round robin's | 1.00x | 0.82-1.08x, median 0.94x | 0.93-1.15x |
 
-  (real vLLM: sets of 6 runs side by side with round robin; 3 sets each for the last two)
+  (real vLLM: sets of 6 runs side by side with round robin, over this session's and the last
+  one's rate models; 18 runs, 6 sets and 4 sets; in the three sets with both, 1 and 2 gave
+  179, 165 and 157 ms against 190, 141 and 132 with 2 and 2)
 
   Where a prefill takes seconds (the sim rig stands for long prompts on a busy GPU), holding
-  requests in the gateway keeps late binding and shortest-first order; where it takes ~150 ms
-  (real vLLM here, or a mid-size prompt on a GPU), the engine idling while the next request
-  crosses the gateway, the network and the API server costs more: hence the default.
+  requests in the gateway keeps late binding and shortest-first order: there ``worker_prefills:
+  1, holder_prefills: 2`` is the better setting. Where it takes ~150 ms (real vLLM here, or a
+  mid-size prompt on a GPU), the engine idling while the next request crosses the gateway, the
+  network and the API server costs more: hence the default.
 - ``worker_queue_ms`` (0): a worker is also open while the prefill its requests are predicted
   to have left (the policy's TTFT predictions at dispatch, counted from then) is at most this.
   A request past its predicted first byte counts as prefill left until that byte comes.

@@ -3,10 +3,11 @@ soonest. Its dispatch queue (:mod:`router.dispatch_queue`, ``queue.enabled`` tru
 this policy only) holds requests in the gateway until a worker is free for them, shortest prefill
 first; the choice below is then made among the free workers, or the request waits while this
 policy prefers a busy one (``queue.affinity_wait_s``, 5 s for this policy). On the 8-worker
-Mooncake sim rig (one run, every router side by side) this gave TTFT p50 / p90 1048 / 3836 ms
-and a prefix hit rate of 0.097, against 1514 / 6062 ms at 0.099 for sglang's cache-aware
-router, which sends every follow-up to its holder whatever the wait, 1462 / 3922 ms for
-vllm-router and 1369 / 3857 ms for ``kv_aware``.
+Mooncake sim rig (one run, every router side by side) this gave TTFT p50 / p90 1086 / 3630 ms
+and a prefix hit rate of 0.097 (853 / 3240 ms at 0.099 with ``queue: {worker_prefills: 1}``),
+against 1507 / 6389 ms at 0.102 for sglang's cache-aware router, which sends every follow-up to
+its holder whatever the wait, 1377 / 3916 ms for vllm-router and 1343 / 3976 ms for
+``kv_aware``.
 
 Predicted TTFT of a candidate, in milliseconds from dispatch (:mod:`router.ttft_model`)::
 
