@@ -105,8 +105,7 @@ def make_admin_router(gateway: Gateway) -> APIRouter:
             entry["speculative_blocks"] = st.speculative_blocks if st else 0
             peer = gateway.peers.get(reg.id)
             entry["peer"] = peer.as_dict() if peer is not None else None
-            model_line = gateway.registry.model_rate(reg.model).learned
-            speed = reg.prefill_rate.speed_factor(model_line) if model_line is not None else None
+            speed = gateway.registry.prefill_speed(reg)
             entry["prefill_rate"]["speed_factor"] = round(speed[0], 3) if speed is not None else None
             out.append(entry)
         models = {m: {"prefill_rate": gateway.registry.model_rate(m).state()}

@@ -385,6 +385,12 @@ class WorkerRegistry:
             rate = self._model_rates[model] = PrefillRateEstimator()
         return rate
 
+    def prefill_speed(self, reg: WorkerRegistration) -> tuple[float, int] | None:
+        """``reg``'s speed factor against its model's learned line, with its sample count
+        (:meth:`router.ttft_model.PrefillRateEstimator.speed_factor`); None until both are known."""
+        model_line = self.model_rate(reg.model).learned
+        return reg.prefill_rate.speed_factor(model_line) if model_line is not None else None
+
     def get(self, worker_id: str) -> WorkerRegistration | None:
         """The current registration of ``worker_id``, or None."""
         return self._workers.get(worker_id)

@@ -373,7 +373,7 @@ class Router:
         model_rate = self.registry.model_rate(request.model).learned
         out = [Candidate(r.id, r.load(), matches.get(r.id) or TierMatch(), r.prefill_rate.learned,
                          r.evidence_credited, r.evidence.credit_weight, model_prefill_rate=model_rate,
-                         prefill_speed=r.prefill_rate.speed_factor(model_rate) if model_rate else None)
+                         prefill_speed=self.registry.prefill_speed(r))
                for r in regs]
         keys = blocks.first_keys if blocks is not None else []
         for c in out:

@@ -17,8 +17,9 @@ The model (all times in milliseconds from dispatch to the worker's first streame
 
 Fit: Theil-Sen (the median of the pairwise slopes, intercept the median residual; Sen 1968) over
 the last :data:`WINDOW` samples, its intercept capped at the 10th percentile of the TTFTs seen
-(the slope then re-taken as the median of ``(ttft - overhead) / work``), so a few outliers (a GC pause, a preemption, a request stuck
-behind a long decode) move neither figure, and memory is bounded. The fit is refreshed every
+(the slope then re-taken as the median of ``(ttft - overhead) / work``), so a few outliers (a GC
+pause, a preemption, a request stuck behind a long decode) move neither figure, and memory is
+bounded. The fit is refreshed every
 :data:`REFIT_EVERY` samples. Until :data:`MIN_SAMPLES` samples with distinct work have been seen
 the caller's prior is used. One estimator per worker and one per model (all of its workers'
 samples); a worker's :meth:`PrefillRateEstimator.speed_factor` against its model's line is what

@@ -3,8 +3,8 @@ registration, then through real gateways in front of simulated workers whose pre
 (2 ms per token): the shortest waiting prompt goes first, a request waits for the worker holding
 its prefix until ``affinity_wait_s``, a client that leaves gives up its place, and requests of a
 model whose last worker goes away get 503. ``kv_aware`` makes no TTFT prediction, so with
-``worker_prefills`` and ``holder_prefills`` 1 a worker is open only once its prefill has produced a first byte: the
-orders asserted here do not depend on timing."""
+``worker_prefills`` and ``holder_prefills`` 1 a worker is open only once its prefill has
+produced a first byte: the orders asserted here do not depend on timing."""
 from __future__ import annotations
 
 import asyncio

@@ -191,7 +191,8 @@ def run_router(name: str, spec: RigSpec, workers: list[RigWorker], workload: Wor
             worker_http.reset_prefix_cache(w.url, spec.served_model_name)
         if name.startswith("kvroute:"):
             _wait_until(lambda: _index_empty(launch.base_url), INDEX_CLEAR_TIMEOUT_S, f"{name}'s index emptied")
-        worker_pids = [c.popen.pid for c in cluster.children if c.name in {w.id for w in workers}]
+        worker_ids = {w.id for w in workers}
+        worker_pids = [c.popen.pid for c in cluster.children if c.name in worker_ids]
         meter = CpuMeter({"router": [child.popen.pid], "workers": worker_pids})
         meter.start()
         result = run_target(Target(name, launch.base_url), workload, settings)
