@@ -74,6 +74,7 @@ def test_rig_runs_kv_aware_and_round_robin_on_the_same_sims(tiny_model, tmp_path
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
         "hit_rate_over_time.png", "ttft_cdf.png", "worker_load.png"]
     assert "kvroute:kv_aware" in r.stdout and "hit rate" in r.stdout  # the table
+    assert r.stdout.count("per run: TTFT p50 ") == 2  # each target's two runs, beside the medians
 
 
 def test_run_against_one_sim_reads_its_counters_after_a_reset(tiny_model, tmp_path, procs):

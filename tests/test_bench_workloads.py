@@ -182,6 +182,25 @@ def test_repeats_aggregate_to_medians_and_keep_every_run():
     assert aggregate_repeats([run(1.0, 0.2, 0, 1)])["runs"] == 1
 
 
+def test_the_table_shows_each_runs_figures_under_a_repeated_target():
+    from kvroute.bench.report import per_run, table
+    from kvroute.bench.stats import aggregate_repeats
+
+    def run(p50, p90, hit):
+        return {"name": "kvroute:ttft", "requests": 4, "errors": 0, "ttft_ms": {"p50": p50, "p90": p90, "p99": p90},
+                "itl_ms": {"p50": 1.0, "p99": 2.0}, "throughput_tokens_per_s": 9.0, "goodput": 1.0,
+                "hit_rate": hit, "hit_rate_of_ideal": 0.5, "requests_max_over_mean": 1.0,
+                "prefill_max_over_mean": 1.0, "ttft_target_ms": 1000.0, "records": []}
+    agg = aggregate_repeats([run(124.4, 400.0, 0.361), run(166.0, None, 0.398), run(142.0, 380.0, 0.3625)])
+    line = "per run: TTFT p50 124, 166, 142; p90 400, -, 380; hit rate 0.361, 0.398, 0.362"
+    assert per_run(agg) == line  # in run order, beside the medians (p50 142)
+    report = {"workload": {"name": "multiturn", "requests": 4, "mean_prompt_tokens": 900.0, "ideal_hit_rate": 0.7},
+              "arrivals": "closed loop", "targets": [agg, {**run(150.0, 390.0, 0.2), "runs": 1}]}
+    lines = table(report).splitlines()
+    assert lines[0].endswith("medians of 3 runs") and lines[3].strip() == line
+    assert len(lines) == 5 and per_run(report["targets"][1]) is None  # a single run: no such line
+
+
 def test_kendall_tau_and_rank_agreement():
     from kvroute.bench.compare import agreement, kendall_tau
 

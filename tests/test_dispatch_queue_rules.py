@@ -249,17 +249,25 @@ async def test_two_prefills_per_worker_keep_one_request_waiting_in_the_engine(ri
     second_in_flight.finish()
 
 
+async def _w0_holds_a_history(rig, worker_prefills: int, holder_prefills: int):
+    """Sets the queue's limits (``affinity: holder``, 30 s) and stores a 300-word history's
+    blocks on w0 only; returns w0, w1 and that history's body."""
+    router, registry, _, _, holder, index = rig
+    holder.replace({"name": "kv_aware", "queue": {"enabled": True, "worker_prefills": worker_prefills,
+                                                  "holder_prefills": holder_prefills, "affinity": "holder",
+                                                  "affinity_wait_s": 30}})
+    history = _body(300, "h")
+    await index.store("w0", "gpu", (await _plan(router, history)).blocks.first_keys)
+    return registry.get("w0"), registry.get("w1"), history
+
+
 async def test_a_prefix_holder_takes_one_more_of_its_own_requests(rig):
     """``worker_prefills: 1, holder_prefills: 2``: a worker with one request before its first
     byte is closed to a prompt it holds nothing of, but still open to a follow-up of a prefix it
     holds (more than the other worker), which waits in its engine; a prefix both hold sets no
     worker apart."""
-    router, registry, queue, _, holder, index = rig
-    holder.replace({"name": "kv_aware", "queue": {"enabled": True, "worker_prefills": 1, "holder_prefills": 2,
-                                                  "affinity": "holder", "affinity_wait_s": 30}})
-    w0, w1 = registry.get("w0"), registry.get("w1")
-    history = _body(300, "h")
-    await index.store("w0", "gpu", (await _plan(router, history)).blocks.first_keys)
+    router, registry, queue, _, _, index = rig
+    w0, w1, history = await _w0_holds_a_history(rig, worker_prefills=1, holder_prefills=2)
     both = _body(300, "b")
     keys = (await _plan(router, both)).blocks.first_keys
     await index.store("w0", "gpu", keys)
@@ -278,6 +286,35 @@ async def test_a_prefix_holder_takes_one_more_of_its_own_requests(rig):
     assert shared.done() and shared.result()[0].decision.worker_id == "w1" and not fresh.done()
     shared.result()[1].release()
     for handle in (first0, first1, follow_in_flight):
+        handle.finish()
+    queue.pump()
+    await _settle()
+    assert fresh.done()
+    fresh.result()[1].release()
+
+
+async def test_a_prefix_holder_takes_its_own_requests_up_to_holder_prefills(rig):
+    """``worker_prefills: 2, holder_prefills: 4``: with three requests before their first byte a
+    worker is closed to a fresh prompt but open to a follow-up of the prefix it holds; with four
+    it is closed to that follow-up too."""
+    router, _, queue, _, _, _ = rig
+    w0, w1, history = await _w0_holds_a_history(rig, worker_prefills=2, holder_prefills=4)
+    pending = [w0.begin(500) for _ in range(3)] + [w1.begin(500) for _ in range(2)]
+    fresh = await _enqueue(queue, await _plan(router, _body(10, "f")))
+    follow = await _enqueue(queue, await _plan(router, history))
+    await _settle()
+    assert not fresh.done()  # 3 and 2 before their first byte: both closed to a prompt they hold nothing of
+    assert follow.done() and follow.result()[0].decision.worker_id == "w0"  # the holder's fourth slot
+    follow.result()[1].release()
+    pending.append(w0.begin(20))
+    again = await _enqueue(queue, await _plan(router, history))
+    await _settle()
+    assert w0.prefills_pending() == 4 and not again.done()  # the holder is full: the follow-up waits
+    pending[0].first_byte()  # w0 is down to 3: open to its follow-up, still closed to the fresh prompt
+    await _settle()
+    assert again.done() and again.result()[0].decision.worker_id == "w0" and not fresh.done()
+    again.result()[1].release()
+    for handle in pending:
         handle.finish()
     queue.pump()
     await _settle()
