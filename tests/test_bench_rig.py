@@ -21,6 +21,7 @@ def test_rig_runs_kv_aware_and_round_robin_on_the_same_sims(tiny_model, tmp_path
                         "--model", "tiny", "--tokenizer", str(tiny_model), "--groups", "2",
                         "--prompts-per-group", "6", "--shared-tokens", "256", "--own-tokens", "40",
                         "--output-tokens", "8", "--concurrency", "2", "--repeats", "2", "--no-progress", "--json", str(out),
+                        "--num-gpu-blocks-override", "64",
                         "--plot", str(tmp_path / "plots"), "--log-dir", str(tmp_path / "logs"))
     r = subprocess.run(["timeout", "-s", "INT", "-k", "20", str(RIG_TIMEOUT_S), *argv],
                        capture_output=True, text=True)
@@ -31,6 +32,9 @@ def test_rig_runs_kv_aware_and_round_robin_on_the_same_sims(tiny_model, tmp_path
     workload = synthetic.shared_prefix(words, 32, 2, 6, 256, 40, 8)
     assert report["workload"]["requests"] == 12
     assert report["workload"]["ideal_hit_rate"] == workload.ideal_hit_rate()
+    # the capacity bound of the cluster's 2 x 64 blocks: room for every block, so the ideal
+    assert (report["workload"]["capacity_blocks"], report["workload"]["capacity_hit_rate"]) == (128, workload.ideal_hit_rate())
+    assert f"ideal hit rate {workload.ideal_hit_rate():.3f}, at most {workload.ideal_hit_rate():.3f} in 128 KV blocks" in r.stderr
     assert [t["name"] for t in report["targets"]] == ["kvroute:kv_aware", "kvroute:round_robin"]
     lengths = [len(q.prompt_token_ids) for q in workload.requests]
     for t in report["targets"]:

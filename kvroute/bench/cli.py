@@ -90,7 +90,8 @@ def add_workload_flags(p: argparse.ArgumentParser, default_block_size: int) -> N
                         "groups or conversations (bench run, with --cluster-kv-blocks) or, in the rig, "
                         "smaller worker caches (any workload)")
     k.add_argument("--cluster-kv-blocks", type=_positive_int, default=None,
-                   help="bench run: KV blocks of all workers together, for --kv-pressure")
+                   help="bench run: KV blocks of all workers together, for --kv-pressure and the capacity "
+                        "bound on the hit rate (the rig knows its own)")
     a = p.add_argument_group("arrivals (one of; default: trace timestamps for a trace, else concurrency 4)")
     ex = a.add_mutually_exclusive_group()
     ex.add_argument("--time-scale", type=_positive_float, default=None,
@@ -224,6 +225,7 @@ def _run(args: argparse.Namespace) -> int:
     import httpx
 
     from kvcore.tokenization import UnsupportedPrompt
+    from kvroute.bench.report import capacity_note
     from kvroute.bench.runner import RunSettings, Target, run_target
     from kvroute.bench.workers import reachable, served_max_model_len
 
@@ -244,7 +246,7 @@ def _run(args: argparse.Namespace) -> int:
         workload = workload_from_args(args, args.cluster_kv_blocks, max_model_len)
         arrivals = arrivals_from_args(args, workload.name)
         arrivals.send_times_s(workload)  # fails early on trace timing without timestamps
-        summary = workload.summary()
+        summary = workload.summary(args.cluster_kv_blocks)
     except (ValueError, OSError, UnsupportedPrompt) as exc:
         print(f"kvroute bench run: {exc}", file=sys.stderr)
         return 2
@@ -254,7 +256,7 @@ def _run(args: argparse.Namespace) -> int:
                            reset_cache=args.reset_cache, progress=not args.no_progress)
     print(f"workload {workload.name}: {summary['requests']} requests, {summary['prompt_tokens']} prompt tokens, "
           f"{summary['distinct_blocks']} distinct blocks of {workload.block_size}, ideal hit rate "
-          f"{summary['ideal_hit_rate']:.3f}; {arrivals.describe()}", file=sys.stderr, flush=True)
+          f"{summary['ideal_hit_rate']:.3f}{capacity_note(summary)}; {arrivals.describe()}", file=sys.stderr, flush=True)
     targets, failed = [], []
     for name, url in args.target:
         try:

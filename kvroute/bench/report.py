@@ -31,13 +31,21 @@ def _cell(fmt: str, value: Any) -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def capacity_note(workload: dict[str, Any]) -> str:
+    """``", at most 0.613 in 400 KV blocks"`` when the workload summary carries the capacity bound
+    (:mod:`kvroute.bench.capacity`), else ``""``."""
+    if workload.get("capacity_hit_rate") is None:
+        return ""
+    return f", at most {workload['capacity_hit_rate']:.3f} in {workload['capacity_blocks']} KV blocks"
+
+
 def table(report: dict[str, Any]) -> str:
     """The side-by-side table of every target (times in ms), with a header line naming the
     workload, its ideal hit rate and the goodput target."""
     w = report["workload"]
     targets = report["targets"]
     lines = [f"workload {w['name']}: {w['requests']} requests, {w['mean_prompt_tokens']:.0f} prompt tokens "
-             f"on average, ideal hit rate {w['ideal_hit_rate']:.3f}; arrivals: {report['arrivals']}; "
+             f"on average, ideal hit rate {w['ideal_hit_rate']:.3f}{capacity_note(w)}; arrivals: {report['arrivals']}; "
              f"times in ms; goodput = share with TTFT <= {targets[0]['ttft_target_ms']:.0f} ms"
              + (f"; medians of {targets[0]['runs']} runs" if targets[0].get("runs", 1) > 1 else "")
              if targets else f"workload {w['name']}: no targets"]

@@ -111,6 +111,7 @@ def _rig(args: argparse.Namespace) -> int:
 
     from kvcore.tokenization import UnsupportedPrompt
     from kvroute.bench.cli import arrivals_from_args, finish_report, prepare_outputs, workload_from_args
+    from kvroute.bench.report import capacity_note
     from kvroute.bench.rig import RigSpec, run_router, start_workers
     from kvroute.bench.runner import RunSettings
     from kvroute.bench.stats import aggregate_repeats
@@ -136,7 +137,7 @@ def _rig(args: argparse.Namespace) -> int:
             longest = max(len(q.prompt_token_ids) + q.output_tokens for q in workload.requests)
             blocks = max(math.ceil(workload.distinct_blocks() / (args.workers * args.kv_pressure)),
                          math.ceil(longest / args.block_size) + 1) + 1
-        summary = workload.summary()
+        summary = workload.summary(blocks * args.workers if blocks else None)
     except (ValueError, OSError, UnsupportedPrompt) as exc:
         print(f"kvroute bench rig: {exc}", file=sys.stderr)
         return 2
@@ -162,7 +163,8 @@ def _rig(args: argparse.Namespace) -> int:
                    policy_configs, gateway_processes=args.gateway_processes)
     print(f"[rig] {args.workers} {args.engine} workers x {blocks or 'default'} KV blocks of {args.block_size}; "
           f"workload {workload.name}: {summary['requests']} requests, {summary['distinct_blocks']} distinct blocks, "
-          f"ideal hit rate {summary['ideal_hit_rate']:.3f}; {arrivals.describe()}; routers: {', '.join(routers)}; "
+          f"ideal hit rate {summary['ideal_hit_rate']:.3f}{capacity_note(summary)}; {arrivals.describe()}; "
+          f"routers: {', '.join(routers)}; "
           f"logs in {log_dir}", file=sys.stderr, flush=True)
     cluster = Cluster()
     failed: list[str] = []

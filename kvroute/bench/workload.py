@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcore.block_keys import block_keys
+from kvroute.bench.capacity import capacity_hit_rate
 
 
 @dataclass
@@ -67,14 +68,26 @@ class Workload:
             seen.update(block_keys(r.prompt_token_ids, self.block_size, "bench"))
         return len(seen)
 
-    def summary(self) -> dict[str, Any]:
-        """Shape of the workload for the JSON report (``ideal_hit_rate`` included)."""
+    def capacity_hit_rate(self, capacity_blocks: int) -> float:
+        """The most any router could hit when the whole cluster holds ``capacity_blocks`` KV
+        blocks (:func:`kvroute.bench.capacity.capacity_hit_rate`: Belady's eviction on one shared
+        cache), at most :meth:`ideal_hit_rate`. Raises ValueError on a negative capacity."""
+        return capacity_hit_rate([r.prompt_token_ids for r in self.requests], self.block_size, capacity_blocks)
+
+    def summary(self, capacity_blocks: int | None = None) -> dict[str, Any]:
+        """Shape of the workload for the JSON report (``ideal_hit_rate`` included); with
+        ``capacity_blocks`` (KV blocks of all workers together) also ``capacity_blocks`` and
+        ``capacity_hit_rate`` (:meth:`capacity_hit_rate`)."""
         n = len(self.requests)
-        return {"name": self.name, **self.params, "requests": n, "block_size": self.block_size,
-                "prompt_tokens": self.prompt_tokens,
-                "mean_prompt_tokens": self.prompt_tokens / n if n else 0.0,
-                "total_output_tokens": sum(r.output_tokens for r in self.requests),
-                "distinct_blocks": self.distinct_blocks(), "ideal_hit_rate": self.ideal_hit_rate()}
+        out = {"name": self.name, **self.params, "requests": n, "block_size": self.block_size,
+               "prompt_tokens": self.prompt_tokens,
+               "mean_prompt_tokens": self.prompt_tokens / n if n else 0.0,
+               "total_output_tokens": sum(r.output_tokens for r in self.requests),
+               "distinct_blocks": self.distinct_blocks(), "ideal_hit_rate": self.ideal_hit_rate()}
+        if capacity_blocks is not None:
+            out["capacity_blocks"] = capacity_blocks
+            out["capacity_hit_rate"] = self.capacity_hit_rate(capacity_blocks)
+        return out
 
 
 def ideal_cached_tokens(prompts: list[list[int]], block_size: int) -> list[int]:
