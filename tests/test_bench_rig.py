@@ -94,12 +94,18 @@ def test_run_against_one_sim_reads_its_counters_after_a_reset(tiny_model, tmp_pa
     argv = kvroute_argv("bench", "run", "--target", f"direct={url}/v1", "--worker", f"s0={url}", "--reset-cache",
                         "--workload", "multiturn", "--model", "tiny", "--tokenizer", str(tiny_model),
                         "--block-size", "32", "--conversations", "3", "--turns", "2", "--system-tokens", "96",
-                        "--output-tokens", "4", "--rate", "50", "--no-progress", "--json", str(out))
+                        "--output-tokens", "4", "--rate", "50", "--no-progress", "--json", str(out),
+                        "--cluster-kv-blocks", "1000")
     for _ in range(2):  # twice: the reset makes the second run start cold too
         r = subprocess.run(["timeout", "-k", "10", "120", *argv], capture_output=True, text=True)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        t = json.loads(out.read_text())["targets"][0]
+        report = json.loads(out.read_text())
+        t = report["targets"][0]
         assert (t["requests"], t["errors"]) == (6, 0)
+        # 1,000 blocks hold the whole workload: the capacity bound is the ideal, and said so
+        w = report["workload"]
+        assert (w["capacity_blocks"], w["capacity_hit_rate"]) == (1000, w["ideal_hit_rate"])
+        assert f"ideal hit rate {w['ideal_hit_rate']:.3f}, at most {w['ideal_hit_rate']:.3f} in 1000 KV blocks" in r.stderr
         assert all(rec["worker"] is None for rec in t["records"])  # no router header: counters used
         assert t["per_worker"] == {"s0": {"requests": 6, "prefill_tokens": t["prompt_tokens"] - t["cached_tokens"],
                                           "cached_tokens": t["cached_tokens"]}}

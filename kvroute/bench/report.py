@@ -41,7 +41,8 @@ def capacity_note(workload: dict[str, Any]) -> str:
 
 def table(report: dict[str, Any]) -> str:
     """The side-by-side table of every target (times in ms), with a header line naming the
-    workload, its ideal hit rate and the goodput target."""
+    workload, its ideal hit rate (and capacity bound, :func:`capacity_note`) and the goodput
+    target."""
     w = report["workload"]
     targets = report["targets"]
     lines = [f"workload {w['name']}: {w['requests']} requests, {w['mean_prompt_tokens']:.0f} prompt tokens "
