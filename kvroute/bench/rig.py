@@ -41,7 +41,9 @@ RIG_DECISIONS_KEPT = 20_000  # the whole decision log of a run (a few MiB per th
 @dataclass
 class RigSpec:
     """What the rig starts. ``engine``: ``sim`` or ``vllm``; ``worker_argv``: builds worker i's
-    (argv, env) from its ports; ``policy_configs``: kvroute policy label -> policy config."""
+    (argv, env) from its ports; ``policy_configs``: kvroute policy label -> policy config;
+    ``reset_tiers``: the workers run kvroute's KV connector with tiers, which the reset between
+    routers empties as well."""
 
     workers: int
     engine: str
@@ -53,6 +55,42 @@ class RigSpec:
     policy_configs: dict[str, dict[str, Any]] = field(default_factory=dict)
     ready_timeout_s: float = 900.0
     gateway_processes: int = 1  # kvroute serve --processes for every kvroute target
+    reset_tiers: bool = False  # the workers have CPU tiers: empty them too between routers
+
+
+WARM_UP_REQUESTS = 8  # per worker, two at a time
+
+
+def warm_up(workers: list[RigWorker], workload: Workload, model: str, timeout_s: float) -> None:
+    """Send each worker the workload's first ``WARM_UP_REQUESTS`` requests directly, two at a
+    time, before any router runs. A real engine compiles kernels and allocates buffers on its
+    first prefills and batches (a cold vLLM-CPU worker with a CPU tier took 1.4 s for its first
+    prefills, ~0.1 s later on), and the rig's first router would pay for it alone, once per rig;
+    the prefix caches are reset before every router anyway. Raises RuntimeError naming the
+    worker and the error when a warm-up request fails."""
+    import asyncio
+
+    import aiohttp
+
+    from kvroute.bench.client import send
+
+    requests = workload.requests[:WARM_UP_REQUESTS]
+
+    async def one(session: aiohttp.ClientSession, w: RigWorker) -> list[str]:
+        errors = []
+        for i in range(0, len(requests), 2):
+            recs = await asyncio.gather(*(send(session, w.url, r, model, 0.0, timeout_s) for r in requests[i:i + 2]))
+            errors += [f"{w.id}: {rec.error}" for rec in recs if rec.error]
+        return errors
+
+    async def every() -> list[str]:
+        async with aiohttp.ClientSession() as session:
+            found = await asyncio.gather(*(one(session, w) for w in workers))
+        return [e for errors in found for e in errors]
+
+    errors = asyncio.run(every())
+    if errors:
+        raise RuntimeError(f"warm-up requests failed: {'; '.join(errors[:3])}")
 
 
 def start_workers(spec: RigSpec, cluster: Cluster) -> list[RigWorker]:
@@ -188,7 +226,7 @@ def run_router(name: str, spec: RigSpec, workers: list[RigWorker], workload: Wor
             _wait_until(lambda: _kvroute_ready(launch.base_url, len(workers)), ROUTER_READY_TIMEOUT_S,
                         f"{name} seeing every worker healthy")
         for w in workers:
-            worker_http.reset_prefix_cache(w.url, spec.served_model_name)
+            worker_http.reset_prefix_cache(w.url, spec.served_model_name, external=spec.reset_tiers)
         if name.startswith("kvroute:"):
             _wait_until(lambda: _index_empty(launch.base_url), INDEX_CLEAR_TIMEOUT_S, f"{name}'s index emptied")
         worker_ids = {w.id for w in workers}

@@ -53,6 +53,10 @@ def add_rig_parser(sub: argparse._SubParsersAction) -> None:
                    help="vllm engine: interpreter with vLLM (default $KVR_VLLM_PYTHON)")
     r.add_argument("--vllm-args", default="", metavar="'ARGS'",
                    help="vllm engine: extra flags for each server, one shell-quoted string")
+    r.add_argument("--cpu-tier-bytes", type=_positive_int, default=None, metavar="BYTES",
+                   help="vllm engine: give each worker a CPU tier of this many bytes behind kvroute's KV "
+                        "connector (as kvroute up does): blocks evicted from the engine's cache are kept there "
+                        "and loaded back; emptied with the prefix caches between routers")
     r.add_argument("--repeats", type=_positive_int, default=1,
                    help="run the whole sequence of routers this many times (interleaved: every router once, "
                         "then again); the table shows medians, the JSON every run (default 1)")
@@ -112,10 +116,10 @@ def _rig(args: argparse.Namespace) -> int:
     from kvcore.tokenization import UnsupportedPrompt
     from kvroute.bench.cli import arrivals_from_args, finish_report, prepare_outputs, workload_from_args
     from kvroute.bench.report import capacity_note
-    from kvroute.bench.rig import RigSpec, run_router, start_workers
+    from kvroute.bench.rig import WARM_UP_REQUESTS, RigSpec, run_router, start_workers, warm_up
     from kvroute.bench.runner import RunSettings
     from kvroute.bench.stats import aggregate_repeats
-    from kvroute.engines import sim_argv, vllm_argv, vllm_env
+    from kvroute.engines import sim_argv, tier_argv_env, vllm_argv, vllm_env
     from kvroute.up import Cluster
 
     model_dir = Path(args.tokenizer)
@@ -123,6 +127,8 @@ def _rig(args: argparse.Namespace) -> int:
         policy_configs = _policy_configs(args.policy_config)
         routers, skipped = _router_list(args, policy_configs)
         sim_extra = shlex.split(args.sim_args)
+        if args.cpu_tier_bytes and args.engine != "vllm":
+            raise ValueError("--cpu-tier-bytes needs --engine vllm (the tier lives behind vLLM's KV connector)")
         prepare_outputs(args)
         max_len = args.max_model_len or _model_max_len(model_dir)
         workload = workload_from_args(args, None, max_len)
@@ -137,7 +143,8 @@ def _rig(args: argparse.Namespace) -> int:
             longest = max(len(q.prompt_token_ids) + q.output_tokens for q in workload.requests)
             blocks = max(math.ceil(workload.distinct_blocks() / (args.workers * args.kv_pressure)),
                          math.ceil(longest / args.block_size) + 1) + 1
-        summary = workload.summary(blocks * args.workers if blocks else None)
+        # the bound counts the engines' blocks alone: a CPU tier holds more
+        summary = workload.summary(blocks * args.workers if blocks and not args.cpu_tier_bytes else None)
     except (ValueError, OSError, UnsupportedPrompt) as exc:
         print(f"kvroute bench rig: {exc}", file=sys.stderr)
         return 2
@@ -152,16 +159,20 @@ def _rig(args: argparse.Namespace) -> int:
     up_args = argparse.Namespace(model=str(model_dir), served_model_name=args.model, block_size=args.block_size,
                                  num_gpu_blocks_override=blocks, max_model_len=args.max_model_len,
                                  speedup=args.speedup, vllm_python=args.vllm_python,
-                                 vllm_args=args.vllm_args + " --enable-scale-out")
+                                 vllm_args=args.vllm_args + " --enable-scale-out",
+                                 cpu_tier_bytes=args.cpu_tier_bytes, ssd_tier_dir=None, ssd_tier_bytes=None)
 
     def worker_argv(i: int, port: int, events_cfg: dict):
         if args.engine == "vllm":
-            return vllm_argv(up_args, port, events_cfg), vllm_env(i, args.workers)
+            tier_argv, tier_env = tier_argv_env(up_args, i)
+            return vllm_argv(up_args, port, events_cfg) + tier_argv, {**vllm_env(i, args.workers), **tier_env}
         return sim_argv(up_args, i, port, events_cfg) + ["--timing-preset", args.timing_preset] + sim_extra, None
 
     spec = RigSpec(args.workers, args.engine, model_dir, args.model, args.block_size, log_dir, worker_argv,
-                   policy_configs, gateway_processes=args.gateway_processes)
-    print(f"[rig] {args.workers} {args.engine} workers x {blocks or 'default'} KV blocks of {args.block_size}; "
+                   policy_configs, gateway_processes=args.gateway_processes,
+                   reset_tiers=bool(args.cpu_tier_bytes))
+    tiers = f" + a CPU tier of {args.cpu_tier_bytes} bytes" if args.cpu_tier_bytes else ""
+    print(f"[rig] {args.workers} {args.engine} workers x {blocks or 'default'} KV blocks of {args.block_size}{tiers}; "
           f"workload {workload.name}: {summary['requests']} requests, {summary['distinct_blocks']} distinct blocks, "
           f"ideal hit rate {summary['ideal_hit_rate']:.3f}{capacity_note(summary)}; {arrivals.describe()}; "
           f"routers: {', '.join(routers)}; "
@@ -170,6 +181,9 @@ def _rig(args: argparse.Namespace) -> int:
     failed: list[str] = []
     try:
         workers = start_workers(spec, cluster)
+        if args.engine == "vllm":
+            print(f"[rig] warming the workers up ({WARM_UP_REQUESTS} requests each)", file=sys.stderr, flush=True)
+            warm_up(workers, workload, args.model, args.request_timeout_s)
         settings = RunSettings(model=args.model, arrivals=arrivals, timeout_s=args.request_timeout_s,
                                ttft_target_ms=args.ttft_target_ms, workers={w.id: w.url for w in workers},
                                progress=not args.no_progress)
@@ -194,6 +208,7 @@ def _rig(args: argparse.Namespace) -> int:
         cluster.stop()
     report = {"workload": summary, "arrivals": arrivals.describe(), "targets": targets,
               "rig": {"workers": args.workers, "engine": args.engine, "kv_blocks_per_worker": blocks,
+                      "cpu_tier_bytes_per_worker": args.cpu_tier_bytes,
                       "block_size": args.block_size, "timing_preset": args.timing_preset if args.engine == "sim" else None,
                       "routers": routers, "skipped": skipped, "repeats": args.repeats}}
     if failed:

@@ -44,15 +44,18 @@ def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 1
     raise TimeoutError(f"{url} not ready:\n{log.read_text()[-2000:]}")
 
 
-def reset_prefix_cache(url: str, model: str, timeout_s: float = 60) -> None:
+def reset_prefix_cache(url: str, model: str, timeout_s: float = 60, external: bool = False) -> None:
     """Empty the server's prefix cache (``POST /reset_prefix_cache``, needs
     ``VLLM_SERVER_DEV_MODE=1``), retrying while vLLM answers ``{"success": false}`` (blocks of a
-    finished request not freed yet). vLLM publishes the ``AllBlocksCleared`` KV event with its next
+    finished request not freed yet). ``external``: the KV connector's cache too
+    (``?reset_external=true``, vLLM 0.32 ``entrypoints/serve/dev/cache/api_router.py``: our
+    connector then empties its CPU and SSD tiers). vLLM publishes the ``AllBlocksCleared`` KV event with its next
     engine step, so one request shorter than a block (which stores nothing) follows.
     Raises TimeoutError after ``timeout_s``, httpx.HTTPError on transport errors."""
     end = time.monotonic() + timeout_s
     while True:
-        r = httpx.post(url.rstrip("/") + "/reset_prefix_cache", timeout=timeout_s)
+        r = httpx.post(url.rstrip("/") + "/reset_prefix_cache", timeout=timeout_s,
+                       params={"reset_external": "true"} if external else None)
         r.raise_for_status()
         if r.json().get("success"):
             break
