@@ -7,14 +7,15 @@ waits behind every prompt sent there before it, and the choice of worker is froz
 when the router knows least. Holding requests in the gateway instead:
 
 - a worker is *open* to a request while the engine shows no waiting requests of other clients
-  and either fewer than ``worker_prefills`` (2: one in prefill, one waiting in the engine to
-  follow it at once) requests are before their first byte there
+  and either fewer than ``worker_prefills`` (2, 1 for ``ttft``: with 2, one in prefill and one
+  waiting in the engine to follow it at once) requests are before their first byte there
   (:meth:`~router.registry.WorkerRegistration.prefills_pending`), or ``holder_prefills`` (2)
   when the worker holds the request's longest cached prefix and that is more than every
   routable worker holds (the larger of the two applies), or the prefill its requests are
   predicted to have left (:meth:`~router.registry.WorkerRegistration.prefill_left_ms`, from
   the policy's TTFT predictions at dispatch; ``inf`` for a request the policy made none for,
-  until its first byte) is at most ``worker_queue_ms``;
+  until its first byte) is at most ``worker_queue_ms`` (0; 50 for ``ttft``: the next request
+  leaves just in time to follow the last prefill);
 - whenever a worker may have opened (a request's first byte or end, a reservation released, a
   timer at the next predicted opening, a 100 ms tick while requests wait), waiting requests are
   taken in order: those that waited ``max_wait_s`` first (arrival order), then the smallest

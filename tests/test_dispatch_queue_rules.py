@@ -320,3 +320,36 @@ async def test_a_prefix_holder_takes_its_own_requests_up_to_holder_prefills(rig)
     await _settle()
     assert fresh.done()
     fresh.result()[1].release()
+
+
+async def test_ttft_default_opens_a_worker_when_its_prefill_has_50_ms_left(rig):
+    """``ttft``'s default queue (``worker_prefills: 1, worker_queue_ms: 50``): a worker with one
+    request in prefill stays closed until that prefill is predicted to end within 50 ms, then
+    takes the next request (so the engine does not idle while it crosses the gateway); past the
+    predicted end without a first byte it is closed again until that byte comes."""
+    router, registry, queue, clock, holder, _ = rig
+    holder.replace({"name": "ttft"})
+    assert (holder.policy.queue.worker_prefills, holder.policy.queue.worker_queue_ms) == (1, 50.0)
+    registry.get("w1").healthy = False
+    busy = registry.get("w0").begin(500, predicted_ttft_ms=2000.0)
+    first = await _enqueue(queue, await _plan(router, _body(10, "a")))
+    clock.offset_s += 1.0  # 1,000 ms of prefill left
+    queue.pump()
+    await _settle()
+    assert not first.done() and queue.queued == 1
+    clock.offset_s += 0.97  # 30 ms left
+    queue.pump()
+    await _settle()
+    assert first.done() and first.result()[0].decision.worker_id == "w0"
+    handle = registry.get("w0").begin(20, predicted_ttft_ms=60.0)  # the request sent
+    first.result()[1].release()
+    second = await _enqueue(queue, await _plan(router, _body(10, "b")))
+    clock.offset_s += 0.5  # both past their predicted first bytes: closed until a byte comes
+    queue.pump()
+    await _settle()
+    assert not second.done()
+    busy.first_byte()
+    handle.first_byte()
+    await _settle()
+    assert second.done() and second.result()[0].decision.worker_id == "w0"
+    second.result()[1].release()

@@ -2,12 +2,12 @@
 soonest. Its dispatch queue (:mod:`router.dispatch_queue`, ``queue.enabled`` true by default for
 this policy only) holds requests in the gateway until a worker is free for them, shortest prefill
 first; the choice below is then made among the free workers, or the request waits while this
-policy prefers a busy one (``queue.affinity_wait_s``, 5 s for this policy). On the 8-worker
-Mooncake sim rig (one run, every router side by side) this gave TTFT p50 / p90 1086 / 3630 ms
-and a prefix hit rate of 0.097 (853 / 3240 ms at 0.099 with ``queue: {worker_prefills: 1}``),
-against 1507 / 6389 ms at 0.102 for sglang's cache-aware router, which sends every follow-up to
-its holder whatever the wait, 1377 / 3916 ms for vllm-router and 1343 / 3976 ms for
-``kv_aware``.
+policy prefers a busy one (``queue.affinity_wait_s``, 5 s for this policy); its queue defaults
+are ``worker_prefills: 1, worker_queue_ms: 50`` (:mod:`router.policies.queue` has the
+measurements). On the 8-worker Mooncake sim rig (2 runs, side by side) this gave TTFT p50 / p90
+991 / 3368 and 950 / 3839 ms at prefix hit rates of 0.103 and 0.101, against 1472 / 3956 and
+1404 / 4087 ms (0.047, 0.041) for vllm-router and 1506 / 6522 and 1484 / 6105 ms (0.096 both)
+for sglang's cache-aware router, which sends every follow-up to its holder whatever the wait.
 
 Predicted TTFT of a candidate, in milliseconds from dispatch (:mod:`router.ttft_model`)::
 
@@ -145,7 +145,7 @@ class TTFTPolicy(Policy):
 
     name = "ttft"
     uses_index = True
-    default_queue = QueueSettings(enabled=True, affinity_wait_s=5.0)
+    default_queue = QueueSettings(enabled=True, worker_prefills=1, worker_queue_ms=50.0, affinity_wait_s=5.0)
     CONFIG_KEYS: tuple[str, ...] = ("tier_credit", "prefill_overhead_ms", "prefill_ms_per_token",
                                     "learn_prefill_rate", "engine_waiting_prefill_tokens", "spread_margin",
                                     "recompute_weight", "private_recompute_weight",
