@@ -14,6 +14,7 @@ or a key of :data:`kvroute.bench.peers.PEERS` (peers that are not installed are 
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -21,9 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 
 from kvroute.bench import workers as worker_http
+from kvroute.bench.client import send
 from kvroute.bench.cpu import CpuMeter, cpu_report
 from kvroute.bench.peers import PEERS, RigWorker, RouterLaunch
 from kvroute.bench.runner import RunSettings, Target, run_target
@@ -68,12 +71,6 @@ def warm_up(workers: list[RigWorker], workload: Workload, model: str, timeout_s:
     prefills, ~0.1 s later on), and the rig's first router would pay for it alone, once per rig;
     the prefix caches are reset before every router anyway. Raises RuntimeError naming the
     worker and the error when a warm-up request fails."""
-    import asyncio
-
-    import aiohttp
-
-    from kvroute.bench.client import send
-
     requests = workload.requests[:WARM_UP_REQUESTS]
 
     async def one(session: aiohttp.ClientSession, w: RigWorker) -> list[str]:

@@ -49,8 +49,9 @@ def reset_prefix_cache(url: str, model: str, timeout_s: float = 60, external: bo
     ``VLLM_SERVER_DEV_MODE=1``), retrying while vLLM answers ``{"success": false}`` (blocks of a
     finished request not freed yet). ``external``: the KV connector's cache too
     (``?reset_external=true``, vLLM 0.32 ``entrypoints/serve/dev/cache/api_router.py``: our
-    connector then empties its CPU and SSD tiers). vLLM publishes the ``AllBlocksCleared`` KV event with its next
-    engine step, so one request shorter than a block (which stores nothing) follows.
+    connector then empties its CPU and SSD tiers). vLLM publishes the ``AllBlocksCleared`` KV
+    event with its next engine step, so one request shorter than a block (which stores nothing)
+    follows.
     Raises TimeoutError after ``timeout_s``, httpx.HTTPError on transport errors."""
     end = time.monotonic() + timeout_s
     while True:

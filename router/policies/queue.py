@@ -37,12 +37,13 @@ shortest prefill first), which :mod:`router.dispatch_queue` runs.
   requests in the gateway keeps late binding and shortest-first order: there ``worker_prefills:
   1, holder_prefills: 2`` is the better setting. Where it takes ~150 ms (real vLLM here, or a
   mid-size prompt on a GPU), the engine idling while the next request crosses the gateway, the
-  network and the API server costs more: hence the default. A holder limit of 4 was tried
+  network and the API server costs more: hence 2, the default until ``worker_queue_ms``
+  joined the two (below). A holder limit of 4 was tried
   as well and not adopted: on the sim rig 1 and 4 gave 927-928 / 3177-3548 ms at 0.096-0.109
-  (three runs), 2 and 4 983-1092 / 3405-3803 ms at 0.094-0.096 (two), the defaults 1027-1096 /
-  3111-3746 ms at 0.095-0.100 (three, this session); on real vLLM (sets of 6 runs) 2 and 4 gave p50
-  0.88-0.96x round robin's at hit rate 0.356-0.380, against 0.83-0.97x at 0.354-0.363 for the
-  defaults in the same sets: inside the spread between runs (one router's p50 ran 105-220 ms
+  (three runs), 2 and 4 983-1092 / 3405-3803 ms at 0.094-0.096 (two), 2 and 2 1027-1096 /
+  3111-3746 ms at 0.095-0.100 (three); on real vLLM (sets of 6 runs) 2 and 4 gave p50
+  0.88-0.96x round robin's at hit rate 0.356-0.380, against 0.83-0.97x at 0.354-0.363 for
+  2 and 2 in the same sets: inside the spread between runs (one router's p50 ran 105-220 ms
   over the 6 runs of one set).
 - ``worker_queue_ms`` (0; 50 for ``ttft``): a worker is also open while the prefill its requests
   are predicted to have left (the policy's TTFT predictions at dispatch, counted from then) is at
