@@ -12,12 +12,12 @@ import subprocess
 
 from conftest import kvroute_argv
 from e2e.conftest import REPO, vllm_python
+from e2e.tier_checks import TINY_BLOCK_BYTES
 from kvroute.bench.cli import workload_from_args
 from model_cache import ensure_model
 
 GPU_BLOCKS = 24            # per worker: 2 x 24 blocks hold half of the workload's 96 distinct blocks
-BLOCK_BYTES = 2 * 2 * 32 * 1 * 64 * 2   # tiny model: 2 layers x (K, V) x 32 tokens x 1 head x 64 x bf16
-CPU_TIER_BYTES = 200 * BLOCK_BYTES      # room for every block of the workload on each worker
+CPU_TIER_BYTES = 200 * TINY_BLOCK_BYTES  # room for every block of the workload on each worker
 RIG_TIMEOUT_S = 900
 
 

@@ -37,7 +37,7 @@ import httpx
 import pytest
 
 from e2e.conftest import vllm_python
-from e2e.tier_checks import cached_by_source, random_tokens, same_output
+from e2e.tier_checks import TINY_BLOCK_BYTES, cached_by_source, random_tokens, same_output
 from conftest import ADMIN_TOKEN, Proc, free_ports, kvroute_argv, wait_http, wait_until
 from offload_agent.connector.config import kv_transfer_config, vllm_env
 
@@ -47,7 +47,7 @@ from model_cache import ensure_model  # noqa: E402
 
 BLOCK = 32
 GPU_BLOCKS = 96
-BLOCK_BYTES = 2 * 2 * BLOCK * 1 * 64 * 2      # tiny model: 2 layers x (K, V) x 32 tokens x 1 head x 64 x bf16
+BLOCK_BYTES = TINY_BLOCK_BYTES
 CPU_BYTES = 400 * BLOCK_BYTES
 PROMPT_TOKENS = 900                             # 28 creditable blocks: (900 - 1) // 32; 4 tokens left to compute
 N = 28

@@ -1,11 +1,16 @@
-"""Shared by the tier tests on real vLLM (test_tiers_vllm.py, test_peer_pull_vllm.py): comparing two
-greedy completions with logprobs, vLLM's cached tokens by source, and prompts of random tokens."""
+"""Shared by the tier tests on real vLLM (test_tiers_vllm.py, test_peer_pull_vllm.py,
+test_bench_rig_tiers.py): the tiny model's block size in bytes, comparing two greedy completions
+with logprobs, vLLM's cached tokens by source, and prompts of random tokens."""
 from __future__ import annotations
 
 import random
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+# one KV block of the generated "tiny" model served in bfloat16, block size 32:
+# 2 layers x (K, V) x 32 tokens x 1 KV head x 64 dims x 2 bytes
+TINY_BLOCK_BYTES = 2 * 2 * 32 * 1 * 64 * 2
 
 
 def same_output(a: dict, b: dict) -> None:
