@@ -15,7 +15,9 @@ when the router knows least. Holding requests in the gateway instead:
   predicted to have left (:meth:`~router.registry.WorkerRegistration.prefill_left_ms`, from
   the policy's TTFT predictions at dispatch; ``inf`` for a request the policy made none for,
   until its first byte) is at most ``worker_queue_ms`` (0; 50 for ``ttft``: the next request
-  leaves just in time to follow the last prefill);
+  leaves just in time to follow the last prefill); but never within ``settle_ms`` (50) of the
+  last request sent there (or reserved for it) before its first byte, which may not have
+  reached the engine yet (:mod:`router.policies.queue` says what that costs);
 - whenever a worker may have opened (a request's first byte or end, a reservation released, a
   timer at the next predicted opening, a 100 ms tick while requests wait), waiting requests are
   taken in order: those that waited ``max_wait_s`` first (arrival order), then the smallest
@@ -35,8 +37,10 @@ when the router knows least. Holding requests in the gateway instead:
   chooses (:meth:`~router.routing.Router.redecide`).
 
 A request chosen for a worker holds a :class:`Reservation` there (counted as prefill in flight
-with the policy's predicted end) until its first attempt has begun, so two requests never take
-one opening. Requests of a model with no routable worker fail with 503.
+with the policy's predicted end, by every gateway process) until its first attempt has begun,
+so two requests never take one opening; the worker is checked open again and the reservation
+published under the gateway processes' shared lock
+(:meth:`~router.registry.WorkerRegistration.claim`), so neither do two processes. Requests of a model with no routable worker fail with 503.
 
 Pure asyncio in one event loop; no I/O.
 """
@@ -63,15 +67,14 @@ class Reservation:
 
     __slots__ = ("reg", "_on_release")
 
-    def __init__(self, reg: WorkerRegistration, end_s: float | None, on_release: Callable[[], None]) -> None:
+    def __init__(self, reg: WorkerRegistration, end_s: float | None, on_release: Callable[[], None],
+                 now_s: float | None = None) -> None:
         self.reg = reg
         self._on_release = on_release
-        reg.reserved[self] = end_s
-        reg.publish_load()
+        reg.reserve(self, end_s, time.monotonic() if now_s is None else now_s)
 
     def release(self) -> None:
-        if self.reg.reserved.pop(self, False) is not False:
-            self.reg.publish_load()
+        if self.reg.unreserve(self):
             self._on_release()
 
 
@@ -188,8 +191,12 @@ class DispatchQueue:
             reg = plan.workers[plan.decision.worker_id]
             predicted_ms = plan.predicted_ttft_ms(reg.id)
             end_s = None if predicted_ms is None else now + predicted_ms / 1000.0
+            with reg.claim():  # another gateway process may have taken it since it was read
+                if not _is_open(reg, now, settings, reg.id in holders):
+                    continue
+                reservation = Reservation(reg, end_s, self._schedule_pump, now)
             self._entries.remove(entry)
-            entry.future.set_result((plan, Reservation(reg, end_s, self._schedule_pump)))
+            entry.future.set_result((plan, reservation))
         if self._entries:
             self._arm(now, settings)
 
@@ -197,9 +204,14 @@ class DispatchQueue:
         """Look again at the next predicted opening or affinity expiry, at most ``TICK_S`` away."""
         wake_s = now + TICK_S
         for reg in self.registry.all():
+            if not reg.routable:
+                continue
             left_ms = reg.prefill_left_ms(now)
-            if reg.routable and math.isfinite(left_ms) and left_ms > settings.worker_queue_ms:
+            if math.isfinite(left_ms) and left_ms > settings.worker_queue_ms:
                 wake_s = min(wake_s, now + (left_ms - settings.worker_queue_ms) / 1000.0)
+            settled_s = reg.newest_pending_s() + settings.settle_ms / 1000.0
+            if settled_s > now:
+                wake_s = min(wake_s, settled_s)
         for entry in self._entries:
             expiry = entry.arrival_s + entry.affinity_wait_s(settings)
             if expiry > now:
@@ -210,8 +222,13 @@ class DispatchQueue:
 def _is_open(reg: WorkerRegistration, now: float, settings: QueueSettings, holder: bool = False) -> bool:
     if reg.unseen_waiting > 0:
         return False
+    pending = reg.prefills_pending()
+    if pending == 0:
+        return True
+    if now - reg.newest_pending_s() < settings.settle_ms / 1000.0:
+        return False  # the last request sent there may not have reached the engine yet
     limit = max(settings.worker_prefills, settings.holder_prefills) if holder else settings.worker_prefills
-    return reg.prefills_pending() < limit or reg.prefill_left_ms(now) <= settings.worker_queue_ms
+    return pending < limit or reg.prefill_left_ms(now) <= settings.worker_queue_ms
 
 
 def _holders(entry: "_Entry", regs: list[WorkerRegistration]) -> set[str]:

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 from router.config import WorkerConfig
@@ -79,6 +80,7 @@ class WorkerRegistration:
         # None when unpredicted), and places the dispatch queue holds for requests on their way
         self.prefilling: dict[InFlight, float | None] = {}
         self.reserved: dict[object, float | None] = {}
+        self._reserved_at: dict[object, float] = {}  # when each place was taken (monotonic s)
         self.on_prefill_done: Callable[[], None] | None = None  # set by the dispatch queue
         # the other gateway processes' load on this worker (kvroute serve --processes N)
         self.shared: tuple[SharedLoadTable, int] | None = None
@@ -167,7 +169,37 @@ class WorkerRegistration:
             return
         table, slot = self.shared
         table.publish(slot, self.in_flight, self.prefill_tokens, self.decoding,
-                      prefill_end_of([*self.prefilling.values(), *self.reserved.values()]))
+                      prefill_end_of([*self.prefilling.values(), *self.reserved.values()]),
+                      len(self.prefilling) + len(self.reserved), self._own_newest_pending_s())
+
+    def claim(self) -> AbstractContextManager[None]:
+        """Context in which reading this worker's load and publishing a hold on it is one step
+        to every gateway process (:meth:`~router.shared_load.SharedLoadTable.claim`; nothing to
+        hold with one process)."""
+        return self.shared[0].claim() if self.shared is not None else nullcontext()
+
+    def reserve(self, key: object, end_s: float | None, now_s: float) -> None:
+        """Hold a place for a request on its way here (the dispatch queue's reservation), its
+        first byte predicted at ``end_s`` (monotonic s; None: unpredicted), taken at ``now_s``."""
+        self.reserved[key] = end_s
+        self._reserved_at[key] = now_s
+        self.publish_load()
+
+    def unreserve(self, key: object) -> bool:
+        """Give up the place ``key`` held; False when it held none (any more)."""
+        self._reserved_at.pop(key, None)
+        if self.reserved.pop(key, False) is False:
+            return False
+        self.publish_load()
+        return True
+
+    def _own_newest_pending_s(self) -> float:
+        return max((*(h.dispatch_s for h in self.prefilling), *self._reserved_at.values()), default=0.0)
+
+    def newest_pending_s(self) -> float:
+        """When the newest request before its first byte here was sent, or its place held
+        (monotonic s), through any gateway process; 0.0 when none is pending."""
+        return max(self._own_newest_pending_s(), self.others().newest_pending_s)
 
     @property
     def total_in_flight(self) -> int:
@@ -214,10 +246,9 @@ class WorkerRegistration:
         return handle
 
     def prefills_pending(self) -> int:
-        """Requests before their first byte here: this process's in flight and reserved by its
-        dispatch queue, plus the other gateway processes' in flight not yet decoding."""
-        o = self.others()
-        return len(self.prefilling) + len(self.reserved) + max(0, o.in_flight - o.decoding)
+        """Requests before their first byte here, or with a place held by a dispatch queue,
+        through every gateway process."""
+        return len(self.prefilling) + len(self.reserved) + self.others().pending
 
     def prefill_left_ms(self, now: float) -> float:
         """Predicted milliseconds until the last of this worker's requests before their first

@@ -23,6 +23,7 @@ from router.routing import PolicyHolder, Router
 from router.tokenize import TokenizerPool
 
 BLOCK = 32
+SETTLED_S = 0.06  # past the default settle_ms (50): the requests just sent have reached their engine
 ONE_AT_A_TIME = {"enabled": True, "worker_prefills": 1, "holder_prefills": 1}  # opens only at a first byte
 
 
@@ -225,11 +226,12 @@ async def test_two_prefills_per_worker_keep_one_request_waiting_in_the_engine(ri
     """``worker_prefills: 2``: a worker with one request before its first byte is still open
     (the next one waits in the engine, ready to follow at once); with two it is closed until one
     of them has its first byte. Reservations count as requests on their way."""
-    router, registry, queue, _, holder, _ = rig
+    router, registry, queue, clock, holder, _ = rig
     holder.replace({"name": "kv_aware", "queue": {"enabled": True, "affinity": "holder", "worker_prefills": 2}})
     registry.get("w1").healthy = False
     w0 = registry.get("w0")
     first = w0.begin(500)
+    clock.offset_s += SETTLED_S
     second = await _enqueue(queue, await _plan(router, _body(10, "a")))
     await _settle()
     assert second.done() and second.result()[0].decision.worker_id == "w0"  # one ahead: open
@@ -238,6 +240,7 @@ async def test_two_prefills_per_worker_keep_one_request_waiting_in_the_engine(ri
     assert not third.done() and w0.prefills_pending() == 2  # the request and the reservation
     second.result()[1].release()  # the second is counted in flight in its place...
     second_in_flight = w0.begin(10)
+    clock.offset_s += SETTLED_S
     queue.pump()
     await _settle()
     assert not third.done() and w0.prefills_pending() == 2  # ...still two before a first byte
@@ -266,13 +269,14 @@ async def test_a_prefix_holder_takes_one_more_of_its_own_requests(rig):
     byte is closed to a prompt it holds nothing of, but still open to a follow-up of a prefix it
     holds (more than the other worker), which waits in its engine; a prefix both hold sets no
     worker apart."""
-    router, _, queue, _, _, index = rig
+    router, _, queue, clock, _, index = rig
     w0, w1, history = await _w0_holds_a_history(rig, worker_prefills=1, holder_prefills=2)
     both = _body(300, "b")
     keys = (await _plan(router, both)).blocks.first_keys
     await index.store("w0", "gpu", keys)
     await index.store("w1", "gpu", keys)
     first0, first1 = w0.begin(500), w1.begin(500)
+    clock.offset_s += SETTLED_S
     fresh = await _enqueue(queue, await _plan(router, _body(10, "f")))
     shared = await _enqueue(queue, await _plan(router, both))
     follow = await _enqueue(queue, await _plan(router, history))
@@ -297,9 +301,10 @@ async def test_a_prefix_holder_takes_its_own_requests_up_to_holder_prefills(rig)
     """``worker_prefills: 2, holder_prefills: 4``: with three requests before their first byte a
     worker is closed to a fresh prompt but open to a follow-up of the prefix it holds; with four
     it is closed to that follow-up too."""
-    router, _, queue, _, _, _ = rig
+    router, _, queue, clock, _, _ = rig
     w0, w1, history = await _w0_holds_a_history(rig, worker_prefills=2, holder_prefills=4)
     pending = [w0.begin(500) for _ in range(3)] + [w1.begin(500) for _ in range(2)]
+    clock.offset_s += SETTLED_S
     fresh = await _enqueue(queue, await _plan(router, _body(10, "f")))
     follow = await _enqueue(queue, await _plan(router, history))
     await _settle()
@@ -307,6 +312,7 @@ async def test_a_prefix_holder_takes_its_own_requests_up_to_holder_prefills(rig)
     assert follow.done() and follow.result()[0].decision.worker_id == "w0"  # the holder's fourth slot
     follow.result()[1].release()
     pending.append(w0.begin(20))
+    clock.offset_s += SETTLED_S
     again = await _enqueue(queue, await _plan(router, history))
     await _settle()
     assert w0.prefills_pending() == 4 and not again.done()  # the holder is full: the follow-up waits
@@ -353,3 +359,52 @@ async def test_ttft_default_opens_a_worker_when_its_prefill_has_50_ms_left(rig):
     await _settle()
     assert second.done() and second.result()[0].decision.worker_id == "w0"
     second.result()[1].release()
+
+
+async def test_a_worker_takes_no_request_until_the_last_one_sent_there_has_settled(rig):
+    """``settle_ms`` (50): a request sent less than 50 ms ago may not have reached its engine,
+    so the next one could arrive first (and the first would wait out its prefill) or join it in
+    one engine step (and the first would wait out its chunk). A worker whose last request was
+    sent that recently is closed, even when a second request could follow (here
+    ``worker_prefills: 2``; the same for ``worker_queue_ms`` or a holder's second slot); the
+    same holds for a place the queue has just reserved, so one pump never sends two requests to
+    one worker."""
+    router, registry, queue, clock, holder, _ = rig
+    holder.replace({"name": "ttft", "queue": {"worker_prefills": 2}})
+    assert holder.policy.queue.settle_ms == 50.0
+    registry.get("w1").healthy = False
+    w0 = registry.get("w0")
+    sent = w0.begin(20)
+    follow = await _enqueue(queue, await _plan(router, _body(10, "a")))
+    await _settle()
+    assert not follow.done() and queue.queued == 1  # one before its first byte, but sent just now
+    clock.offset_s += SETTLED_S
+    queue.pump()
+    await _settle()
+    assert follow.done() and follow.result()[0].decision.worker_id == "w0"
+    follow.result()[1].release()
+    sent.finish()
+    # two waiting requests, an idle worker: the first goes, and its fresh reservation keeps the
+    # second back (in the same pump and after it) until it has settled
+    first = await _enqueue(queue, await _plan(router, _body(10, "b")))
+    second = await _enqueue(queue, await _plan(router, _body(10, "c")))
+    await _settle()
+    assert [first.done(), second.done()] == [True, False] and w0.prefills_pending() == 1
+    plan, _ = await asyncio.wait_for(second, 10)  # the queue's timer looks again once it has settled
+    assert plan.decision.worker_id == "w0"
+    for task in (first, second):
+        task.result()[1].release()
+
+
+async def test_settle_ms_zero_lets_a_request_follow_at_once(rig):
+    """With ``settle_ms: 0`` a second request follows the first at once (the behaviour before
+    settling was added)."""
+    router, registry, queue, _, holder, _ = rig
+    holder.replace({"name": "ttft", "queue": {"worker_prefills": 2, "settle_ms": 0}})
+    registry.get("w1").healthy = False
+    sent = registry.get("w0").begin(20)
+    follow = await _enqueue(queue, await _plan(router, _body(10, "a")))
+    await _settle()
+    assert follow.done() and follow.result()[0].decision.worker_id == "w0"
+    follow.result()[1].release()
+    sent.finish()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 
 import httpx
@@ -15,6 +16,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import ADMIN_TOKEN, Proc, free_ports, kvroute_argv, wait_http, wait_until
+from router.config import WorkerConfig
+from router.registry import WorkerRegistry
 from router.shared_load import MAX_WORKERS, STALE_S, SharedLoadTable, create_table, prefill_end_of
 from router.siblings import merge_metrics
 from test_gateway_e2e import BLOCK, Sim, _sim_argv, chat_body
@@ -46,6 +49,58 @@ def test_shared_table_sums_the_other_live_rows(tmp_path):
     assert MAX_WORKERS >= 1024
     for t in (a, b, c, restarted):
         t.close()
+
+
+def test_a_hold_published_by_one_process_closes_the_worker_to_the_others(tmp_path):
+    """A dispatch queue's hold (a reservation, before the request is in flight) counts as a
+    pending prefill in every process, with when it was taken, so no other process sends a
+    second request there in the meantime."""
+    path = create_table(tmp_path / "load", 2)
+    tables = [SharedLoadTable(path, 2, row) for row in range(2)]
+    regs = []
+    for table in tables:
+        registry = WorkerRegistry(shared_load=table)
+        regs.append(registry.add(WorkerConfig(id="w0", url="http://127.0.0.1:1", model="m")))
+    a, b = regs
+    key = object()
+    held_s = time.monotonic() - 1.0
+    a.reserve(key, end_s=None, now_s=held_s)
+    assert a.prefills_pending() == 1 and b.prefills_pending() == 1
+    assert b.newest_pending_s() == held_s and b.others().pending == 1
+    handle = b.begin(100, predicted_ttft_ms=500.0)  # b's own request, sent now
+    assert a.prefills_pending() == 2 and a.newest_pending_s() == handle.dispatch_s > held_s
+    assert a.unreserve(key) and not a.unreserve(key)
+    handle.first_byte()
+    assert a.prefills_pending() == b.prefills_pending() == 0 and a.newest_pending_s() == 0.0
+    handle.finish()
+    for table in tables:
+        table.close()
+
+
+def test_a_claim_excludes_every_other_process(tmp_path):
+    """:meth:`SharedLoadTable.claim` is the file's exclusive lock: a second claim (another open
+    of the file, as another process has) waits until the first is released."""
+    path = create_table(tmp_path / "load", 2)
+    a, b = SharedLoadTable(path, 2, 0), SharedLoadTable(path, 2, 1)
+    order: list[str] = []
+    entered = threading.Event()
+
+    def second() -> None:
+        entered.set()
+        with b.claim():
+            order.append("b")
+
+    with a.claim():
+        thread = threading.Thread(target=second)
+        thread.start()
+        assert entered.wait(10)
+        thread.join(0.2)  # b is blocked on the lock, whatever the wait
+        assert thread.is_alive()
+        order.append("a")
+    thread.join(10)
+    assert order == ["a", "b"]
+    a.close()
+    b.close()
 
 
 def test_merged_metrics_label_each_process():
