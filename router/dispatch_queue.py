@@ -40,7 +40,8 @@ A request chosen for a worker holds a :class:`Reservation` there (counted as pre
 with the policy's predicted end, by every gateway process) until its first attempt has begun,
 so two requests never take one opening; the worker is checked open again and the reservation
 published under the gateway processes' shared lock
-(:meth:`~router.registry.WorkerRegistration.claim`), so neither do two processes. Requests of a model with no routable worker fail with 503.
+(:meth:`~router.registry.WorkerRegistration.claim`), so neither do two processes. Requests of
+a model with no routable worker fail with 503.
 
 Pure asyncio in one event loop; no I/O.
 """

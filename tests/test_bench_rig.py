@@ -9,6 +9,7 @@ from conftest import kvroute_argv
 
 from kvcore.tokenization import PromptTokenizer
 from kvroute.bench import synthetic
+from kvroute.bench.rig_cli import rotated
 from kvroute.bench.words import OneTokenWords
 
 RIG_TIMEOUT_S = 240
@@ -79,6 +80,16 @@ def test_rig_runs_kv_aware_and_round_robin_on_the_same_sims(tiny_model, tmp_path
         "hit_rate_over_time.png", "ttft_cdf.png", "worker_load.png"]
     assert "kvroute:kv_aware" in r.stdout and "hit rate" in r.stdout  # the table
     assert r.stdout.count("per run: TTFT p50 ") == 2  # each target's two runs, beside the medians
+    # each round starts one router later: no router always runs first after the workers start
+    order = [line.split(": ", 1)[1] for line in r.stderr.splitlines() if line.startswith("[rig] run ")]
+    assert order == ["kvroute:kv_aware", "kvroute:round_robin", "kvroute:round_robin", "kvroute:kv_aware"]
+
+
+def test_each_round_of_a_rig_run_starts_one_router_later():
+    routers = ["kvroute:ttft", "kvroute:round_robin", "sglang:cache_aware"]
+    assert [rotated(routers, rep) for rep in range(4)] == [
+        routers, routers[1:] + routers[:1], routers[2:] + routers[:2], routers]
+    assert rotated([], 3) == [] and rotated(["a"], 5) == ["a"]
 
 
 def test_run_against_one_sim_reads_its_counters_after_a_reset(tiny_model, tmp_path, procs):
