@@ -5,9 +5,10 @@ first; the choice below is then made among the free workers, or the request wait
 policy prefers a busy one (``queue.affinity_wait_s``, 5 s for this policy); its queue defaults
 are ``worker_prefills: 1, worker_queue_ms: 50`` (:mod:`router.policies.queue` has the
 measurements). On the 8-worker Mooncake sim rig (2 runs, side by side) this gave TTFT p50 / p90
-991 / 3368 and 950 / 3839 ms at prefix hit rates of 0.103 and 0.101, against 1472 / 3956 and
-1404 / 4087 ms (0.047, 0.041) for vllm-router and 1506 / 6522 and 1484 / 6105 ms (0.096 both)
-for sglang's cache-aware router, which sends every follow-up to its holder whatever the wait.
+856 / 3105 and 895 / 3054 ms at prefix hit rates of 0.103 and 0.109, against 1493 / 4282 and
+1350 / 3918 ms (0.041, 0.040) for vllm-router and 1629 / 7046 and 1502 / 6226 ms (0.101,
+0.099) for sglang's cache-aware router, which sends every follow-up to its holder whatever the
+wait.
 
 Predicted TTFT of a candidate, in milliseconds from dispatch (:mod:`router.ttft_model`)::
 
