@@ -69,10 +69,10 @@ class Reservation:
     __slots__ = ("reg", "_on_release")
 
     def __init__(self, reg: WorkerRegistration, end_s: float | None, on_release: Callable[[], None],
-                 now_s: float | None = None) -> None:
+                 now_s: float) -> None:
         self.reg = reg
         self._on_release = on_release
-        reg.reserve(self, end_s, time.monotonic() if now_s is None else now_s)
+        reg.reserve(self, end_s, now_s)
 
     def release(self) -> None:
         if self.reg.unreserve(self):

@@ -79,8 +79,7 @@ class WorkerRegistration:
         # requests before their first byte, each with its predicted prefill end (monotonic s,
         # None when unpredicted), and places the dispatch queue holds for requests on their way
         self.prefilling: dict[InFlight, float | None] = {}
-        self.reserved: dict[object, float | None] = {}
-        self._reserved_at: dict[object, float] = {}  # when each place was taken (monotonic s)
+        self.reserved: dict[object, tuple[float | None, float]] = {}  # key -> (predicted end, taken at)
         self.on_prefill_done: Callable[[], None] | None = None  # set by the dispatch queue
         # the other gateway processes' load on this worker (kvroute serve --processes N)
         self.shared: tuple[SharedLoadTable, int] | None = None
@@ -169,7 +168,7 @@ class WorkerRegistration:
             return
         table, slot = self.shared
         table.publish(slot, self.in_flight, self.prefill_tokens, self.decoding,
-                      prefill_end_of([*self.prefilling.values(), *self.reserved.values()]),
+                      prefill_end_of(self._pending_ends()),
                       len(self.prefilling) + len(self.reserved), self._own_newest_pending_s())
 
     def claim(self) -> AbstractContextManager[None]:
@@ -181,20 +180,22 @@ class WorkerRegistration:
     def reserve(self, key: object, end_s: float | None, now_s: float) -> None:
         """Hold a place for a request on its way here (the dispatch queue's reservation), its
         first byte predicted at ``end_s`` (monotonic s; None: unpredicted), taken at ``now_s``."""
-        self.reserved[key] = end_s
-        self._reserved_at[key] = now_s
+        self.reserved[key] = (end_s, now_s)
         self.publish_load()
 
     def unreserve(self, key: object) -> bool:
         """Give up the place ``key`` held; False when it held none (any more)."""
-        self._reserved_at.pop(key, None)
-        if self.reserved.pop(key, False) is False:
+        if self.reserved.pop(key, None) is None:
             return False
         self.publish_load()
         return True
 
     def _own_newest_pending_s(self) -> float:
-        return max((*(h.dispatch_s for h in self.prefilling), *self._reserved_at.values()), default=0.0)
+        return max((*(h.dispatch_s for h in self.prefilling), *(at for _, at in self.reserved.values())),
+                   default=0.0)
+
+    def _pending_ends(self) -> list[float | None]:
+        return [*self.prefilling.values(), *(end for end, _ in self.reserved.values())]
 
     def newest_pending_s(self) -> float:
         """When the newest request before its first byte here was sent, or its place held
@@ -256,7 +257,7 @@ class WorkerRegistration:
         when one has no prediction or is past its predicted end without a first byte (the
         prediction was short: only the first byte tells). The other gateway processes' requests
         count too. ``now``: ``time.monotonic()``."""
-        ends = [*self.prefilling.values(), *self.reserved.values()]
+        ends = self._pending_ends()
         others_end = self.others().prefill_end_s
         if others_end > 0.0:
             ends.append(others_end)

@@ -34,8 +34,9 @@ def test_prefill_left_counts_predicted_ends_and_reservations():
     assert reg.prefill_left_ms(now + 0.2) == pytest.approx(300.0)
     assert reg.prefill_left_ms(now + 1.0) == float("inf")  # overdue: closed until its first byte
     opened = []
-    hold = Reservation(reg, now + 2.0, lambda: opened.append(1))
+    hold = Reservation(reg, now + 2.0, lambda: opened.append(1), now + 0.1)
     assert reg.prefill_left_ms(now) == pytest.approx(2000.0)
+    assert reg.prefills_pending() == 2 and reg.newest_pending_s() == now + 0.1  # held after a was sent
     hold.release()
     hold.release()
     assert opened == [1] and reg.prefill_left_ms(now) == pytest.approx(500.0)
