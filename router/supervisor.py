@@ -2,7 +2,11 @@
 processes on one port (:mod:`router.siblings` says how they share the work) and keeps them up.
 
 - Makes the run folder (under ``/dev/shm`` when present: the shared load table lives there, in
-  memory) and the load table (:func:`router.shared_load.create_table`), then starts each child as
+  memory) and the load table (:func:`router.shared_load.create_table`), and holds an exclusive
+  ``flock`` on the folder's ``owner.lock`` for its whole life. A supervisor killed with
+  ``SIGKILL`` cannot remove its folder, but the kernel drops its lock, so the next supervisor
+  to start removes every ``kvroute-serve-*`` folder whose lock it can take
+  (:func:`sweep_stale_run_dirs`). Then it starts each child as
   ``python -m kvroute serve --config FILE`` with the group's environment. Children stay in the
   supervisor's process group, so a signal to the group reaches all of them.
 - ``SIGTERM``/``SIGINT``: sent on to every child as ``SIGTERM`` (each closes its socket and
@@ -16,6 +20,7 @@ Returns the exit status: 0 after a signal, 1 when the run folder or a child cann
 """
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import shutil
@@ -36,6 +41,9 @@ BACKOFF_MIN_S = 1.0
 BACKOFF_MAX_S = 30.0
 HEALTHY_RUN_S = 60.0
 POLL_S = 0.1
+RUN_DIR_PREFIX = "kvroute-serve-"
+OWNER_LOCK = "owner.lock"
+UNLOCKED_GRACE_S = 60.0  # a folder this young without its lock file may be one being made
 
 
 def _die_with_parent() -> None:
@@ -55,6 +63,51 @@ def run_dir_base() -> str | None:
     return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
 
 
+def _take_lock(path: Path) -> int | None:
+    """An open descriptor holding an exclusive ``flock`` on ``path`` (created if missing), or
+    None when another process holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def sweep_stale_run_dirs(base: str | None, now_s: float | None = None) -> list[Path]:
+    """Remove the run folders of supervisors that are gone: every ``kvroute-serve-*`` folder in
+    ``base`` (None: the temp folder) whose ``owner.lock`` no live process holds, or that has no
+    lock file and is older than :data:`UNLOCKED_GRACE_S` (``now_s``: Unix time, default now).
+    Returns the folders removed. Folders of live supervisors and anything unreadable are left."""
+    root = Path(base if base is not None else tempfile.gettempdir())
+    now_s = time.time() if now_s is None else now_s
+    removed: list[Path] = []
+    try:
+        folders = [p for p in root.iterdir() if p.name.startswith(RUN_DIR_PREFIX) and p.is_dir()]
+    except OSError:
+        return removed
+    for folder in folders:
+        lock = folder / OWNER_LOCK
+        try:
+            if lock.exists():
+                fd = _take_lock(lock)
+                if fd is None:
+                    continue  # a live supervisor holds it
+                try:
+                    shutil.rmtree(folder)
+                finally:
+                    os.close(fd)
+            elif now_s - folder.stat().st_mtime > UNLOCKED_GRACE_S:
+                shutil.rmtree(folder)
+            else:
+                continue
+        except OSError:
+            continue
+        removed.append(folder)
+    return removed
+
+
 class Supervisor:
     """Runs and watches the children; see the module docstring. ``child_argv``: the command of
     one child (the same for all); ``grace_s``: the children's own shutdown grace."""
@@ -65,7 +118,11 @@ class Supervisor:
         self.child_argv = child_argv
         self.processes = processes
         self.grace_s = grace_s
-        self.run_dir = Path(tempfile.mkdtemp(prefix="kvroute-serve-", dir=run_dir_base()))
+        base = run_dir_base()
+        for stale in sweep_stale_run_dirs(base):
+            log.info("removed the run folder of a supervisor that is gone: %s", stale)
+        self.run_dir = Path(tempfile.mkdtemp(prefix=RUN_DIR_PREFIX, dir=base))
+        self._owner_fd = _take_lock(self.run_dir / OWNER_LOCK)
         create_table(self.run_dir / LOAD_FILE, processes)
         self.children: list[subprocess.Popen | None] = [None] * processes
         self.started_at = [0.0] * processes
@@ -113,6 +170,9 @@ class Supervisor:
             return 1
         finally:
             shutil.rmtree(self.run_dir, ignore_errors=True)
+            if self._owner_fd is not None:
+                os.close(self._owner_fd)
+                self._owner_fd = None
 
     def _watch(self, now: float) -> None:
         """Restart children that exited, each after its back-off."""

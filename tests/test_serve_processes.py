@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -19,7 +20,9 @@ from conftest import ADMIN_TOKEN, Proc, free_ports, kvroute_argv, wait_http, wai
 from router.config import WorkerConfig
 from router.registry import WorkerRegistry
 from router.shared_load import MAX_WORKERS, STALE_S, SharedLoadTable, create_table, prefill_end_of
-from router.siblings import merge_metrics
+from router import supervisor
+from router.siblings import ENV_RUN_DIR, LOAD_FILE, merge_metrics
+from router.supervisor import sweep_stale_run_dirs
 from test_gateway_e2e import BLOCK, Sim, _sim_argv, chat_body
 
 
@@ -289,12 +292,49 @@ def test_gateway_processes_stop_when_the_supervisor_is_killed(tmp_path, tiny_mod
         wait_http(f"http://127.0.0.1:{port}/health", gw, timeout_s=120)
         wait_until(lambda: len(_children(gw.popen.pid)) == 2, what="two gateway processes")
         children = _children(gw.popen.pid)
+        run_dir = Path(_environ(min(children))[ENV_RUN_DIR])
+        assert (run_dir / LOAD_FILE).is_file()
         supervisor = next(int(d) for d in os.listdir("/proc") if d.isdigit() and _is_supervisor(int(d), gw.popen.pid))
         os.kill(supervisor, signal.SIGKILL)
         wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") and _state(pid) != "Z" for pid in children),
                    timeout_s=60, what="the gateway processes ending with their supervisor")
+        # SIGKILL left the run folder behind; the next supervisor's sweep removes it
+        assert run_dir.is_dir()
+        assert run_dir in sweep_stale_run_dirs(str(run_dir.parent))
+        assert not run_dir.exists()
     finally:
         gw.stop()
+
+
+def test_the_sweep_removes_only_run_folders_no_live_supervisor_holds(tmp_path):
+    live = tmp_path / "kvroute-serve-live"
+    dead = tmp_path / "kvroute-serve-dead"
+    young = tmp_path / "kvroute-serve-young"
+    old = tmp_path / "kvroute-serve-old"
+    other = tmp_path / "not-ours"
+    for d in (live, dead, young, old, other):
+        d.mkdir()
+        (d / LOAD_FILE).write_bytes(b"x")
+    (dead / "owner.lock").touch()
+    held = supervisor._take_lock(live / "owner.lock")
+    assert held is not None
+    try:
+        now = time.time()
+        os.utime(old, (now - 3600, now - 3600))
+        os.utime(other, (now - 3600, now - 3600))
+        removed = sweep_stale_run_dirs(str(tmp_path), now_s=now)
+        assert sorted(p.name for p in removed) == ["kvroute-serve-dead", "kvroute-serve-old"]
+        assert live.is_dir() and young.is_dir() and other.is_dir()
+        assert not dead.exists() and not old.exists()
+        assert supervisor._take_lock(live / "owner.lock") is None  # still held: left alone
+    finally:
+        os.close(held)
+    assert [p.name for p in sweep_stale_run_dirs(str(tmp_path), now_s=time.time())] == ["kvroute-serve-live"]
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
 
 
 def _is_supervisor(pid: int, pgid: int) -> bool:
