@@ -71,6 +71,10 @@ def test_a_protected_split_beats_alternating_when_conversations_cycle():
     assert sorted(sum(1 for w in assignment.values() if w == k) for k in range(2)) == [1, 3]
     with pytest.raises(ValueError):
         best_static_placement(prompts, groups, BS, 3, 0)
+    with pytest.raises(ValueError):
+        best_static_placement(prompts, groups[:-1], BS, 3, 2)
+    empty, nothing = best_static_placement([], [], BS, 3, 2, tries=3)
+    assert (empty.hit_rate, empty.cached_tokens, nothing) == (0.0, [], {})
 
 
 def test_the_script_prints_every_placement_and_the_bounds(tiny_model, tmp_path):

@@ -124,17 +124,20 @@ def best_static_placement(prompts: Sequence[Sequence[int]], groups: Sequence[str
     """The best hit rate found over ``tries`` random static placements of the groups
     (conversations) on ``workers`` workers, every split of group counts between the workers
     tried alike (a random count for worker 0, the rest spread evenly), plus the group-per-worker
-    round robin (``output_tokens``: as in :func:`replay`). Returns the best :class:`Replay` and its assignment. Raises ValueError on
-    ``workers`` < 1 or ``tries`` < 0."""
+    round robin (``output_tokens``: as in :func:`replay`). Returns the best :class:`Replay` and
+    its assignment. Raises ValueError on ``workers`` < 1, ``tries`` < 0 or ``groups`` of another
+    length than ``prompts``."""
     if workers < 1 or tries < 0:
         raise ValueError("workers must be >= 1 and tries >= 0")
+    if len(groups) != len(prompts):
+        raise ValueError("groups needs one group per prompt")
     names = list(dict.fromkeys(groups))
     rng = random.Random(seed)
     candidates = [{g: i % workers for i, g in enumerate(names)}]
     for _ in range(tries):
         order = names[:]
         rng.shuffle(order)
-        first = rng.randint(1, len(order)) if workers > 1 else len(order)
+        first = rng.randint(min(1, len(order)), len(order)) if workers > 1 else len(order)
         assignment = {g: 0 for g in order[:first]}
         assignment.update({g: 1 + i % (workers - 1) for i, g in enumerate(order[first:])} if workers > 1 else {})
         candidates.append(assignment)
