@@ -32,26 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvroute.bench import synthetic  # noqa: E402
 from kvroute.bench.capacity import capacity_hit_rate  # noqa: E402
 from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures  # noqa: E402
-from kvroute.bench.lru_replay import LRUPrefixCache, best_static_placement, replay, touched_blocks  # noqa: E402
+from kvroute.bench.lru_replay import best_static_placement, longest_prefix_replay, replay  # noqa: E402
 from kvroute.bench.words import OneTokenWords  # noqa: E402
 from router.tokenize import PromptTokenizer  # noqa: E402
-
-
-def longest_prefix_placement(prompts: list[list[int]], block_size: int, capacity_blocks: int,
-                             workers: int, output_tokens: int) -> list[int]:
-    """Per request, the worker holding its longest cached prefix at that moment (ties and misses:
-    round robin), replaying the caches as it goes."""
-    caches = [LRUPrefixCache(capacity_blocks) for _ in range(workers)]
-    placement = []
-    for i, ids in enumerate(prompts):
-        keys = touched_blocks(ids, block_size, output_tokens, i)
-        limit = (len(ids) - 1) // block_size
-        held = [c.cached_blocks(keys, limit) for c in caches]
-        best = max(held)
-        w = held.index(best) if best > 0 else i % workers
-        placement.append(w)
-        caches[w].run(keys)
-    return placement
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(len(ids) for ids in prompts)
     out = args.output_tokens
     rows = [("round robin", replay(prompts, bs, cap, [i % n for i in range(len(prompts))], out)),
-            ("longest prefix", replay(prompts, bs, cap, longest_prefix_placement(prompts, bs, cap, n, out), out))]
+            ("longest prefix", longest_prefix_replay(prompts, bs, cap, n, out))]
     best, assignment = best_static_placement(prompts, groups, bs, cap, n, args.tries, args.seed, out)
     split = [sum(1 for w in assignment.values() if w == k) for k in range(n)]
     rows.append((f"best static {'/'.join(map(str, split))}", best))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvcore.block_keys import block_keys
-from kvroute.bench.lru_replay import LRUPrefixCache, best_static_placement, replay
+from kvroute.bench.lru_replay import LRUPrefixCache, best_static_placement, longest_prefix_replay, replay
 
 BS = 4
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_lru_placement.py"
@@ -42,6 +42,13 @@ def test_replay_counts_vllms_capped_hits_per_worker():
     assert r.uncached_tokens == [len(first), 1, 3 * BS, BS]
     assert r.hit_rate == pytest.approx(5 * BS / (2 * len(first) + 6 * BS))
     assert replay([first, again], BS, 10, [0, 1]).cached_tokens == [0, 0]  # another worker's cache
+    # longest prefix: misses alternate, a repeat goes back to its holder
+    other = _prompt(2, 3)
+    lp = longest_prefix_replay([first, other, again, other], BS, 10, 2)
+    assert lp.cached_tokens == [0, 0, 3 * BS, 3 * BS]
+    assert lp.cached_tokens == replay([first, other, again, other], BS, 10, [0, 1, 0, 1]).cached_tokens
+    with pytest.raises(ValueError):
+        longest_prefix_replay([first], BS, 10, 0)
     assert r.median_uncached_tokens == pytest.approx((BS + 3 * BS) / 2)
     with pytest.raises(ValueError):
         replay([first], BS, 10, [0, 1])

@@ -25,7 +25,7 @@ from __future__ import annotations
 import random
 import statistics
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvcore.block_keys import block_keys
@@ -96,16 +96,42 @@ def replay(prompts: Sequence[Sequence[int]], block_size: int, capacity_blocks: i
     block once it is full, generated tokens included) and take room, though no later prompt
     matches them. Raises ValueError on a block size < 1, negative output tokens, or a placement
     of another length than ``prompts`` or with a negative worker."""
-    if block_size < 1 or output_tokens < 0:
-        raise ValueError("block_size must be >= 1 and output_tokens >= 0")
     if len(placement) != len(prompts) or any(w < 0 for w in placement):
         raise ValueError("placement needs one worker index >= 0 per prompt")
-    caches: dict[int, LRUPrefixCache] = {}
+    workers = max(placement, default=-1) + 1
+    return _replay(prompts, block_size, capacity_blocks, workers, output_tokens,
+                   lambda i, caches, keys, limit: placement[i])
+
+
+def longest_prefix_replay(prompts: Sequence[Sequence[int]], block_size: int, capacity_blocks: int,
+                          workers: int, output_tokens: int = 0) -> Replay:
+    """:func:`replay` where each request goes to the worker holding its longest cached prefix at
+    that moment (what an exact KV-aware router does with no load to weigh), request ``i`` to
+    worker ``i mod workers`` when none holds any of it. Raises ValueError as :func:`replay`
+    does, and on ``workers`` < 1."""
+    if workers < 1:
+        raise ValueError("workers must be >= 1")
+
+    def longest(i: int, caches: list[LRUPrefixCache], keys: list, limit: int) -> int:
+        held = [c.cached_blocks(keys, limit) for c in caches]
+        return held.index(max(held)) if max(held) > 0 else i % workers
+
+    return _replay(prompts, block_size, capacity_blocks, workers, output_tokens, longest)
+
+
+def _replay(prompts: Sequence[Sequence[int]], block_size: int, capacity_blocks: int, workers: int,
+            output_tokens: int, choose: Callable[[int, list[LRUPrefixCache], list, int], int]) -> Replay:
+    """The replay loop: ``choose(i, caches, keys, limit)`` picks request ``i``'s worker from the
+    caches as they are when it is sent (``keys``: its blocks, ``limit``: vLLM's cap)."""
+    if block_size < 1 or output_tokens < 0:
+        raise ValueError("block_size must be >= 1 and output_tokens >= 0")
+    caches = [LRUPrefixCache(capacity_blocks) for _ in range(workers)]
     cached, uncached = [], []
-    for i, (ids, worker) in enumerate(zip(prompts, placement)):
-        cache = caches.setdefault(worker, LRUPrefixCache(capacity_blocks))
+    for i, ids in enumerate(prompts):
         keys = touched_blocks(ids, block_size, output_tokens, i)
-        hit = cache.cached_blocks(keys, (len(ids) - 1) // block_size) * block_size
+        limit = (len(ids) - 1) // block_size
+        cache = caches[choose(i, caches, keys, limit)]
+        hit = cache.cached_blocks(keys, limit) * block_size
         cached.append(hit)
         uncached.append(len(ids) - hit)
         cache.run(keys)
