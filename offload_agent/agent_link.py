@@ -6,17 +6,26 @@ when that key is present and > 0. The connector asks, the agent answers, one req
 connection. Requests (``op``) and answers:
 
 ``hello`` ``{"op": "hello", "role": "scheduler"|"worker", "pid": int, "block_bytes": int,
-"fingerprint": {TierFingerprint fields}, "fingerprint_digest": hex}``
+"fingerprint": {TierFingerprint fields}, "fingerprint_digest": hex, "shard": {"tp_rank",
+"tp_size", "pp_rank", "pp_size"}, "engine_digest": hex, "engine_block_bytes": int}``
     -> ``{"ok": true, "worker_id", "shm_path", "num_slots", "ssd_dir" (str or null),
-    "ssd_tier_bytes", "peer_pull": bool}``: the agent made (or reused) its CPU tier file for this
-    layout (:mod:`offload_agent.tiers.shm_slab`); the connector maps it, writes its SSD files in
-    ``ssd_dir`` and pulls from peers only when ``peer_pull``.
+    "ssd_tier_bytes", "peer_pull": bool}``. ``block_bytes`` and ``fingerprint_digest`` are this
+    KV shard's; ``engine_digest`` (16 bytes) is the same for every shard of the engine and its
+    scheduler; ``engine_block_bytes`` is one block summed over all shards (the CPU tier holds
+    ``num_slots`` = its bytes // ``engine_block_bytes`` blocks, in every shard's file). Without
+    ``"shard"`` (older connectors): shard tp 0/1, pp 0/1 with ``engine_digest`` =
+    ``fingerprint_digest``. A worker's hello makes (or reuses) its shard's CPU tier file
+    ``shm_path`` (:mod:`offload_agent.tiers.shm_slab`); a scheduler's hello (shard tp 0, pp 0)
+    makes none and gets shard (0, 0)'s path, which may not exist yet. The connector maps it,
+    writes its SSD files in ``ssd_dir`` and pulls from peers only when ``peer_pull``.
 ``locate`` ``{"op": "locate", "start_block": s, "max_blocks": n, "cache_salt": str|null,
 "payload_bytes": 4 x tokens}`` + the prompt's token ids ``[0, (s + n) x block_size)`` as
 little-endian uint32
     -> ``{"ok": true, "peer": worker id or null, "blocks": m}``: a peer's agent holds blocks
     ``s .. s + m - 1`` of this prompt (by the cluster index), m <= n.
-``pull`` ``{"op": "pull", "peer": id, "deadline_ms": x, "payload_bytes": 16 x k}`` + k tier keys
+``pull`` ``{"op": "pull", "peer": id, "deadline_ms": x, "fingerprint_digest": hex,
+"payload_bytes": 16 x k}`` + k tier keys (``fingerprint_digest``: the asking shard's, absent:
+shard (0, 0); a shard that said no hello: ``ok`` false)
     -> ``{"ok": true, "blocks": j, "error": str|null, "payload_bytes": j x block_bytes}`` + the
     bytes of the first j blocks, each verified by the agent (checksum, key, fingerprint); j < k
     with ``error`` saying why the rest did not come (the connector recomputes them).

@@ -3,24 +3,37 @@ SSD folder, answers the worker's KV connector on a Unix socket (:mod:`offload_ag
 serves its blocks to peers over TCP (:mod:`offload_agent.peer`) and pulls blocks from peers for
 its connector.
 
-Ownership (see also :mod:`offload_agent.tiers.shm_slab`): the agent creates the CPU tier file and
-is the only one that removes it (at a clean stop with ``remove_on_exit``); it never writes a slot.
-The connector's planner places and evicts blocks in both tiers; the connector writes the slots and
-the SSD files (atomically renamed). The agent reads both, only to serve peers: a slot through the
-seqlock (a slot changing under the copy is not served), a file through its checksum.
+Ownership (see also :mod:`offload_agent.tiers.shm_slab`): the agent creates the CPU tier files
+and is the only one that removes them (at a clean stop with ``remove_on_exit``); it never writes a
+slot. The connector's planner places and evicts blocks in both tiers; the connector writes the
+slots and the SSD files (atomically renamed). The agent reads both, only to serve peers: a slot
+through the seqlock (a slot changing under the copy is not served), a file through its checksum.
+
+KV shards: with tensor or pipeline parallelism every rank of the engine holds its own share of
+each block (its KV heads, its layers) and says hello with its own shard fingerprint. The agent
+keeps one CPU tier file per shard (:meth:`TierService.shard_path`), each made at that shard's
+first hello and made again only when that shard's layout changes; the scheduler's hello makes
+none. Every file has the same number of slots (``cpu_tier_bytes`` // the engine's bytes per
+block, all shards together), so a slot number means the same block in every shard. The peer
+server serves every shard, each request from the shard whose fingerprint it names; a ``pull``
+names the asking rank's shard.
 
 Which peer holds a prefix comes from the cluster index (Redis): the connector sends the prompt's
 token ids, the agent makes the index's block keys (:func:`kvcore.block_keys.block_keys`, the
 gateway's encoding) and asks :meth:`RedisIndex.match`; among workers whose agents publish a
-``peer.serve`` address with the same layout fingerprint, the one with the longest run wins. A
+``peer.serve`` address with the same engine fingerprint, the one with the longest run wins. A
 peer's whole run counts as servable: its connector saves every prompt block to its CPU tier in the
 step that computes it, so what vLLM holds on GPU is normally in the CPU tier too; a block that is
 not is reported missing by the peer and recomputed.
 
 What the agent publishes with its heartbeats (the ingest state's ``"peer"`` key, read by the
-gateways to credit peer blocks): ``serve`` (host:port or None), ``pull`` (bool), ``block_bytes``,
-``block_size``, ``fingerprint`` (hex), ``link_bytes_per_s`` and ``pull_overhead_ms`` (measured over
-its recent pulls by :class:`offload_agent.peer.client.PeerClient`, None before), ``pulls``, ``pulled_blocks``, ``failed_pulls``.
+gateways to credit peer blocks): ``serve`` (host:port or None), ``pull`` (bool), ``block_bytes``
+(one block of all shards: what a pull of a block moves over the link), ``block_size``,
+``fingerprint`` (hex of shard (0, 0)), ``engine_fingerprint`` (hex of the engine: peers with equal
+ones hold interchangeable blocks), ``fingerprints`` (hex of every shard served),
+``link_bytes_per_s`` and ``pull_overhead_ms`` (measured over its recent pulls by
+:class:`offload_agent.peer.client.PeerClient`, None before), ``pulls``, ``pulled_blocks``,
+``failed_pulls``.
 """
 from __future__ import annotations
 
@@ -30,6 +43,7 @@ import os
 import struct
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +54,7 @@ from kvcore.index.base import KVIndex, SupportsWorkerStates
 from kvcore.index.errors import IndexUnavailable
 from offload_agent.agent_link import AgentLinkError, decode_header, encode_frame, header_length
 from offload_agent.peer.client import PeerClient
-from offload_agent.peer.server import PeerServer
+from offload_agent.peer.server import BlockSource, PeerServer
 from offload_agent.tiers.keys import KEY_BYTES
 from offload_agent.tiers.shm_slab import ROW_BYTES, ShmSlab
 from offload_agent.tiers.ssd_file import CorruptBlockError, read_block_file
@@ -48,6 +62,7 @@ from offload_agent.tiers.ssd_file import CorruptBlockError, read_block_file
 log = logging.getLogger("kvroute.agent.tiers")
 MAX_PROMPT_TOKENS = 4 << 20
 MAX_PULL_KEYS = 1 << 16
+MAX_SHARDS = 1 << 10  # most ranks of one parallel dimension a hello may name
 PEERS_TTL_S = 1.0
 _ROW = np.dtype([("key", "V16"), ("seq", "<u8"), ("pad", "<u8")])  # a slot table row (shm_slab)
 _ZERO_KEY = bytes(KEY_BYTES)
@@ -111,11 +126,72 @@ class SlabSource:
             return False
 
 
+@dataclass(frozen=True)
+class ShardHello:
+    """A connector's hello, as the agent reads it: ``role`` ("scheduler" or "worker"), this KV
+    shard's ``block_bytes`` and ``digest`` (16 B), its ranks ``pp_rank``/``pp_size`` and
+    ``tp_rank``/``tp_size``, and the engine's ``engine_digest`` (16 B, equal for every shard of
+    one engine) and ``engine_block_bytes`` (one block summed over all shards). A hello without
+    ``"shard"`` (an older connector) is shard (pp 0, tp 0) of a one-shard engine."""
+
+    role: str
+    block_bytes: int
+    digest: bytes
+    pp_rank: int
+    pp_size: int
+    tp_rank: int
+    tp_size: int
+    engine_digest: bytes
+    engine_block_bytes: int
+
+    @classmethod
+    def parse(cls, header: dict[str, Any]) -> "ShardHello":
+        """Raises ValueError, KeyError or TypeError for a malformed hello."""
+        block_bytes = int(header["block_bytes"])
+        digest = bytes.fromhex(header["fingerprint_digest"])
+        shard = header.get("shard")
+        if shard is None:
+            ranks, engine_digest, engine_block_bytes = (0, 1, 0, 1), digest, block_bytes
+        else:
+            ranks = tuple(int(shard[k]) for k in ("pp_rank", "pp_size", "tp_rank", "tp_size"))
+            engine_digest = bytes.fromhex(header["engine_digest"])
+            engine_block_bytes = int(header["engine_block_bytes"])
+        pp_rank, pp_size, tp_rank, tp_size = ranks
+        if not (0 <= pp_rank < pp_size <= MAX_SHARDS and 0 <= tp_rank < tp_size <= MAX_SHARDS):
+            raise ValueError(f"shard pp {pp_rank}/{pp_size}, tp {tp_rank}/{tp_size}")
+        if len(digest) != KEY_BYTES or len(engine_digest) != KEY_BYTES:
+            raise ValueError(f"digests must be {KEY_BYTES} bytes")
+        if not 1 <= block_bytes <= engine_block_bytes:
+            raise ValueError(f"block_bytes {block_bytes} must be 1..engine_block_bytes ({engine_block_bytes})")
+        role = header.get("role", "worker")
+        if role not in ("scheduler", "worker"):
+            raise ValueError(f"role {role!r}")
+        return cls(role, block_bytes, digest, pp_rank, pp_size, tp_rank, tp_size, engine_digest, engine_block_bytes)
+
+    @property
+    def ranks(self) -> tuple[int, int]:
+        """``(pp_rank, tp_rank)``, the shard's key."""
+        return self.pp_rank, self.tp_rank
+
+
+@dataclass
+class _Shard:
+    """One KV shard's CPU tier: its file (``shm``), what the peer server reads (``source``)."""
+
+    pp_rank: int
+    tp_rank: int
+    shm: ShmSlab
+    source: SlabSource
+
+
 class TierService:
     """Owner of one worker's tiers; see the module docstring.
 
-    ``socket_path``: the Unix socket the connector connects to; ``shm_path``: the CPU tier file
-    (made at the connector's first hello, when the layout is known); ``cpu_tier_bytes`` > 0;
+    ``socket_path``: the Unix socket the connector connects to; ``shm_path``: the CPU tier file of
+    KV shard (pp 0, tp 0), the file of shard (p, t) being ``{shm_path}-pp{p}-tp{t}``
+    (:meth:`shard_path`; each made at its shard's first hello, when its layout is known);
+    ``cpu_tier_bytes`` > 0: the CPU tier of the whole engine (every shard gets as many slots as
+    it holds blocks of all shards together);
     ``ssd_dir``/``ssd_tier_bytes``: the SSD tier (None/0: none); ``index``: the cluster index
     (peer locations and addresses; any :class:`KVIndex`, peers need :class:`SupportsWorkerStates`);
     ``serve``: ``(host, port)`` to serve peers on, None not to; ``advertise``: the address peers
@@ -146,8 +222,10 @@ class TierService:
         self.secret = secret
         self.peer_pull = peer_pull
         self.remove_on_exit = remove_on_exit
-        self.shm: ShmSlab | None = None
-        self.source: SlabSource | None = None
+        self.shards: dict[tuple[int, int], _Shard] = {}   # (pp_rank, tp_rank) -> its tier
+        self._by_digest: dict[bytes, _Shard] = {}
+        self.engine_digest: bytes | None = None
+        self.engine_block_bytes: int | None = None
         self.peer_server: PeerServer | None = None
         self.serving_at: str | None = None
         self.client = PeerClient(secret=secret)
@@ -162,23 +240,28 @@ class TierService:
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def start(self) -> None:
-        """Listen on the Unix socket (a stale socket file is replaced). Raises OSError."""
+        """Serve peers (with ``serve``) and listen on the Unix socket (a stale socket file is
+        replaced). Raises OSError."""
         self.socket_path.parent.mkdir(parents=True, exist_ok=True)
         try:
             self.socket_path.unlink()
         except FileNotFoundError:
             pass
+        if self.serve is not None:
+            self.peer_server = PeerServer(self, self.serve[0], self.serve[1], secret=self.secret)
+            host, port = await self.peer_server.start()
+            self.serving_at = self.advertise or f"{host}:{port}"
         self._server = await asyncio.start_unix_server(self._handle, path=str(self.socket_path))
         os.chmod(self.socket_path, 0o600)
         log.info("tiers of worker %s: connector socket %s, CPU tier %d bytes in %s, SSD tier %s, peers %s, "
                  "pull %s", self.worker_id, self.socket_path, self.cpu_tier_bytes, self.shm_path,
                  f"{self.ssd_dir} ({self.ssd_tier_bytes} bytes)" if self.ssd_dir else "off",
-                 f"served on {self.serve[0]}:{self.serve[1]}" if self.serve else "not served",
+                 f"served on {self.serving_at}" if self.serve else "not served",
                  "on" if self.peer_pull else "off")
 
     async def stop(self) -> None:
-        """Stop serving; the CPU tier file stays unless ``remove_on_exit`` (its memory lives on
-        in the worker's mapping either way)."""
+        """Stop serving; the CPU tier files stay unless ``remove_on_exit`` (their memory lives on
+        in the worker's mappings either way)."""
         if self._server is not None:
             self._server.close()
             for writer in list(self._links):  # as a stopped process would: the connector reconnects
@@ -193,21 +276,52 @@ class TierService:
             self.socket_path.unlink()
         except FileNotFoundError:
             pass
-        if self.shm is not None and self.remove_on_exit:
-            self.shm.unlink()
+        if self.remove_on_exit:
+            for shard in self.shards.values():
+                shard.shm.unlink()
+
+    # ---- shards ------------------------------------------------------------------------------
+    def shard_path(self, pp_rank: int, tp_rank: int) -> Path:
+        """The CPU tier file of KV shard (``pp_rank``, ``tp_rank``)."""
+        if (pp_rank, tp_rank) == (0, 0):
+            return self.shm_path
+        return self.shm_path.with_name(f"{self.shm_path.name}-pp{pp_rank}-tp{tp_rank}")
+
+    @property
+    def shm(self) -> ShmSlab | None:
+        """Shard (pp 0, tp 0)'s CPU tier file, None before its hello."""
+        shard = self.shards.get((0, 0))
+        return shard.shm if shard else None
+
+    @property
+    def source(self) -> SlabSource | None:
+        """What the peer server reads for shard (pp 0, tp 0), None before its hello."""
+        shard = self.shards.get((0, 0))
+        return shard.source if shard else None
+
+    def source_for(self, fingerprint_digest: bytes) -> BlockSource | None:
+        """The peer server's :class:`~offload_agent.peer.server.BlockSources`: the source of the
+        shard whose fingerprint digest is ``fingerprint_digest``, None when no shard has it."""
+        shard = self._by_digest.get(fingerprint_digest)
+        return shard.source if shard else None
 
     # ---- state for the gateways ---------------------------------------------------------------
     def state(self) -> dict[str, Any]:
         """The ``"tiers"`` and ``"peer"`` keys of the agent's published state (module docstring)."""
         bytes_per_s, overhead_ms = self.link_estimate()
         shm = self.shm
+        shards = [self.shards[k] for k in sorted(self.shards)]
         return {
             "tiers": {"cpu_tier_bytes": self.cpu_tier_bytes, "shm": str(self.shm_path),
                       "ssd_dir": str(self.ssd_dir) if self.ssd_dir else None, "ssd_tier_bytes": self.ssd_tier_bytes,
-                      "cpu_slots": shm.num_slots if shm else None, **self.counters},
+                      "cpu_slots": shards[0].shm.num_slots if shards else None,
+                      "shards": [{"pp_rank": sh.pp_rank, "tp_rank": sh.tp_rank, "shm": str(sh.shm.path),
+                                  "block_bytes": sh.shm.block_bytes} for sh in shards], **self.counters},
             "peer": {"serve": self.serving_at, "pull": self.peer_pull,
-                     "block_bytes": shm.block_bytes if shm else None, "block_size": self.block_size,
+                     "block_bytes": self.engine_block_bytes, "block_size": self.block_size,
                      "fingerprint": shm.fingerprint_digest.hex() if shm else None,
+                     "engine_fingerprint": self.engine_digest.hex() if self.engine_digest else None,
+                     "fingerprints": [sh.shm.fingerprint_digest.hex() for sh in shards],
                      "link_bytes_per_s": round(bytes_per_s, 1) if bytes_per_s else None,
                      "pull_overhead_ms": round(overhead_ms, 3) if overhead_ms is not None else None,
                      "pulls": self.counters["pulls"], "pulled_blocks": self.counters["pulled_blocks"],
@@ -267,8 +381,8 @@ class TierService:
     async def _answer(self, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes | memoryview | None]:
         op = header.get("op")
         if op == "hello":
-            return await self._hello(header), None
-        if self.shm is None:
+            return await self._hello(ShardHello.parse(header), header.get("pid")), None
+        if self.engine_digest is None:
             return {"ok": False, "error": "no hello yet: the tiers' layout is unknown"}, None
         if op == "locate":
             return await self._locate(header, payload), None
@@ -276,43 +390,41 @@ class TierService:
             return await self._pull(header, payload)
         return {"ok": False, "error": f"unknown op {op!r}"}, None
 
-    async def _hello(self, header: dict[str, Any]) -> dict[str, Any]:
-        block_bytes = int(header["block_bytes"])
-        digest = bytes.fromhex(header["fingerprint_digest"])
-        num_slots = self.cpu_tier_bytes // block_bytes
+    async def _hello(self, hello: ShardHello, pid: Any) -> dict[str, Any]:
+        """Make (or reuse) the CPU tier file of a worker's shard; a scheduler's hello only learns
+        the engine's layout and is answered with shard (0, 0)'s file, which it never makes."""
+        num_slots = self.cpu_tier_bytes // hello.engine_block_bytes
         if num_slots < 1:
-            return {"ok": False, "error": f"the CPU tier ({self.cpu_tier_bytes} bytes) holds no block of {block_bytes}"}
-        async with self._layout_lock:
-            shm = self.shm
-            if shm is None or (shm.fingerprint_digest, shm.block_bytes) != (digest, block_bytes):
-                if self.peer_server is not None:
-                    await self.peer_server.close()
-                    self.peer_server, self.serving_at = None, None
-                self.shm = ShmSlab.create(self.shm_path, digest, block_bytes, num_slots)
-                fp_dir = None
-                if self.ssd_dir is not None:
-                    fp_dir = self.ssd_dir / ("fp-" + digest.hex()[:16])
-                self.source = SlabSource(self.shm, fp_dir)
-                log.info("CPU tier %s: %d slots of %d bytes for fingerprint %s (pid %s, %s)", self.shm_path,
-                         num_slots, block_bytes, digest.hex()[:16], header.get("pid"), header.get("role"))
-                if self.serve is not None:
-                    self.peer_server = PeerServer(self.source, self.serve[0], self.serve[1], secret=self.secret)
-                    host, port = await self.peer_server.start()
-                    self.serving_at = self.advertise or f"{host}:{port}"
-                    log.info("serving blocks to peers on %s:%d (advertised as %s)", host, port, self.serving_at)
+            return {"ok": False, "error": f"the CPU tier ({self.cpu_tier_bytes} bytes) holds no block of "
+                                          f"{hello.engine_block_bytes} (all shards)"}
+        path = self.shard_path(*hello.ranks) if hello.role == "worker" else self.shard_path(0, 0)
+        if hello.role == "worker":
+            async with self._layout_lock:
+                shard = self.shards.get(hello.ranks)
+                if shard is None or (shard.shm.fingerprint_digest, shard.shm.block_bytes, shard.shm.num_slots) != (
+                        hello.digest, hello.block_bytes, num_slots):
+                    shm = ShmSlab.create(path, hello.digest, hello.block_bytes, num_slots)
+                    fp_dir = self.ssd_dir / ("fp-" + hello.digest.hex()[:16]) if self.ssd_dir is not None else None
+                    self.shards[hello.ranks] = _Shard(hello.pp_rank, hello.tp_rank, shm, SlabSource(shm, fp_dir))
+                    self._by_digest = {sh.shm.fingerprint_digest: sh for sh in self.shards.values()}
+                    log.info("CPU tier %s: %d slots of %d bytes for shard pp %d/%d tp %d/%d, fingerprint %s (pid %s)",
+                             path, num_slots, hello.block_bytes, hello.pp_rank, hello.pp_size, hello.tp_rank,
+                             hello.tp_size, hello.digest.hex()[:16], pid)
+        self.engine_digest, self.engine_block_bytes = hello.engine_digest, hello.engine_block_bytes
         self.counters["hellos"] += 1
-        return {"ok": True, "worker_id": self.worker_id, "shm_path": str(self.shm_path),
-                "num_slots": self.shm.num_slots, "ssd_dir": str(self.ssd_dir) if self.ssd_dir else None,
-                "ssd_tier_bytes": self.ssd_tier_bytes, "peer_pull": self.peer_pull}
+        return {"ok": True, "worker_id": self.worker_id, "shm_path": str(path), "num_slots": num_slots,
+                "ssd_dir": str(self.ssd_dir) if self.ssd_dir else None, "ssd_tier_bytes": self.ssd_tier_bytes,
+                "peer_pull": self.peer_pull}
 
     async def peers(self) -> dict[str, dict[str, Any]]:
-        """Other workers whose agents serve blocks of this layout: id -> their ``peer`` state
-        (cached for ``PEERS_TTL_S``; empty when the index cannot say)."""
+        """Other workers whose agents serve blocks of this engine's layout (their
+        ``engine_fingerprint``, or ``fingerprint`` for agents that do not publish one): id ->
+        their ``peer`` state (cached for ``PEERS_TTL_S``; empty when the index cannot say)."""
         now = time.monotonic()
         if now - self._peers_at < PEERS_TTL_S:
             return self._peers
         self._peers_at = now
-        if not isinstance(self.index, SupportsWorkerStates) or self.shm is None:
+        if not isinstance(self.index, SupportsWorkerStates) or self.engine_digest is None:
             self._peers = {}
             return self._peers
         try:
@@ -320,10 +432,10 @@ class TierService:
         except IndexUnavailable as exc:
             log.debug("peers unknown: %s", exc)
             return self._peers
-        fp = self.shm.fingerprint_digest.hex()
+        fp = self.engine_digest.hex()
         self._peers = {wid: st["peer"] for wid, st in states.items()
-                       if wid != self.worker_id and isinstance(st.get("peer"), dict)
-                       and st["peer"].get("serve") and st["peer"].get("fingerprint") == fp}
+                       if wid != self.worker_id and isinstance(st.get("peer"), dict) and st["peer"].get("serve")
+                       and st["peer"].get("engine_fingerprint", st["peer"].get("fingerprint")) == fp}
         return self._peers
 
     async def _locate(self, header: dict[str, Any], payload: bytes) -> dict[str, Any]:
@@ -357,11 +469,16 @@ class TierService:
         if len(payload) % KEY_BYTES:
             raise ValueError("keys must be 16 bytes each")
         keys = [payload[i:i + KEY_BYTES] for i in range(0, len(payload), KEY_BYTES)]
+        digest_hex = header.get("fingerprint_digest")
+        shard = self._by_digest.get(bytes.fromhex(digest_hex)) if digest_hex is not None else self.shards.get((0, 0))
+        if shard is None:
+            return {"ok": False, "error": f"no CPU tier of shard fingerprint {digest_hex} here (no hello from "
+                                          "that shard)" if digest_hex else "no hello from shard (0, 0)"}, None
         peers = await self.peers()
         if peer not in peers:
             self.counters["failed_pulls"] += 1
             return {"ok": True, "blocks": 0, "error": f"peer {peer!r} does not serve this layout"}, b""
-        shm = self.shm
+        shm = shard.shm
         bb = shm.block_bytes
         buf = bytearray(len(keys) * bb)
         view = memoryview(buf)

@@ -301,6 +301,39 @@ async def test_other_fingerprint_or_block_size_is_refused():
             assert rig.server.stats()["connections"] == 1
 
 
+class ShardSources:
+    """BlockSources: one MemSource per fingerprint digest (an agent's KV shards)."""
+
+    def __init__(self, *sources: MemSource) -> None:
+        self.by_digest = {s.fingerprint_digest: s for s in sources}
+
+    def source_for(self, fingerprint_digest: bytes):
+        return self.by_digest.get(fingerprint_digest)
+
+
+async def test_several_sources_each_serve_their_own_fingerprint():
+    async with asyncio.timeout(TEST_TIMEOUT_S):
+        keys = make_keys(5)
+        shards = [MemSource(keys, fingerprint=TierFingerprint(**{**FP.__dict__, "tp_rank": r}).digest())
+                  for r in (0, 1)]
+        for r, shard in enumerate(shards):      # each shard's own bytes of the same blocks
+            shard.blocks = {k: block_bytes_of(k + bytes([r]), 4096) for k in keys}
+        server, client = PeerServer(ShardSources(*shards)), PeerClient()
+        try:
+            host, port = await server.start()
+            for r in (1, 0):
+                col = Collect(4096)
+                res = await client.pull(f"{host}:{port}", shards[r].fingerprint_digest, 4096, keys, 10, col)
+                assert res.error is None and col.got == [(i, shards[r].blocks[k]) for i, k in enumerate(keys)]
+            rank2 = TierFingerprint(**{**FP.__dict__, "tp_rank": 2}).digest()
+            res = await client.pull(f"{host}:{port}", rank2, 4096, keys, 10, Collect(4096))
+            assert res.kind == "refused" and "fingerprint differs" in res.error
+            assert server.stats()["blocks_served"] == 10 and server.stats()["mismatches"] == 1
+        finally:
+            await client.close()
+            await server.close()
+
+
 async def test_requests_longer_than_max_keys_go_in_several_requests():
     async with asyncio.timeout(TEST_TIMEOUT_S):
         source = MemSource(make_keys(8))

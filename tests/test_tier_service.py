@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import array
 import asyncio
+import hashlib
+import itertools
 import random
 import uuid
 from dataclasses import asdict
@@ -14,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvcore.block_keys import block_keys
+from kvcore.index.memory import MemoryIndex
 from kvcore.index.redis import RedisIndex
 from offload_agent.agent_link import AgentLink, AgentLinkError
 from offload_agent.tier_service import TierService
@@ -217,3 +220,135 @@ def test_the_served_map_follows_slot_rewrites(tmp_path: Path) -> None:
     assert source._slots == {k[2]: 2, k[3]: 7}
     writer.close()
     owner.close()
+
+
+# ---- one CPU tier file per KV shard (tensor and pipeline parallel) ---------------------------------
+ENGINE = hashlib.blake2b(b"engine", digest_size=16).digest()
+
+
+def shard_digest(pp: int, tp: int) -> bytes:
+    return hashlib.blake2b(f"shard pp{pp} tp{tp}".encode(), digest_size=16).digest()
+
+
+def shard_hello(link: AgentLink, role: str, tp: int = 0, tp_size: int = 2, pp: int = 0, pp_size: int = 1,
+                digest: bytes | None = None) -> dict:
+    """A connector's hello for shard (pp, tp) of an engine of tp_size x pp_size shards of BLOCK_BYTES."""
+    return link.call({"op": "hello", "role": role, "pid": 1, "block_bytes": BLOCK_BYTES, "fingerprint": asdict(FP),
+                      "fingerprint_digest": (digest or shard_digest(pp, tp)).hex(),
+                      "shard": {"tp_rank": tp, "tp_size": tp_size, "pp_rank": pp, "pp_size": pp_size},
+                      "engine_digest": ENGINE.hex(), "engine_block_bytes": BLOCK_BYTES * tp_size * pp_size})
+
+
+def file_id(path: Path) -> tuple[int, bytes]:
+    """Inode and header of a CPU tier file: both change when the file is made again."""
+    return path.stat().st_ino, path.read_bytes()[:72]
+
+
+@pytest.mark.parametrize("order", list(itertools.permutations(["scheduler", 0, 1])))
+def test_each_tp_rank_gets_its_own_file_whatever_the_order_of_hellos(tmp_path: Path, order) -> None:
+    files = {0: tmp_path / "a.shm", 1: tmp_path / "a.shm-pp0-tp1"}
+
+    async def main():
+        svc = TierService("a", "tiny", BS, tmp_path / "a.sock", files[0], 64 * BLOCK_BYTES, MemoryIndex())
+        await svc.start()
+        made: dict[int, tuple[int, bytes]] = {}
+        try:
+            for who in order:
+                link = AgentLink(str(tmp_path / "a.sock"))
+                if who == "scheduler":
+                    answer = await asyncio.to_thread(shard_hello, link, "scheduler")
+                    # the scheduler is told shard (0, 0)'s file and makes none
+                    assert (answer["ok"], answer["shm_path"], answer["num_slots"]) == (True, str(files[0]), 32)
+                    assert files[0].exists() == (0 in made)
+                else:
+                    answer = await asyncio.to_thread(shard_hello, link, "worker", who)
+                    assert (answer["ok"], answer["shm_path"], answer["num_slots"]) == (True, str(files[who]), 32)
+                    made[who] = file_id(files[who])
+                    writer = ShmSlab.attach(files[who])     # the rank's connector stores a block
+                    writer.begin_write(who)
+                    writer.slot_view(who)[:] = payload(who)
+                    writer.end_write(who, bytes([who + 1]) * 16)
+                    writer.close()
+            for rank, path in files.items():
+                shm = ShmSlab.attach(path)
+                assert (shm.fingerprint_digest, shm.block_bytes, shm.num_slots) == (shard_digest(0, rank), BLOCK_BYTES, 32)
+                assert shm.stable_slots() == [(rank, bytes([rank + 1]) * 16)]   # never made again
+                assert file_id(path)[0] == made[rank][0]
+                shm.close()
+            assert svc.counters["hellos"] == 3
+            st = svc.state()
+            assert st["peer"]["fingerprint"] == shard_digest(0, 0).hex()
+            assert st["peer"]["engine_fingerprint"] == ENGINE.hex() and st["peer"]["block_bytes"] == 2 * BLOCK_BYTES
+            assert st["peer"]["fingerprints"] == [shard_digest(0, 0).hex(), shard_digest(0, 1).hex()]
+            assert [(s["pp_rank"], s["tp_rank"], s["shm"]) for s in st["tiers"]["shards"]] == [
+                (0, 0, str(files[0])), (0, 1, str(files[1]))]
+        finally:
+            await svc.stop()
+    asyncio.run(main())
+
+
+def test_pipeline_stages_get_their_own_files_and_a_new_layout_remakes_only_its_shard(tmp_path: Path) -> None:
+    async def main():
+        svc = TierService("a", "tiny", BS, tmp_path / "a.sock", tmp_path / "a.shm", 64 * BLOCK_BYTES, MemoryIndex(),
+                          remove_on_exit=True)
+        await svc.start()
+        link = AgentLink(str(tmp_path / "a.sock"))
+        try:
+            for pp in (0, 1):
+                answer = await asyncio.to_thread(shard_hello, link, "worker", 0, 1, pp, 2)
+                assert answer["shm_path"] == str(tmp_path / ("a.shm" if pp == 0 else "a.shm-pp1-tp0"))
+            stage0, stage1 = file_id(tmp_path / "a.shm"), file_id(tmp_path / "a.shm-pp1-tp0")
+            assert ShmSlab.attach(tmp_path / "a.shm-pp1-tp0").fingerprint_digest == shard_digest(1, 0)
+            # stage 1 comes back with another layout: only its file is made again
+            other = hashlib.blake2b(b"other", digest_size=16).digest()
+            await asyncio.to_thread(shard_hello, link, "worker", 0, 1, 1, 2, other)
+            assert file_id(tmp_path / "a.shm") == stage0 and file_id(tmp_path / "a.shm-pp1-tp0") != stage1
+            assert ShmSlab.attach(tmp_path / "a.shm-pp1-tp0").fingerprint_digest == other
+            assert svc.source_for(other) is svc.shards[(1, 0)].source and svc.source_for(shard_digest(1, 0)) is None
+            bad = await asyncio.to_thread(link.call, {**{"op": "hello", "role": "worker", "block_bytes": 8,
+                                                         "fingerprint_digest": other.hex()},
+                                                      "shard": {"tp_rank": 2, "tp_size": 2, "pp_rank": 0, "pp_size": 1},
+                                                      "engine_digest": ENGINE.hex(), "engine_block_bytes": 16})
+            assert bad["ok"] is False and "tp 2/2" in bad["error"]
+        finally:
+            await svc.stop()
+        assert not (tmp_path / "a.shm").exists() and not (tmp_path / "a.shm-pp1-tp0").exists()
+    asyncio.run(main())
+
+
+def test_each_tp_rank_pulls_its_own_shard_from_the_peer(tmp_path: Path, redis_url: str) -> None:
+    tokens = [random.Random(7).randrange(1000) for _ in range(6 * BS)]
+    tier_keys = tier_block_keys(tokens, BS, tier_root(ENGINE))
+
+    def rank_payload(rank: int, i: int) -> bytes:
+        return bytes([(rank * 101 + i * 7 + j) % 251 for j in range(BLOCK_BYTES)])
+
+    async def body(svc, idx):
+        for w in ("a", "b"):
+            for rank in (1, 0):
+                await asyncio.to_thread(shard_hello, AgentLink(str(tmp_path / f"{w}.sock")), "worker", rank)
+        for rank in (0, 1):         # A's rank r holds its own heads of the prompt's blocks
+            shm = ShmSlab.attach(svc["a"].shard_path(0, rank))
+            for i, k in enumerate(tier_keys):
+                shm.begin_write(i)
+                shm.slot_view(i)[:] = rank_payload(rank, i)
+                shm.end_write(i, k)
+            shm.close()
+        st = svc["a"].state()["peer"]
+        assert st["fingerprints"] == [shard_digest(0, 0).hex(), shard_digest(0, 1).hex()]
+        for w in ("a", "b"):
+            await idx[w].heartbeat(w, 10.0, state=svc[w].state())
+        link = AgentLink(str(tmp_path / "b.sock"))
+        for rank in (1, 0):
+            out = bytearray(6 * BLOCK_BYTES)
+            answer = await asyncio.to_thread(link.call, {"op": "pull", "peer": "a", "deadline_ms": 5000,
+                                                         "fingerprint_digest": shard_digest(0, rank).hex()},
+                                             memoryview(b"".join(tier_keys)), None, memoryview(out))
+            assert (answer["ok"], answer["blocks"], answer["error"]) == (True, 6, None)
+            assert bytes(out) == b"".join(rank_payload(rank, i) for i in range(6))
+        unknown = await asyncio.to_thread(link.call, {"op": "pull", "peer": "a", "deadline_ms": 5000,
+                                                      "fingerprint_digest": shard_digest(0, 5).hex()},
+                                          memoryview(b"".join(tier_keys)))
+        assert unknown["ok"] is False and shard_digest(0, 5).hex() in unknown["error"]
+        assert svc["a"].state()["peer"]["served"]["blocks_served"] == 12
+    asyncio.run(run(tmp_path, redis_url, body))

@@ -8,10 +8,14 @@ Behaviour:
   With a ``secret`` the server requires AUTH before any REQUEST (a wrong proof: AUTH_REPLY AUTH; a
   REQUEST first: END AUTH; both closed and counted in ``auth_failures``); without one it accepts
   anyone.
-- Requests: a REQUEST whose fingerprint digest or block bytes differ from the source's gets END
-  MISMATCH. Otherwise it waits for one of ``max_concurrent`` slots, at most ``queue_wait_s``
-  (FIFO; with ``max_waiting`` requests already waiting, or after the wait, it gets END BUSY; a
-  client that closed the connection meanwhile is dropped without reading anything for it).
+- Sources: one :class:`BlockSource`, or a :class:`BlockSources` (the agent's KV shards, each
+  with its own fingerprint digest): a REQUEST is served from the source whose fingerprint digest
+  equals the request's.
+- Requests: a REQUEST whose fingerprint digest no source has, or whose block bytes differ from
+  that source's, gets END MISMATCH. Otherwise it waits for one of ``max_concurrent`` slots, at
+  most ``queue_wait_s`` (FIFO; with ``max_waiting`` requests already waiting, or after the wait,
+  it gets END BUSY; a client that closed the connection meanwhile is dropped without reading
+  anything for it).
   With a slot, a worker thread reads the blocks in order (``BlockSource.read_block``) into a ring
   of preallocated frames (``ring_bytes``) and checksums them, while the event loop sends each
   frame as soon as it is ready (several at once when the socket is slower than the source). The
@@ -59,6 +63,30 @@ class BlockSource(Protocol):
         (16 B), consistently; False when not held. May block (SSD read): the server calls it in a
         worker thread, from several threads at once (up to ``max_concurrent``)."""
         ...
+
+
+@runtime_checkable
+class BlockSources(Protocol):
+    """Several block sources, one per fingerprint digest (the agent's KV shards)."""
+
+    def source_for(self, fingerprint_digest: bytes) -> BlockSource | None:
+        """The source of blocks of ``fingerprint_digest`` (16 B), None when none; called on the
+        event loop, must not block."""
+        ...
+
+
+class _OneSource:
+    """A single :class:`BlockSource` as :class:`BlockSources`."""
+
+    def __init__(self, source: BlockSource) -> None:
+        if len(source.fingerprint_digest) != p.DIGEST_BYTES:
+            raise ValueError(f"source fingerprint digest must be {p.DIGEST_BYTES} bytes")
+        if not 1 <= source.block_bytes <= p.MAX_BLOCK_BYTES:
+            raise ValueError(f"source block_bytes must be 1..{p.MAX_BLOCK_BYTES}, got {source.block_bytes}")
+        self.source = source
+
+    def source_for(self, fingerprint_digest: bytes) -> BlockSource | None:
+        return self.source if fingerprint_digest == self.source.fingerprint_digest else None
 
 
 class _Slots:
@@ -212,6 +240,7 @@ class _Producer:
 
 class PeerServer:
     """Serves ``source``'s blocks on ``host:port`` (port 0: any free one); see the module docstring.
+    ``source``: a :class:`BlockSource`, or :class:`BlockSources` to serve several fingerprints.
 
     ``secret``: shared secret (bytes) clients must prove, None to accept anyone;
     ``max_concurrent``: requests served at once (= source reading threads); ``max_keys``: most keys
@@ -222,21 +251,17 @@ class PeerServer:
     Raises ValueError for a bad source or limit.
     """
 
-    def __init__(self, source: BlockSource, host: str = "127.0.0.1", port: int = 0, *,
+    def __init__(self, source: BlockSource | BlockSources, host: str = "127.0.0.1", port: int = 0, *,
                  secret: bytes | None = None, max_concurrent: int = 4, max_keys: int = 4096,
                  queue_wait_s: float = 1.0, max_waiting: int | None = None, max_connections: int = 64,
                  ring_bytes: int = 4 << 20, io_timeout_s: float = 10.0, idle_timeout_s: float = 120.0) -> None:
-        if len(source.fingerprint_digest) != p.DIGEST_BYTES:
-            raise ValueError(f"source fingerprint digest must be {p.DIGEST_BYTES} bytes")
-        if not 1 <= source.block_bytes <= p.MAX_BLOCK_BYTES:
-            raise ValueError(f"source block_bytes must be 1..{p.MAX_BLOCK_BYTES}, got {source.block_bytes}")
+        self.sources: BlockSources = source if isinstance(source, BlockSources) else _OneSource(source)
         if not 1 <= max_keys <= p.MAX_KEYS_LIMIT:
             raise ValueError(f"max_keys must be 1..{p.MAX_KEYS_LIMIT}, got {max_keys}")
         if max_concurrent < 1 or max_connections < 1:
             raise ValueError("max_concurrent and max_connections must be >= 1")
         if secret is not None and not secret:
             raise ValueError("an empty secret; pass None for no authentication")
-        self.source = source
         self.host = host
         self.port = port
         self.secret = bytes(secret) if secret is not None else None
@@ -387,11 +412,11 @@ class PeerServer:
 
     # ---- one request ----
     async def _serve_request(self, io: SockIO, req: p.Request) -> None:
-        source = self.source
-        fp, block_bytes = source.fingerprint_digest, source.block_bytes
-        if req.fingerprint != fp or req.block_bytes != block_bytes:
+        source = self.sources.source_for(req.fingerprint)
+        block_bytes = source.block_bytes if source is not None else 0
+        if source is None or req.block_bytes != block_bytes:
             self._counts["mismatches"] += 1
-            what = "fingerprint differs" if req.fingerprint != fp else f"block bytes differ (server: {block_bytes})"
+            what = "fingerprint differs" if source is None else f"block bytes differ (server: {block_bytes})"
             await self._send_end(io, p.Status.MISMATCH, req.request_id, 0, what)
             return
         if not req.keys:
