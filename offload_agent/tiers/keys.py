@@ -2,7 +2,7 @@
 
 A tier key names the KV of one full block *and everything before it*, for one KV layout:
 
-    root    = blake2b-128(b"kvroute-tier-v1" | fingerprint digest (16 B) | salt)
+    root    = blake2b-128(b"kvroute-tier-v1" | engine digest (16 B) | salt)
     key_0   = blake2b-128(root  | token ids of block 0 as little-endian uint32)
     key_i   = blake2b-128(key_{i-1} | token ids of block i as little-endian uint32)
 
@@ -26,14 +26,30 @@ KEY_BYTES = 16
 _DOMAIN = b"kvroute-tier-v1"
 
 
+FORMAT = "kvroute-kv-v2"
+"""Version of the stored byte format, part of every fingerprint. A block is its layers' pages in
+the model's layer order, each page in vLLM's *logical* order (``[H, N, K|V]`` in vLLM 0.32, however
+the cache is laid out in GPU memory); the page shape in bytes is in ``layout``. Blocks written under
+another format (or none: kvroute before it) have another digest, so they are never read as this
+one; the connector deletes such SSD folders of its own model at start."""
+
+
 @dataclass(frozen=True)
 class TierFingerprint:
-    """What a stored block's bytes depend on besides its tokens.
+    """What a stored block's bytes depend on besides its tokens: one *shard* of an engine's KV.
 
     ``model``: model identity (path or name, as vLLM was given it); ``num_layers``: attention layers
-    saved per block; ``dtype``: KV cache dtype name (e.g. ``"bfloat16"``); ``block_size``: tokens
-    per block; ``block_bytes``: bytes of one block over all layers; ``layout``: per-layer block
-    shape as text (e.g. ``"1x32x128"``); ``tp_rank``/``tp_size``: tensor-parallel shard.
+    saved per block (this shard's); ``dtype``: the KV cache dtype as vLLM names it (``"bfloat16"``,
+    or the cache dtype such as ``"fp8_e4m3"`` when it is not ``auto``: fp8 caches are ``uint8``
+    tensors); ``block_size``: tokens per block; ``block_bytes``: bytes of one block over this
+    shard's layers; ``layout``: the logical page shape in bytes (e.g. ``"8x16x512"`` for
+    ``[H, N, K|V]``); ``tp_rank``/``tp_size`` and ``pp_rank``/``pp_size``: the tensor- and
+    pipeline-parallel shard; ``layers``: digest of this shard's layer names (pipeline stages with
+    equal layer counts differ); ``format``: :data:`FORMAT`.
+
+    :meth:`digest` names the shard (its SSD folder, its CPU tier file, what a peer must match);
+    :meth:`engine_digest` leaves the shard out: every rank and the scheduler of one engine share
+    it, and it roots the tier keys, so one key names the same block in every shard.
     """
 
     model: str
@@ -44,11 +60,21 @@ class TierFingerprint:
     layout: str = ""
     tp_rank: int = 0
     tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    layers: str = ""
+    format: str = FORMAT
 
     def digest(self) -> bytes:
         """16-byte blake2b digest of the canonical JSON form."""
-        text = json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
-        return hashlib.blake2b(text, digest_size=KEY_BYTES).digest()
+        return _digest(asdict(self))
+
+    def engine_digest(self) -> bytes:
+        """16-byte digest of what every shard of the engine shares (model, dtype, block size,
+        per-layer page shape, parallel sizes, format)."""
+        shared = {k: v for k, v in asdict(self).items()
+                  if k not in ("num_layers", "block_bytes", "tp_rank", "pp_rank", "layers")}
+        return _digest({"engine": shared})
 
     def dir_name(self) -> str:
         """Folder name of this fingerprint's SSD files: ``fp-<first 16 hex digits of digest>``."""
@@ -58,10 +84,20 @@ class TierFingerprint:
         return json.dumps(asdict(self), sort_keys=True, indent=1)
 
 
-def tier_root(fingerprint_digest: bytes, cache_salt: str | None = None) -> bytes:
-    """The chain's root for one fingerprint and salt (16 bytes)."""
+def _digest(fields: dict) -> bytes:
+    text = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.blake2b(text, digest_size=KEY_BYTES).digest()
+
+
+def layer_names_digest(layer_names: Sequence[str]) -> str:
+    """Short hex digest of a shard's layer names, in order (:attr:`TierFingerprint.layers`)."""
+    return hashlib.blake2b("\n".join(layer_names).encode(), digest_size=8).hexdigest()
+
+
+def tier_root(engine_digest: bytes, cache_salt: str | None = None) -> bytes:
+    """The chain's root for one engine (:meth:`TierFingerprint.engine_digest`) and salt (16 bytes)."""
     salt = b"" if cache_salt is None else b"salt:" + cache_salt.encode()
-    return hashlib.blake2b(_DOMAIN + fingerprint_digest + salt, digest_size=KEY_BYTES).digest()
+    return hashlib.blake2b(_DOMAIN + engine_digest + salt, digest_size=KEY_BYTES).digest()
 
 
 def tier_block_keys(token_ids: Sequence[int], block_size: int, root: bytes,

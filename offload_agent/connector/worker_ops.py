@@ -1,0 +1,368 @@
+"""The connector's worker side without vLLM: runs the planner's operations
+(:data:`offload_agent.tiers.planner.Op`) on vLLM's KV cache, the CPU tier's slab and the SSD folder.
+
+Torch and the standard library only, so it is tested without vLLM (``tests/torch/``) and driven on
+a GPU by ``tools/gpu_check_connector.py``; the vLLM connector
+(:mod:`offload_agent.connector.vllm_connector`) is a thin adapter over it.
+
+Per engine step (vLLM calls, in this order: ``start_load_kv``, the forward pass, ``wait_for_save``,
+``get_finished``):
+
+- :meth:`TierWorker.run_loads`: the step's load operations, in order. CPU-tier hits are copied from
+  their slots (:class:`~offload_agent.connector.kv_copy.BlockCopier`: on CUDA enqueued on a side
+  stream that the forward pass waits for on the GPU, the host is not blocked); SSD files and peer
+  pulls of *asynchronous* loads (:meth:`start_async`) are read in a background thread while the
+  engine keeps stepping;
+- :meth:`TierWorker.run_saves`: the step's saves, enqueued after the forward pass on the side
+  stream (on CUDA the host does not wait for them). A slot is marked as holding its block
+  (:meth:`TierStore.mark`, which publishes it to the agent through the slot's seqlock) only once
+  its copy has completed (:meth:`poll`); until then it holds nothing a reader would take;
+- :meth:`TierWorker.finished_loads`: asynchronous loads whose bytes have arrived are copied into
+  their GPU blocks (enqueued; the forward pass that uses them waits on the GPU) and reported.
+
+Hazards the asynchronous copies bring, and the rule for each: a host operation on a slot (spill to
+SSD, promote or put from SSD) first waits for every copy touching that slot; a CPU-tier load from
+a slot whose save is still in flight is ordered after it by the stream; a staging buffer stays
+referenced until its copy's event completes; blocks of a step in which a load failed are not saved
+(their KV may depend on the failed block).
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from offload_agent.connector.host_memory import Registration, host_buffer, register
+from offload_agent.connector.kv_copy import DEFAULT_STAGING_BYTES, BlockCopier, PagedKV
+from offload_agent.tiers.keys import TierFingerprint
+from offload_agent.tiers.planner import CPU
+from offload_agent.tiers.shm_slab import ShmSlab
+from offload_agent.tiers.store import TierStore
+
+log = logging.getLogger("vllm.kvroute_tiers.worker")
+
+PullFn = Callable[[str, list[bytes], memoryview], tuple[int, "str | None"]]
+"""``pull(peer, keys, into) -> (blocks, error)``: the first ``blocks`` of ``keys`` pulled from
+``peer`` into ``into`` (``len(keys) * block_bytes``), each verified; never raises."""
+
+
+class _AsyncLoad:
+    """One request's asynchronous load: ``ops`` (``load_ssd``/``load_peer``/``fail_block``) read
+    in the background into ``staging`` rows, then copied into ``blocks``."""
+
+    __slots__ = ("req_id", "ops", "staging", "rows", "blocks", "failed", "future", "event")
+
+    def __init__(self, req_id: str, ops: list) -> None:
+        self.req_id = req_id
+        self.ops = ops
+        self.staging: torch.Tensor | None = None
+        self.rows: list[int] = []      # staging rows that arrived, in order
+        self.blocks: list[int] = []    # their GPU blocks
+        self.failed: list[int] = []    # GPU blocks that did not arrive
+        self.future: Future | None = None
+        self.event = None              # the copy into the GPU blocks (CUDA)
+
+
+class TierWorker:
+    """Executor of the planner's operations for one vLLM worker (one TP/PP shard).
+
+    ``kv``: the worker's KV cache (:class:`PagedKV`); ``num_slots``: CPU tier slots;
+    ``fingerprint``: this shard's; ``ssd_dir``: the SSD tier's root (its files go in the
+    fingerprint's folder) or None; ``shm``: the agent's CPU tier file (its slab is then the CPU
+    tier, registered for DMA on CUDA) or None for a slab of our own; ``pull``: how to pull from a
+    peer (:data:`PullFn`) or None. Raises ValueError when ``shm`` has another size.
+    """
+
+    def __init__(self, kv: PagedKV, num_slots: int, fingerprint: TierFingerprint, ssd_dir: Path | None = None,
+                 shm: ShmSlab | None = None, pull: PullFn | None = None,
+                 staging_bytes: int = DEFAULT_STAGING_BYTES) -> None:
+        self.kv = kv
+        self.cuda = kv.device.type == "cuda"
+        self.copier = BlockCopier(kv, staging_bytes)
+        self.registration: Registration | None = None
+        if shm is not None:
+            if (shm.block_bytes, shm.num_slots) != (kv.block_bytes, num_slots):
+                raise ValueError(f"the CPU tier file has {shm.num_slots} slots of {shm.block_bytes} bytes, "
+                                 f"expected {num_slots} of {kv.block_bytes}")
+            flat = torch.frombuffer(shm.slab, dtype=torch.uint8)
+            if self.cuda:
+                self.registration = register(flat)
+        else:
+            flat, self.registration = host_buffer(num_slots * kv.block_bytes, self.cuda)
+        self.slab = flat.view(num_slots, kv.block_bytes)
+        self.store = TierStore(self.slab.numpy(), num_slots, kv.block_bytes, fingerprint, ssd_dir, shm=shm)
+        self._pull = pull
+        self._sync_staging = torch.empty((1, kv.block_bytes), dtype=torch.uint8, pin_memory=self.cuda)
+        self._invalid: set[int] = set()
+        self._failed_step = False
+        # copies in flight (CUDA): saves to mark once done, and the last copy touching each slot
+        self._saving: deque[tuple[object, list[tuple[int, bytes]]]] = deque()
+        self._writer: dict[int, object] = {}     # slot -> the event of its pending save
+        self._pending_key: dict[int, bytes] = {} # slot -> the key its pending save writes
+        self._slot_event: dict[int, object] = {}
+        self._loads: dict[str, _AsyncLoad] = {}
+        self._copying: list[_AsyncLoad] = []     # arrived, copy to GPU enqueued, event pending
+        self._pool: ThreadPoolExecutor | None = None
+        self._pull_buf: torch.Tensor | None = None
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the CPU tier is pinned or registered (DMA runs asynchronously)."""
+        return self.registration is not None and self.registration.ok
+
+    # ---- completion of copies --------------------------------------------------------------------
+    def poll(self) -> None:
+        """Mark the slots of completed saves (never blocks)."""
+        while self._saving and self._saving[0][0].query():
+            event, written = self._saving.popleft()
+            for slot, key in written:
+                if self._writer.get(slot) is event:
+                    del self._writer[slot]
+                    del self._pending_key[slot]
+                    self.store.mark(slot, key)
+            for slot, _ in written:
+                if self._slot_event.get(slot) is event:
+                    del self._slot_event[slot]
+
+    def _settle(self, slot: int) -> None:
+        """Wait until no copy touches ``slot`` (before the host reads or writes it)."""
+        event = self._slot_event.get(slot)
+        if event is not None:
+            event.synchronize()
+            self._drain()
+
+    def _drain(self) -> None:
+        """Complete every save whose copy has finished, in order, waiting for none."""
+        self.poll()
+        for slot in [s for s, e in self._slot_event.items() if e.query()]:
+            del self._slot_event[slot]
+
+    def flush(self) -> None:
+        """Wait for every copy in flight and mark its slots (shutdown, tests)."""
+        for event, _ in list(self._saving):
+            event.synchronize()
+        self._drain()
+        for job in list(self._copying):
+            job.event.synchronize()
+
+    def holds(self, slot: int, key: bytes) -> bool:
+        """Whether ``slot`` holds ``key`` or a save of it is in flight (ordered before any copy
+        out of the slot)."""
+        return self._pending_key.get(slot) == key or self.store.holds(slot, key)
+
+    # ---- loads -----------------------------------------------------------------------------------
+    def run_loads(self, ops: list) -> None:
+        """Execute a step's load-side operations in order (module docstring)."""
+        self.poll()
+        batch: list[tuple] = []  # consecutive load_cpu ops
+
+        def flush_loads() -> None:
+            if batch:
+                self._record([op[1] for op in batch],
+                             self.copier.load([op[1] for op in batch], [op[3] for op in batch], self.slab))
+                batch.clear()
+
+        for op in ops:
+            kind = op[0]
+            if kind == "load_cpu":
+                if self.holds(op[1], op[2]):
+                    batch.append(op)
+                else:
+                    self._load_failed(op[3])
+                    self.store.fail(op[2], CPU, op[1])
+                continue
+            flush_loads()
+            if kind == "load_ssd":
+                row = self._sync_staging
+                if self.store.read_ssd(op[1], row[0].numpy()):
+                    event = self.copier.load([0], [op[2]], row)
+                    if event is not None:
+                        event.synchronize()  # the one staging row is reused next
+                else:
+                    self._load_failed(op[2])
+            elif kind == "load_peer":
+                got = self._pull_sync(op[1], op[2], op[3])
+                if got:
+                    event = self.copier.load(list(range(got)), op[3][:got], self._pull_buf)
+                    if event is not None:
+                        event.synchronize()
+            else:
+                self._host_op(op)
+        flush_loads()
+
+    def _record(self, slots: list[int], event) -> None:
+        if event is not None:
+            for s in slots:
+                self._slot_event[s] = event
+
+    def _host_op(self, op: tuple) -> None:
+        kind = op[0]
+        if kind == "spill":
+            self._settle(op[1])
+            self.store.spill(op[1], op[2])
+        elif kind == "drop_ssd":
+            self.store.drop_ssd(op[1])
+        elif kind == "promote":
+            self._settle(op[2])
+            self.store.promote(op[1], op[2])
+        elif kind == "fail_block":
+            self._load_failed(op[1])
+        else:
+            raise ValueError(f"unknown tier operation {kind!r}")
+
+    def _load_failed(self, gpu_block: int) -> None:
+        self._invalid.add(gpu_block)
+        self._failed_step = True
+
+    def take_invalid_blocks(self) -> set[int]:
+        """GPU blocks whose load failed since the last call (vLLM recomputes them)."""
+        out, self._invalid = self._invalid, set()
+        return out
+
+    def take_failures(self) -> list[tuple[bytes, str, int | None]]:
+        """Tier copies found unusable since the last call, for the planner to forget."""
+        return self.store.take_failures()
+
+    # ---- saves -----------------------------------------------------------------------------------
+    def run_saves(self, ops: list) -> None:
+        """Execute a step's save-side operations in order; saves are enqueued (CUDA) or done (CPU).
+        When a load of this step failed, its saves are dropped (reported to the planner)."""
+        batch: list[tuple] = []
+
+        def flush_saves() -> None:
+            if not batch:
+                return
+            slots = [op[1] for op in batch]
+            for slot in slots:
+                self.store.begin(slot)
+            event = self.copier.save([op[3] for op in batch], slots, self.slab)
+            if event is None:
+                for op in batch:
+                    self.store.mark(op[1], op[2])
+            else:
+                self._saving.append((event, [(op[1], op[2]) for op in batch]))
+                for op in batch:
+                    self._writer[op[1]] = event
+                    self._pending_key[op[1]] = op[2]
+                self._record(slots, event)
+            batch.clear()
+
+        try:
+            for op in ops:
+                if op[0] == "save":
+                    if self._failed_step:
+                        self.store.mark(op[1], None)
+                        self.store.fail(op[2], CPU, op[1])
+                    else:
+                        batch.append(op)  # a DMA into the slot is ordered after earlier copies
+                    continue
+                flush_saves()
+                self._host_op(op)
+            flush_saves()
+        finally:
+            self._failed_step = False
+
+    # ---- asynchronous loads ----------------------------------------------------------------------
+    def start_async(self, req_id: str, ops: list) -> None:
+        """Start reading one request's ``load_ssd``/``load_peer``/``fail_block`` operations in the
+        background; :meth:`finished_loads` reports it."""
+        job = _AsyncLoad(req_id, ops)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvroute-tier-load")
+        job.future = self._pool.submit(self._read_job, job)
+        self._loads[req_id] = job
+
+    def _read_job(self, job: _AsyncLoad) -> None:
+        """Background thread: read the job's blocks into its staging rows (host memory only)."""
+        n = sum(1 if op[0] == "load_ssd" else len(op[2]) for op in job.ops if op[0] in ("load_ssd", "load_peer"))
+        job.staging = torch.empty((max(1, n), self.kv.block_bytes), dtype=torch.uint8, pin_memory=self.cuda)
+        ssd = [op for op in job.ops if op[0] == "load_ssd"]
+        row = 0
+        if ssd:
+            oks = self.store.read_ssd_many([op[1] for op in ssd], [job.staging[i].numpy() for i in range(len(ssd))])
+            for i, (op, ok) in enumerate(zip(ssd, oks)):
+                if ok:
+                    job.rows.append(i)
+                    job.blocks.append(op[2])
+                else:
+                    job.failed.append(op[2])
+            row = len(ssd)
+        for op in job.ops:
+            if op[0] == "load_peer":
+                keys, blocks = op[2], op[3]
+                into = memoryview(job.staging[row:row + len(keys)].numpy()).cast("B")
+                got, error = self._pull(op[1], keys, into) if self._pull is not None else (0, "no agent")
+                job.rows += range(row, row + got)
+                job.blocks += blocks[:got]
+                job.failed += blocks[got:]
+                row += len(keys)
+                log.info("kvroute tiers: request %s: pulled %d of %d blocks from %s%s", job.req_id, got,
+                         len(keys), op[1], f" ({error}; the rest is recomputed)" if got < len(keys) else "")
+            elif op[0] == "fail_block":
+                job.failed.append(op[1])
+
+    def _pull_sync(self, peer: str, keys: list[bytes], blocks: list[int]) -> int:
+        """A pull inside the step (a ``load_peer`` among the synchronous loads): the blocks that
+        did not come are reported failed; returns how many came (in ``_pull_buf``)."""
+        n = len(keys)
+        if self._pull_buf is None or self._pull_buf.shape[0] < n:
+            self._pull_buf = torch.empty((n, self.kv.block_bytes), dtype=torch.uint8, pin_memory=self.cuda)
+        if self._pull is None:
+            got, error = 0, "no agent"
+        else:
+            got, error = self._pull(peer, keys, memoryview(self._pull_buf[:n].numpy()).cast("B"))
+        for g in blocks[got:]:
+            self._load_failed(g)
+        if got < n:
+            log.info("kvroute tiers: pulled %d of %d blocks from %s (%s; the rest is recomputed)", got, n, peer, error)
+        return got
+
+    def finished_loads(self) -> set[str]:
+        """Requests whose asynchronous load is complete: their arrived blocks are copied (enqueued
+        before the next forward pass, which waits for them) and the rest are reported failed
+        (:meth:`take_invalid_blocks`, in this same call's step). Never blocks."""
+        self.poll()
+        self._copying = [j for j in self._copying if not j.event.query()]
+        done: set[str] = set()
+        for req_id, job in list(self._loads.items()):
+            if not job.future.done():
+                continue
+            del self._loads[req_id]
+            error = job.future.exception()
+            if error is not None:
+                log.warning("kvroute tiers: asynchronous load of %s failed: %s", req_id, error)
+                job.failed, job.rows, job.blocks = _op_blocks(job.ops), [], []
+            if job.rows:
+                job.event = self.copier.load(job.rows, job.blocks, job.staging)
+                if job.event is not None:
+                    self._copying.append(job)
+            self._invalid.update(job.failed)
+            done.add(req_id)
+        return done
+
+    def close(self) -> None:
+        """Wait for copies and background reads; unregister host memory."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        if self.cuda:
+            torch.cuda.synchronize(self.kv.device)
+        self.flush()
+        if self.registration is not None:
+            self.registration.release()
+
+
+def _op_blocks(ops: list) -> list[int]:
+    """The GPU blocks an asynchronous load's operations target."""
+    out: list[int] = []
+    for op in ops:
+        if op[0] == "load_ssd":
+            out.append(op[2])
+        elif op[0] == "load_peer":
+            out += op[3]
+        elif op[0] == "fail_block":
+            out.append(op[1])
+    return out
