@@ -43,10 +43,18 @@ def kv_cache_views(raw: torch.Tensor, layout: str, num_layers: int, num_blocks: 
     them: ``[num_blocks * r, num_heads, kernel_block_size, content_bytes / itemsize]`` of
     ``dtype``, with ``r = block_size // kernel_block_size`` (1 without splitting).
     ``content_bytes``: K and V of one token and head, in bytes (``2 * head_size * itemsize``;
-    MLA: the latent's bytes)."""
+    MLA: the latent's bytes). Raises ValueError, as vLLM does, for a kernel block size that does
+    not divide ``block_size`` or splitting in a layout whose blocks are not dense pages."""
     kbs = kernel_block_size or block_size
     if block_size % kbs:
         raise ValueError(f"kernel block size {kbs} does not divide block size {block_size}")
+    page = num_heads * block_size * content_bytes
+    if kbs != block_size and layout_strides(layout, (num_layers, num_blocks, num_heads, block_size,
+                                                     content_bytes))[1] != page:
+        # vLLM splits a block into kernel blocks only when it is one dense page
+        # (create_kv_cache_views): not in block-outermost layouts, nor LHBNC
+        raise ValueError(f"layout {layout} does not store blocks as dense pages: "
+                         f"no kernel-block splitting ({block_size} into {kbs})")
     shape = (num_layers, num_blocks * (block_size // kbs), num_heads, kbs, content_bytes)
     whole = torch.as_strided(raw, size=shape, stride=layout_strides(layout, shape),
                              storage_offset=raw.storage_offset())
