@@ -86,6 +86,24 @@ def agent_tier_argv(args: argparse.Namespace, i: int, socket_path: str, shm_path
     return argv
 
 
+def agent_argv(args: argparse.Namespace, i: int, events: str, replay: str, gateway_url: str,
+               socket_path: str | None, shm_path: str) -> list[str]:
+    """``kvroute agent`` command line of worker ``i`` (id ``w<i>``). With a Redis ``--index``: its
+    KV events (``events``, ``replay``) into Redis, and its tiers when ``socket_path`` is given.
+    With the embedded index (``--index memory``): only the owner of its tiers (``socket_path``
+    required), the gateway at ``gateway_url`` as its index (the gateway subscribes to the events
+    itself; the agent reads the admin token from ``KVROUTE_ADMIN_TOKEN``). Raises ValueError for
+    the embedded index without ``socket_path`` (such an agent would have nothing to do)."""
+    common = ["--worker-id", f"w{i}", "--model", args.served_model_name, "--block-size", str(args.block_size)]
+    if args.index == "memory":
+        if socket_path is None:
+            raise ValueError("with the embedded index an agent only owns the tiers: it needs a tier socket")
+        argv = kvroute_argv("agent", *common, "--index", gateway_url)
+    else:
+        argv = kvroute_argv("agent", *common, "--events", events, "--replay", replay, "--index", args.index)
+    return argv + (agent_tier_argv(args, i, socket_path, shm_path) if socket_path else [])
+
+
 def _cpu_slices(n_workers: int) -> list[str]:
     """``VLLM_CPU_OMP_THREADS_BIND`` values giving each worker its own cores ("0", "1-3", ...)."""
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))

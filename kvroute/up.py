@@ -2,10 +2,13 @@
 
 Starts N workers (``kvroute sim`` processes, or real vLLM OpenAI servers run by the interpreter
 ``--vllm-python`` with prefix caching, ZMQ KV events + replay, prompt-token details and the given
-block size), one offload agent per worker when the index is Redis (with the embedded in-memory index
-the gateway subscribes to the workers' KV events itself; with CPU/SSD tiers too, the agents own the
-tiers and pull blocks from each other), and the gateway (``kvroute serve``) on
-``--port``; shows progress while the workers load, prints the gateway URL once every part answers
+block size), one offload agent per worker when the index is Redis (it writes the worker's KV
+events there) or when vLLM workers have CPU/SSD tiers, and the gateway (``kvroute serve``) on
+``--port``. With tiers the agents own them and pull blocks from each other (started before their
+workers, whose KV connector says hello to the agent as vLLM starts); with the embedded in-memory
+index the gateway subscribes to the workers' KV events itself and the agents use the gateway as
+their index (``kvroute agent --index http://127.0.0.1:PORT``: peer lookups and their published
+peer states; they wait quietly for the gateway, which starts once the workers answer); shows progress while the workers load, prints the gateway URL once every part answers
 and the gateway sees every worker healthy; on Ctrl-C, SIGTERM or the death of any child, stops every
 process it started (each child runs in its own process group, terminated then killed) and exits.
 
@@ -32,7 +35,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvroute.engines import agent_tier_argv, kvroute_argv, sim_argv, tier_argv_env, vllm_argv, vllm_env
+from kvroute.engines import agent_argv, kvroute_argv, sim_argv, tier_argv_env, vllm_argv, vllm_env
 
 STOP_GRACE_S = 10.0
 GATEWAY_GRACE_S = 8.0  # under STOP_GRACE_S: the gateway exits before it is killed
@@ -327,6 +330,7 @@ def run(args: argparse.Namespace) -> int:
     if not os.environ.get("KVROUTE_ADMIN_TOKEN"):
         os.environ["KVROUTE_ADMIN_TOKEN"] = secrets.token_urlsafe(18)  # inherited by the gateway
         token_note = os.environ["KVROUTE_ADMIN_TOKEN"]
+    base = f"http://{args.host if args.host != '0.0.0.0' else '127.0.0.1'}:{args.port}"
     try:
         workers = []
         ports = free_ports(3 * args.workers)
@@ -337,16 +341,14 @@ def run(args: argparse.Namespace) -> int:
                           "endpoint": f"tcp://*:{ev_port}",
                           "replay_endpoint": f"tcp://*:{replay_port}"}
             events, replay = f"tcp://127.0.0.1:{ev_port}", f"tcp://127.0.0.1:{replay_port}"
-            # with a Redis index and tiers, the agent owns the tiers and pulls from peers: it
-            # starts first, so the connector finds it
-            owned = args.engine == "vllm" and bool(args.cpu_tier_bytes) and args.index != "memory"
+            # with tiers, the agent owns them and pulls from peers (through Redis, or the gateway
+            # holding the embedded index): it starts first, so the connector finds it
+            owned = args.engine == "vllm" and bool(args.cpu_tier_bytes)
             agent_socket = str(log_dir / f"{wid}-tiers.sock") if owned else None
-            if args.index != "memory":
-                extra = agent_tier_argv(args, i, agent_socket, f"/dev/shm/kvroute-tier-{os.getpid()}-{wid}") if owned else []
-                cluster.start(f"agent-{wid}", kvroute_argv(
-                    "agent", "--worker-id", wid, "--events", events, "--replay", replay,
-                    "--index", args.index, "--model", args.served_model_name,
-                    "--block-size", str(args.block_size), *extra), log_dir)
+            if args.index != "memory" or owned:
+                cluster.start(f"agent-{wid}", agent_argv(
+                    args, i, events, replay, base, agent_socket, f"/dev/shm/kvroute-tier-{os.getpid()}-{wid}"),
+                    log_dir)
             if args.engine == "vllm":
                 argv, env = vllm_argv(args, port, events_cfg), vllm_env(i, args.workers)
                 tier_args, tier_env = tier_argv_env(args, i, agent_socket)
@@ -361,7 +363,6 @@ def run(args: argparse.Namespace) -> int:
         gw_workers = workers if args.index == "memory" else [
             {k: v for k, v in w.items() if k not in ("events", "replay")} for w in workers]
         cfg_path.write_text(json.dumps(gateway_config(args, gw_workers, args.port), indent=2))
-        base = f"http://{args.host if args.host != '0.0.0.0' else '127.0.0.1'}:{args.port}"
         print(f"[kvroute up] starting {args.workers} {args.engine} worker(s), then the gateway; logs in {log_dir}",
               file=out, flush=True)
         start = time.monotonic()
@@ -420,8 +421,8 @@ def register(subparsers) -> None:
     p.add_argument("--vllm-args", default="", metavar="'ARGS'",
                    help="extra flags for each vLLM server, one shell-quoted string (e.g. '--dtype bfloat16')")
     p.add_argument("--cpu-tier-bytes", type=int, default=None,
-                   help="vllm engine: RAM per worker for the CPU tier of KV blocks (enables the tiers; with a Redis "
-                        "--index the agents own the tiers and pull blocks from each other)")
+                   help="vllm engine: RAM per worker for the CPU tier of KV blocks (enables the tiers: an agent per "
+                        "worker owns them and pulls blocks from the other workers' agents)")
     p.add_argument("--ssd-tier-dir", default=None,
                    help="vllm engine: folder for the SSD tier (one subfolder per worker)")
     p.add_argument("--ssd-tier-bytes", type=int, default=None, help="vllm engine: bytes of SSD tier per worker")

@@ -1,9 +1,22 @@
-"""The offload agent process: an :class:`kvcore.kv_events.EventIngestor` writing a Redis index,
-and, with ``--tier-socket``, the owner of its worker's tiers (:mod:`offload_agent.tier_service`:
-CPU tier in shared memory, SSD folder, peer pull), until SIGINT/SIGTERM. Logs its state every ``STATUS_EVERY_S`` seconds; on a clean stop it purges its
-worker's entries (the index may under-report, never over-report). It refuses to run against an
-index of another block-key encoding version (:class:`kvcore.index.errors.IndexEncodingMismatch`):
-at start-up, or as soon as an index that was down at start-up answers."""
+"""The offload agent process, until SIGINT/SIGTERM, in one of two modes by its ``--index``:
+
+- a Redis URL: an :class:`kvcore.kv_events.EventIngestor` writing the worker's KV events into
+  the Redis index and, with ``--tier-socket``, the owner of its worker's tiers
+  (:mod:`offload_agent.tier_service`: CPU tier in shared memory, SSD folder, peer pull), whose
+  peer state goes out with the heartbeats. On a clean stop it purges its worker's entries (the
+  index may under-report, never over-report). It refuses to run against an index of another
+  block-key encoding version (:class:`kvcore.index.errors.IndexEncodingMismatch`): at start-up,
+  or as soon as an index that was down at start-up answers.
+- the gateway's URL (``http://host:port``, the gateway holding the embedded index): only the
+  owner of the tiers (``--tier-socket`` required). It ingests no events (the gateway subscribes
+  to the worker's KV events itself); it locates peers by asking the gateway
+  (:class:`kvcore.index.gateway.GatewayIndex`, the admin token from ``--admin-token-env``) and
+  publishes its peer state there every ``min(1, ttl / 3)`` seconds, live for ``--heartbeat-ttl-s``
+  (``PUT /admin/workers/{id}/peer``; withdrawn at a clean stop). A gateway not up yet (``kvroute
+  up`` starts it after the workers) is waited for quietly: one log line per outage. It stops
+  (status 1) when the gateway computes block keys of another encoding version.
+
+Logs its state every ``STATUS_EVERY_S`` seconds."""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +28,7 @@ import signal
 import sys
 
 from kvcore.index.errors import IndexEncodingMismatch, IndexUnavailable
+from kvcore.index.gateway import GatewayIndex, GatewayRefused, is_gateway_url
 from kvcore.index.redis import RedisIndex
 from kvcore.kv_events import EventIngestor
 from offload_agent.tier_service import TierService
@@ -26,17 +40,29 @@ CHECK_EVERY_S = 1.0  # how often the main loop looks for an encoding mismatch fo
 # routing fast): a republish writes the worker's whole state in one script call, and a timeout
 # shorter than that call on a busy host would make the agent republish over and over.
 REDIS_TIMEOUT_S = 5.0
+PUBLISH_EVERY_S = 1.0  # longest interval between two peer-state publishes to the gateway
+WITHDRAW_TIMEOUT_S = 2.0  # a clean stop waits this long at most for the gateway to drop the state
 
 
 def check_args(args: argparse.Namespace) -> str | None:
     """Why the arguments cannot work, or None."""
-    if not args.index.startswith(("redis://", "rediss://", "unix://")):
-        return (f"--index {args.index!r}: the agent writes a shared index, so it needs a Redis URL "
-                "(redis://host:port/db); an in-memory index lives in the gateway (index: memory there "
-                "subscribes to the events itself)")
+    if is_gateway_url(args.index):
+        if not args.tier_socket:
+            return (f"--index {args.index}: with the gateway's index the agent only owns the worker's tiers "
+                    "(the gateway subscribes to the KV events itself), so it needs --tier-socket")
+        if args.events or args.replay:
+            return (f"--index {args.index}: leave out --events and --replay: the gateway holding the index "
+                    "subscribes to the worker's KV events itself")
+        if not os.environ.get(args.admin_token_env):
+            return f"--admin-token-env {args.admin_token_env}: that variable is not set (the gateway's admin token)"
+    elif not args.index.startswith(("redis://", "rediss://", "unix://")):
+        return (f"--index {args.index!r}: expected a Redis URL (redis://host:port/db), which the agent writes "
+                "the worker's KV events into, or the URL of a gateway holding the index (http://host:port)")
+    elif args.events is None:
+        return "--events is required with a Redis index"
     if args.block_size < 1:
         return f"--block-size must be >= 1, got {args.block_size}"
-    if not args.events.startswith(("tcp://", "ipc://")):
+    if args.events is not None and not args.events.startswith(("tcp://", "ipc://")):
         return f"--events {args.events!r}: expected tcp://host:port"
     if args.heartbeat_ttl_s <= 0:
         return f"--heartbeat-ttl-s must be > 0, got {args.heartbeat_ttl_s}"
@@ -65,8 +91,8 @@ def parse_host_port(value: str) -> tuple[str, int] | None:
     return host.strip("[]"), int(port)
 
 
-def tier_service(args: argparse.Namespace, index: RedisIndex) -> TierService | None:
-    """The tiers' owner for ``--tier-socket`` (None without it)."""
+def tier_service(args: argparse.Namespace, index: RedisIndex | GatewayIndex) -> TierService | None:
+    """The tiers' owner for ``--tier-socket`` (None without it); ``index``: where it locates peers."""
     if not args.tier_socket:
         return None
     secret = os.environ[args.peer_secret_env].encode() if args.peer_secret_env else None
@@ -82,6 +108,8 @@ async def run_agent(args: argparse.Namespace) -> int:
     """Run until a stop signal; returns the exit status: 0, or 1 when the index holds block keys of
     another encoding version (logged with what to do). Never fails for an unreachable Redis or
     vLLM (it waits for both)."""
+    if is_gateway_url(args.index):
+        return await run_gateway_agent(args)
     index = RedisIndex(args.index, heartbeat_ttl_s=args.heartbeat_ttl_s, socket_timeout_s=REDIS_TIMEOUT_S)
     try:
         await index.open()
@@ -128,9 +156,92 @@ async def run_agent(args: argparse.Namespace) -> int:
     return status
 
 
+class StatePublisher:
+    """Publishes ``state()`` (the tiers' state) as ``worker_id``'s to the gateway, live there for
+    ``ttl_s``; logs once per change between reachable and not (quiet while the gateway is not
+    up yet)."""
+
+    def __init__(self, index: GatewayIndex, worker_id: str, state, ttl_s: float) -> None:
+        self.index, self.worker_id, self.state, self.ttl_s = index, worker_id, state, ttl_s
+        self.published = 0
+        self.failures = 0
+        self._ok: bool | None = None  # None: never tried
+        self._refused_logged = False
+
+    async def publish(self) -> bool:
+        """One publish; whether the gateway took it."""
+        try:
+            got = await self.index.publish_state(self.worker_id, self.state(), self.ttl_s)
+        except IndexUnavailable as exc:
+            self.failures += 1
+            if isinstance(exc, GatewayRefused):
+                if not self._refused_logged:
+                    log.error("%s (retrying)", exc)
+                self._refused_logged = True
+            elif self._ok is None:
+                log.info("gateway %s not answering yet; the peer state goes out once it does (%s)",
+                         self.index.url, exc)
+            elif self._ok:
+                log.warning("publishing the peer state to gateway %s failed; retrying: %s", self.index.url, exc)
+            self._ok = False
+            return False
+        self.published += 1
+        self._refused_logged = False
+        if not self._ok:
+            log.info("peer state of worker %s published to gateway %s (registered there: %s, live %g s "
+                     "after each publish)", self.worker_id, self.index.url, got.get("registered"), self.ttl_s)
+        self._ok = True
+        return True
+
+
+async def run_gateway_agent(args: argparse.Namespace) -> int:
+    """The agent with the gateway as its index (module docstring) until a stop signal; returns
+    the exit status: 0, or 1 when the gateway's block-key encoding differs from this process's."""
+    index = GatewayIndex(args.index, os.environ.get(args.admin_token_env))
+    tiers = tier_service(args, index)
+    assert tiers is not None  # check_args: --tier-socket is required with a gateway index
+    publisher = StatePublisher(index, args.worker_id, tiers.state, args.heartbeat_ttl_s)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await tiers.start()
+    log.info("agent for worker %s: owns its tiers; the gateway %s holds the index (it ingests the worker's "
+             "KV events) and locates peers; model %s, block size %d", args.worker_id, args.index, args.model,
+             args.block_size)
+    status = 0
+    every_s = max(0.05, min(args.heartbeat_ttl_s / 3, PUBLISH_EVERY_S))
+    next_state_at = loop.time() + STATUS_EVERY_S
+    try:
+        while not stop.is_set():
+            await publisher.publish()
+            if index.encoding_error is not None:
+                log.error("stopping: %s", index.encoding_error)
+                status = 1
+                break
+            if loop.time() >= next_state_at:
+                next_state_at += STATUS_EVERY_S
+                log.info("state %s", json.dumps({**tiers.state(), "published": publisher.published,
+                                                 "publish_failures": publisher.failures}, sort_keys=True))
+            try:
+                await asyncio.wait_for(stop.wait(), every_s)
+            except asyncio.TimeoutError:
+                pass
+    finally:
+        log.info("stopping; final state %s", json.dumps(tiers.state(), sort_keys=True))
+        if publisher.published:
+            try:  # peers stop asking for this worker's blocks at once, not after the TTL
+                await asyncio.wait_for(index.withdraw_state(args.worker_id), WITHDRAW_TIMEOUT_S)
+            except (IndexUnavailable, asyncio.TimeoutError) as exc:
+                log.info("could not withdraw the peer state (it expires in %g s): %s", args.heartbeat_ttl_s, exc)
+        await tiers.stop()
+        await index.close()
+    return status
+
+
 def run_from_args(args: argparse.Namespace) -> int:
-    """Entry of ``kvroute agent``; returns the exit status (2 for bad arguments, 1 for an index of
-    another block-key encoding version)."""
+    """Entry of ``kvroute agent``; returns the exit status (2 for bad arguments, 1 for an index or
+    gateway of another block-key encoding version)."""
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     problem = check_args(args)

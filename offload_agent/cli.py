@@ -1,4 +1,5 @@
-"""``kvroute agent``: one offload agent beside one vLLM server; its KV events into a Redis index."""
+"""``kvroute agent``: one offload agent beside one vLLM server: its KV events into a Redis index,
+and the owner of its tiers (with the gateway's embedded index: only the owner of its tiers)."""
 from __future__ import annotations
 
 import argparse
@@ -7,21 +8,32 @@ import argparse
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``agent`` subcommand to the ``kvroute`` parser."""
     p = subparsers.add_parser(
-        "agent", help="run one offload agent (a vLLM server's KV events -> the Redis index)",
-        description="Subscribes to one vLLM server's KV events (ZMQ), turns them into block keys and "
-                    "writes them to a shared Redis index with a heartbeat; repairs lost messages over "
-                    "the replay socket and resyncs after a vLLM restart. Start order does not matter.")
+        "agent", help="run one offload agent (a vLLM server's KV events -> the Redis index; its tiers)",
+        description="With a Redis --index: subscribes to one vLLM server's KV events (ZMQ), turns them into "
+                    "block keys and writes them to a shared Redis index with a heartbeat; repairs lost "
+                    "messages over the replay socket and resyncs after a vLLM restart. With --tier-socket "
+                    "it also owns the worker's tiers (below). With --index http://GATEWAY (a gateway with the "
+                    "embedded index, which subscribes to the events itself) it only owns the tiers: it asks "
+                    "the gateway which peer holds a prompt's blocks and publishes its peer state there "
+                    "(admin token from --admin-token-env). Start order does not matter.")
     p.add_argument("--worker-id", required=True, metavar="ID", help="the worker's id, as in the gateway config")
-    p.add_argument("--events", required=True, metavar="tcp://H:P",
-                   help="vLLM's KV event PUB endpoint (its --kv-events-config endpoint, as seen from here)")
+    p.add_argument("--events", default=None, metavar="tcp://H:P",
+                   help="vLLM's KV event PUB endpoint (its --kv-events-config endpoint, as seen from here); "
+                        "required with a Redis index, left out with a gateway's")
     p.add_argument("--replay", default=None, metavar="tcp://H:P",
                    help="vLLM's replay endpoint (replay_endpoint); without it, a lost message resyncs")
     p.add_argument("--index", required=True, metavar="URL",
-                   help="the shared index: redis://host:port/db (memory is the gateway's embedded mode)")
+                   help="the index: redis://host:port/db (the agent writes the events there), or the gateway "
+                        "holding the embedded index, http://host:port (the agent locates peers through it and "
+                        "publishes its peer state there; needs --tier-socket)")
+    p.add_argument("--admin-token-env", default="KVROUTE_ADMIN_TOKEN", metavar="VAR",
+                   help="with a gateway --index: the variable holding the gateway's admin token "
+                        "(default KVROUTE_ADMIN_TOKEN)")
     p.add_argument("--model", required=True, metavar="NAME", help="served model name (mixed into block keys)")
     p.add_argument("--block-size", required=True, type=int, metavar="N", help="vLLM's --block-size in tokens")
     p.add_argument("--heartbeat-ttl-s", type=float, default=10.0, metavar="S",
-                   help="the worker stops counting this long after the agent's last heartbeat (default 10)")
+                   help="the worker stops counting this long after the agent's last heartbeat; with a gateway "
+                        "--index, how long the gateway keeps the agent's peer state after each publish (default 10)")
     p.add_argument("--topic", default="", help="ZMQ topic prefix to subscribe to (default: all)")
     t = p.add_argument_group(
         "tiers (the agent owns them)",

@@ -13,7 +13,9 @@
 | GET /admin/decisions[?limit=N&worker=ID&since_unix_s=T] | ``{"decisions": [...], "kept", "recorded"}``: recent decisions of real traffic, newest first (:mod:`router.decision_log`); 400 bad limit |
 | GET /admin/summary[?window_s=W&bucket_s=B] | the decisions of the last W s (default 300) in counts and B-second buckets (default 10): ``{"totals", "hit_rate", "predicted_hit_rate", "by_reason", "by_worker", "series": [...], ...}`` (:meth:`router.decision_log.DecisionLog.summary`; drawn by ``GET /dashboard``); 400 bad window or bucket |
 
-Errors use the OpenAI error shape.
+Errors use the OpenAI error shape. The routes an offload agent uses with the gateway's index
+(``POST /admin/index/match``, ``GET /admin/peers``, ``PUT``/``DELETE /admin/workers/{id}/peer``)
+are in :mod:`router.admin_peers`.
 
 With ``kvroute serve --processes N`` (:mod:`router.siblings`): a change (workers added, removed
 or drained, a new policy) is applied by the process that gets it and then sent to every
@@ -32,6 +34,7 @@ from pydantic import ValidationError
 
 from kvcore.index.base import SupportsWorkerStates
 from kvcore.index.errors import IndexUnavailable
+from router.admin_peers import add_peer_routes
 from router.config import WorkerConfig, validation_message
 from router.decision_log import (DEFAULT_SUMMARY_BUCKET_S, DEFAULT_SUMMARY_WINDOW_S, SummaryWindowError,
                                  merge_summaries)
@@ -125,6 +128,8 @@ def make_admin_router(gateway: Gateway) -> APIRouter:
             if status >= 300:
                 log.warning("gateway process %d answered %d to %s %s: %s", index, status, method, path,
                             answer[:300].decode("utf-8", "replace"))
+
+    add_peer_routes(api, gateway, to_siblings)
 
     @api.post("/workers")
     async def add_worker(request: Request) -> Response:

@@ -27,6 +27,7 @@ from router.decision_log import DecisionLog
 from router.embedded_events import embedded_ingest_task
 from router.metrics import GatewayMetrics
 from router.peer_pull import PeerPoller, PeerTable
+from router.peer_states import PeerStateSource, PublishedPeerStates
 from router.proxy import Upstream
 from router.registry import TaskFactory, WorkerRegistration, WorkerRegistry
 from router.routing import PolicyHolder, Router
@@ -62,7 +63,11 @@ class Gateway:
         self.metrics.watch_tokenize_cache(self.tokenizers.cache_totals)
         self.policy = PolicyHolder(cfg.policy)
         # workers' peer-pull states (router.peer_pull): polled from a shared index's agent states
+        # and from the states agents publish here (PUT /admin/workers/{id}/peer, router.peer_states)
         self.peers = PeerTable()
+        self.published_peers = PublishedPeerStates()
+        self.peer_source = PeerStateSource(
+            self.published_peers, self.index if isinstance(self.index, SupportsWorkerStates) else None)
         self.metrics.watch_peer_links(self.peers.current)
         self._peer_poller: PeerPoller | None = None
         self.router = Router(cfg.models, self.tokenizers, self.index, self.registry, self.policy,
@@ -89,9 +94,10 @@ class Gateway:
         configured workers and wait (at most one probe timeout) for their first health probe.
         Raises IndexEncodingMismatch when a shared index holds keys of another block-key
         encoding (the gateway must not start: its keys would never match); an index that is
-        down only means routing on load until it answers. With a shared index whose agents
-        publish their states (Redis), those are polled every second for peer pull
-        (:mod:`router.peer_pull`; ``self.peers``). With ``discovery.kubernetes`` it then
+        down only means routing on load until it answers. The agents' peer-pull states (those
+        of a shared index's agents, Redis, and those published to this gateway,
+        :mod:`router.peer_states`) are polled every second into ``self.peers``
+        (:mod:`router.peer_pull`). With ``discovery.kubernetes`` it then
         starts the pod watch (:mod:`router.discovery.kubernetes`; ``self.discovery``), raising
         ValueError when no Kubernetes client configuration loads."""
         try:
@@ -114,15 +120,21 @@ class Gateway:
         regs = [self.registry.add(w) for w in self.cfg.workers]
         if self.group is not None and self.group.table is not None:  # a silent row counts as a dead process
             self._heartbeat = asyncio.get_running_loop().create_task(self._beat(self.group), name="load-heartbeat")
-        if isinstance(self.index, SupportsWorkerStates):  # agents publish their peer-pull states there
-            self._peer_poller = PeerPoller(self.index, self.peers)
-            self._peer_poller.start()
+        # agents publish their peer-pull states in a shared index and/or here (router.peer_states)
+        self._peer_poller = PeerPoller(self.peer_source, self.peers)
+        self._peer_poller.start()
         await self._wait_first_probe(regs)
         if self.cfg.discovery.kubernetes is not None:  # pods become workers as they turn Ready
             from router.discovery.kubernetes import KubernetesDiscovery
 
             self.discovery = KubernetesDiscovery(self, self.cfg.discovery.kubernetes)
             await self.discovery.start()
+
+    async def refresh_peers(self) -> None:
+        """Read the agents' peer-pull states into ``self.peers`` now rather than at the next poll
+        (an agent just published or withdrew its state); a failure is counted as a poll's is."""
+        if self._peer_poller is not None:
+            await self._peer_poller.poll_once()
 
     async def _health_changed(self, reg: WorkerRegistration) -> None:
         """A worker went down: its index entries are purged (a worker that died lost its cache;

@@ -16,10 +16,13 @@ each heartbeat (:meth:`kvcore.index.redis.RedisIndex.heartbeat`); an agent with 
      "pull_overhead_ms": 2.0,      # measured fixed cost of one pull; null until measured
      "pulls": 12, "pulled_blocks": 700, "failed_pulls": 0}
 
-:class:`PeerPoller` reads every agent's state (:meth:`~kvcore.index.base.SupportsWorkerStates.
-worker_states`, one Redis round trip) every ``interval_s`` into a :class:`PeerTable`, which
-routing reads. With the in-memory index (no agents publish there) the table stays empty and no
-candidate is credited for peer blocks. A field of the wrong type or out of range is read as
+With the gateway's embedded index, agents started with ``kvroute agent --index http://GATEWAY``
+publish the same state to the gateway instead (``PUT /admin/workers/{id}/peer``, kept for a TTL:
+:mod:`router.peer_states`). :class:`PeerPoller` reads every agent's state (:meth:`~kvcore.index.
+base.SupportsWorkerStates.worker_states` of :class:`router.peer_states.PeerStateSource`: the
+published ones over a shared index's, one Redis round trip) every ``interval_s`` into a
+:class:`PeerTable`, which routing reads. Without agents that publish, the table stays empty and
+no candidate is credited for peer blocks. A field of the wrong type or out of range is read as
 absent, so an agent of another release can never fail routing.
 
 Peer blocks of a candidate W (:func:`peer_blocks_by_worker`)::
