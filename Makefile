@@ -63,9 +63,12 @@ run-vllm: $(VENV_STAMP) install-vllm
 	$(VENV)/bin/kvroute up --engine vllm --vllm-python $(KVR_VLLM_PYTHON) --workers $(WORKERS) \
 	  --model tests/fixtures/tiny-model --served-model-name tiny --port $(PORT)
 
-# tests/test_bench_peers.py runs the peer routers: installed first, as everything else
+# tests/test_bench_peers.py runs the peer routers: installed first, as everything else. The byte
+# path's tests (tests/torch: torch, no vLLM API) run in vLLM's interpreter, with pytest added there.
 test: install-system $(VENV_STAMP) $(PEERS_STAMP) install-vllm
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(KVR_VLLM_PYTHON) -c 'import pytest, pytest_timeout' 2>/dev/null || $(KVR_VLLM_PYTHON) -m pip install -q pytest pytest-timeout
+	$(KVR_VLLM_PYTHON) -m pytest -q -p no:cacheprovider -c tests/torch/pytest.ini tests/torch
+	$(PY) -m pytest -q -p no:cacheprovider tests --ignore=tests/torch
 
 # The peer routers `kvroute bench rig` compares with: sglang-router and vllm-router into .venv,
 # smg into .venv-peers-smg (its console script has the same name as sglang-router's).

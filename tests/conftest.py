@@ -15,6 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+# tests/torch run in vLLM's interpreter (torch), by their own config: `make test` runs both suites
+collect_ignore = ["torch"]
+
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 TINY_MODEL = FIXTURES / "tiny-model"
 CAPTURE = FIXTURES / "vllm_0.32_cpu_capture.json"

@@ -101,3 +101,31 @@ def vllm_env(base: dict[str, str] | None = None) -> dict[str, str]:
     current = (base if base is not None else os.environ).get("PYTHONPATH", "")
     parts = [str(REPO_ROOT)] + [p for p in current.split(os.pathsep) if p and p != str(REPO_ROOT)]
     return {"PYTHONPATH": os.pathsep.join(parts)}
+
+
+def unsupported_setup(vllm_config: Any, settings: TierSettings, machine: str | None = None) -> str | None:
+    """Why the tiers cannot serve this vLLM set-up correctly, or None; the connector refuses to
+    start with it (never runs a set-up wrong). ``vllm_config``: vLLM's ``VllmConfig`` (read by
+    attribute, so this module needs no vLLM); ``machine``: ``os.uname().machine`` by default.
+
+    - decode or prefill context parallelism (DCP/PCP): each rank holds only some of a block's
+      tokens, which the shard fingerprint does not describe;
+    - data parallelism with an agent or an SSD folder: each data-parallel rank is an engine of its
+      own, and they would share one agent's CPU tier files or one SSD folder, each planner evicting
+      the others' blocks (run one agent, or SSD folder, per rank: one vLLM server per rank);
+    - an agent on a CPU that is not x86-64: the CPU tier file's slot seqlock relies on x86's store
+      order (``offload_agent/tiers/shm_slab.py``), so the agent could serve a torn slot.
+    """
+    par = vllm_config.parallel_config
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if int(getattr(par, name, 1) or 1) > 1:
+            return (f"{name} = {getattr(par, name)}: context-parallel ranks hold part of each block's tokens, "
+                    "which the tiers cannot store yet; run without the tiers connector or without context parallelism")
+    if int(getattr(par, "data_parallel_size", 1) or 1) > 1 and (settings.agent_socket or settings.ssd_tier_dir):
+        return ("data_parallel_size > 1 with agent_socket or ssd_tier_dir: the data-parallel ranks would share one "
+                "agent's CPU tier or one SSD folder; run one vLLM server (and agent, and SSD folder) per rank")
+    machine = machine or os.uname().machine
+    if settings.agent_socket and machine not in ("x86_64", "AMD64"):
+        return (f"agent_socket on {machine}: the shared CPU tier's slot seqlock needs x86-64 store order; "
+                "drop agent_socket to run local tiers (no peer pull) on this machine")
+    return None

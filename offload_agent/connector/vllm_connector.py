@@ -7,13 +7,17 @@ SSD tiers. Loaded by vLLM with::
         "kv_connector_extra_config": {"cpu_tier_bytes": N, "ssd_tier_dir": DIR, "ssd_tier_bytes": N}}'
 
 (:func:`offload_agent.connector.config.kv_transfer_config` builds it; the repository root must be
-on vLLM's ``PYTHONPATH``.) Imports only vLLM, torch and the standard library.
+on vLLM's ``PYTHONPATH``.) Imports only vLLM, torch and the standard library. This module adapts
+vLLM's API; the bytes move in :mod:`offload_agent.connector.worker_ops` (torch only).
 
 What it does, per engine step (vLLM 0.32 connector API):
 
 - scheduler side, ``get_num_new_matched_tokens``: the request's prompt blocks past vLLM's own
   prefix hit that the tiers hold, as a consecutive run (never the whole prompt: the last token is
-  always computed); loads are synchronous (this step, before the forward pass);
+  always computed). CPU-tier hits load in the step (before the forward pass, which waits for them
+  on the GPU); a hit with SSD or peer blocks loads **asynchronously**: the request waits in
+  ``WAITING_FOR_REMOTE_KVS`` while its files are read or its blocks pulled in a background thread,
+  and the batch keeps running; ``get_finished`` reports it;
 - ``update_state_after_alloc``: plans the copies of those blocks into the GPU blocks vLLM just
   allocated (:meth:`TierPlanner.plan_load`);
 - ``build_connector_meta``: plans saves. **A full prompt block is saved in the step whose forward
@@ -22,33 +26,40 @@ What it does, per engine step (vLLM 0.32 connector API):
   request ends, a long chunked prefill is saved chunk by chunk, and an identical prompt arriving
   while the first is still decoding already finds it. Only prompt blocks are saved (decode blocks
   are rarely shared);
-- worker side: ``start_load_kv`` runs the load operations, ``wait_for_save`` the save operations,
-  each batched per layer with ``index_select``/``index_copy_``. On CUDA the slab is pinned and
-  copies run on a side stream; the forward stream waits for the loads (GPU-side, the CPU is not
-  blocked) and ``wait_for_save`` synchronises the saves. (Only the CPU build is tested here.)
-- failures (a slot or file that does not hold what it should, a corrupt file): the GPU blocks are
-  reported to vLLM (``get_block_ids_with_load_errors``), which recomputes them; nothing of that step
-  is saved (its KV may depend on the bad block); the planner forgets the bad copies
-  (worker -> scheduler metadata);
+- worker side: ``start_load_kv`` runs the loads, ``wait_for_save`` enqueues the saves (one gather
+  over all layers into a staging buffer, DMA into the pinned slab, on a side stream; the host does
+  not wait, and a slot counts as written once its copy completes);
+- failures (a slot or file that does not hold what it should, a corrupt file, a pull that fell
+  short): the GPU blocks are reported to vLLM (``get_block_ids_with_load_errors``), which
+  recomputes them; nothing of that step is saved (its KV may depend on the bad block); the planner
+  forgets the bad copies (worker -> scheduler metadata);
 - residency: ``take_events`` hands vLLM ``BlockStored``/``BlockRemoved`` with medium ``CPU`` /
   ``STORAGE`` and no tokens (vLLM's placeholder form: the block's hash only), published on vLLM's
   own KV event stream after the step's GPU events. Consumers map the hash through the GPU event
   that preceded it.
 
+Parallelism: each tensor- or pipeline-parallel rank is a *shard* with its own fingerprint
+(:class:`TierFingerprint`: its ranks, its layers, the page shape it sees), its own slots (a CPU
+tier file per shard with an agent) and SSD folder; the scheduler's planner places one block in the
+same slot of every shard, and the tier keys are rooted in the engine's digest, which every shard
+shares. ``cpu_tier_bytes`` and ``ssd_tier_bytes`` are for the whole engine. Set-ups the tiers
+cannot serve correctly are refused at start (:func:`unsupported_setup`).
+
 With the worker's offload agent on ``agent_socket`` (:mod:`offload_agent.agent_link`; both sides
 say hello at start, waiting up to ``agent_wait_s``; without an answer, local tiers as above):
 
-- the CPU slab is the agent's shared memory file (:mod:`offload_agent.tiers.shm_slab`), each
-  slot written between ``begin_write`` and ``end_write`` so the agent can serve it to peers; the
-  SSD folder is the agent's; the planner starts with the blocks the file still holds;
+- the CPU slab is the agent's shared memory file for this shard
+  (:mod:`offload_agent.tiers.shm_slab`), each slot written between ``begin_write`` and
+  ``end_write`` so the agent can serve it to peers; the SSD folder is the agent's; the planner
+  starts with the blocks shard (0, 0)'s file still holds;
 - peer pull: when the local tiers end before the prompt's creditable blocks (at least
-  ``peer_pull_min_blocks`` short), the scheduler side asks the agent (``locate``, at most
-  ``peer_locate_timeout_ms``) which peer holds the next blocks, and offers them to vLLM as
-  external tokens (source ``p2p``); the worker side's ``load_peer`` op asks the agent to pull them
-  (``pull``, deadline ``peer_pull_deadline_ms``), copies what came (each block verified by the
-  agent) into vLLM's blocks and reports the rest failed, so vLLM recomputes it. Pulled blocks are
-  then saved to the CPU tier like computed ones. The pull runs synchronously in the step, as the
-  local loads do.
+  ``peer_pull_min_blocks`` short), the scheduler side asks the agent in the background
+  (``locate``, waiting at most ``peer_locate_timeout_ms`` over the steps it takes; a prefix no peer
+  holds is not asked about again for ``NO_PEER_TTL_S``) which peer holds the next blocks, and
+  offers them to vLLM as external tokens (source ``p2p``); each rank's worker side asks its agent
+  to pull them for its own shard (deadline ``peer_pull_deadline_ms``), copies what came (each
+  block verified by the agent) into vLLM's blocks and reports the rest failed, so vLLM recomputes
+  it. Pulled blocks are then saved to the CPU tier like computed ones.
 
 Requests with a LoRA adapter, multimodal inputs or prompt embeddings are neither saved nor loaded
 (their KV depends on more than the tokens). Models with more than one KV cache group (hybrid
@@ -58,8 +69,10 @@ from __future__ import annotations
 
 import array
 import os
+import shutil
 import time
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -74,12 +87,13 @@ from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from offload_agent.agent_link import AgentLink, AgentLinkError
-from offload_agent.connector.config import TierSettings
-from offload_agent.tiers.keys import TierFingerprint, tier_block_keys, tier_root
+from offload_agent.connector.config import TierSettings, unsupported_setup
+from offload_agent.connector.kv_copy import LayoutError, PagedKV
+from offload_agent.connector.worker_ops import TierWorker
+from offload_agent.tiers.keys import TierFingerprint, layer_names_digest, tier_block_keys, tier_root
 from offload_agent.tiers.planner import CPU, SSD, EngineHash, TierPlanner
 from offload_agent.tiers.shm_slab import ShmSlab, SlabMismatch
-from offload_agent.tiers.ssd_file import HEADER_BYTES, scan_fingerprint_dir
-from offload_agent.tiers.store import TierStore
+from offload_agent.tiers.ssd_file import HEADER_BYTES, engine_shard_dir, scan_fingerprint_dir
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -113,11 +127,13 @@ def _request_amx_permission() -> None:
 
 class TierConnectorMetadata(KVConnectorMetadata):
     """Scheduler -> worker, one step: ``pre_ops`` run before the forward pass (loads),
-    ``post_ops`` after it (saves); see :data:`offload_agent.tiers.planner.Op`."""
+    ``post_ops`` after it (saves), ``async_loads`` (request id -> its SSD and peer loads) start in
+    the background; see :data:`offload_agent.tiers.planner.Op`."""
 
-    def __init__(self, pre_ops: list, post_ops: list) -> None:
+    def __init__(self, pre_ops: list, post_ops: list, async_loads: dict[str, list]) -> None:
         self.pre_ops = pre_ops
         self.post_ops = post_ops
+        self.async_loads = async_loads
 
 
 class TierWorkerMetadata(KVConnectorWorkerMetadata):
@@ -131,36 +147,49 @@ class TierWorkerMetadata(KVConnectorWorkerMetadata):
 
 
 class _Layout:
-    """The KV cache layout the tiers store: one group's layers, bytes per block per layer."""
+    """What the tiers store of one engine, from vLLM's configuration: the single KV cache group's
+    layers and block size, the shard this process holds, and the engine-wide sizes.
 
-    def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", tp_rank: int) -> None:
+    ``engine_block_bytes``: one block over every shard (``page_size_bytes`` x the model's attention
+    layers x TP size), the same number for the scheduler and every rank, so that each derives the
+    same slot count from the CPU tier's bytes."""
+
+    def __init__(self, vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig", tp_rank: int, pp_rank: int) -> None:
         groups = kv_cache_config.kv_cache_groups
         self.ok = len(groups) == 1
         self.block_size = vllm_config.cache_config.block_size
         self.num_blocks = kv_cache_config.num_blocks
         if not self.ok:
-            self.layer_names, self.page_bytes, self.dtype = [], 0, torch.uint8
+            self.layer_names = []
             return
         spec = groups[0].kv_cache_spec
+        par = vllm_config.parallel_config
         self.layer_names = list(groups[0].layer_names)
         self.page_bytes = int(spec.page_size_bytes)
-        self.dtype = spec.dtype
         self.block_bytes = self.page_bytes * len(self.layer_names)
-        shape = "x".join(str(getattr(spec, a, "?")) for a in ("num_kv_heads", "head_size"))
-        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
-        self.tp_rank = tp_rank
+        self.tp_size, self.tp_rank = par.tensor_parallel_size, tp_rank
+        self.pp_size, self.pp_rank = par.pipeline_parallel_size, pp_rank
+        layers = len(self.layer_names)
+        if self.pp_size > 1:
+            layers = vllm_config.model_config.get_total_num_hidden_layers()
+        self.engine_block_bytes = self.page_bytes * layers * self.tp_size
+        cache_dtype = str(vllm_config.cache_config.cache_dtype)
+        self.dtype = cache_dtype if cache_dtype != "auto" else str(spec.dtype).replace("torch.", "")
+        self.heads = "x".join(str(getattr(spec, a, "?")) for a in ("num_kv_heads", "head_size"))
         self.model = str(vllm_config.model_config.model)
-        self.shape = shape
 
-    def fingerprint(self, model_id: str | None) -> TierFingerprint:
-        return TierFingerprint(model=model_id or self.model, num_layers=len(self.layer_names),
-                               dtype=str(self.dtype).replace("torch.", ""), block_size=self.block_size,
-                               block_bytes=self.block_bytes, layout=self.shape, tp_rank=self.tp_rank,
-                               tp_size=self.tp_size)
+    def fingerprint(self, model_id: str | None, layout: str = "", block_bytes: int | None = None) -> TierFingerprint:
+        """This shard's fingerprint; ``layout`` (the page shape in bytes) and ``block_bytes`` as the
+        worker's KV cache views show them (the scheduler has neither: it uses the engine digest)."""
+        return TierFingerprint(model=model_id or self.model, num_layers=len(self.layer_names), dtype=self.dtype,
+                               block_size=self.block_size, block_bytes=block_bytes or self.block_bytes,
+                               layout=layout, heads=self.heads, tp_rank=self.tp_rank, tp_size=self.tp_size,
+                               pp_rank=self.pp_rank, pp_size=self.pp_size,
+                               layers=layer_names_digest(self.layer_names))
 
 
 class _ReqState:
-    __slots__ = ("request", "keys", "root", "saved_upto", "skip", "located")
+    __slots__ = ("request", "keys", "root", "saved_upto", "skip", "locating")
 
     def __init__(self, request: "Request", root: bytes | None) -> None:
         self.request = request
@@ -168,7 +197,23 @@ class _ReqState:
         self.keys: list[bytes] = []
         self.saved_upto = 0
         self.skip = root is None
-        self.located: tuple[int, int, str | None, int] | None = None  # (from, upto, peer, blocks)
+        self.locating: _Locate | None = None
+
+
+class _Locate:
+    """One peer lookup, asked in the background: blocks ``first..upto-1``; ``answer`` is
+    ``(peer or None, blocks)`` once known; ``give_up_at``: when the request stops waiting."""
+
+    __slots__ = ("first", "upto", "future", "give_up_at", "t0")
+
+    def __init__(self, first: int, upto: int, future: Future, give_up_at: float) -> None:
+        self.first, self.upto, self.future, self.give_up_at = first, upto, future, give_up_at
+        self.t0 = time.monotonic()
+
+
+def _parallel_rank(name: str) -> int:
+    from vllm.distributed import parallel_state
+    return getattr(parallel_state, name)()
 
 
 class KVRouteTierConnector(KVConnectorBase_V1):
@@ -187,107 +232,125 @@ class KVRouteTierConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.settings = TierSettings.from_extra(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
-        tp_rank = 0
-        if role == KVConnectorRole.WORKER:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-            tp_rank = get_tensor_model_parallel_rank()
-        self.layout = _Layout(vllm_config, kv_cache_config, tp_rank)
+        worker = role == KVConnectorRole.WORKER
+        tp_rank = _parallel_rank("get_tensor_model_parallel_rank") if worker else 0
+        pp_rank = _parallel_rank("get_pipeline_model_parallel_rank") if worker else 0
+        self.layout = _Layout(vllm_config, kv_cache_config, tp_rank, pp_rank)
         if not self.layout.ok:
             logger.warning("kvroute tiers disabled: %d KV cache groups (only single-group models are "
                            "supported)", len(kv_cache_config.kv_cache_groups))
             return
+        problem = unsupported_setup(vllm_config, self.settings)
+        if problem:
+            raise ValueError(f"kvroute tiers: {problem}")
         self.fingerprint = self.layout.fingerprint(self.settings.model_id)
+        self.engine_digest = self.fingerprint.engine_digest()
         self.agent: AgentLink | None = None
         self.agent_info: dict[str, Any] | None = None
         self.peer_pull = False
-        cpu_bytes, self.ssd_dir, ssd_bytes = (self.settings.cpu_tier_bytes, self.settings.ssd_tier_dir,
-                                              self.settings.ssd_tier_bytes)
+        self.ssd_dir = self.settings.ssd_tier_dir
+        self._ssd_bytes = self.settings.ssd_tier_bytes
+        self.num_slots = self.settings.cpu_tier_bytes // self.layout.engine_block_bytes
+        if worker:
+            self._init_worker()  # the rest once vLLM hands over its KV cache (register_kv_caches)
+            return
         if self.settings.agent_socket:
-            self._hello_agent("scheduler" if role == KVConnectorRole.SCHEDULER else "worker")
-        if self.agent_info is not None:
-            self.num_slots = int(self.agent_info["num_slots"])
-            self.ssd_dir = self.agent_info.get("ssd_dir") or None
-            ssd_bytes = int(self.agent_info.get("ssd_tier_bytes") or 0) if self.ssd_dir else 0
-            self.peer_pull = bool(self.agent_info.get("peer_pull"))
-        else:
-            self.num_slots = cpu_bytes // self.layout.block_bytes
-        if self.num_slots < 1:
-            raise ValueError(f"cpu_tier_bytes={cpu_bytes} holds no block of {self.layout.block_bytes} bytes")
-        self.ssd_slots = ssd_bytes // (HEADER_BYTES + self.layout.block_bytes)
-        if role == KVConnectorRole.SCHEDULER:
-            self._init_scheduler()
-        else:
-            self._init_worker()
+            self._hello_agent("scheduler", self.fingerprint)
+        self._check_slots()
+        self._init_scheduler()
 
-    def _hello_agent(self, role: str) -> None:
-        """Find the agent that owns the tiers (waiting up to ``agent_wait_s`` for its socket);
-        without an answer, local tiers as configured (a warning says so)."""
+    def _check_slots(self) -> None:
+        if self.num_slots < 1:
+            raise ValueError(f"kvroute tiers: the CPU tier ({self.settings.cpu_tier_bytes} bytes) holds no block of "
+                             f"{self.layout.engine_block_bytes} bytes (all ranks)")
+        shards = self.layout.tp_size * self.layout.pp_size
+        self.ssd_slots = self._ssd_bytes // (shards * HEADER_BYTES + self.layout.engine_block_bytes)
+
+    def _hello_agent(self, role: str, fingerprint: TierFingerprint) -> None:
+        """Find the agent that owns the tiers (waiting up to ``agent_wait_s`` for its socket) and
+        say which shard this is; without an answer, local tiers as configured (a warning says so)."""
         link = AgentLink(self.settings.agent_socket, timeout_s=5.0)
-        hello = {"op": "hello", "role": role, "pid": os.getpid(), "block_bytes": self.layout.block_bytes,
-                 "fingerprint": asdict(self.fingerprint), "fingerprint_digest": self.fingerprint.digest().hex()}
-        give_up = time.monotonic() + self.settings.agent_wait_s
-        while True:
-            try:
-                answer = link.call(hello)
-                if not answer.get("ok"):
-                    raise AgentLinkError(str(answer.get("error")))
-                break
-            except AgentLinkError as exc:
-                if time.monotonic() >= give_up:
-                    logger.warning("kvroute tiers (%s): no offload agent at %s (%s); running local tiers only",
-                                   role, self.settings.agent_socket, exc)
-                    link.close()
-                    return
-                time.sleep(0.2)
+        answer = _hello(link, self._hello_header(role, fingerprint), self.settings.agent_wait_s)
+        if answer is None:
+            logger.warning("kvroute tiers (%s): no offload agent at %s; running local tiers only", role,
+                           self.settings.agent_socket)
+            link.close()
+            return
         self.agent, self.agent_info = link, answer
-        logger.info("kvroute tiers (%s): the agent of worker %s owns the tiers: CPU tier %s (%d slots), "
-                    "SSD tier %s, peer pull %s", role, answer.get("worker_id"), answer["shm_path"],
+        self.num_slots = int(answer["num_slots"])
+        self.ssd_dir = answer.get("ssd_dir") or None
+        self._ssd_bytes = int(answer.get("ssd_tier_bytes") or 0) if self.ssd_dir else 0
+        self.peer_pull = bool(answer.get("peer_pull"))
+        logger.info("kvroute tiers (%s, tp %d/%d, pp %d/%d): the agent of worker %s owns the tiers: CPU tier %s "
+                    "(%d slots), SSD tier %s, peer pull %s", role, fingerprint.tp_rank, fingerprint.tp_size,
+                    fingerprint.pp_rank, fingerprint.pp_size, answer.get("worker_id"), answer["shm_path"],
                     answer["num_slots"], answer.get("ssd_dir") or "off", "on" if answer.get("peer_pull") else "off")
 
-    def _attach_slab(self) -> ShmSlab | None:
-        """Map the agent's CPU tier file; None (and local tiers) when it is not the expected one."""
+    def _hello_header(self, role: str, fingerprint: TierFingerprint) -> dict[str, Any]:
+        L = self.layout
+        return {"op": "hello", "role": role, "pid": os.getpid(), "block_bytes": fingerprint.block_bytes,
+                "fingerprint": asdict(fingerprint), "fingerprint_digest": fingerprint.digest().hex(),
+                "shard": {"tp_rank": fingerprint.tp_rank, "tp_size": L.tp_size, "pp_rank": fingerprint.pp_rank,
+                          "pp_size": L.pp_size},
+                "engine_digest": self.engine_digest.hex(), "engine_block_bytes": L.engine_block_bytes}
+
+    def _attach_slab(self, digest: bytes | None, block_bytes: int | None) -> ShmSlab | None:
+        """Map the agent's CPU tier file for this shard; None (and local tiers) when it is not the
+        expected one (``digest``/``block_bytes`` None: not checked, the scheduler's view)."""
         try:
             shm = ShmSlab.attach(self.agent_info["shm_path"])
         except (OSError, SlabMismatch) as exc:
             logger.warning("kvroute tiers: cannot map the agent's CPU tier: %s", exc)
             return None
-        if (shm.fingerprint_digest, shm.block_bytes, shm.num_slots) != (
-                self.fingerprint.digest(), self.layout.block_bytes, self.num_slots):
+        if shm.num_slots != self.num_slots or digest not in (None, shm.fingerprint_digest) or \
+                block_bytes not in (None, shm.block_bytes):
             logger.warning("kvroute tiers: the agent's CPU tier %s has another layout", shm.path)
+            shm.close()
             return None
         return shm
 
     # =========================================== scheduler side ====================================
     def _init_scheduler(self) -> None:
         self.planner = TierPlanner(self.num_slots, self.ssd_slots)
-        self._fp_digest = self.fingerprint.digest()
         self._reqs: dict[str, _ReqState] = {}
-        self._pending_load: dict[str, tuple[int, int, str | None, int]] = {}
-        self._locate_ms: dict[str, float] = {}  # request -> how long its peer lookup took
+        self._pending_load: dict[str, tuple[int, int, str | None, int, bool]] = {}
         self._hit_tiers: dict[str, list[str]] = {}
         self._pre_ops: list = []
+        self._async_loads: dict[str, list] = {}
+        self._no_peer: dict[bytes, float] = {}  # first missing block's key -> until when no peer is assumed
+        self._locator: ThreadPoolExecutor | None = None
+        self._locate_link: AgentLink | None = None
         self.stats: Counter = Counter()
-        found = 0
+        found = kept = 0
         if self.ssd_dir:
-            fp_dir = Path(self.ssd_dir) / self.fingerprint.dir_name()
-            infos = sorted(scan_fingerprint_dir(fp_dir, self._fp_digest, self.layout.block_bytes),
-                           key=lambda i: i.mtime_s)
-            found = len(infos)
-            paths = {i.key: i.path for i in infos}
-            for key in self.planner.add_ssd_blocks(i.key for i in infos):
-                paths[key].unlink(missing_ok=True)
-        kept = 0
+            found = self._rescan_ssd(Path(self.ssd_dir))
         if self.agent_info is not None:
-            shm = self._attach_slab()
+            shm = self._attach_slab(None, None)
             if shm is None:
                 self.agent_info, self.peer_pull = None, False
             else:
                 kept = self.planner.add_cpu_blocks(shm.stable_slots())  # the tier outlived a restart
                 shm.close()
-        logger.info("kvroute tiers: CPU tier %d blocks of %d bytes (%d bytes, %d kept from before), SSD tier "
-                    "%s: %d blocks (%d found on disk), fingerprint %s", self.num_slots, self.layout.block_bytes,
-                    self.num_slots * self.layout.block_bytes, kept, self.ssd_dir or "off",
-                    self.ssd_slots, found, self.fingerprint.dir_name())
+        logger.info("kvroute tiers: CPU tier %d blocks of %d bytes over %d shard(s) (%d kept from before), SSD tier "
+                    "%s: %d blocks (%d found on disk), engine %s", self.num_slots, self.layout.engine_block_bytes,
+                    self.layout.tp_size * self.layout.pp_size, kept, self.ssd_dir or "off", self.ssd_slots, found,
+                    self.engine_digest.hex()[:16])
+
+    def _rescan_ssd(self, root: Path) -> int:
+        """Register the blocks a previous run left on SSD (shard (0, 0)'s folder stands for all:
+        a shard whose file is missing reports it, and vLLM recomputes); delete folders this model
+        wrote in an older stored format. Returns the blocks found."""
+        fp_dir, fp, stale = engine_shard_dir(root, self.engine_digest, self.fingerprint.model)
+        for old in stale:
+            logger.warning("kvroute tiers: deleting %s: blocks of an older stored format", old)
+            shutil.rmtree(old, ignore_errors=True)
+        if fp_dir is None:
+            return 0
+        infos = sorted(scan_fingerprint_dir(fp_dir, fp.digest(), fp.block_bytes), key=lambda i: i.mtime_s)
+        paths = {i.key: i.path for i in infos}
+        for key in self.planner.add_ssd_blocks(i.key for i in infos):
+            paths[key].unlink(missing_ok=True)
+        return len(infos)
 
     def bind_kv_cache_manager(self, kv_cache_manager) -> None:
         """Also learn of vLLM's prefix cache resets: the ``AllBlocksCleared`` event they publish
@@ -312,7 +375,7 @@ class KVRouteTierConnector(KVConnectorBase_V1):
         if st is None:
             eligible = (getattr(request, "lora_request", None) is None and not getattr(request, "mm_features", None)
                         and getattr(request, "prompt_embeds", None) is None)
-            root = tier_root(self._fp_digest, getattr(request, "cache_salt", None)) if eligible else None
+            root = tier_root(self.engine_digest, getattr(request, "cache_salt", None)) if eligible else None
             st = self._reqs[request.request_id] = _ReqState(request, root)
         return st
 
@@ -333,6 +396,11 @@ class KVRouteTierConnector(KVConnectorBase_V1):
             self._state(request)
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        """The prompt's blocks past ``num_computed_tokens`` the tiers (then a peer) hold, never the
+        last token. A hit with SSD or peer blocks loads asynchronously (the request waits in
+        ``WAITING_FOR_REMOTE_KVS`` while the batch runs); CPU-only hits load in the step. A peer
+        lookup runs in the background: until it answers (at most ``peer_locate_timeout_ms``) the
+        request is asked about again next step (``None``), never the engine held up."""
         if not self.layout.ok:
             return 0, False
         st = self._state(request)
@@ -344,36 +412,63 @@ class KVRouteTierConnector(KVConnectorBase_V1):
         if start >= n_max:
             return 0, False
         keys = self._keys(st, n_max)
-        n = len(self.planner.lookup(keys[start:n_max]))
+        tiers = self.planner.lookup(keys[start:n_max])
+        n = len(tiers)
         peer, m = None, 0
         if self.peer_pull and n_max - (start + n) >= max(1, self.settings.peer_pull_min_blocks):
-            peer, m = self._locate(st, start + n, n_max)
-        self._pending_load[request.request_id] = (start, n, peer, m)
-        return (n + m) * bs, False
+            located = self._locate(st, start + n, n_max)
+            if located is None:
+                return None, False
+            peer, m = located
+        asynchronous = m > 0 or SSD in tiers
+        self._pending_load[request.request_id] = (start, n, peer, m, asynchronous)
+        return (n + m) * bs, asynchronous
 
-    def _locate(self, st: _ReqState, first: int, upto: int) -> tuple[str | None, int]:
-        """Which peer's agent holds blocks ``first..upto-1`` of the prompt, and how many from
-        ``first`` (asked once per request and position; no peer when the agent is slow)."""
-        if st.located is not None and st.located[:2] == (first, upto):
-            return st.located[2], st.located[3]
+    def _locate(self, st: _ReqState, first: int, upto: int) -> tuple[str | None, int] | None:
+        """Which peer's agent holds blocks ``first..upto-1``, and how many from ``first``; None
+        while the background lookup runs. A prefix no peer held is not asked about again for
+        ``NO_PEER_TTL_S``."""
+        now = time.monotonic()
+        key = st.keys[first]
+        if self._no_peer.get(key, 0.0) > now:
+            return None, 0
+        loc = st.locating
+        if loc is None or (loc.first, loc.upto) != (first, upto):
+            loc = st.locating = _Locate(first, upto, self._locate_pool().submit(self._ask_locate, st, first, upto),
+                                        now + self.settings.peer_locate_timeout_ms / 1000)
+        if not loc.future.done():
+            if now < loc.give_up_at:
+                return None
+            self.stats["locate_timeouts"] += 1
+            return None, 0
+        peer, m = loc.future.result()
+        m = max(0, min(m, upto - first))
+        if not m:
+            self._no_peer[key] = now + NO_PEER_TTL_S
+            if len(self._no_peer) > NO_PEER_MAX:
+                self._no_peer = {k: t for k, t in self._no_peer.items() if t > now}
+            return None, 0
+        return peer, m
+
+    def _locate_pool(self) -> ThreadPoolExecutor:
+        if self._locator is None:
+            self._locator = ThreadPoolExecutor(1, thread_name_prefix="kvroute-locate")
+            self._locate_link = AgentLink(self.settings.agent_socket, timeout_s=1.0)
+        return self._locator
+
+    def _ask_locate(self, st: _ReqState, first: int, upto: int) -> tuple[str | None, int]:
+        """Background thread: ask the agent (``locate``); no peer on any failure."""
         tokens = array.array("I", (st.request.prompt_token_ids or [])[:upto * self.layout.block_size])
-        t0 = time.monotonic()
         try:
-            answer = self.agent.call({"op": "locate", "start_block": first, "max_blocks": upto - first,
-                                      "cache_salt": getattr(st.request, "cache_salt", None)},
-                                     memoryview(tokens).cast("B"),
-                                     timeout_s=self.settings.peer_locate_timeout_ms / 1000)
-            peer, m = answer.get("peer"), int(answer.get("blocks") or 0)
-            if not answer.get("ok") or peer is None:
-                peer, m = None, 0
+            answer = self._locate_link.call({"op": "locate", "start_block": first, "max_blocks": upto - first,
+                                             "cache_salt": getattr(st.request, "cache_salt", None)},
+                                            memoryview(tokens).cast("B"))
+            if answer.get("ok") and answer.get("peer") is not None:
+                return str(answer["peer"]), int(answer.get("blocks") or 0)
         except (AgentLinkError, TypeError, ValueError) as exc:
             self.stats["locate_failures"] += 1
             logger.debug("kvroute tiers: locate failed: %s", exc)
-            peer, m = None, 0
-        m = max(0, min(m, upto - first))
-        self._locate_ms[st.request.request_id] = (time.monotonic() - t0) * 1000
-        st.located = (first, upto, peer, m)
-        return (peer, m) if m else (None, 0)
+        return None, 0
 
     def update_state_after_alloc(self, request: "Request", blocks, num_external_tokens: int) -> None:
         if not self.layout.ok:
@@ -382,27 +477,32 @@ class KVRouteTierConnector(KVConnectorBase_V1):
         if num_external_tokens <= 0 or pending is None:
             return
         bs = self.layout.block_size
-        start, n, peer, m = pending
+        start, n, peer, m, asynchronous = pending
         n_ext = min(n + m, num_external_tokens // bs)
         n_local = min(n, n_ext)
         st = self._state(request)
         block_ids = blocks.get_block_ids()[0][start:start + n_ext]
         keys = st.keys[start:start + n_ext]
         hashes = [self._engine_hash(request, b) for b in range(start, start + n_local)]
-        ops, tiers = self.planner.plan_load(keys[:n_local], block_ids[:n_local], hashes)
+        ops, tiers = self.planner.plan_load(keys[:n_local], block_ids[:n_local], hashes, promote=not asynchronous)
         if n_ext > n_local:  # the rest from a peer, through the agent; saved to the CPU tier once loaded
             ops.append(("load_peer", peer, keys[n_local:], block_ids[n_local:]))
             tiers += [PEER] * (n_ext - n_local)
-        self._pre_ops += ops
+        if asynchronous:  # CPU-tier copies in the step (ordered with the slots' other copies), the rest in the background
+            self._pre_ops += [op for op in ops if op[0] == "load_cpu"]
+            self._async_loads[request.request_id] = [op for op in ops if op[0] != "load_cpu"]
+        else:
+            self._pre_ops += ops
         self._hit_tiers[request.request_id] = tiers
         st.saved_upto = max(st.saved_upto, start + n_local)
         by = Counter(tiers)
         self.stats.update({f"loaded_blocks_{t}": c for t, c in by.items()})
-        located_ms = self._locate_ms.pop(request.request_id, None)
+        located_ms = None if st.locating is None else (time.monotonic() - st.locating.t0) * 1000
         logger.info("kvroute tiers: request %s: %d tokens from the tiers (blocks: cpu %d, ssd %d, peer %d%s, "
-                    "gone %d) after %d on GPU%s", request.request_id, n_ext * bs, by[CPU], by[SSD], by[PEER],
+                    "gone %d) after %d on GPU, %s%s", request.request_id, n_ext * bs, by[CPU], by[SSD], by[PEER],
                     f" from {peer}" if by[PEER] else "", by["miss"], start * bs,
-                    "" if located_ms is None else f"; peer located in {located_ms:.1f} ms")
+                    "asynchronously" if asynchronous else "in the step",
+                    "" if located_ms is None or not by[PEER] else f"; peer located {located_ms:.1f} ms before")
 
     def get_external_cache_hit_sources(self, request: "Request", num_external_tokens: int) -> dict:
         tiers = self._hit_tiers.pop(request.request_id, None)
@@ -419,7 +519,7 @@ class KVRouteTierConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         if not self.layout.ok:
-            return TierConnectorMetadata([], [])
+            return TierConnectorMetadata([], [], {})
         computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
@@ -441,8 +541,8 @@ class KVRouteTierConnector(KVConnectorBase_V1):
                 post += ops
             st.saved_upto = upto
             self.planner.touch_chain(keys[:upto])
-        meta = TierConnectorMetadata(self._pre_ops, post)
-        self._pre_ops = []
+        meta = TierConnectorMetadata(self._pre_ops, post, self._async_loads)
+        self._pre_ops, self._async_loads = [], {}
         return meta
 
     def update_connector_output(self, connector_output) -> None:
@@ -460,7 +560,6 @@ class KVRouteTierConnector(KVConnectorBase_V1):
         self._reqs.pop(request.request_id, None)
         self._pending_load.pop(request.request_id, None)
         self._hit_tiers.pop(request.request_id, None)
-        self._locate_ms.pop(request.request_id, None)
         return False, None
 
     def take_events(self):
@@ -494,199 +593,45 @@ class KVRouteTierConnector(KVConnectorBase_V1):
     # ============================================ worker side ======================================
     def _init_worker(self) -> None:
         _request_amx_permission()
-        self._kv: list[torch.Tensor] = []
-        self._store: TierStore | None = None
-        self._invalid: set[int] = set()
-        self._failed_step = False
+        self.worker: TierWorker | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Read vLLM's KV cache views (any 0.32 layout; :class:`PagedKV`), fingerprint this shard
+        from them, say hello to the agent with it, map its CPU tier file (or make a local slab) and
+        start the byte path (:class:`TierWorker`). Raises ValueError for views it cannot store."""
         if not self.layout.ok:
             return
         L = self.layout
-        views = []
-        for name in L.layer_names:
-            t = kv_caches[name]
-            if t.shape[0] != L.num_blocks and t.dim() > 1 and t.shape[1] == L.num_blocks:
-                t = t.transpose(0, 1)  # (2, blocks, ...) layouts: blocks first
-            if t.shape[0] != L.num_blocks or t[0].numel() * t.element_size() != L.page_bytes:
-                raise ValueError(f"kvroute tiers: layer {name}: KV cache of shape {tuple(t.shape)} does not "
-                                 f"hold {L.num_blocks} blocks of {L.page_bytes} bytes")
-            views.append(t)
-        self._kv = views
-        self._device = views[0].device
-        cuda = self._device.type == "cuda"
-        shm = self._attach_slab() if self.agent_info is not None else None
-        if shm is not None:  # the agent's shared memory; registered with CUDA for fast copies
-            self._slab = torch.frombuffer(shm.slab, dtype=torch.uint8).view(self.num_slots, L.block_bytes)
-            if cuda:
-                torch.cuda.cudart().cudaHostRegister(self._slab.data_ptr(), self._slab.numel(), 0)
-            where = f"the agent's shared memory {shm.path}"
-        else:
-            if self.agent_info is not None:
-                self.agent_info, self.peer_pull = None, False
-            self._slab = torch.empty((self.num_slots, L.block_bytes), dtype=torch.uint8, pin_memory=cuda)
-            where = "pinned host memory" if cuda else "host memory"
-        self._slab_kv = self._slab.view(L.dtype).view(self.num_slots, len(views), -1)
-        self._staging_rows(1)
-        self._pull_buf: torch.Tensor | None = None
-        self._stream = torch.cuda.Stream(device=self._device) if cuda else None
-        ssd = Path(self.ssd_dir) if self.ssd_dir else None
-        self._store = TierStore(self._slab.numpy(), self.num_slots, L.block_bytes, self.fingerprint, ssd, shm=shm)
-        logger.info("kvroute tiers: worker slab %d x %d bytes in %s, %d layers", self.num_slots,
-                    L.block_bytes, where, len(views))
-
-    def _staging_rows(self, n: int) -> None:
-        """Make the staging buffer (blocks read from SSD on their way to vLLM) hold ``n`` blocks."""
-        if getattr(self, "_staging", None) is not None and self._staging.shape[0] >= n:
-            return
-        L = self.layout
-        self._staging = torch.empty((n, L.block_bytes), dtype=torch.uint8, pin_memory=self._device.type == "cuda")
-        self._staging_kv = self._staging.view(L.dtype).view(n, len(self._kv), -1)
-
-    def _read_ahead(self, ops: list) -> dict[int, tuple[int, bool]]:
-        """Read the SSD files of this list's ``promote``/``load_ssd`` ops in parallel into staging
-        rows: ``{op index: (row, ok)}``. A key whose file an earlier op of the list writes or
-        deletes is left to be read in order."""
-        touched: set[bytes] = set()
-        picks: list[int] = []
-        for i, op in enumerate(ops):
-            if op[0] == "spill":
-                touched.add(op[2])
-            elif op[0] == "drop_ssd":
-                touched.add(op[1])
-            elif op[0] in ("promote", "load_ssd") and op[1] not in touched:
-                picks.append(i)
-        self._sync_row = len(picks)  # the row for reads done in order
-        self._staging_rows(len(picks) + 1)
-        if not picks:
-            return {}
-        oks = self._store.read_ssd_many([ops[i][1] for i in picks],
-                                        [self._staging[r].numpy() for r in range(len(picks))])
-        return {i: (r, ok) for r, (i, ok) in enumerate(zip(picks, oks))}
-
-    def _copy_to_slab(self, slots: list[int], gpu_blocks: list[int]) -> None:
-        idx = torch.tensor(gpu_blocks, dtype=torch.long, device=self._device)
-        sl = torch.tensor(slots, dtype=torch.long)
-        for l, t in enumerate(self._kv):
-            self._slab_kv[sl, l] = t.index_select(0, idx).reshape(len(slots), -1).to("cpu")
-
-    def _copy_from(self, src: torch.Tensor, rows: list[int], gpu_blocks: list[int]) -> None:
-        idx = torch.tensor(gpu_blocks, dtype=torch.long, device=self._device)
-        rows_t = torch.tensor(rows, dtype=torch.long)
-        for l, t in enumerate(self._kv):
-            data = src[rows_t, l].reshape(len(rows), *t.shape[1:])
-            t.index_copy_(0, idx, data.to(self._device, non_blocking=True))
-
-    def _run_ops(self, ops: list, saving: bool) -> None:
-        store = self._store
-        batch: list[tuple] = []  # consecutive "save" or "load_cpu" ops
-
-        def flush() -> None:
-            if not batch:
-                return
-            if batch[0][0] == "save":
-                for op in batch:
-                    store.begin(op[1])
-                self._copy_to_slab([op[1] for op in batch], [op[3] for op in batch])
-                for op in batch:
-                    store.mark(op[1], op[2])
-            else:
-                self._copy_from(self._slab_kv, [op[1] for op in batch], [op[3] for op in batch])
-            batch.clear()
-
-        ahead = {} if saving else self._read_ahead(ops)
-        for i, op in enumerate(ops):
-            kind = op[0]
-            if kind == "save":
-                if self._failed_step:
-                    store.mark(op[1], None)
-                    store.fail(op[2], CPU, op[1])
-                    continue
-                if batch and batch[0][0] != "save":
-                    flush()
-                batch.append(op)
-                continue
-            if kind == "load_cpu":
-                if not store.holds(op[1], op[2]):
-                    self._load_failed(op[3])
-                    store.fail(op[2], CPU, op[1])
-                    continue
-                if batch and batch[0][0] != "load_cpu":
-                    flush()
-                batch.append(op)
-                continue
-            flush()
-            if kind == "spill":
-                store.spill(op[1], op[2])
-            elif kind == "drop_ssd":
-                store.drop_ssd(op[1])
-            elif kind == "promote":
-                if i not in ahead:
-                    store.promote(op[1], op[2])
-                elif ahead[i][1]:
-                    store.put(op[2], op[1], self._staging[ahead[i][0]].numpy())
-                else:
-                    store.mark(op[2], None)
-                    store.fail(op[1], CPU, op[2])
-            elif kind == "load_ssd":
-                row, ok = ahead.get(i, (self._sync_row, None))
-                if ok is None:
-                    ok = store.read_ssd(op[1], self._staging[row].numpy())
-                if ok:
-                    self._copy_from(self._staging_kv, [row], [op[2]])
-                else:
-                    self._load_failed(op[2])
-            elif kind == "load_peer":
-                self._load_from_peer(op[1], op[2], op[3])
-            elif kind == "fail_block":
-                self._load_failed(op[1])
-        flush()
-
-    def _load_from_peer(self, peer: str, keys: list[bytes], gpu_blocks: list[int]) -> None:
-        """Pull ``keys`` from ``peer`` through the agent (verified there) into ``gpu_blocks``;
-        blocks that do not come in time are reported failed, so vLLM recomputes them."""
-        L = self.layout
-        n = len(keys)
-        if self._pull_buf is None or self._pull_buf.shape[0] < n:
-            self._pull_buf = torch.empty((n, L.block_bytes), dtype=torch.uint8, pin_memory=self._device.type == "cuda")
-            self._pull_kv = self._pull_buf.view(L.dtype).view(n, len(self._kv), -1)
-        deadline_ms = self.settings.peer_pull_deadline_ms
-        got, error = 0, None
-        t0 = time.monotonic()
         try:
-            answer = self.agent.call({"op": "pull", "peer": peer, "deadline_ms": deadline_ms},
-                                     memoryview(b"".join(keys)), timeout_s=deadline_ms / 1000 + 1.0,
-                                     into=memoryview(self._pull_buf.numpy()).cast("B"))
-            if answer.get("ok"):
-                got = min(n, int(answer.get("payload_bytes", 0)) // L.block_bytes)
-            error = answer.get("error")
-        except (AgentLinkError, TypeError, ValueError) as exc:
-            error = str(exc)
-        if got:
-            self._copy_from(self._pull_kv, list(range(got)), gpu_blocks[:got])
-        for g in gpu_blocks[got:]:
-            self._load_failed(g)
-        logger.info("kvroute tiers: pulled %d of %d blocks from %s in %.1f ms%s", got, n, peer,
-                    (time.monotonic() - t0) * 1000, f" ({error}; the rest is recomputed)" if got < n else "")
-
-    def _load_failed(self, gpu_block: int) -> None:
-        self._invalid.add(gpu_block)
-        self._failed_step = True
+            kv = PagedKV([kv_caches[name] for name in L.layer_names], L.num_blocks, L.layer_names)
+        except LayoutError as exc:
+            raise ValueError(f"kvroute tiers: {exc}") from exc
+        self.fingerprint = fp = L.fingerprint(self.settings.model_id, kv.layout, kv.block_bytes)
+        if self.settings.agent_socket:
+            self._hello_agent("worker", fp)
+        self._check_slots()
+        shm = self._attach_slab(fp.digest(), kv.block_bytes) if self.agent_info is not None else None
+        if self.agent_info is not None and shm is None:
+            self.agent_info, self.peer_pull = None, False
+        pull = _AgentPuller(self.settings, self._hello_header("worker", fp), fp.digest()) if self.peer_pull else None
+        self.worker = TierWorker(kv, self.num_slots, fp, Path(self.ssd_dir) if self.ssd_dir else None, shm=shm,
+                                 pull=pull)
+        where = (f"the agent's shared memory {shm.path}" if shm is not None else "host memory of its own")
+        logger.info("kvroute tiers: shard tp %d/%d pp %d/%d: %d slots of %d bytes in %s (%s), %d layers, page %s, "
+                    "%s", L.tp_rank, L.tp_size, L.pp_rank, L.pp_size, self.num_slots, kv.block_bytes, where,
+                    "pinned" if self.worker.pinned else ("unpinned" if kv.device.type == "cuda" else "CPU build"),
+                    kv.num_layers, kv.layout, "one copy kernel for all layers" if kv.all_layers else "per-layer copies")
 
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        if self._store is None or not self.has_connector_metadata():
+        if self.worker is None or not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
-        if not isinstance(meta, TierConnectorMetadata) or not meta.pre_ops:
+        if not isinstance(meta, TierConnectorMetadata):
             return
-        if self._stream is None:
-            self._run_ops(meta.pre_ops, saving=False)
-            return
-        main = torch.cuda.current_stream(self._device)
-        self._stream.wait_stream(main)   # after vLLM's zeroing of new blocks
-        with torch.cuda.stream(self._stream):
-            self._run_ops(meta.pre_ops, saving=False)
-        main.wait_stream(self._stream)   # the forward pass reads the loaded blocks
+        if meta.pre_ops:
+            self.worker.run_loads(meta.pre_ops)
+        for req_id, ops in meta.async_loads.items():
+            self.worker.start_async(req_id, ops)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
@@ -695,27 +640,68 @@ class KVRouteTierConnector(KVConnectorBase_V1):
         return  # saves run once per step in wait_for_save, over all layers
 
     def wait_for_save(self) -> None:
-        if self._store is None or not self.has_connector_metadata():
+        """Enqueue the step's saves (on CUDA the host does not wait for them: the slots are marked
+        written once their copy completes)."""
+        if self.worker is None or not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
-        try:
-            if isinstance(meta, TierConnectorMetadata) and meta.post_ops:
-                if self._stream is None:
-                    self._run_ops(meta.post_ops, saving=True)
-                else:
-                    self._stream.wait_stream(torch.cuda.current_stream(self._device))
-                    with torch.cuda.stream(self._stream):
-                        self._run_ops(meta.post_ops, saving=True)
-                    self._stream.synchronize()
-        finally:
-            self._failed_step = False
+        if isinstance(meta, TierConnectorMetadata):
+            self.worker.run_saves(meta.post_ops)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.worker is None:
+            return None, None
+        return None, self.worker.finished_loads() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        out, self._invalid = self._invalid, set()
-        return out
+        return self.worker.take_invalid_blocks() if self.worker is not None else set()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        if self._store is None:
+        if self.worker is None:
             return None
-        failures = self._store.take_failures()
+        failures = self.worker.take_failures()
         return TierWorkerMetadata(failures) if failures else None
+
+    def shutdown(self) -> None:
+        if getattr(self, "worker", None) is not None:
+            self.worker.close()
+            self.worker = None
+
+
+NO_PEER_TTL_S = 2.0   # a prefix no peer held is not looked up again for this long
+NO_PEER_MAX = 4096    # remembered misses before expired ones are swept
+
+
+def _hello(link: AgentLink, header: dict[str, Any], wait_s: float) -> dict[str, Any] | None:
+    """Send ``header`` (a hello) until the agent answers ok, for up to ``wait_s``; None if not."""
+    give_up = time.monotonic() + wait_s
+    while True:
+        try:
+            answer = link.call(header)
+            if answer.get("ok"):
+                return answer
+            logger.warning("kvroute tiers: the agent refused the hello: %s", answer.get("error"))
+        except AgentLinkError as exc:
+            logger.debug("kvroute tiers: agent not answering yet: %s", exc)
+        if time.monotonic() >= give_up:
+            return None
+        time.sleep(0.2)
+
+
+class _AgentPuller:
+    """The worker's pulls through its agent (:data:`PullFn`), on a link of their own (they run in
+    the byte path's background thread)."""
+
+    def __init__(self, settings: TierSettings, hello: dict[str, Any], digest: bytes) -> None:
+        self.settings = settings
+        self.link = AgentLink(settings.agent_socket, timeout_s=5.0)
+        self.hello = hello
+        self.digest = digest
+        self.greeted = False
+
+    def __call__(self, peer: str, keys: list[bytes], into: memoryview) -> tuple[int, str | None]:
+        if not self.greeted:
+            self.greeted = _hello(self.link, self.hello, 0.0) is not None
+            if not self.greeted:
+                return 0, "the agent did not answer"
+        return self.link.pull(peer, keys, self.digest, self.settings.peer_pull_deadline_ms, into)

@@ -42,8 +42,9 @@ class TierFingerprint:
     saved per block (this shard's); ``dtype``: the KV cache dtype as vLLM names it (``"bfloat16"``,
     or the cache dtype such as ``"fp8_e4m3"`` when it is not ``auto``: fp8 caches are ``uint8``
     tensors); ``block_size``: tokens per block; ``block_bytes``: bytes of one block over this
-    shard's layers; ``layout``: the logical page shape in bytes (e.g. ``"8x16x512"`` for
-    ``[H, N, K|V]``); ``tp_rank``/``tp_size`` and ``pp_rank``/``pp_size``: the tensor- and
+    shard's layers; ``layout``: the logical page shape in bytes as the worker's KV cache views show
+    it (e.g. ``"8x16x512"`` for ``[H, N, K|V]``; kernel-block splitting adds a dimension);
+    ``heads``: KV heads x head size of the model's spec; ``tp_rank``/``tp_size`` and ``pp_rank``/``pp_size``: the tensor- and
     pipeline-parallel shard; ``layers``: digest of this shard's layer names (pipeline stages with
     equal layer counts differ); ``format``: :data:`FORMAT`.
 
@@ -58,6 +59,7 @@ class TierFingerprint:
     block_size: int
     block_bytes: int
     layout: str = ""
+    heads: str = ""
     tp_rank: int = 0
     tp_size: int = 1
     pp_rank: int = 0
@@ -70,10 +72,10 @@ class TierFingerprint:
         return _digest(asdict(self))
 
     def engine_digest(self) -> bytes:
-        """16-byte digest of what every shard of the engine shares (model, dtype, block size,
-        per-layer page shape, parallel sizes, format)."""
+        """16-byte digest of what every shard of the engine, and its scheduler, share (model, dtype,
+        block size, heads, parallel sizes, format)."""
         shared = {k: v for k, v in asdict(self).items()
-                  if k not in ("num_layers", "block_bytes", "tp_rank", "pp_rank", "layers")}
+                  if k not in ("num_layers", "block_bytes", "layout", "tp_rank", "pp_rank", "layers")}
         return _digest({"engine": shared})
 
     def dir_name(self) -> str:

@@ -159,10 +159,13 @@ class TierPlanner:
         return out
 
     def plan_load(self, keys: Sequence[bytes], gpu_blocks: Sequence[int],
-                  engine_hashes: Sequence[EngineHash | None] | None = None) -> tuple[list[Op], list[str]]:
+                  engine_hashes: Sequence[EngineHash | None] | None = None,
+                  promote: bool = True) -> tuple[list[Op], list[str]]:
         """Operations that copy ``keys`` into vLLM's ``gpu_blocks`` (same length), and the tier each
         came from (``"cpu"``, ``"ssd"``, or ``"miss"`` when the key is gone: that block is
-        reported failed, so vLLM recomputes from there)."""
+        reported failed, so vLLM recomputes from there). ``promote`` False: SSD hits are read
+        straight into vLLM's blocks (``load_ssd``), never into a CPU slot (an asynchronous load,
+        whose reads run while later steps' operations reuse slots)."""
         ops: list[Op] = []
         tiers: list[str] = []
         pins = set(keys)
@@ -179,7 +182,7 @@ class TierPlanner:
                 tiers.append(CPU)
                 continue
             tiers.append(SSD)
-            slot = self._alloc_slot(ops, pins)
+            slot = self._alloc_slot(ops, pins) if promote else None
             if slot is None:
                 ops.append(("load_ssd", k, g))
                 continue

@@ -27,12 +27,15 @@ for people; files of other fingerprints are never read, counted or deleted.
 """
 from __future__ import annotations
 
+import json
 import os
 import struct
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from offload_agent.tiers.keys import FORMAT, TierFingerprint
 
 try:  # xxhash is fast, but vLLM's interpreter may not have it
     import xxhash as _xxhash
@@ -250,3 +253,34 @@ def scan_fingerprint_dir(fp_dir: Path, fingerprint_digest: bytes, payload_bytes:
             if key.hex() + SUFFIX != name:
                 continue
             yield BlockFileInfo(key, path, st.st_size, st.st_mtime)
+
+
+def engine_shard_dir(root: Path, engine_digest: bytes, model: str, tp_rank: int = 0, pp_rank: int = 0,
+                     ) -> tuple[Path | None, TierFingerprint | None, list[Path]]:
+    """Look through the fingerprint folders under ``root`` (each with its ``fingerprint.json``):
+    returns the folder of the given engine's shard (``tp_rank``, ``pp_rank``) and its fingerprint
+    (Nones when absent), and the folders of ``model`` written in an older stored format (no or
+    another :data:`~offload_agent.tiers.keys.FORMAT`), which the caller deletes: their bytes
+    cannot be read as this format. Folders of other models are left alone."""
+    found: tuple[Path | None, TierFingerprint | None] = (None, None)
+    stale: list[Path] = []
+    if not root.is_dir():
+        return None, None, stale
+    for sub in sorted(root.glob("fp-*")):
+        try:
+            fields = json.loads((sub / "fingerprint.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if not isinstance(fields, dict):
+            continue
+        if fields.get("format") != FORMAT:
+            if fields.get("model") == model:
+                stale.append(sub)
+            continue
+        try:
+            fp = TierFingerprint(**fields)
+        except TypeError:
+            continue
+        if (fp.engine_digest(), fp.tp_rank, fp.pp_rank) == (engine_digest, tp_rank, pp_rank) and sub.name == fp.dir_name():
+            found = (sub, fp)
+    return found[0], found[1], stale

@@ -81,7 +81,7 @@ class Tiers:
 
     def tier_keys(self, tokens: list[int]) -> list[bytes]:
         fp = TierFingerprint(**json.loads((self.fp_dir() / "fingerprint.json").read_text()))
-        return tier_block_keys(tokens, BLOCK, tier_root(fp.digest()))
+        return tier_block_keys(tokens, BLOCK, tier_root(fp.engine_digest()))
 
     def index(self) -> dict:
         r = httpx.get(self.gateway + "/admin/index", headers=AUTH, timeout=30)
