@@ -1,5 +1,7 @@
 """`kvroute up` (simulated engine): starts workers + gateway, prints the URL, routes, and stops every
-process it started on SIGINT or when a child dies."""
+process it started on SIGINT or when a child dies; with tiers and the embedded index, an agent per
+worker that uses the gateway as its index."""
+import array
 import json
 import os
 import re
@@ -159,3 +161,142 @@ def test_up_rejects_incomplete_tier_flags(tmp_path, flags, message):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert message in done.stderr
+
+
+def test_up_agent_command_lines_follow_the_index(tmp_path):
+    """With a Redis index an agent writes its worker's events there; with the embedded index (and
+    tiers) it only owns the tiers and uses the gateway as its index."""
+    from kvroute.cli import build_parser
+    from kvroute.engines import agent_argv
+
+    def parse(*index: str):
+        return build_parser().parse_args([
+            "up", "--engine", "vllm", "--vllm-python", "/opt/vllm/bin/python", "--model", str(tmp_path),
+            "--served-model-name", "m", "--block-size", "16", "--cpu-tier-bytes", str(1 << 20), *index])
+
+    events, replay, gw = "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558", "http://127.0.0.1:8000"
+    embedded = agent_argv(parse(), 1, events, replay, gw, "/run/w1.sock", "/dev/shm/t-w1")
+    assert embedded[embedded.index("agent") + 1:] == [
+        "--worker-id", "w1", "--model", "m", "--block-size", "16", "--index", gw,
+        "--tier-socket", "/run/w1.sock", "--tier-shm", "/dev/shm/t-w1", "--cpu-tier-bytes", str(1 << 20),
+        "--serve-peers", "127.0.0.1:0", "--remove-tiers-on-exit"]
+    with pytest.raises(ValueError, match="tier socket"):
+        agent_argv(parse(), 1, events, replay, gw, None, "/dev/shm/t-w1")
+    redis = agent_argv(parse("--index", "redis://h:6379/0"), 0, events, replay, gw, None, "/dev/shm/t-w0")
+    assert redis[redis.index("agent") + 1:] == [
+        "--worker-id", "w0", "--model", "m", "--block-size", "16", "--events", events, "--replay", replay,
+        "--index", "redis://h:6379/0"]
+
+
+FAKE_VLLM = '''#!{python}
+"""A stand-in for vLLM's interpreter: `FAKE -m vllm.entrypoints.openai.api_server FLAGS` records its
+flags, says hello to its agent's tier socket as kvroute's KV connector does at vLLM's
+start, then becomes a `kvroute sim` with the flags the simulator shares with vLLM."""
+import argparse, json, os, sys, time
+
+assert sys.argv[1:3] == ["-m", "vllm.entrypoints.openai.api_server"], sys.argv
+p = argparse.ArgumentParser()
+for flag in ("--model", "--served-model-name", "--port", "--block-size", "--kv-events-config", "--kv-transfer-config"):
+    p.add_argument(flag)
+a, _ = p.parse_known_args(sys.argv[3:])
+with open(os.path.join(os.environ["FAKE_VLLM_RECORD"], a.port + ".json"), "w") as f:
+    json.dump({{"argv": sys.argv[1:]}}, f)
+sock = json.loads(a.kv_transfer_config)["kv_connector_extra_config"].get("agent_socket")
+if sock:
+    from offload_agent.agent_link import AgentLink
+    end = time.monotonic() + 20
+    while not os.path.exists(sock) and time.monotonic() < end:
+        time.sleep(0.05)
+    answer = AgentLink(sock).call({{"op": "hello", "role": "worker", "pid": os.getpid(), "block_bytes": 512,
+                                    "fingerprint": {{}}, "fingerprint_digest": "{digest}"}})
+    assert answer["ok"], answer
+os.execv(sys.executable, [sys.executable, "-m", "kvroute", "sim", "--model", a.model, "--served-model-name",
+                          a.served_model_name, "--host", "127.0.0.1", "--port", a.port, "--block-size", a.block_size,
+                          "--kv-events-config", a.kv_events_config, "--enable-prompt-tokens-details",
+                          "--speedup", "50"])
+'''
+
+
+def test_up_with_tiers_and_the_embedded_index_starts_an_agent_per_worker(procs, tiny_model, tmp_path):
+    """`kvroute up --engine vllm --cpu-tier-bytes N` (index memory): an agent per worker, started
+    before its worker and pointed at the gateway, owns the tiers (the connector's hello reaches
+    it), publishes its peer state to the gateway and locates peers through it; Ctrl-C stops all
+    and removes the CPU tier files. vLLM is stood in for by a `kvroute sim` behind a fake
+    interpreter (tests/e2e runs real vLLM)."""
+    from offload_agent.agent_link import AgentLink
+
+    digest = "5a" * 16
+    record = tmp_path / "record"
+    record.mkdir()
+    fake = tmp_path / "fake-vllm-python"
+    fake.write_text(FAKE_VLLM.format(python=sys.executable, digest=digest))
+    fake.chmod(0o755)
+    port, logs = free_port(), tmp_path / "up-logs"
+    p = procs("up", kvroute_argv("up", "--engine", "vllm", "--vllm-python", str(fake), "--workers", "2",
+                                 "--model", str(tiny_model), "--served-model-name", "tiny", "--port", str(port),
+                                 "--block-size", "32", "--cpu-tier-bytes", str(64 * 512), "--log-dir", str(logs)),
+              env={"KVROUTE_ADMIN_TOKEN": "up-token", "FAKE_VLLM_RECORD": str(record)})
+    base = _wait_line(p, r"gateway ready: (http://\S+)/v1").group(1)
+    auth = {"Authorization": "Bearer up-token"}
+
+    up_pid = psutil.Process(p.popen.pid).children()[0].pid
+    children = _descendants(up_pid)
+    agents = {c.cmdline()[c.cmdline().index("--worker-id") + 1]: c.cmdline() for c in children
+              if "agent" in c.cmdline()}
+    assert sorted(agents) == ["w0", "w1"]
+    for wid, argv in agents.items():
+        assert argv[argv.index("--index") + 1] == f"http://127.0.0.1:{port}" and "--events" not in argv
+        assert argv[argv.index("--tier-socket") + 1] == str(logs / f"{wid}-tiers.sock")
+    recorded = [json.loads(f.read_text()) for f in sorted(record.iterdir())]
+    sockets = sorted(json.loads(r["argv"][r["argv"].index("--kv-transfer-config") + 1])
+                     ["kv_connector_extra_config"]["agent_socket"] for r in recorded)
+    assert sockets == [str(logs / "w0-tiers.sock"), str(logs / "w1-tiers.sock")]
+
+    def workers() -> dict:
+        got = httpx.get(base + "/admin/workers", headers=auth, timeout=10).json()["workers"]
+        return {w["id"]: w for w in got}
+    published = wait_with(lambda: all((w["peer"] or {}).get("fingerprint") == digest for w in workers().values()),
+                          "both agents' peer states in /admin/workers", p)
+    assert published
+    listed = workers()
+    assert all(w["peer"]["serve"].startswith("127.0.0.1:") and w["peer"]["pull"] for w in listed.values())
+
+    # a prompt w0 computed: w1's agent finds it on w0 through the gateway, and explain credits w1
+    tokens = [10 + (i * 37) % 300 for i in range(6 * 32 + 3)]
+    r = httpx.post(listed["w0"]["url"] + "/v1/completions", json={"model": "tiny", "prompt": tokens, "max_tokens": 1},
+                   timeout=60)
+    assert r.status_code == 200
+
+    def indexed() -> bool:
+        got = httpx.post(base + "/admin/index/match", headers=auth, json={"model": "tiny", "token_ids": tokens},
+                         timeout=10).json()["matches"]
+        return got == {"w0": {"gpu": 6, "cpu": 0, "ssd": 0}}
+    assert wait_with(indexed, "w0's blocks in the gateway's index", p)
+    payload = array.array("I", tokens[:6 * 32])
+    located = AgentLink(str(logs / "w1-tiers.sock")).call(
+        {"op": "locate", "start_block": 0, "max_blocks": 6}, memoryview(payload).cast("B"))
+    assert located == {"ok": True, "peer": "w0", "blocks": 6}
+    explain = httpx.post(base + "/admin/explain", headers=auth, timeout=10,
+                         json={"model": "tiny", "prompt": tokens, "max_tokens": 1}).json()
+    w1 = next(c for c in explain["candidates"] if c["worker"] == "w1")
+    assert (w1["peer_blocks"], w1["peer_worker"]) == (6, "w0")
+
+    tier_files = [Path(f"/dev/shm/kvroute-tier-{up_pid}-{w}") for w in ("w0", "w1")]
+    assert all(f.exists() for f in tier_files)                    # made by the agents at the hello
+    psutil.Process(up_pid).send_signal(signal.SIGINT)
+    p.popen.wait(60)
+    gone, alive = psutil.wait_procs(children, timeout=20)
+    assert alive == []
+    assert not any(f.exists() for f in tier_files)                # removed by the agents at their stop
+
+
+def wait_with(check, what: str, proc, timeout_s: float = 30.0):
+    """``check()`` until truthy (its value), failing with ``proc``'s log after ``timeout_s``."""
+    end = time.monotonic() + timeout_s
+    while True:
+        got = check()
+        if got:
+            return got
+        if time.monotonic() > end:
+            pytest.fail(f"{what} not reached in {timeout_s}s:\n{proc.log_tail()}")
+        time.sleep(0.1)
