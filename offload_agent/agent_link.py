@@ -36,13 +36,75 @@ runs in vLLM's interpreter).
 from __future__ import annotations
 
 import json
+import mmap
+import os
 import socket
 import struct
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 MAX_HEADER_BYTES = 1 << 20
+PULL_ANSWER_SLACK_S = 1.0  # how long past a pull's deadline the connector waits for the agent's answer
 _LEN = struct.Struct(">I")
+
+
+def pull_area_path(shm_path: str | os.PathLike) -> str:
+    """The pull area file of the shard whose CPU tier file is ``shm_path``."""
+    return f"{os.fspath(shm_path)}-pull"
+
+
+def create_pull_area(path: str | os.PathLike, size_bytes: int) -> mmap.mmap:
+    """The agent's side: map the pull area ``path`` of ``size_bytes`` (raw block bytes, no
+    header), reusing a file of that size (a connector may have it mapped), else making a new
+    sparse one under that name (a mapping of the old one stays valid). Raises OSError, ValueError
+    for a size < 1."""
+    if size_bytes < 1:
+        raise ValueError(f"pull area of {size_bytes} bytes")
+    try:
+        return map_pull_area(path, size_bytes)
+    except (OSError, ValueError):
+        pass
+    tmp = f"{os.fspath(path)}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.ftruncate(fd, size_bytes)
+        area = mmap.mmap(fd, size_bytes)
+        os.replace(tmp, path)
+        return area
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    finally:
+        os.close(fd)
+
+
+def map_pull_area(path: str | os.PathLike, size_bytes: int) -> mmap.mmap:
+    """Map an existing pull area read-write. Raises OSError (FileNotFoundError), ValueError when
+    the file is not ``size_bytes`` long."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        size = os.fstat(fd).st_size
+        if size != size_bytes:
+            raise ValueError(f"pull area {os.fspath(path)}: {size} bytes, expected {size_bytes}")
+        return mmap.mmap(fd, size_bytes)
+    finally:
+        os.close(fd)
+
+
+class LinkPull(NamedTuple):
+    """What :meth:`AgentLink.pull` got: ``blocks`` consecutive blocks from ``keys[0]``, verified
+    by the agent; ``error`` None when every block came, else why the rest did not (the peer
+    client's ``"<kind>: <details>"``, or the agent's or the link's trouble); ``view``: their bytes
+    (``blocks x block_bytes``; in ``into``, or in the pull area when no ``into`` was given), None
+    when no block came."""
+
+    blocks: int
+    error: str | None
+    view: memoryview | None
 
 
 class AgentLinkError(Exception):
@@ -97,6 +159,8 @@ class AgentLink:
         self.timeout_s = timeout_s
         self._sock: socket.socket | None = None
         self._hello: dict[str, Any] | None = None
+        self.hello_answer: dict[str, Any] | None = None  # the agent's last answer to our hello
+        self._area: tuple[str, tuple[int, int], memoryview] | None = None  # path, (dev, inode), map
 
     def close(self) -> None:
         if self._sock is not None:
@@ -135,17 +199,7 @@ class AgentLink:
         connection is then closed: a late answer can never be taken for the next request's)."""
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         try:
-            kept = self._sock is not None
-            try:
-                answer = self._request(header, payload, deadline, into)
-            except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, EOFError):
-                if not kept:
-                    raise
-                self.close()  # a kept connection the agent closed (it restarted): once more, fresh
-                answer = self._request(header, payload, deadline, into)
-            if header.get("op") == "hello" and answer.get("ok"):
-                self._hello = header
-            return answer
+            return self._request(header, payload, deadline, into)
         except AgentLinkError:
             self.close()
             raise
@@ -154,20 +208,38 @@ class AgentLink:
             raise AgentLinkError(f"agent socket {self.path}: {exc or type(exc).__name__}") from exc
 
     def _request(self, header: dict[str, Any], payload, deadline: float, into: memoryview | None) -> dict[str, Any]:
-        """One request on the current connection; a new connection starts with the kept hello."""
+        """Send one request and read the first frame of its answer; a kept connection the agent
+        closed (it restarted) is replaced once, and a new connection starts with the kept hello."""
+        kept = self._sock is not None
+        try:
+            answer = self._send_and_read(header, payload, deadline, into)
+        except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, EOFError):
+            if not kept:
+                raise
+            self.close()  # a kept connection the agent closed (it restarted): once more, fresh
+            answer = self._send_and_read(header, payload, deadline, into)
+        if header.get("op") == "hello" and answer.get("ok"):
+            self._hello, self.hello_answer = header, answer
+        return answer
+
+    def _send_and_read(self, header: dict[str, Any], payload, deadline: float, into: memoryview | None) -> dict[str, Any]:
         fresh = self._sock is None
         sock = self._connect()
         if fresh and self._hello is not None and header.get("op") != "hello":
-            again = self._exchange(sock, self._hello, None, deadline, None)
+            self._send(sock, self._hello, None, deadline)
+            again = self._read_frame(sock, deadline, None)
             if not again.get("ok"):
                 raise AgentLinkError(f"hello after reconnecting refused: {again.get('error')}")
-        return self._exchange(sock, header, payload, deadline, into)
+            self.hello_answer = again
+        self._send(sock, header, payload, deadline)
+        return self._read_frame(sock, deadline, into)
 
-    def _exchange(self, sock: socket.socket, header: dict[str, Any], payload, deadline: float,
-                  into: memoryview | None) -> dict[str, Any]:
+    def _send(self, sock: socket.socket, header: dict[str, Any], payload, deadline: float) -> None:
         sock.settimeout(max(0.001, deadline - time.monotonic()))
         for piece in encode_frame(header, payload):
             sock.sendall(piece)
+
+    def _read_frame(self, sock: socket.socket, deadline: float, into: memoryview | None) -> dict[str, Any]:
         head = bytearray(4)
         self._recv_exact(sock, memoryview(head), deadline)
         raw = bytearray(header_length(bytes(head)))
@@ -178,3 +250,84 @@ class AgentLink:
             sink = memoryview(bytearray(size)) if into is None or into.nbytes < size else into[:size]
             self._recv_exact(sock, sink, deadline)
         return answer
+
+    # ---- pulls -------------------------------------------------------------------------------
+    def pull_area(self) -> memoryview | None:
+        """The mapped pull area of this link's shard (writable host memory, ``pull_bytes`` of the
+        hello's answer; a caller may register it for DMA), None before a worker's hello or
+        without peer pull. Mapped again when the agent has made a new one under the path. Raises
+        OSError or ValueError when it cannot be mapped."""
+        answer = self.hello_answer
+        if not answer or not answer.get("pull_path"):
+            return None
+        path = answer["pull_path"]
+        st = os.stat(path)
+        ident = (st.st_dev, st.st_ino)
+        if self._area is None or self._area[:2] != (path, ident):
+            self._area = (path, ident, memoryview(map_pull_area(path, int(answer["pull_bytes"]))))
+        return self._area[2]
+
+    def pull(self, peer: str, keys: list[bytes], fingerprint_digest: bytes, deadline_ms: float,
+             into: memoryview | None = None, on_blocks: Callable[[int], None] | None = None) -> LinkPull:
+        """Have the agent pull ``keys`` (16-byte tier keys, a prefix chain) of this shard
+        (``fingerprint_digest``, 16 bytes, as said in the hello) from ``peer`` (a worker id from
+        ``locate``) within ``deadline_ms``. Needs an answered worker hello (its ``block_bytes``
+        sizes the blocks).
+
+        The agent receives the blocks into this shard's pull area (:meth:`pull_area`) and says
+        how many have landed as they come; ``on_blocks(n)`` is called with each new count (blocks
+        ``0..n-1`` readable), after they are copied into ``into`` when given (writable, at least
+        ``len(keys) x block_bytes`` bytes). Returns a :class:`LinkPull`; its ``view`` of the
+        pull area is valid until the next pull on this link. Never raises for the agent's or the
+        peer's trouble (the blocks so far and the error come back; a too small or read-only
+        ``into``, no hello, an agent that is gone or too slow: ``blocks`` 0 or those that landed);
+        raises what ``on_blocks`` raises (the connection is then closed)."""
+        if self._hello is None or self._hello.get("role") != "worker":
+            return LinkPull(0, "no worker hello on this link: the block size is unknown", None)
+        bb = int(self._hello["block_bytes"])
+        dst = memoryview(into).cast("B") if into is not None else None
+        if dst is not None and (dst.nbytes < len(keys) * bb or dst.readonly):
+            return LinkPull(0, f"into: {dst.nbytes} bytes{' read-only' if dst.readonly else ''}, "
+                               f"{len(keys)} blocks need {len(keys) * bb}", None)
+        header = {"op": "pull", "peer": peer, "deadline_ms": deadline_ms, "stream": True,
+                  "fingerprint_digest": bytes(fingerprint_digest).hex()}
+        deadline = time.monotonic() + deadline_ms / 1000 + PULL_ANSWER_SLACK_S
+        landed, area = 0, None
+        try:
+            answer = self._request(header, memoryview(b"".join(keys)), deadline, None)
+            while True:
+                final = "ok" in answer  # else a progress frame
+                if final and not answer["ok"]:
+                    return LinkPull(0, str(answer.get("error")), None)
+                blocks = min(int(answer["blocks"]), len(keys))
+                if blocks > landed:
+                    area = area or self.pull_area()
+                    landed = self._take(area, blocks, landed, bb, dst, on_blocks)
+                if final:
+                    break
+                answer = self._read_frame(self._connect(), deadline, None)
+            error = answer.get("error")
+        except (AgentLinkError, OSError, ValueError, EOFError, KeyError, TypeError) as exc:
+            self.close()  # a late frame can never be read as the next request's answer
+            error = f"agent: {exc or type(exc).__name__}"
+        except BaseException:
+            self.close()
+            raise
+        if not landed:
+            return LinkPull(0, error, None)
+        view = dst[:landed * bb] if dst is not None else area[:landed * bb]
+        return LinkPull(landed, error, view)
+
+    @staticmethod
+    def _take(area: memoryview | None, blocks: int, landed: int, bb: int, dst: memoryview | None,
+              on_blocks: Callable[[int], None] | None) -> int:
+        """Blocks ``landed..blocks-1`` have landed: copy them into ``dst``, tell ``on_blocks``."""
+        if area is None:
+            raise AgentLinkError("the agent streams a pull but gave no pull area in its hello")
+        if blocks * bb > area.nbytes:
+            raise AgentLinkError(f"{blocks} blocks beyond the pull area of {area.nbytes} bytes")
+        if dst is not None:
+            dst[landed * bb:blocks * bb] = area[landed * bb:blocks * bb]
+        if on_blocks is not None:
+            on_blocks(blocks)
+        return blocks

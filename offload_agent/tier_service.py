@@ -52,7 +52,8 @@ import numpy as np
 from kvcore.block_keys import BlockExtras, block_keys
 from kvcore.index.base import KVIndex, SupportsWorkerStates
 from kvcore.index.errors import IndexUnavailable
-from offload_agent.agent_link import AgentLinkError, decode_header, encode_frame, header_length
+from offload_agent.agent_link import (AgentLinkError, create_pull_area, decode_header, encode_frame, header_length,
+                                      pull_area_path)
 from offload_agent.peer.client import PeerClient
 from offload_agent.peer.server import BlockSource, PeerServer
 from offload_agent.tiers.keys import KEY_BYTES
@@ -62,6 +63,7 @@ from offload_agent.tiers.ssd_file import CorruptBlockError, read_block_file
 log = logging.getLogger("kvroute.agent.tiers")
 MAX_PROMPT_TOKENS = 4 << 20
 MAX_PULL_KEYS = 1 << 16
+PROGRESS_EVERY_BYTES = 1 << 20  # a streamed pull's progress frame at most this often (and per block)
 MAX_SHARDS = 1 << 10  # most ranks of one parallel dimension a hello may name
 PEERS_TTL_S = 1.0
 _ROW = np.dtype([("key", "V16"), ("seq", "<u8"), ("pad", "<u8")])  # a slot table row (shm_slab)
@@ -176,12 +178,19 @@ class ShardHello:
 
 @dataclass
 class _Shard:
-    """One KV shard's CPU tier: its file (``shm``), what the peer server reads (``source``)."""
+    """One KV shard's CPU tier: its file (``shm``), what the peer server reads (``source``), and
+    where pulls for it land (``pull_area``, None without peer pull; one pull at a time)."""
 
     pp_rank: int
     tp_rank: int
     shm: ShmSlab
     source: SlabSource
+    pull_area: memoryview | None
+    pull_lock: asyncio.Lock
+
+
+class _LinkGone(Exception):
+    """The connector closed its link during a pull."""
 
 
 class TierService:
@@ -196,16 +205,22 @@ class TierService:
     (peer locations and addresses; any :class:`KVIndex`, peers need :class:`SupportsWorkerStates`);
     ``serve``: ``(host, port)`` to serve peers on, None not to; ``advertise``: the address peers
     should use (default the bound one); ``secret``: shared secret of the peer protocol;
-    ``peer_pull``: whether the connector may pull. Raises ValueError for bad sizes.
+    ``peer_pull``: whether the connector may pull; ``peer_pull_max_bytes``: size of each worker
+    shard's pull area (:func:`offload_agent.agent_link.create_pull_area`, sparse: memory is taken
+    as pulls fill it), the most one pull brings (the keys beyond it are not asked for). Raises
+    ValueError for bad sizes.
     """
 
     def __init__(self, worker_id: str, model: str, block_size: int, socket_path: str | os.PathLike,
                  shm_path: str | os.PathLike, cpu_tier_bytes: int, index: KVIndex, *,
                  ssd_dir: str | os.PathLike | None = None, ssd_tier_bytes: int = 0,
                  serve: tuple[str, int] | None = None, advertise: str | None = None,
-                 secret: bytes | None = None, peer_pull: bool = True, remove_on_exit: bool = False) -> None:
+                 secret: bytes | None = None, peer_pull: bool = True, peer_pull_max_bytes: int = 256 << 20,
+                 remove_on_exit: bool = False) -> None:
         if cpu_tier_bytes < 1:
             raise ValueError(f"cpu_tier_bytes must be > 0, got {cpu_tier_bytes}")
+        if peer_pull and peer_pull_max_bytes < 1:
+            raise ValueError(f"peer_pull_max_bytes must be > 0, got {peer_pull_max_bytes}")
         if ssd_dir is not None and ssd_tier_bytes < 1:
             raise ValueError("ssd_tier_bytes must be > 0 with an SSD folder")
         self.worker_id = worker_id
@@ -221,6 +236,7 @@ class TierService:
         self.advertise = advertise
         self.secret = secret
         self.peer_pull = peer_pull
+        self.peer_pull_max_bytes = peer_pull_max_bytes
         self.remove_on_exit = remove_on_exit
         self.shards: dict[tuple[int, int], _Shard] = {}   # (pp_rank, tp_rank) -> its tier
         self._by_digest: dict[bytes, _Shard] = {}
@@ -279,6 +295,8 @@ class TierService:
         if self.remove_on_exit:
             for shard in self.shards.values():
                 shard.shm.unlink()
+                if shard.pull_area is not None:
+                    Path(pull_area_path(shard.shm.path)).unlink(missing_ok=True)
 
     # ---- shards ------------------------------------------------------------------------------
     def shard_path(self, pp_rank: int, tp_rank: int) -> Path:
@@ -363,12 +381,14 @@ class TierService:
                     raise AgentLinkError(f"payload of {size} bytes")
                 payload = await reader.readexactly(size) if size else b""
                 try:
-                    answer, out = await self._answer(header, payload)
+                    answer, out = await self._answer(header, payload, writer)
                 except (ValueError, KeyError, TypeError) as exc:
                     answer, out = {"ok": False, "error": f"bad {header.get('op')!r} request: {exc}"}, None
                 except OSError as exc:  # e.g. the CPU tier file cannot be made (/dev/shm full)
                     log.error("%s request failed: %s", header.get("op"), exc)
                     answer, out = {"ok": False, "error": f"{header.get('op')!r} failed: {exc}"}, None
+                if answer is None:
+                    return
                 for piece in encode_frame(answer, out):
                     writer.write(piece)
                 await writer.drain()
@@ -378,7 +398,8 @@ class TierService:
             self._links.discard(writer)
             writer.close()
 
-    async def _answer(self, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes | memoryview | None]:
+    async def _answer(self, header: dict[str, Any], payload: bytes,
+                      writer: asyncio.StreamWriter) -> tuple[dict[str, Any] | None, bytes | memoryview | None]:
         op = header.get("op")
         if op == "hello":
             return await self._hello(ShardHello.parse(header), header.get("pid")), None
@@ -387,7 +408,7 @@ class TierService:
         if op == "locate":
             return await self._locate(header, payload), None
         if op == "pull":
-            return await self._pull(header, payload)
+            return await self._pull(header, payload, writer)
         return {"ok": False, "error": f"unknown op {op!r}"}, None
 
     async def _hello(self, hello: ShardHello, pid: Any) -> dict[str, Any]:
@@ -405,16 +426,24 @@ class TierService:
                         hello.digest, hello.block_bytes, num_slots):
                     shm = ShmSlab.create(path, hello.digest, hello.block_bytes, num_slots)
                     fp_dir = self.ssd_dir / ("fp-" + hello.digest.hex()[:16]) if self.ssd_dir is not None else None
-                    self.shards[hello.ranks] = _Shard(hello.pp_rank, hello.tp_rank, shm, SlabSource(shm, fp_dir))
+                    old = self.shards.get(hello.ranks)
+                    area = old.pull_area if old else None
+                    if area is None and self.peer_pull:
+                        area = memoryview(create_pull_area(pull_area_path(path), self.peer_pull_max_bytes))
+                    self.shards[hello.ranks] = _Shard(hello.pp_rank, hello.tp_rank, shm, SlabSource(shm, fp_dir),
+                                                      area, old.pull_lock if old else asyncio.Lock())
                     self._by_digest = {sh.shm.fingerprint_digest: sh for sh in self.shards.values()}
                     log.info("CPU tier %s: %d slots of %d bytes for shard pp %d/%d tp %d/%d, fingerprint %s (pid %s)",
                              path, num_slots, hello.block_bytes, hello.pp_rank, hello.pp_size, hello.tp_rank,
                              hello.tp_size, hello.digest.hex()[:16], pid)
         self.engine_digest, self.engine_block_bytes = hello.engine_digest, hello.engine_block_bytes
         self.counters["hellos"] += 1
-        return {"ok": True, "worker_id": self.worker_id, "shm_path": str(path), "num_slots": num_slots,
-                "ssd_dir": str(self.ssd_dir) if self.ssd_dir else None, "ssd_tier_bytes": self.ssd_tier_bytes,
-                "peer_pull": self.peer_pull}
+        answer = {"ok": True, "worker_id": self.worker_id, "shm_path": str(path), "num_slots": num_slots,
+                  "ssd_dir": str(self.ssd_dir) if self.ssd_dir else None, "ssd_tier_bytes": self.ssd_tier_bytes,
+                  "peer_pull": self.peer_pull}
+        if hello.role == "worker" and self.peer_pull:
+            answer.update(pull_path=str(pull_area_path(path)), pull_bytes=self.peer_pull_max_bytes)
+        return answer
 
     async def peers(self) -> dict[str, dict[str, Any]]:
         """Other workers whose agents serve blocks of this engine's layout (their
@@ -463,35 +492,57 @@ class TierService:
         self.counters["located_blocks"] += blocks
         return {"ok": True, "peer": best, "blocks": blocks}
 
-    async def _pull(self, header: dict[str, Any], payload: bytes) -> tuple[dict[str, Any], bytes | memoryview | None]:
+    async def _pull(self, header: dict[str, Any], payload: bytes,
+                    writer: asyncio.StreamWriter) -> tuple[dict[str, Any] | None, bytes | memoryview | None]:
+        """Pull into the asking shard's pull area; with ``"stream"`` a progress frame goes out as
+        blocks land (see :mod:`offload_agent.agent_link`), else the blocks go in the answer's
+        payload. None as the answer: the link dropped during the pull."""
         peer = header["peer"]
         deadline_s = float(header.get("deadline_ms", 1000)) / 1000
         if len(payload) % KEY_BYTES:
             raise ValueError("keys must be 16 bytes each")
-        keys = [payload[i:i + KEY_BYTES] for i in range(0, len(payload), KEY_BYTES)]
+        keys = [bytes(payload[i:i + KEY_BYTES]) for i in range(0, len(payload), KEY_BYTES)]
         digest_hex = header.get("fingerprint_digest")
         shard = self._by_digest.get(bytes.fromhex(digest_hex)) if digest_hex is not None else self.shards.get((0, 0))
-        if shard is None:
-            return {"ok": False, "error": f"no CPU tier of shard fingerprint {digest_hex} here (no hello from "
-                                          "that shard)" if digest_hex else "no hello from shard (0, 0)"}, None
+        if shard is None or shard.pull_area is None:
+            why = "no pull area (peer_pull is off)" if shard else (
+                f"no CPU tier of shard fingerprint {digest_hex} here (no hello from that shard)" if digest_hex
+                else "no hello from shard (0, 0)")
+            return {"ok": False, "error": why}, None
         peers = await self.peers()
         if peer not in peers:
             self.counters["failed_pulls"] += 1
             return {"ok": True, "blocks": 0, "error": f"peer {peer!r} does not serve this layout"}, b""
-        shm = shard.shm
-        bb = shm.block_bytes
-        buf = bytearray(len(keys) * bb)
-        view = memoryview(buf)
+        bb = shard.shm.block_bytes
+        room = shard.pull_area.nbytes // bb
+        short = f"room: the pull area holds {room} blocks of {len(keys)}" if len(keys) > room else None
+        keys = keys[:room]
+        step = max(1, PROGRESS_EVERY_BYTES // bb) if header.get("stream") else len(keys) + 1
+        told = 0
 
         def on_block(i: int, data: memoryview) -> None:
-            view[i * bb:(i + 1) * bb] = data
+            nonlocal told
+            if writer.is_closing():
+                raise _LinkGone()
+            if i + 1 - told >= step:
+                told = i + 1
+                for piece in encode_frame({"blocks": told}):
+                    writer.write(piece)
 
-        self._pulled_from.add(peers[peer]["serve"])
-        result = await self.client.pull(peers[peer]["serve"], shm.fingerprint_digest, bb, keys, deadline_s, on_block)
+        async with shard.pull_lock:  # one pull at a time writes a shard's pull area
+            self._pulled_from.add(peers[peer]["serve"])
+            try:
+                result = await self.client.pull(peers[peer]["serve"], shard.shm.fingerprint_digest, bb, keys,
+                                                deadline_s, on_block, into=shard.pull_area)
+            except _LinkGone:
+                log.info("connector link dropped during a pull from %s", peer)
+                return None, None
         self.counters["pulls"] += 1
         self.counters["pulled_blocks"] += result.blocks
         self.counters["pulled_bytes"] += result.blocks * bb
-        if result.error:
+        error = result.error or short
+        if error:
             self.counters["failed_pulls"] += 1
-            log.info("pull of %d blocks from %s: %d came (%s)", len(keys), peer, result.blocks, result.error)
-        return {"ok": True, "blocks": result.blocks, "error": result.error}, view[:result.blocks * bb]
+            log.info("pull of %d blocks from %s: %d came (%s)", len(keys), peer, result.blocks, error)
+        answer = {"ok": True, "blocks": result.blocks, "error": error}
+        return answer, None if header.get("stream") else shard.pull_area[:result.blocks * bb]

@@ -9,6 +9,7 @@ import asyncio
 import hashlib
 import itertools
 import random
+import threading
 import uuid
 from dataclasses import asdict
 from pathlib import Path
@@ -19,6 +20,8 @@ from kvcore.block_keys import block_keys
 from kvcore.index.memory import MemoryIndex
 from kvcore.index.redis import RedisIndex
 from offload_agent.agent_link import AgentLink, AgentLinkError
+from offload_agent import tier_service
+from offload_agent.peer.server import PeerServer
 from offload_agent.tier_service import TierService
 from offload_agent.tiers import TierFingerprint, TierStore, tier_block_keys, tier_root
 from offload_agent.tiers.shm_slab import ShmSlab
@@ -57,7 +60,8 @@ def test_hello_makes_the_shared_cpu_tier_and_reuses_it(tmp_path: Path, redis_url
         link = AgentLink(str(tmp_path / "a.sock"))
         answer = await asyncio.to_thread(hello, link)
         assert answer == {"ok": True, "worker_id": "a", "shm_path": str(tmp_path / "a.shm"), "num_slots": 64,
-                          "ssd_dir": None, "ssd_tier_bytes": 0, "peer_pull": True}
+                          "ssd_dir": None, "ssd_tier_bytes": 0, "peer_pull": True,
+                          "pull_path": str(tmp_path / "a.shm-pull"), "pull_bytes": 256 << 20}
         shm = ShmSlab.attach(answer["shm_path"])
         assert (shm.num_slots, shm.block_bytes, shm.fingerprint_digest) == (64, BLOCK_BYTES, FP.digest())
         again = await asyncio.to_thread(hello, AgentLink(str(tmp_path / "a.sock")))  # the other side
@@ -338,17 +342,128 @@ def test_each_tp_rank_pulls_its_own_shard_from_the_peer(tmp_path: Path, redis_ur
         assert st["fingerprints"] == [shard_digest(0, 0).hex(), shard_digest(0, 1).hex()]
         for w in ("a", "b"):
             await idx[w].heartbeat(w, 10.0, state=svc[w].state())
-        link = AgentLink(str(tmp_path / "b.sock"))
+        links = {r: AgentLink(str(tmp_path / "b.sock")) for r in (0, 1)}   # each rank's own link
         for rank in (1, 0):
-            out = bytearray(6 * BLOCK_BYTES)
-            answer = await asyncio.to_thread(link.call, {"op": "pull", "peer": "a", "deadline_ms": 5000,
-                                                         "fingerprint_digest": shard_digest(0, rank).hex()},
-                                             memoryview(b"".join(tier_keys)), None, memoryview(out))
-            assert (answer["ok"], answer["blocks"], answer["error"]) == (True, 6, None)
-            assert bytes(out) == b"".join(rank_payload(rank, i) for i in range(6))
-        unknown = await asyncio.to_thread(link.call, {"op": "pull", "peer": "a", "deadline_ms": 5000,
-                                                      "fingerprint_digest": shard_digest(0, 5).hex()},
-                                          memoryview(b"".join(tier_keys)))
-        assert unknown["ok"] is False and shard_digest(0, 5).hex() in unknown["error"]
+            await asyncio.to_thread(shard_hello, links[rank], "worker", rank)
+            counts: list[int] = []
+            got = await asyncio.to_thread(links[rank].pull, "a", tier_keys, shard_digest(0, rank), 5000,
+                                          None, counts.append)
+            assert (got.blocks, got.error, counts[-1]) == (6, None, 6) and counts == sorted(set(counts))
+            assert bytes(got.view) == b"".join(rank_payload(rank, i) for i in range(6))
+            assert bytes(links[rank].pull_area()[:6 * BLOCK_BYTES]) == bytes(got.view)   # read where it landed
+        unknown = await asyncio.to_thread(links[0].pull, "a", tier_keys, shard_digest(0, 5), 5000)
+        assert unknown.blocks == 0 and shard_digest(0, 5).hex() in unknown.error and unknown.view is None
         assert svc["a"].state()["peer"]["served"]["blocks_served"] == 12
     asyncio.run(run(tmp_path, redis_url, body))
+
+
+# ---- pulls streamed through the agent's pull area ----------------------------------------------------
+class HeldSource:
+    """A peer's BlockSource of ``blocks`` (key -> bytes); the read of key number ``hold_at`` waits
+    for ``release`` (at most 30 s)."""
+
+    def __init__(self, keys: list[bytes], hold_at: int | None = None, missing: int | None = None) -> None:
+        self.fingerprint_digest = FP.digest()
+        self.block_bytes = BLOCK_BYTES
+        self.blocks = {k: payload(i) for i, k in enumerate(keys) if i != missing}
+        self.hold_key = keys[hold_at] if hold_at is not None else None
+        self.release = threading.Event()
+
+    def read_block(self, key: bytes, out: memoryview) -> bool:
+        if key == self.hold_key:
+            self.release.wait(30)
+        if key not in self.blocks:
+            return False
+        out[:] = self.blocks[key]
+        return True
+
+
+class PeerIndex(MemoryIndex):
+    """An index whose only other worker is the peer ``p`` serving at ``addr``."""
+
+    def __init__(self, addr: str) -> None:
+        super().__init__()
+        self.addr = addr
+
+    async def worker_states(self) -> dict:
+        return {"p": {"peer": {"serve": self.addr, "engine_fingerprint": FP.digest().hex()}}}
+
+
+async def pull_rig(tmp_path: Path, source: HeldSource, body, **svc_kw) -> None:
+    """Agent B (TierService, a worker's hello said) pulling from a bare PeerServer over ``source``."""
+    server = PeerServer(source)
+    host, port = await server.start()
+    svc = TierService("b", "tiny", BS, tmp_path / "b.sock", tmp_path / "b.shm", 64 * BLOCK_BYTES,
+                      PeerIndex(f"{host}:{port}"), **svc_kw)
+    await svc.start()
+    link = AgentLink(str(tmp_path / "b.sock"), timeout_s=10)
+    try:
+        assert (await asyncio.to_thread(hello, link))["ok"]
+        await body(svc, link)
+    finally:
+        source.release.set()
+        link.close()
+        await svc.stop()
+        await server.close()
+
+
+def test_a_streamed_pull_lands_the_exact_blocks_into_the_callers_buffer(tmp_path: Path) -> None:
+    keys = [bytes([i + 1]) * 16 for i in range(40)]
+
+    async def body(svc, link):
+        into = bytearray(40 * BLOCK_BYTES + 7)
+        counts: list[int] = []
+        got = await asyncio.to_thread(link.pull, "p", keys, FP.digest(), 5000, memoryview(into), counts.append)
+        assert (got.blocks, got.error) == (40, None) and bytes(got.view) == b"".join(payload(i) for i in range(40))
+        assert got.view.obj is into and into[-7:] == bytes(7)
+        assert counts == [40]           # progress frames every 1 MiB: none for 20 KiB, the answer's count
+
+        # a buffer too small (or read-only) is refused before asking the agent; the link still works
+        small = await asyncio.to_thread(link.pull, "p", keys, FP.digest(), 5000, memoryview(bytearray(100)))
+        assert small == (0, f"into: 100 bytes, 40 blocks need {40 * BLOCK_BYTES}", None)
+        ro = await asyncio.to_thread(link.pull, "p", keys[:1], FP.digest(), 5000, memoryview(bytes(BLOCK_BYTES)))
+        assert ro.blocks == 0 and "read-only" in ro.error
+        again = await asyncio.to_thread(link.pull, "p", keys[:3], FP.digest(), 5000)
+        assert again.blocks == 3 and bytes(again.view) == b"".join(payload(i) for i in range(3))
+        assert svc.counters["pulls"] == 2 and svc.counters["pulled_blocks"] == 43
+    asyncio.run(pull_rig(tmp_path, HeldSource(keys), body))
+
+
+def test_a_streamed_pull_stops_at_the_first_missing_block(tmp_path: Path) -> None:
+    keys = [bytes([i + 1]) * 16 for i in range(10)]
+
+    async def body(svc, link):
+        got = await asyncio.to_thread(link.pull, "p", keys, FP.digest(), 5000)
+        assert got.blocks == 6 and got.error.startswith("miss: block 6 not held")
+        assert bytes(got.view) == b"".join(payload(i) for i in range(6))
+        assert svc.counters["failed_pulls"] == 1
+        none = await asyncio.to_thread(link.pull, "q", keys, FP.digest(), 5000)   # no such peer
+        assert none == (0, "peer 'q' does not serve this layout", None)
+    asyncio.run(pull_rig(tmp_path, HeldSource(keys, missing=6), body))
+
+
+def test_a_streamed_pull_keeps_what_came_by_its_deadline(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(tier_service, "PROGRESS_EVERY_BYTES", 1)   # a progress frame per block
+    keys = [bytes([i + 1]) * 16 for i in range(10)]
+    source = HeldSource(keys, hold_at=4)
+
+    async def body(svc, link):
+        counts: list[int] = []
+        got = await asyncio.to_thread(link.pull, "p", keys, FP.digest(), 300, None, counts.append)
+        assert got.blocks == 4 and got.error.startswith("deadline") and counts == [1, 2, 3, 4]   # as they came
+        assert bytes(got.view) == b"".join(payload(i) for i in range(4))
+        source.release.set()                # the peer's read ends; the next pull is served in full
+        full = await asyncio.to_thread(link.pull, "p", keys, FP.digest(), 5000)
+        assert (full.blocks, full.error) == (10, None)
+    asyncio.run(pull_rig(tmp_path, source, body))
+
+
+def test_a_pull_larger_than_the_pull_area_brings_what_fits(tmp_path: Path) -> None:
+    keys = [bytes([i + 1]) * 16 for i in range(10)]
+
+    async def body(svc, link):
+        got = await asyncio.to_thread(link.pull, "p", keys, FP.digest(), 5000)
+        assert got.blocks == 3 and got.error == "room: the pull area holds 3 blocks of 10"
+        assert bytes(got.view) == b"".join(payload(i) for i in range(3))
+        assert link.hello_answer["pull_bytes"] == 3 * BLOCK_BYTES + 100
+    asyncio.run(pull_rig(tmp_path, HeldSource(keys), body, peer_pull_max_bytes=3 * BLOCK_BYTES + 100))

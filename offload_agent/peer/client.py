@@ -59,11 +59,13 @@ _STATUS_KIND = {p.Status.MISS: ERR_MISS, p.Status.MISMATCH: ERR_REFUSED, p.Statu
                 p.Status.BAD_REQUEST: ERR_REFUSED, p.Status.AUTH: ERR_AUTH, p.Status.VERSION: ERR_REFUSED,
                 p.Status.SOURCE_ERROR: ERR_SOURCE}
 
+_BLOCK_OK = p.FrameHeader(p.FrameType.BLOCK, p.Status.OK, 0)  # a BLOCK frame header as expected (fast path)
 OnBlock = Callable[[int, memoryview], Awaitable[None] | None]
 
 BANDWIDTH_MIN_SAMPLE_BYTES = 256 << 10  # smaller pulls say too little about bandwidth
 BANDWIDTH_FULL_WEIGHT_BYTES = 4 << 20    # a pull this large counts fully in the average
 EWMA_ALPHA = 0.3
+DIRECT_READ_MIN_BYTES = 256 << 10  # blocks this large are received straight into ``into`` (smaller: staged)
 
 
 @dataclass
@@ -141,13 +143,14 @@ class _Pull:
     """The state of one pull across its requests."""
 
     def __init__(self, addr: str, fingerprint: bytes, block_bytes: int, keys: list[bytes], deadline: float,
-                 on_block: OnBlock) -> None:
+                 on_block: OnBlock, into: memoryview | None) -> None:
         self.addr = addr
         self.fingerprint = fingerprint
         self.block_bytes = block_bytes
         self.keys = keys
         self.deadline = deadline
         self.on_block = on_block
+        self.into = into
         self.blocks = 0
         self.callback_exc: BaseException | None = None
         # time.perf_counter() marks for link_stats (loop.time() may tick in ms, as uvloop's does)
@@ -182,16 +185,19 @@ class PeerClient:
 
     # ---- public ----
     async def pull(self, addr: str, fingerprint_digest: bytes, block_bytes: int, keys: list[bytes],
-                   deadline_s: float, on_block: OnBlock) -> PullResult:
+                   deadline_s: float, on_block: OnBlock, *, into: memoryview | None = None) -> PullResult:
         """Pull the blocks of ``keys`` (16-byte tier keys, a prefix chain) from the peer at
         ``addr`` (``"host:port"``), stopping at the first missing or bad one or after
         ``deadline_s`` seconds from now.
 
         ``on_block(i, payload)`` is called for block i in order, only after its checksum, key and
         fingerprint were verified; ``payload`` (``block_bytes`` bytes) is valid only during the
-        call; it may return an awaitable, which is awaited (and not cut by the deadline). Returns a
+        call; it may return an awaitable, which is awaited (and not cut by the deadline).
+        ``into`` (writable, at least ``len(keys) x block_bytes`` bytes): block i is received
+        straight into ``into[i x block_bytes:]`` (no copy; ``payload`` is that view, valid after
+        the call; the bytes of a block that failed its checksum are left there too). Returns a
         :class:`PullResult`. Raises ValueError for a malformed address, digest, key or block size,
-        and whatever ``on_block`` raises (the connection is then closed).
+        or a too small ``into``, and whatever ``on_block`` raises (the connection is then closed).
         """
         host_port = _parse_addr(addr)
         if len(fingerprint_digest) != p.DIGEST_BYTES:
@@ -200,12 +206,18 @@ class PeerClient:
             raise ValueError(f"block_bytes must be 1..{p.MAX_BLOCK_BYTES}, got {block_bytes}")
         if any(len(k) != p.KEY_BYTES for k in keys):
             raise ValueError(f"tier keys must be {p.KEY_BYTES} bytes each")
+        if into is not None:
+            into = memoryview(into).cast("B")
+            if into.nbytes < len(keys) * block_bytes or into.readonly:
+                raise ValueError(f"into: {into.nbytes} bytes{' read-only' if into.readonly else ''}, "
+                                 f"{len(keys)} blocks need {len(keys) * block_bytes}")
         loop = asyncio.get_running_loop()
         if not keys:
             return PullResult(0, 0, 0.0, None)
         t0 = time.perf_counter()
         link = self._links.setdefault(addr, _Link())
-        st = _Pull(addr, bytes(fingerprint_digest), block_bytes, list(keys), loop.time() + deadline_s, on_block)
+        st = _Pull(addr, bytes(fingerprint_digest), block_bytes, list(keys), loop.time() + deadline_s, on_block,
+                   into)
         error: str | None = None
         try:
             await self._pull(st, host_port, link)
@@ -405,6 +417,8 @@ class PeerClient:
         loop = asyncio.get_running_loop()
         io = conn.io
         io.deadline = st.deadline
+        # with a destination, large payloads go straight into it: read no further than asked
+        io.read_ahead = st.into is None or st.block_bytes < DIRECT_READ_MIN_BYTES
         rid = conn.next_request_id
         conn.next_request_id = (rid + 1) & 0xFFFFFFFF
         bb = st.block_bytes
@@ -420,8 +434,9 @@ class PeerClient:
         if st.first_frame_at is None:
             st.first_frame_at = time.perf_counter()
         i = 0
+        block_frame = p.encode_frame_header(p.FrameType.BLOCK, p.Status.OK, p.BLOCK_HEAD_BYTES + bb)
         while True:
-            head = p.decode_frame_header(raw, block_bytes=bb)
+            head = _BLOCK_OK if raw == block_frame else p.decode_frame_header(raw, block_bytes=bb)
             if head.type is p.FrameType.END:
                 end = p.decode_end(await io.read_exact(head.body_bytes))
                 if end.request_id != rid or end.blocks != i:
@@ -440,18 +455,22 @@ class PeerClient:
                 raise _PullError(kind, f"{detail}: {end.reason}" if end.reason else detail, keep_conn=keep)
             if head.type is not p.FrameType.BLOCK:
                 raise p.FrameError(f"unexpected {head.type.name} frame in a response")
-            bh = p.decode_block_head(await io.read_exact(p.BLOCK_HEAD_BYTES))
-            if bh.request_id != rid or bh.index != i or i >= len(chunk):
-                raise p.FrameError(f"BLOCK {bh.index} of request {bh.request_id}, expected {i} of {rid}")
-            if bh.key != chunk[i]:
-                raise _PullError(ERR_PROTOCOL, f"block {offset + i}: the peer sent key {bh.key.hex()}, "
+            b_rid, b_index, b_fp, b_key, b_checksum = p.BLOCK_HEAD.unpack(await io.read_exact(p.BLOCK_HEAD_BYTES))
+            if b_rid != rid or b_index != i or i >= len(chunk):
+                raise p.FrameError(f"BLOCK {b_index} of request {b_rid}, expected {i} of {rid}")
+            if b_key != chunk[i]:
+                raise _PullError(ERR_PROTOCOL, f"block {offset + i}: the peer sent key {b_key.hex()}, "
                                                f"not {chunk[i].hex()}")
-            if bh.fingerprint != st.fingerprint:
+            if b_fp != st.fingerprint:
                 raise _PullError(ERR_PROTOCOL, f"block {offset + i}: another fingerprint")
-            if st.fallback is None:
-                st.fallback = memoryview(bytearray(bb))
-            payload = await io.read_payload(bb, st.fallback)
-            if p.payload_checksum(payload) != bh.checksum:
+            if st.into is not None:
+                payload = st.into[(offset + i) * bb:(offset + i + 1) * bb]
+                await io.read_into(payload)
+            else:
+                if st.fallback is None:
+                    st.fallback = memoryview(bytearray(bb))
+                payload = await io.read_payload(bb, st.fallback)
+            if p.payload_checksum(payload) != b_checksum:
                 raise _PullError(ERR_CHECKSUM, f"block {offset + i} from {st.addr}: checksum mismatch")
             try:
                 r = st.on_block(offset + i, payload)

@@ -18,7 +18,10 @@ class PeerClosed(ConnectionError):
 class SockIO:
     """One connected socket (made non-blocking here). ``deadline`` (event loop time, s, or None)
     bounds every wait; past it a wait raises TimeoutError. ``staging_bytes``: size of the staging
-    buffer, the most :meth:`read_exact` can return. Not for concurrent use by several tasks."""
+    buffer, the most :meth:`read_exact` can return. ``read_ahead``: whether a read into the staging
+    buffer takes all the socket has (fewer syscalls for small frames) or only the bytes asked for
+    (so that a large payload after them goes straight into its destination with
+    :meth:`read_into`, copied once). Not for concurrent use by several tasks."""
 
     def __init__(self, sock: socket.socket, staging_bytes: int = 1 << 20) -> None:
         sock.setblocking(False)
@@ -29,6 +32,7 @@ class SockIO:
         self._view = memoryview(self._buf)
         self._start = 0
         self._end = 0
+        self.read_ahead = True
 
     @property
     def buffered_bytes(self) -> int:
@@ -52,7 +56,8 @@ class SockIO:
             self._buf[:avail] = self._buf[self._start:self._end]
             self._start, self._end = 0, avail
         while self._end - self._start < n:
-            self._end += await self._recv_into(self._view[self._end:])
+            upto = len(self._buf) if self.read_ahead else self._start + n
+            self._end += await self._recv_into(self._view[self._end:upto])
 
     async def read_exact(self, n: int) -> memoryview:
         """The next ``n`` bytes (n <= staging size) as a view valid until the next read.
@@ -81,6 +86,16 @@ class SockIO:
         while got < n:
             got += await self._recv_into(dst[got:])
         return dst
+
+    async def read_into(self, dst: memoryview) -> None:
+        """Fill ``dst`` (writable, any size) with the next ``dst.nbytes`` bytes: what is buffered
+        is copied, the rest received straight into it. Raises like read_exact."""
+        n = dst.nbytes
+        got = min(n, self._end - self._start)
+        dst[:got] = self._view[self._start:self._start + got]
+        self._start += got
+        while got < n:
+            got += await self._recv_into(dst[got:])
 
     async def send(self, data) -> None:
         """Send all of ``data`` (bytes-like); returns once the kernel has it. Raises OSError,
