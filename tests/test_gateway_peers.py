@@ -394,3 +394,30 @@ def test_a_gateway_index_client_fails_cleanly(tmp_path):
     with pytest.raises(ValueError):
         GatewayIndex("redis://127.0.0.1:1/0", "t")
     assert issubclass(GatewayRefused, IndexUnavailable) and TierMatch(1, 2, 3).total == 6
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], "needs --tier-socket"),
+    (["--tier-socket", "t.sock", "--cpu-tier-bytes", "4096", "--events", "tcp://127.0.0.1:1"], "leave out --events"),
+    (["--tier-socket", "t.sock", "--cpu-tier-bytes", "4096", "--admin-token-env", "KVR_UNSET_TOKEN"],
+     "--admin-token-env KVR_UNSET_TOKEN: that variable is not set"),
+    (["--tier-socket", "t.sock"], "--tier-socket needs --cpu-tier-bytes > 0"),
+])
+def test_an_agent_pointed_at_a_gateway_refuses_what_it_cannot_do(extra, message):
+    import subprocess
+
+    argv = kvroute_argv("agent", "--worker-id", "w", "--index", "http://127.0.0.1:1", "--model", "tiny",
+                        "--block-size", "32", *extra)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60,
+                          env={k: v for k, v in os.environ.items() if k != "KVR_UNSET_TOKEN"} | {"KVROUTE_ADMIN_TOKEN": "t"})
+    assert done.returncode == 2
+    assert "kvroute agent: error: " in done.stderr and message in done.stderr, done.stderr
+
+
+def test_an_agent_writing_redis_still_needs_the_events():
+    import subprocess
+
+    done = subprocess.run(kvroute_argv("agent", "--worker-id", "w", "--index", "redis://127.0.0.1:1/0",
+                                       "--model", "tiny", "--block-size", "32"),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--events is required with a Redis index" in done.stderr
