@@ -182,7 +182,33 @@ _ADMIN_BODIES = {
     ("post", "/admin/workers"): "WorkerConfig",
     ("put", "/admin/policy"): "PolicyConfig",
     ("post", "/admin/explain"): "ExplainRequest",
+    ("post", "/admin/index/match"): "IndexMatchRequest",
+    ("put", "/admin/workers/{worker_id}/peer"): "PeerState",
 }
+
+
+def _agent_schemas() -> dict[str, Any]:
+    """The bodies of the routes agents use with the gateway's index (:mod:`router.admin_peers`)."""
+    u64 = {"type": "integer", "minimum": 0, "maximum": (1 << 64) - 1}
+    u32 = {"type": "integer", "minimum": 0, "maximum": (1 << 32) - 1}
+    opt_num = {"type": ["number", "null"], "minimum": 0}
+    opt_int = {"type": ["integer", "null"], "minimum": 0}
+    peer = {"type": "object", "properties": {
+        "serve": {"type": ["string", "null"], "description": "host:port its agent serves blocks on"},
+        "pull": _BOOL, "block_bytes": opt_int, "block_size": opt_int,
+        "fingerprint": {"type": ["string", "null"], "description": "hex digest of the KV layout"},
+        "link_bytes_per_s": opt_num, "pull_overhead_ms": opt_num,
+        "pulls": {"type": "integer", "minimum": 0}, "pulled_blocks": {"type": "integer", "minimum": 0},
+        "failed_pulls": {"type": "integer", "minimum": 0}}}
+    return {
+        "IndexMatchRequest": {"anyOf": [
+            {"type": "object", "required": ["keys"], "properties": {
+                "keys": {"type": "array", "items": u64, "description": "block keys from block 0"}}},
+            {"type": "object", "required": ["model", "token_ids"], "properties": {
+                "model": _STR, "token_ids": {"type": "array", "items": u32}, "cache_salt": _STR}}]},
+        "PeerState": {"type": "object", "required": ["peer"], "properties": {
+            "peer": peer, "tiers": {"type": "object", "description": "the agent's tier counters"}}},
+    }
 
 
 def _proxied_operation(path: str, schema: str, summary: str) -> dict[str, Any]:
@@ -230,6 +256,7 @@ def build_openapi(app: FastAPI, models: list[str] | None = None) -> dict[str, An
                 {"type": "boolean"}, {"type": "null"}]},
             "session_header": _STR}}
     schemas["ExplainRequest"] = {"anyOf": [_ref("ChatCompletionRequest"), _ref("CompletionRequest")]}
+    schemas.update(_agent_schemas())
     components["securitySchemes"] = {
         "AdminBearer": {"type": "http", "scheme": "bearer",
                         "description": "the admin token (admin.token_env / admin.token)"},
@@ -253,8 +280,15 @@ def build_openapi(app: FastAPI, models: list[str] | None = None) -> dict[str, An
             if body is not None:
                 op["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(body)}}}
                 responses["400"] = {"description": "malformed body", **_ERROR}
-            if "{worker_id}" in path:
+            if "{worker_id}" in path and not path.endswith("/peer"):  # a peer state may precede its worker
                 responses["404"] = {"description": "no such worker", **_ERROR}
+            if path == "/admin/index/match":
+                responses["404"] = {"description": "unknown model", **_ERROR}
+                responses["503"] = {"description": "index unavailable (Redis down)", **_ERROR}
+            if path == "/admin/workers/{worker_id}/peer" and method == "put":
+                responses["400"] = {"description": "malformed state or ttl_s", **_ERROR}
+                responses["409"] = {"description": "too many workers' states kept", **_ERROR}
+                responses["413"] = {"description": "state over 64 KiB", **_ERROR}
             if path == "/admin/workers" and method == "post":
                 responses["409"] = {"description": "worker id taken", **_ERROR}
             if path in ("/admin/workers", "/admin/index"):
