@@ -65,7 +65,8 @@ machine shared with other work disturbs less than wall time.
 process's CPU time over the transfer, all its threads, per payload byte), table ``methods``
 (per method: ``method``, ``status`` ran / not installed / does not load / failed, ``detail``,
 ``version``, ``python``); ``load_average_start`` and ``load_average_end``: the 1-minute load
-average around the run. ``--plot DIR``: ``transfer.png``.
+average around the run; ``peer_path_revision``: the last commit of offload_agent/peer, with
+``+uncommitted`` when the working tree measured differs from it. ``--plot DIR``: ``transfer.png``.
 """
 from __future__ import annotations
 
@@ -522,6 +523,19 @@ class Method:
                 child.stop()
 
 
+def peer_revision() -> str:
+    """The last commit of offload_agent/peer, ``+uncommitted`` when the working tree differs
+    (the peer path measured is the working tree's)."""
+    try:
+        rev = subprocess.run(["git", "log", "-1", "--format=%h", "--", "offload_agent/peer"], cwd=REPO,
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "offload_agent/peer"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+    return (rev or "?") + ("+uncommitted" if dirty else "")
+
+
 def parse_ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
@@ -598,10 +612,11 @@ def bench(args: argparse.Namespace) -> int:
 
     load1 = os.getloadavg()[0]
     fig["load_average_start"], fig["load_average_end"] = load0, load1
+    fig["peer_path_revision"] = peer_revision()
     ran = [m for m in methods if m.runs]
     raw = next((m for m in methods if m.name == "raw-tcp" and m.runs), None)
     print(f"\nPayload Gbit/s, median of {args.repeats} repeats (ratio to raw TCP; min-max); load average "
-          f"{load0:.2f} at the start, {load1:.2f} at the end")
+          f"{load0:.2f} at the start, {load1:.2f} at the end; peer path at {fig['peer_path_revision']}")
     width = 26
     print(f"  {'case':14s}" + "".join(f"{m.name:>{width}s}" for m in ran))
     rows = []
