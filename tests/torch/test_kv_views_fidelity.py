@@ -16,7 +16,11 @@ import torch
 kv_iface = pytest.importorskip("vllm.v1.kv_cache_interface")
 from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
+import gpu_check_connector as gc  # noqa: E402
 import kv_views  # noqa: E402
+from offload_agent.connector.kv_copy import PagedKV  # noqa: E402
+from offload_agent.connector.worker_ops import TierWorker  # noqa: E402
+from offload_agent.tiers.planner import TierPlanner  # noqa: E402
 
 LAYERS, BLOCKS = 3, 5
 CASES = [  # (spec kind, block size, kernel block size or None)
@@ -87,3 +91,45 @@ def test_kernel_split_refusals_are_the_layouts_vllm_refuses():
         except ValueError:
             refused.append(vl.name)
     assert sorted(refused) == ["BHLNC", "BLHNC", "BLNHC", "LHBNC"]
+
+
+BYTE_CASES = [("LBNHC", None), ("LBHNC", None), ("BLHNC", None), ("BLNHC", None), ("LBNHC", 16), ("LBHNC", 16)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.uint8], ids=["bf16", "uint8"])
+def test_byte_path_on_vllms_own_views(dtype):
+    """The byte path (TierWorker with planner operations) on views made by vLLM itself: every
+    layout stores the same rows for the same logical content (equal to the hand-built reference)
+    and round-trips them; with kernel-block splitting the rows are the kernel blocks in order."""
+    gen = torch.Generator().manual_seed(3)
+    spec = _spec("full", 32, dtype)
+    S, D = [0, 3], [4, 1]
+    content = torch.randint(0, 256, (LAYERS, len(S), spec.num_heads, 32, spec.state_content_size_bytes),
+                            dtype=torch.uint8, generator=gen)
+    rows = {}
+    for layout, kernel in BYTE_CASES:
+        _, views = _vllm_views(KVCacheLayout[layout], spec, kernel)
+        kv = PagedKV(views, BLOCKS)
+        pages = [gc.logical_pages(v, layout, BLOCKS) for v in views]
+        written = content if kernel is None else content.unflatten(3, (2, 16)).transpose(2, 3)
+        idx = torch.tensor(S)
+        for layer, p in enumerate(pages):
+            p[idx] = written[layer]
+        w = TierWorker(kv, 4, gc.fingerprint(kv, dtype, 32))
+        planner = TierPlanner(4)
+        keys = gc.chain_keys(w.store.fingerprint, len(S), 32, 1)
+        ops = gc.plan_saves(planner, keys, S)
+        w.run_saves(ops)
+        w.flush()
+        got = w.slab[[op[1] for op in ops]].clone()
+        assert torch.equal(got, gc.reference_rows(written)), (layout, kernel)
+        rows[(layout, kernel)] = got
+        gc.zero_blocks(views, layout, BLOCKS, D)
+        lops, _ = planner.plan_load(keys, D)
+        w.run_loads(lops)
+        w.flush()
+        assert w.take_invalid_blocks() == set()
+        assert torch.equal(gc.read_blocks(views, layout, BLOCKS, D), written), (layout, kernel)
+    unsplit = [r for (lay, k), r in rows.items() if k is None]
+    assert all(torch.equal(r, unsplit[0]) for r in unsplit)
+    assert torch.equal(rows[("LBNHC", 16)], rows[("LBHNC", 16)])
