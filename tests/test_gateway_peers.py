@@ -421,3 +421,45 @@ def test_an_agent_writing_redis_still_needs_the_events():
                                        "--model", "tiny", "--block-size", "32"),
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--events is required with a Redis index" in done.stderr
+
+
+def test_an_agent_stops_on_a_gateway_of_another_block_key_encoding(tmp_path, procs):
+    """A gateway that computes another block-key version than the agent (another kvroute release):
+    no key would ever match, so the agent says so and exits 1 (as with a Redis index)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    seen: list[str] = []
+
+    class OtherRelease(BaseHTTPRequestHandler):
+        def do_PUT(self):  # noqa: N802 (http.server's name)
+            seen.append(f"{self.command} {self.path} {self.headers.get('Authorization')}")
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            body = json.dumps({"worker": "w", "ttl_s": 10.0, "registered": True,
+                               "block_key_encoding": ENCODING_VERSION + 1}).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_DELETE = do_PUT
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), OtherRelease)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        agent = procs("agent", kvroute_argv(
+            "agent", "--worker-id", "w", "--index", f"http://127.0.0.1:{server.server_address[1]}", "--model", "tiny",
+            "--block-size", "32", "--tier-socket", str(tmp_path / "w.sock"), "--tier-shm",
+            f"/dev/shm/kvroute-test-enc-{os.getpid()}", "--cpu-tier-bytes", "4096"),
+            env={"KVROUTE_ADMIN_TOKEN": "tok"})
+        assert agent.popen.wait(60) == 1, agent.log_tail()
+        assert f"computes block keys of encoding version {ENCODING_VERSION + 1}" in agent.log_tail()
+        assert seen[0] == "PUT /admin/workers/w/peer?ttl_s=10.0 Bearer tok"
+        assert seen[-1] == "DELETE /admin/workers/w/peer Bearer tok"      # withdrawn on the way out
+    finally:
+        server.shutdown()
+        server.server_close()
