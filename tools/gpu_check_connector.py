@@ -676,20 +676,41 @@ class Check:
         total = (time.monotonic() - t0) * 1e3
         return host, (e0.elapsed_time(e1) if self.cuda else None), total
 
+    def best_gbps(self, nbytes: int, fn, wall: bool = False) -> float:
+        """GB/s of ``fn`` moving ``nbytes``: best of 3 after a warm-up, timed by events on the main
+        stream (CUDA) or by the wall clock (CPU, or ``wall``: a copy that blocks the host)."""
+        best = float("inf")
+        for _ in range(4):
+            _, g, tot = self._timed(fn)
+            best = min(best, tot if wall or g is None else g)
+        return nbytes / (best * 1e-3) / 1e9
+
     def baseline(self, nbytes: int, pinned: bool, src_dev: torch.Tensor, host: torch.Tensor) -> tuple[float, float]:
-        """GB/s of device -> host and host -> device for ``nbytes`` (best of 3 after a warm-up)."""
+        """GB/s of one device -> host and one host -> device copy of ``nbytes``."""
         d, h = src_dev[:nbytes], host[:nbytes]
-        res = []
-        for direction in ("d2h", "h2d"):
-            best = float("inf")
-            for _ in range(4):
-                if direction == "d2h":
-                    _, g, tot = self._timed(lambda: h.copy_(d, non_blocking=pinned))
-                else:
-                    _, g, tot = self._timed(lambda: d.copy_(h, non_blocking=pinned))
-                best = min(best, g if g is not None else tot)
-            res.append(nbytes / (best * 1e-3) / 1e9)
-        return res[0], res[1]
+        wall = self.cuda and not pinned
+        return (self.best_gbps(nbytes, lambda: h.copy_(d, non_blocking=pinned), wall),
+                self.best_gbps(nbytes, lambda: d.copy_(h, non_blocking=pinned), wall))
+
+    def pieces_gbps(self, nbytes: int, piece: int, src_dev: torch.Tensor, host: torch.Tensor) -> float:
+        """GB/s of device -> host in separate ``piece``-byte copies (one per block and layer):
+        the per-copy overhead."""
+        def run() -> None:
+            for at in range(0, nbytes, piece):
+                host[at:at + piece].copy_(src_dev[at:at + piece], non_blocking=self.cuda)
+        return self.best_gbps(nbytes, run)
+
+    def proto_blhnc(self, n: int, host: torch.Tensor) -> float:
+        """The target pattern for BLHNC (gpu_readiness.md §4 item 3): a block's layers are one
+        contiguous run in logical order, so a save is one DMA per block, no kernel. GB/s."""
+        bb = self.shape.block_bytes(torch.bfloat16)
+        raw = self.raw.view(torch.uint8)
+
+        def run() -> None:
+            for i in range(n):
+                b = 2 * i  # every other block: no run merging
+                host[i * bb:(i + 1) * bb].copy_(raw[b * bb:(b + 1) * bb], non_blocking=self.cuda)
+        return self.best_gbps(n * bb, run)
 
     def section_perf(self) -> None:
         shape = self.shape
@@ -709,7 +730,17 @@ class Check:
             for direction, i in (("d2h", 0), ("h2d", 1)):
                 self.r.add("perf", layout="baseline-" + ("pinned" if self.cuda else "host"), dtype="uint8", n=n,
                            bytes=n * bb, gbps=round(pin[i], 3), baseline_gbps=round(pin[i], 3), ratio=1.0,
-                           ok=None, note=f"{direction}; pageable {page[i]:.2f} GB/s")
+                           ok=None, note=f"{direction}: one copy; pageable {page[i]:.2f} GB/s")
+            piece = bb // shape.layers
+            g = self.pieces_gbps(n * bb, piece, src_dev, pinned_host)
+            self.r.add("perf", layout=f"copies-{piece >> 10}k", dtype="uint8", n=n, bytes=n * bb, gbps=round(g, 3),
+                       baseline_gbps=round(pin[0], 3), ratio=round(g / pin[0], 3), ok=None,
+                       note=f"d2h: {n * shape.layers} copies of {piece} bytes")
+            if 2 * n <= shape.blocks:
+                g = self.proto_blhnc(n, pinned_host)
+                self.r.add("perf", layout="proto-BL", dtype="bf16", n=n, bytes=n * bb, gbps=round(g, 3),
+                           baseline_gbps=round(pin[0], 3), ratio=round(g / pin[0], 3), ok=None,
+                           note="d2h: BLHNC target, one copy per block, no kernel")
         del src_dev, pinned_host, pageable
         for layout in ("LBNHC", "BLHNC"):
             if self.r.over_budget():

@@ -182,6 +182,18 @@ def test_kernel_block_split_round_trip(layout, gen):
                        torch.zeros_like(gc.read_blocks(views, layout, SHAPE.blocks, [0, 7])))
 
 
+@pytest.mark.parametrize("kernel", [None, 4])
+def test_mla_like_round_trip(kernel, gen):
+    """MLA: one latent "head" of 576 bf16 per token (``[B, 1, N, 1152 bytes]``), also with
+    kernel-block splitting (as FlashMLA's 64-token kernel blocks under a larger block)."""
+    mla = gc.Shape(layers=2, blocks=SHAPE.blocks, heads=1, head_size=288, block_size=SHAPE.block_size)
+    views = gc.build_kv(mla, "LBNHC", torch.bfloat16, kernel_block_size=kernel)
+    assert views[0].shape[1:] == (1, kernel or mla.block_size, 576)
+    w = _worker(views, torch.bfloat16, mla)
+    assert w.kv.block_bytes == 2 * mla.block_size * 1152
+    _round_trip(views, "LBNHC", w, [1, 2, 3], [10, 11, 12], 17, gen)
+
+
 @pytest.mark.parametrize("layout", ["2BNHD", "LBNHC"])
 def test_layers_in_separate_allocations(layout, gen):
     """Layers that do not share one allocation: no all-layer view (per-layer copies), same rows."""

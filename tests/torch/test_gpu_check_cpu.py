@@ -47,5 +47,8 @@ def test_gpu_check_runs_on_cpu(tmp_path):
                 assert r["gbps"] > 0 and r["baseline_gbps"] > 0 and r["ratio"] > 0 and r["host_ms"] >= 0
     base = [r for r in perf if r["layout"] == "baseline-host"]
     assert len(base) == 6 and all(r["gbps"] > 0 for r in base)
+    for layout in ("copies-4k", "proto-BL"):  # per-(block, layer) copies; BLHNC one copy per block
+        got = [r for r in perf if r["layout"] == layout]
+        assert sorted(r["n"] for r in got) == [1, 8, 32] and all(r["gbps"] > 0 and r["ratio"] > 0 for r in got)
     assert by["done"][0]["note"].startswith("0 correctness failures")
     assert "section |" in proc.stdout  # the table
