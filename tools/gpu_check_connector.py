@@ -876,7 +876,7 @@ def main(argv: list[str] | None = None) -> int:
     report = Report(args.out, args.budget_s)
     work = Path(tempfile.mkdtemp(prefix="kvroute-gpu-check-"))
     check = Check(args.device, report, args.tiny and args.device == "cpu", work)
-    env = report.add("env", ok=None, note="environment")
+    env = report.add("env", ok=None, note="environment", **check.env())  # again at the end, with the slab
     try:
         check.run()
     finally:

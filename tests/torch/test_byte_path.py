@@ -295,13 +295,38 @@ def test_ssd_spill_promote_load_ssd_round_trip(tmp_path, gen):
     assert torch.equal(gc.read_blocks(views, "LBNHC", SHAPE.blocks, D), content)
 
 
-def test_corrupted_ssd_file_is_exactly_one_invalid_block(tmp_path, gen):
-    views, w, planner, keys, _, content = _ssd_setup(tmp_path, gen)
-    bad = 2  # on SSD only, read by load_ssd
-    path = block_path(w.store.fp_dir, keys[bad])
+def _corrupt(w: TierWorker, key: bytes):
+    path = block_path(w.store.fp_dir, key)
     raw = bytearray(path.read_bytes())
     raw[100] ^= 0x5A
     path.write_bytes(bytes(raw))
+    return path
+
+
+def test_corrupted_promoted_file_is_exactly_one_invalid_block(tmp_path, gen):
+    """The corrupted file is the one promoted into a CPU slot: that block is invalid, its SSD and
+    CPU copies are reported, the planner forgets both; the rest loads."""
+    views, w, planner, keys, _, content = _ssd_setup(tmp_path, gen)
+    path = _corrupt(w, keys[0])
+    D = [30, 31, 32, 33, 34, 35]
+    gc.zero_blocks(views, "LBNHC", SHAPE.blocks, D)
+    lops = _load(w, planner, keys, D)
+    promote = next(op for op in lops if op[0] == "promote")
+    assert promote[1] == keys[0]
+    assert w.take_invalid_blocks() == {D[0]}
+    failures = w.take_failures()
+    assert {(k, t) for k, t, _ in failures} == {(keys[0], "ssd"), (keys[0], "cpu")}
+    assert {s for _, t, s in failures if t == "cpu"} == {promote[2]}
+    for key, tier, slot in failures:
+        planner.forget(key, tier, slot)
+    assert planner.tier_of(keys[0]) is None and not path.exists()
+    assert torch.equal(gc.read_blocks(views, "LBNHC", SHAPE.blocks, D[1:]), content[:, 1:])
+
+
+def test_corrupted_ssd_file_is_exactly_one_invalid_block(tmp_path, gen):
+    views, w, planner, keys, _, content = _ssd_setup(tmp_path, gen)
+    bad = 2  # on SSD only, read by load_ssd
+    path = _corrupt(w, keys[bad])
     D = [30, 31, 32, 33, 34, 35]
     gc.zero_blocks(views, "LBNHC", SHAPE.blocks, D)
     lops = _load(w, planner, keys, D)
