@@ -35,6 +35,15 @@ def test_create_lays_out_header_table_and_slab(shm_path: Path) -> None:
     slab.close()
 
 
+def test_create_reserves_every_page(shm_path: Path) -> None:
+    """The file is not sparse: a tier that does not fit fails at creation, never with SIGBUS
+    when a slot is first written or the connector registers the file for DMA."""
+    slab = ShmSlab.create(shm_path, DIGEST, 1 << 20, 8)
+    size = file_bytes(8, 1 << 20)
+    assert shm_path.stat().st_blocks * 512 >= size
+    slab.close()
+
+
 def test_writer_and_reader_in_two_mappings(shm_path: Path) -> None:
     owner = ShmSlab.create(shm_path, DIGEST, 256, 4)          # the agent
     conn = ShmSlab.attach(shm_path)                            # the connector

@@ -704,4 +704,5 @@ class _AgentPuller:
             self.greeted = _hello(self.link, self.hello, 0.0) is not None
             if not self.greeted:
                 return 0, "the agent did not answer"
-        return self.link.pull(peer, keys, self.digest, self.settings.peer_pull_deadline_ms, into)
+        got = self.link.pull(peer, keys, self.digest, self.settings.peer_pull_deadline_ms, into)
+        return got.blocks, got.error

@@ -48,6 +48,7 @@ vLLM's interpreter.
 """
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import struct
@@ -106,8 +107,11 @@ class ShmSlab:
                num_slots: int) -> "ShmSlab":
         """The agent's side: map ``path``, creating it for ``num_slots`` slots of ``block_bytes``
         with every row empty; an existing file with the same fingerprint, block size and slot
-        count is reused as it is (its blocks stay). Raises ValueError for sizes < 1, OSError when
-        the file cannot be made (e.g. ``/dev/shm`` full)."""
+        count is reused as it is (its blocks stay). Every page is reserved at creation
+        (``posix_fallocate``), so a CPU tier that does not fit fails here, never as a bus error on
+        a later write or when the connector registers the file for DMA (which pins all of it).
+        Raises ValueError for sizes < 1, OSError when the file cannot be made (e.g. ``/dev/shm``
+        too small: the message says how many bytes were asked)."""
         if block_bytes < 1 or num_slots < 1:
             raise ValueError(f"need block_bytes >= 1 and num_slots >= 1, got {block_bytes}, {num_slots}")
         if len(fingerprint_digest) != KEY_BYTES:
@@ -124,7 +128,13 @@ class ShmSlab:
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            os.ftruncate(fd, size)  # sparse: pages are taken as slots are written
+            os.ftruncate(fd, size)
+            try:  # all pages reserved now: a /dev/shm too small fails here, not as SIGBUS on a later write
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                    raise OSError(exc.errno, f"cannot reserve {size} bytes for the CPU tier in {path.parent}: "
+                                             f"{exc.strerror}") from exc
             mm = mmap.mmap(fd, size)
             table_at = PAGE_BYTES
             slab_at = _round_up(table_at + num_slots * ROW_BYTES)

@@ -17,9 +17,9 @@ Each test has its own prompts, so any one runs alone (``-k``) or in any order:
    connector asked for AMX state): B pulls it from A: vLLM reports the tokens cached (source
    ``p2p``), the greedy tokens and logprobs are identical to A's computation, the pulled blocks
    are B's own afterwards (B's CPU tier in the index; a second request hits B's GPU cache);
-3. a transfer corrupted on the wire is detected (checksum), B recomputes (identical output) and
-   nothing wrong is served. (vLLM 0.32 still reports the tokens it meant to load as cached in that
-   request's usage: it counts them when it schedules the load, before the failure.)
+3. a transfer corrupted on the wire is detected (checksum) and nothing wrong is served: the load
+   is asynchronous, so vLLM puts the request back in its queue and it is loaded again by a clean
+   pull (identical output).
 4. B's vLLM restarted: its connector maps the agent's CPU tier file again and takes back the
    blocks in it; the pulled prompt is then a CPU-tier hit on the fresh engine, identical output.
 """
@@ -272,11 +272,15 @@ def test_a_corrupted_transfer_is_detected_and_recomputed(pair):
     body, worker = pair.complete(P2)
     assert worker == "b"
     assert pair.forwarder.corrupted.is_set()
-    same_output(first, body)                          # recomputed: never a wrong result
-    assert f"pulled 0 of {N} blocks from a" in pair.log("b")
-    assert f"Recovered from KV load failure: 1 request(s) rescheduled ({N * BLOCK} tokens affected)" in pair.log("b")
-    # vLLM 0.32 counts the planned load by source when it schedules it and keeps the count
-    assert pair.cached_by_source("b").get("p2p", 0.0) - before == N * BLOCK
+    same_output(first, body)                          # never a wrong result
+    log = pair.log("b")
+    assert f"pulled 0 of {N} blocks from a" in log
+    assert f"Recovered from KV load failure: 1 request(s) rescheduled ({N * BLOCK} tokens affected)" in log
+    # the load is asynchronous: vLLM puts the request back in the queue, asks the connector again
+    # and the second pull (not corrupted) brings the blocks; vLLM 0.32 counts each planned load
+    # by source when it schedules it, the failed one included
+    assert log.index(f"pulled {N} of {N} blocks from a", log.index(f"pulled 0 of {N} blocks from a")) > 0
+    assert pair.cached_by_source("b").get("p2p", 0.0) - before == 2 * N * BLOCK
     assert "checksum" in pair.log("agent-b")
 
 
@@ -289,7 +293,7 @@ def test_b_keeps_its_cpu_tier_across_a_vllm_restart(pair):
     assert wait_until(lambda: pair.admin("/admin/index")["workers"]["b"]["blocks"]["cpu"] >= N)
     restarted = pair.restart("b")
     log = restarted.log_path.read_text(errors="replace")
-    kept = int(re.search(r"CPU tier \d+ blocks of \d+ bytes \(\d+ bytes, (\d+) kept from before\)", log).group(1))
+    kept = int(re.search(r"CPU tier \d+ blocks of \d+ bytes over 1 shard\(s\) \((\d+) kept from before\)", log).group(1))
     assert kept >= N                                 # at least P3's blocks, pulled from A and saved
     before = pair.cached_by_source("b").get("host", 0.0)
     body, worker = pair.complete(P3, "b")

@@ -186,7 +186,9 @@ def test_cpu_tier_serves_after_reset_with_identical_logprobs(tiers):
     after = t.cached_by_source()
     assert after["host"] - before.get("host", 0) == (31 + 21) * BLOCK
     assert after.get("disk", 0) == 0
-    assert re.search(r"kvroute tiers: request \S+: 992 tokens from the tiers \(blocks: cpu 31, ssd 0", t.log())
+    # CPU-tier hits load in the step that computes the request
+    assert re.search(r"kvroute tiers: request \S+: 992 tokens from the tiers \(blocks: cpu 31, ssd 0, peer 0, "
+                     r"gone 0\) after 0 on GPU, in the step", t.log())
 
 
 def test_router_prefers_cpu_tier_over_nothing_and_gpu_over_cpu(tiers):
@@ -224,6 +226,11 @@ def test_full_cpu_tier_spills_to_ssd_and_ssd_serves(tiers):
     after = t.cached_by_source()
     assert after["disk"] - before.get("disk", 0) >= len(on_ssd) * BLOCK
     assert after["host"] + after["disk"] - before["host"] - before.get("disk", 0) == 992
+    # a hit with SSD blocks loads asynchronously: the request waited in WAITING_FOR_REMOTE_KVS
+    # while a background thread read the files, the engine stepping meanwhile
+    ssd_hit = re.findall(r"kvroute tiers: request \S+: 992 tokens from the tiers \(blocks: cpu (\d+), ssd (\d+), "
+                         r"peer 0, gone 0\) after 0 on GPU, (asynchronously|in the step)", t.log())
+    assert ssd_hit and int(ssd_hit[-1][1]) >= len(on_ssd) and ssd_hit[-1][2] == "asynchronously", ssd_hit
 
 
 def test_corrupt_and_truncated_ssd_blocks_are_recomputed_never_served(tiers):
