@@ -22,6 +22,7 @@ from offload_agent.connector import host_memory
 from offload_agent.connector.kv_copy import BlockCopier, LayoutError, PagedKV
 from offload_agent.connector.worker_ops import TierWorker
 from offload_agent.tiers.planner import TierPlanner
+from offload_agent.tiers.shm_slab import ShmSlab
 from offload_agent.tiers.ssd_file import CorruptBlockError, block_path, read_block_file
 
 SHAPE = gc.Shape(layers=3, blocks=40, heads=2, head_size=16, block_size=8)
@@ -507,10 +508,10 @@ class FakeEvent:
         self.stream.run_until(self)
 
 
-def _deferred_worker(views, slots, ssd=None):
+def _deferred_worker(views, slots, ssd=None, shm=None):
     """A TierWorker whose copies are deferred on a :class:`FakeStream`, and whose store checks that
     no host operation touches a slot with a pending copy (violations collected)."""
-    w = _worker(views, torch.bfloat16, slots=slots, ssd=ssd)
+    w = _worker(views, torch.bfloat16, slots=slots, ssd=ssd, shm=shm)
     stream = FakeStream()
     real_save, real_load = w.copier.save, w.copier.load
     w.copier.save = lambda blocks, rows, host: stream.enqueue(
@@ -615,3 +616,32 @@ def test_promote_and_loads_wait_for_pending_copies(tmp_path, gen):
     assert violations == []
     assert w.take_invalid_blocks() == set()
     assert torch.equal(gc.read_blocks(views, "LBNHC", SHAPE.blocks, D), content)
+
+
+def test_agent_slab_publishes_a_slot_only_after_its_copy(tmp_path, gen):
+    """With the agent's CPU tier file, a slot being written has no key in the slot table (the
+    agent cannot serve it) until its copy completes; then the row holds the key and the slab the
+    block's reference bytes, and the agent's consistent read returns them."""
+    views = gc.build_kv(SHAPE, "LBNHC", torch.bfloat16)
+    kv = PagedKV(views, SHAPE.blocks)
+    fp = gc.fingerprint(kv, torch.bfloat16, SHAPE.block_size)
+    slab = ShmSlab.create(tmp_path / "tier", fp.digest(), kv.block_bytes, 4)
+    with pytest.raises(ValueError, match="4 slots"):
+        TierWorker(kv, 5, fp, shm=slab)
+    w, stream, violations = _deferred_worker(views, slots=4, shm=slab)
+    content = gc.fill(views, "LBNHC", SHAPE.blocks, [3, 4], gen)
+    keys = gc.chain_keys(fp, 2, SHAPE.block_size, 18)
+    ops = gc.plan_saves(TierPlanner(4), keys, [3, 4])
+    w.run_saves(ops)
+    slots = [op[1] for op in ops]
+    assert [slab.key_of(s) for s in slots] == [None, None] and slab.stable_slots() == []
+    stream.run_all()
+    w.poll()
+    assert slab.stable_slots() == sorted(zip(slots, keys))
+    out = bytearray(kv.block_bytes)
+    for i, s in enumerate(slots):
+        assert slab.read_consistent(s, keys[i], out)
+        assert bytes(out) == gc.reference_rows(content)[i].numpy().tobytes()
+    assert violations == []
+    w.close()
+    slab.close()
