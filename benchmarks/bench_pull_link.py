@@ -4,7 +4,7 @@ bytes. Prints, per block size and pull size, the median Gbit/s of ``--repeats`` 
 and each method's ratio to raw TCP:
 
 - ``raw_tcp``: a plain sender process writes the pull's bytes on a kept TCP connection, this
-  process receives them with ``recv_into`` into one buffer (request sent to last byte);
+  process receives them with ``recv_into`` into one buffer;
 - ``peer``: this process's :class:`PeerClient` pulls the blocks into one buffer (``into``) from
   agent A's :class:`PeerServer` (agent A a :class:`TierService` in its own process, its blocks in
   its CPU tier file), checksums verified;
@@ -16,7 +16,9 @@ and each method's ratio to raw TCP:
     .venv/bin/python benchmarks/bench_pull_link.py [--repeats 5] [--block-bytes 65536 2097152]
         [--blocks 16 256] [--json out.json] [--plot plots/]
 
-Aim: ``agent`` >= 0.8 x ``raw_tcp``. Each process is one Python interpreter; on a machine with
+Each method runs ``--repeats`` times after a warm-up run (connections made, pages touched); a run
+is as many pulls one after the other as move ``--run-mib`` (each pull from its request to its
+last byte). Aim: ``agent`` >= 0.8 x ``raw_tcp``. Each process is one Python interpreter; on a machine with
 fewer cores than the three (four with raw TCP) processes, the figures are the CPUs', not the
 code's. ``--json FILE`` writes table ``pull_link`` (per block size, pull size and method:
 ``gbit_s`` (median), ``runs_gbit_s``, ``ratio_to_raw_tcp``, ``pull_bytes``, ``block_bytes``,
@@ -123,8 +125,10 @@ def start(target, *args):
 
 
 # ---- one block size --------------------------------------------------------------------------
-async def measure(block_bytes: int, pulls: list[int], repeats: int, work: Path) -> dict[tuple[int, str], list[float]]:
-    """Gbit/s of every method and pull size, ``repeats`` runs each."""
+async def measure(block_bytes: int, pulls: list[int], repeats: int, work: Path,
+                  min_run_bytes: int) -> dict[tuple[int, str], list[float]]:
+    """Gbit/s of every method and pull size, ``repeats`` runs each (a run: as many pulls, one
+    after the other, as move ``min_run_bytes``, at least one)."""
     most = max(pulls)
     keys, digest = block_keys(most), bytes.fromhex(hello_header(block_bytes)["fingerprint_digest"])
     procs = []
@@ -156,25 +160,24 @@ async def measure(block_bytes: int, pulls: list[int], repeats: int, work: Path) 
             return got.blocks
 
         async def run(method: str, n: int) -> float:
+            pulls = max(1, min_run_bytes // (n * block_bytes))
             t0 = time.perf_counter()
-            if method == "raw_tcp":
-                got = raw_pull(n)
-            elif method == "peer":
-                got = await peer_pull(n)
-            else:
-                got = agent_pull(n, buf if method == "agent_into" else None)
-            seconds = time.perf_counter() - t0
-            if got != n:
-                raise RuntimeError(f"{method}: {got} of {n} blocks came")
-            return n * block_bytes * 8 / seconds / 1e9
+            for _ in range(pulls):
+                if method == "raw_tcp":
+                    got = raw_pull(n)
+                elif method == "peer":
+                    got = await peer_pull(n)
+                else:
+                    got = agent_pull(n, buf if method == "agent_into" else None)
+                if got != n:
+                    raise RuntimeError(f"{method}: {got} of {n} blocks came")
+            return pulls * n * block_bytes * 8 / (time.perf_counter() - t0) / 1e9
 
         out: dict[tuple[int, str], list[float]] = {}
         for n in pulls:
-            for method in METHODS:          # warm-up: connections made, pages touched
+            for method in METHODS:          # after a warm-up run (connections made, pages touched)
                 await run(method, n)
-            for _ in range(repeats):
-                for method in METHODS:
-                    out.setdefault((n, method), []).append(await run(method, n))
+                out[(n, method)] = [await run(method, n) for _ in range(repeats)]
         await client.close()
         link.close()
         raw.close()
@@ -193,15 +196,18 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5, help="runs of each method per size (default 5)")
     ap.add_argument("--block-bytes", type=int, nargs="+", default=[64 << 10, 2 << 20])
     ap.add_argument("--blocks", type=int, nargs="+", default=[16, 256], help="blocks per pull")
+    ap.add_argument("--run-mib", type=int, default=64,
+                    help="a run is as many pulls as move this many MiB, one after the other (default 64)")
     add_output_args(ap)
     args = ap.parse_args()
     fig = new_figures("bench_pull_link", args)
-    print(f"pull throughput on loopback, Gbit/s, median of {args.repeats} runs (ratio to raw TCP)")
+    print(f"pull throughput on loopback, Gbit/s, median of {args.repeats} runs of >= {args.run_mib} MiB "
+          "(ratio to raw TCP)")
     print(f"{'block':>9} {'blocks':>6} " + " ".join(f"{m:>17}" for m in METHODS))
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvr-bench-pull-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as work:
         for bb in args.block_bytes:
-            runs = asyncio.run(measure(bb, args.blocks, args.repeats, Path(work)))
+            runs = asyncio.run(measure(bb, args.blocks, args.repeats, Path(work), args.run_mib << 20))
             for n in args.blocks:
                 raw = statistics.median(runs[(n, "raw_tcp")])
                 cells = []

@@ -55,6 +55,7 @@ from kvcore.index.errors import IndexUnavailable
 from offload_agent.agent_link import (AgentLinkError, create_pull_area, decode_header, encode_frame, header_length,
                                       pull_area_path)
 from offload_agent.peer.client import PeerClient
+from offload_agent.peer.protocol import payload_checksum
 from offload_agent.peer.server import BlockSource, PeerServer
 from offload_agent.tiers.keys import KEY_BYTES
 from offload_agent.tiers.shm_slab import ROW_BYTES, ShmSlab
@@ -109,6 +110,22 @@ class SlabSource:
                     self._slot_keys[slot] = key
             self._seqs = seqs
             self._seen_version = version
+
+    def block_view(self, key: bytes, look_again: bool = True) -> tuple[memoryview, int] | None:
+        """``key``'s block in its CPU tier slot and its xxh3_64, when the slot held ``key``
+        before and after the checksum (the peer server sends the view without a copy); None
+        when the CPU tier does not hold it (the server then asks :meth:`read_block`).
+        ``look_again`` False: from the key -> slot map as it is (no rescan of the slot table)."""
+        for attempt in range(2 if look_again else 1):
+            slot = self._slots.get(key)
+            if slot is not None and self.shm.key_of(slot) == key:
+                data = self.shm.slot_view(slot)
+                checksum = payload_checksum(data)
+                if self.shm.key_of(slot) == key:
+                    return data, checksum
+            if attempt == 0 and look_again:
+                self._rescan()
+        return None
 
     def read_block(self, key: bytes, out: memoryview) -> bool:
         """Copy ``key``'s block into ``out`` (``block_bytes``); False when neither tier holds it
@@ -529,11 +546,13 @@ class TierService:
                 for piece in encode_frame({"blocks": told}):
                     writer.write(piece)
 
+        loop = asyncio.get_running_loop()
+        end = loop.time() + deadline_s
         async with shard.pull_lock:  # one pull at a time writes a shard's pull area
             self._pulled_from.add(peers[peer]["serve"])
             try:
                 result = await self.client.pull(peers[peer]["serve"], shard.shm.fingerprint_digest, bb, keys,
-                                                deadline_s, on_block, into=shard.pull_area)
+                                                max(0.0, end - loop.time()), on_block, into=shard.pull_area)
             except _LinkGone:
                 log.info("connector link dropped during a pull from %s", peer)
                 return None, None

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_bench_pull_link_prints_and_writes_every_method(tmp_path: Path) -> None:
     out = tmp_path / "pull.json"
     run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_pull_link.py"), "--repeats", "1",
-                          "--block-bytes", "4096", "8192", "--blocks", "2", "5", "--json", str(out)],
+                          "--block-bytes", "4096", "8192", "--blocks", "2", "5", "--run-mib", "0", "--json", str(out)],
                          capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()

@@ -334,6 +334,39 @@ async def test_several_sources_each_serve_their_own_fingerprint():
             await server.close()
 
 
+class InPlaceSource(MemSource):
+    """A MemSource that lends blocks in place (``block_view``) except those of ``copied``, which
+    only ``read_block`` gives (as the agent's SSD files); ``views`` counts the loop's and the
+    thread's asks."""
+
+    def __init__(self, keys: list[bytes], copied: set[int], **kw) -> None:
+        super().__init__(keys, **kw)
+        self.copied = copied
+        self.views = {True: 0, False: 0}
+
+    def block_view(self, key: bytes, look_again: bool = True):
+        self.views[look_again] += 1
+        i = self.index[key]
+        if i in self.copied or key not in self.blocks:
+            return None
+        data = memoryview(self.blocks[key])
+        return data, p.payload_checksum(data)
+
+
+@pytest.mark.parametrize("block_bytes", [4096, 600 << 10])
+async def test_blocks_lent_in_place_and_read_blocks_mix_in_order(block_bytes):
+    async with asyncio.timeout(TEST_TIMEOUT_S):
+        source = InPlaceSource(make_keys(40), copied={5, 6, 30}, block_bytes=block_bytes, missing={38})
+        async with Rig(source) as rig:
+            res, col = await rig.pull()
+            assert res.blocks == 38 and res.kind == "miss" and col.got == expected(source, 38)
+            # 0-4 went from the event loop; from 5 on the reading thread asks (then read_block for 5, 6, 30, 38)
+            assert source.views[False] == 6 and source.reads == 4
+            assert rig.server.stats()["blocks_served"] == 38 and rig.server.stats()["misses"] == 1
+            res, col = await rig.pull(source.keys[:5])      # all in place: no thread at all
+            assert res.error is None and col.got == expected(source, 5) and source.reads == 4
+
+
 async def test_requests_longer_than_max_keys_go_in_several_requests():
     async with asyncio.timeout(TEST_TIMEOUT_S):
         source = MemSource(make_keys(8))

@@ -474,7 +474,7 @@ class PeerClient:
                 raise _PullError(ERR_CHECKSUM, f"block {offset + i} from {st.addr}: checksum mismatch")
             try:
                 r = st.on_block(offset + i, payload)
-                if inspect.isawaitable(r):
+                if r is not None and inspect.isawaitable(r):
                     await r
             except BaseException as exc:
                 if isinstance(exc, asyncio.CancelledError):

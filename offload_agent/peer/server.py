@@ -17,8 +17,10 @@ Behaviour:
   it gets END BUSY; a client that closed the connection meanwhile is dropped without reading
   anything for it).
   With a slot, a worker thread reads the blocks in order (``BlockSource.read_block``) into a ring
-  of preallocated frames (``ring_bytes``) and checksums them, while the event loop sends each
-  frame as soon as it is ready (several at once when the socket is slower than the source). The
+  of preallocated frames (``ring_bytes``) and checksums them, or takes them in place
+  (``block_view``, when the source has it: sent from the source's memory without a copy), while
+  the event loop sends the ready frames with one ``sendmsg`` (woken by the thread every
+  ``WAKE_BYTES``, at the end, or before a read that may block). The
   first key the source lacks ends the request with END MISS (``blocks`` = the keys served); a
   source exception ends it with END SOURCE_ERROR. The slot is held until the reading thread ends,
   so at most ``max_concurrent`` threads ever read the source.
@@ -45,6 +47,10 @@ from offload_agent.peer import protocol as p
 from offload_agent.peer.sockio import PeerClosed, SockIO
 
 log = logging.getLogger("kvroute.agent.peer")
+# the reading thread wakes the waiting event loop once this much is ready (or the ring is full, or
+# it is done, or before a read from the source that may take long)
+WAKE_BYTES = 256 << 10
+SEND_BATCH_BYTES = 1 << 20  # blocks lent in place go out in sendmsg batches of about this much
 
 
 @runtime_checkable
@@ -63,6 +69,13 @@ class BlockSource(Protocol):
         (16 B), consistently; False when not held. May block (SSD read): the server calls it in a
         worker thread, from several threads at once (up to ``max_concurrent``)."""
         ...
+
+    # Optional: ``block_view(key, look_again=True) -> (view, checksum) | None``, the block's bytes
+    # in place (a view that stays mapped) and the xxh3_64 of them, taken while they were stable;
+    # None: not held in place (``read_block`` is then asked). Called on the event loop with
+    # ``look_again`` False: it must then answer from what it knows, without blocking. The server
+    # sends the view without copying it; bytes that change before they are sent fail their
+    # checksum at the client, never pass as the block.
 
 
 @runtime_checkable
@@ -147,10 +160,11 @@ def _resolve(fut: asyncio.Future[None]) -> None:
 
 class _Producer:
     """One request's blocks: a worker thread (:meth:`run`) reads and checksums them into a ring
-    of ``slots`` whole BLOCK frames; the event loop (:meth:`stream`) sends the ready ones."""
+    of ``slots`` whole BLOCK frames (or only the frame's prefix, when the source lends the
+    payload in place); the event loop (:meth:`stream`) sends the ready ones."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, source: BlockSource, req: p.Request,
-                 ring: bytearray, slots: int) -> None:
+                 ring: bytearray, slots: int, first: int = 0) -> None:
         self.loop = loop
         self.source = source
         self.req = req
@@ -158,6 +172,8 @@ class _Producer:
         self.view = memoryview(ring)
         self.slots = slots
         self.frame_bytes = p.BLOCK_PREFIX_BYTES + req.block_bytes
+        self.first = first  # blocks before it were sent already
+        self.payloads: list[memoryview | None] = [None] * slots  # a frame's payload in place, else None
         self.cond = threading.Condition()
         self.produced = 0  # frames ready (written by the thread)
         self.sent = 0      # frames handed to the kernel (written by the loop)
@@ -170,24 +186,38 @@ class _Producer:
     # ---- worker thread ----
     def run(self) -> None:
         req, fb = self.req, self.frame_bytes
+        in_place = getattr(self.source, "block_view", None)
         i = 0
         try:
-            for i, key in enumerate(req.keys):
+            for i in range(self.first, len(req.keys)):
+                key = req.keys[i]
                 with self.cond:
                     while self.produced - self.sent >= self.slots and not self.stop:
                         self.cond.wait()
                     if self.stop:
                         return
-                    base = (self.produced % self.slots) * fb
-                payload = self.view[base + p.BLOCK_PREFIX_BYTES:base + fb]
-                if not self.source.read_block(key, payload):
-                    self.status, self.reason = p.Status.MISS, f"block {i} ({key.hex()}) not held"
-                    return
-                p.pack_block_prefix_into(self.ring, base, req.request_id, i, req.fingerprint, key,
-                                         p.payload_checksum(payload), req.block_bytes)
+                    slot = self.produced % self.slots
+                base = slot * fb
+                found = in_place(key) if in_place is not None else None
+                if found is not None:
+                    self.payloads[slot], checksum = found
+                else:
+                    self.payloads[slot] = None
+                    with self.cond:  # the read may take long (a file): let the loop send what is ready
+                        if self.produced > self.sent:
+                            self._wake_locked()
+                    payload = self.view[base + p.BLOCK_PREFIX_BYTES:base + fb]
+                    if not self.source.read_block(key, payload):
+                        self.status, self.reason = p.Status.MISS, f"block {i} ({key.hex()}) not held"
+                        return
+                    checksum = p.payload_checksum(payload)
+                p.pack_block_prefix_into(self.ring, base, req.request_id, i, req.fingerprint, key, checksum,
+                                         req.block_bytes)
                 with self.cond:
                     self.produced += 1
-                    self._wake_locked()
+                    ready = self.produced - self.sent
+                    if ready * fb >= WAKE_BYTES or ready >= self.slots or i + 1 == len(req.keys):
+                        self._wake_locked()  # a batch worth a loop wake-up (else the next one is)
         except Exception as exc:  # the source failed: report it, never kill the server
             log.warning("peer source failed reading block %d: %r", i, exc)
             self.status, self.reason = p.Status.SOURCE_ERROR, f"source error at block {i}: {exc!r}"
@@ -217,12 +247,15 @@ class _Producer:
                     fut = self.loop.create_future()
                     self._waiter = fut
             if avail:
-                first = self.sent % slots
-                head = min(avail, slots - first)
+                parts = []
+                for j in (k % slots for k in range(self.sent, self.sent + avail)):
+                    data = self.payloads[j]
+                    if data is None:
+                        parts.append(self.view[j * fb:(j + 1) * fb])
+                    else:
+                        parts += (self.view[j * fb:j * fb + p.BLOCK_PREFIX_BYTES], data)
                 io.deadline = self.loop.time() + io_timeout_s
-                await io.send(self.view[first * fb:(first + head) * fb])
-                if head < avail:
-                    await io.send(self.view[:(avail - head) * fb])
+                await io.send_parts(parts)
                 with self.cond:
                     self.sent += avail
                     self.cond.notify()
@@ -431,11 +464,26 @@ class PeerServer:
             self._slots.release()
             self._counts["disconnects"] += 1
             raise PeerClosed("client left while its request waited")
+        def on_sent(n: int) -> None:
+            self._counts["blocks_served"] += n
+            self._counts["bytes_served"] += n * block_bytes
+
+        try:
+            first = await self._send_in_place(io, req, source, on_sent)
+        except BaseException as exc:
+            self._slots.release()
+            if isinstance(exc, (OSError, PeerClosed)):
+                self._counts["disconnects"] += 1
+            raise
+        if first == len(req.keys):
+            self._slots.release()
+            await self._send_end(io, p.Status.OK, req.request_id, first, "")
+            return
         loop = asyncio.get_running_loop()
         frame_bytes = p.BLOCK_PREFIX_BYTES + block_bytes
         slots = max(2, self.ring_bytes // frame_bytes)
         ring = self._take_ring(slots * frame_bytes)
-        producer = _Producer(loop, source, req, ring, slots)
+        producer = _Producer(loop, source, req, ring, slots, first)
         ring_users = [2]  # the reading thread and this task: the ring is reused when both are done
 
         def drop_ring() -> None:
@@ -454,11 +502,6 @@ class PeerServer:
             self._slots.release()
             raise
         thread.add_done_callback(thread_ended)
-
-        def on_sent(n: int) -> None:
-            self._counts["blocks_served"] += n
-            self._counts["bytes_served"] += n * block_bytes
-
         try:
             await producer.stream(io, self.io_timeout_s, on_sent)
         except (OSError, PeerClosed):
@@ -471,7 +514,42 @@ class PeerServer:
             self._counts["misses"] += 1
         elif producer.status is p.Status.SOURCE_ERROR:
             self._counts["source_errors"] += 1
-        await self._send_end(io, producer.status, req.request_id, producer.sent, producer.reason)
+        await self._send_end(io, producer.status, req.request_id, first + producer.sent, producer.reason)
+
+    async def _send_in_place(self, io: SockIO, req: p.Request, source: BlockSource, on_sent) -> int:
+        """Send blocks from the first, on the event loop, while the source lends them in place
+        without looking further (``block_view(key, False)``); returns how many were sent (the
+        rest go through the reading thread). Raises OSError/PeerClosed/TimeoutError."""
+        block_view = getattr(source, "block_view", None)
+        if block_view is None:
+            return 0
+        pb, keys = p.BLOCK_PREFIX_BYTES, req.keys
+        batch = max(1, SEND_BATCH_BYTES // (pb + req.block_bytes))
+        prefixes = memoryview(bytearray(pb * min(batch, len(keys))))
+        sent = 0
+        while sent < len(keys):
+            full = end = min(sent + batch, len(keys))
+            parts: list[memoryview] = []
+            for i in range(sent, full):
+                try:
+                    found = block_view(keys[i], False)
+                except Exception:  # the reading thread asks again and reports it
+                    found = None
+                if found is None:
+                    end = i
+                    break
+                at = (i - sent) * pb
+                p.pack_block_prefix_into(prefixes, at, req.request_id, i, req.fingerprint, keys[i], found[1],
+                                         req.block_bytes)
+                parts += (prefixes[at:at + pb], found[0])
+            if end > sent:
+                io.deadline = asyncio.get_running_loop().time() + self.io_timeout_s
+                await io.send_parts(parts)
+                on_sent(end - sent)
+            if end < full:
+                return end
+            sent = end
+        return sent
 
     def _take_ring(self, nbytes: int) -> bytearray:
         while self._free_rings:

@@ -11,6 +11,9 @@ import asyncio
 import socket
 
 
+_IOV_MAX = 1024  # most buffers one sendmsg takes (Linux)
+
+
 class PeerClosed(ConnectionError):
     """The other side closed the connection (EOF)."""
 
@@ -102,6 +105,32 @@ class SockIO:
         TimeoutError (deadline: part of it may have gone)."""
         async with asyncio.timeout_at(self.deadline):
             await self._loop.sock_sendall(self.sock, data)
+
+    async def send_parts(self, parts: list[memoryview]) -> None:
+        """Send the byte views ``parts`` in order (``sendmsg``, no joining copy); returns once the
+        kernel has them all. Raises like :meth:`send`."""
+        i = 0
+        async with asyncio.timeout_at(self.deadline):
+            while i < len(parts):
+                try:
+                    n = self.sock.sendmsg(parts[i:i + _IOV_MAX])
+                except (BlockingIOError, InterruptedError):
+                    await self._writable()
+                    continue
+                while i < len(parts) and n >= parts[i].nbytes:
+                    n -= parts[i].nbytes
+                    i += 1
+                if n:
+                    parts[i] = parts[i][n:]
+
+    async def _writable(self) -> None:
+        fut = self._loop.create_future()
+        fd = self.sock.fileno()
+        self._loop.add_writer(fd, lambda: fut.done() or fut.set_result(None))
+        try:
+            await fut
+        finally:
+            self._loop.remove_writer(fd)
 
     def at_eof_or_junk(self) -> bool:
         """True when the idle connection is no longer usable: closed by the peer, in error, or
