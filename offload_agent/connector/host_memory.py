@@ -89,6 +89,7 @@ class Registration:
     """Host ranges registered by :func:`register`: ``(address, bytes)`` of each chunk."""
 
     chunks: list[tuple[int, int]] = field(default_factory=list)
+    rt: "_CudaRT | None" = None
 
     @property
     def ok(self) -> bool:
@@ -96,7 +97,7 @@ class Registration:
 
     def release(self) -> None:
         """Unregister every chunk (errors cleared and logged)."""
-        rt = cudart()
+        rt = self.rt or cudart()
         for ptr, _ in self.chunks:
             code = rt.host_unregister(ptr)
             if code:
@@ -110,7 +111,7 @@ def register(t: torch.Tensor, chunk_bytes: int = REGISTER_CHUNK_BYTES, rt: _Cuda
     Returns the registration (``ok`` False when CUDA refused: the chunks done so far are
     unregistered, the error is cleared, a warning names the code)."""
     rt = rt or cudart()
-    reg = Registration()
+    reg = Registration(rt=rt)
     base, total = t.data_ptr(), t.numel() * t.element_size()
     for at in range(0, total, chunk_bytes):
         n = min(chunk_bytes, total - at)

@@ -134,8 +134,18 @@ class PagedKV:
             rows[:, layer].copy_(page.index_select(0, blocks))
 
     def scatter(self, blocks: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy ``src`` (``uint8 [n, block_bytes]``) into blocks ``blocks`` (int64, the cache's device)."""
+        """Copy ``src`` (``uint8 [n, block_bytes]``) into blocks ``blocks`` (int64, the cache's device).
+        On CUDA one ``index_copy_`` kernel; on CPU one strided copy per block, which runs several
+        times faster there than ``index_copy_`` into a strided view."""
         rows = self._rows(src)
+        if self.device.type == "cpu":
+            for i, b in enumerate(blocks.tolist()):
+                if self._whole is not None:
+                    self._whole[b].copy_(rows[i])
+                else:
+                    for layer, page in enumerate(self._pages):
+                        page[b].copy_(rows[i, layer])
+            return
         if self._whole is not None:
             self._whole.index_copy_(0, blocks, rows)
             return

@@ -255,6 +255,8 @@ class TierWorker:
             for op in ops:
                 if op[0] == "save":
                     if self._failed_step:
+                        self._writer.pop(op[1], None)  # an older save in flight no longer marks the slot
+                        self._pending_key.pop(op[1], None)
                         self.store.mark(op[1], None)
                         self.store.fail(op[2], CPU, op[1])
                     else:
