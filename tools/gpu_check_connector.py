@@ -805,6 +805,12 @@ class Check:
                         blocked.append((time.monotonic() - t1) * 1e3)
                         self.sync()
                         w.flush()
+                old_save, old_load = self.old_pattern(kv, w.slab, S, D)
+                for what, g in (("save", old_save), ("load", old_load)):
+                    b = base.get(n, (None, None))[0 if what == "save" else 1]
+                    self.r.add("perf", layout=f"old-{layout}", dtype="bf16", n=n, bytes=nbytes, gbps=round(g, 3),
+                               baseline_gbps=round(b, 3) if b else None, ratio=round(g / b, 3) if b else None,
+                               ok=None, note=f"{what}: the copy pattern before the byte path, wall clock")
                 for what, rows, bi in (("save", saves, 0), ("load", loads, 1)):
                     host = min(r[0] for r in rows)
                     gpu = min(r[1] for r in rows) if self.cuda else None
@@ -824,6 +830,31 @@ class Check:
             if slab is not None:
                 slab.unlink()
                 slab.close()
+
+    def old_pattern(self, kv: PagedKV, slab: torch.Tensor, S: list[int], D: list[int]) -> tuple[float, float]:
+        """GB/s of the connector's copies before the byte path (commit 83737a8's
+        ``_copy_to_slab``/``_copy_from``), on the same blocks and slab: per layer an
+        ``index_select``, a synchronous copy into pageable memory and a host scatter into the slab;
+        loads a host gather, a copy from pageable memory and an ``index_copy_``. Wall clock: the
+        pattern blocks the host. ``(save, load)``."""
+        n = len(S)
+        pages = kv._pages
+        slab_kv = slab[:n].view(n, kv.num_layers, -1)
+        rows = torch.arange(n)
+        src = torch.tensor(S, device=self.device)
+        dst = torch.tensor(D, device=self.device)
+
+        def save() -> None:
+            for layer, page in enumerate(pages):
+                slab_kv[rows, layer] = page.index_select(0, src).reshape(n, -1).to("cpu")
+
+        def load() -> None:
+            for layer, page in enumerate(pages):
+                data = slab_kv[rows, layer].reshape(n, *page.shape[1:])
+                page.index_copy_(0, dst, data.to(self.device, non_blocking=True))
+
+        nbytes = n * kv.block_bytes
+        return self.best_gbps(nbytes, save, wall=True), self.best_gbps(nbytes, load, wall=True)
 
     # ---- env ----
     def env(self) -> dict:
