@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import hashlib
 import multiprocessing as mp
+import os
 import socket
 import statistics
 import struct
@@ -40,6 +41,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+# numpy (the agent's slot map) needs no BLAS: no idle BLAS threads in any process here (inherited)
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from kvcore.index.memory import MemoryIndex  # noqa: E402
 from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures  # noqa: E402
@@ -205,7 +208,8 @@ def main() -> int:
           "(ratio to raw TCP)")
     print(f"{'block':>9} {'blocks':>6} " + " ".join(f"{m:>17}" for m in METHODS))
     rows = []
-    with tempfile.TemporaryDirectory(prefix="kvr-bench-pull-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None) as work:
+    shm_dir = "/dev/shm" if Path("/dev/shm").is_dir() else None
+    with tempfile.TemporaryDirectory(prefix="kvr-bench-pull-", dir=shm_dir) as work:
         for bb in args.block_bytes:
             runs = asyncio.run(measure(bb, args.blocks, args.repeats, Path(work), args.run_mib << 20))
             for n in args.blocks:

@@ -9,8 +9,9 @@ connection. Requests (``op``) and answers:
 "fingerprint": {TierFingerprint fields}, "fingerprint_digest": hex, "shard": {"tp_rank",
 "tp_size", "pp_rank", "pp_size"}, "engine_digest": hex, "engine_block_bytes": int}``
     -> ``{"ok": true, "worker_id", "shm_path", "num_slots", "ssd_dir" (str or null),
-    "ssd_tier_bytes", "peer_pull": bool}``. ``block_bytes`` and ``fingerprint_digest`` are this
-    KV shard's; ``engine_digest`` (16 bytes) is the same for every shard of the engine and its
+    "ssd_tier_bytes", "peer_pull": bool, "pull_path", "pull_bytes"}`` (the last two for a worker
+    with peer pull: its shard's pull area, below). ``block_bytes`` and ``fingerprint_digest``
+    are this KV shard's; ``engine_digest`` (16 bytes) is the same for every shard of the engine and its
     scheduler; ``engine_block_bytes`` is one block summed over all shards (the CPU tier holds
     ``num_slots`` = its bytes // ``engine_block_bytes`` blocks, in every shard's file). Without
     ``"shard"`` (older connectors): shard tp 0/1, pp 0/1 with ``engine_digest`` =
@@ -23,12 +24,23 @@ connection. Requests (``op``) and answers:
 little-endian uint32
     -> ``{"ok": true, "peer": worker id or null, "blocks": m}``: a peer's agent holds blocks
     ``s .. s + m - 1`` of this prompt (by the cluster index), m <= n.
-``pull`` ``{"op": "pull", "peer": id, "deadline_ms": x, "fingerprint_digest": hex,
+``pull`` ``{"op": "pull", "peer": id, "deadline_ms": x, "fingerprint_digest": hex, "stream": true,
 "payload_bytes": 16 x k}`` + k tier keys (``fingerprint_digest``: the asking shard's, absent:
 shard (0, 0); a shard that said no hello: ``ok`` false)
-    -> ``{"ok": true, "blocks": j, "error": str|null, "payload_bytes": j x block_bytes}`` + the
-    bytes of the first j blocks, each verified by the agent (checksum, key, fingerprint); j < k
-    with ``error`` saying why the rest did not come (the connector recomputes them).
+    -> progress frames ``{"blocks": n}`` (no ``"ok"``; n grows, about every MiB) while the
+    agent receives the blocks into the shard's *pull area*, then ``{"ok": true, "blocks": j,
+    "error": str|null}``: blocks ``0 .. j-1`` lie verified (checksum, key, fingerprint) at
+    ``[i x block_bytes, (i + 1) x block_bytes)`` of the pull area; j < k with ``error`` saying
+    why the rest did not come (``"<kind>: ..."`` as :class:`offload_agent.peer.client.PullResult`,
+    or ``room: ...`` when the keys do not all fit the area: the connector recomputes them).
+    Without ``"stream"`` (older connectors) no progress frames, and the answer carries
+    ``"payload_bytes": j x block_bytes`` + the blocks' bytes.
+
+The pull area is a shared memory file the agent makes at a worker's hello (the hello's answer then
+adds ``"pull_path"`` and ``"pull_bytes"``: :func:`create_pull_area`), one per shard, written
+only by the agent and only during a pull of that shard (one at a time), so the connector reads
+blocks there between a progress frame and its next request without a copy through the socket
+(:meth:`AgentLink.pull` maps it; the area's memory can be registered for DMA).
 
 Any failure answers ``{"ok": false, "error": "..."}``. Standard library only (the connector side
 runs in vLLM's interpreter).
@@ -222,7 +234,8 @@ class AgentLink:
             self._hello, self.hello_answer = header, answer
         return answer
 
-    def _send_and_read(self, header: dict[str, Any], payload, deadline: float, into: memoryview | None) -> dict[str, Any]:
+    def _send_and_read(self, header: dict[str, Any], payload, deadline: float,
+                       into: memoryview | None) -> dict[str, Any]:
         fresh = self._sock is None
         sock = self._connect()
         if fresh and self._hello is not None and header.get("op") != "hello":

@@ -541,7 +541,7 @@ class TierService:
             nonlocal told
             if writer.is_closing():
                 raise _LinkGone()
-            if i + 1 - told >= step:
+            if i + 1 - told >= step and i + 1 < len(keys):  # the answer tells the last ones
                 told = i + 1
                 for piece in encode_frame({"blocks": told}):
                     writer.write(piece)

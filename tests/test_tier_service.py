@@ -275,7 +275,8 @@ def test_each_tp_rank_gets_its_own_file_whatever_the_order_of_hellos(tmp_path: P
                     writer.close()
             for rank, path in files.items():
                 shm = ShmSlab.attach(path)
-                assert (shm.fingerprint_digest, shm.block_bytes, shm.num_slots) == (shard_digest(0, rank), BLOCK_BYTES, 32)
+                assert (shm.fingerprint_digest, shm.block_bytes, shm.num_slots) == (
+                    shard_digest(0, rank), BLOCK_BYTES, 32)
                 assert shm.stable_slots() == [(rank, bytes([rank + 1]) * 16)]   # never made again
                 assert file_id(path)[0] == made[rank][0]
                 shm.close()
