@@ -101,7 +101,8 @@ def tier_service(args: argparse.Namespace, index: RedisIndex | GatewayIndex) -> 
         args.tier_shm or f"/dev/shm/kvroute-tier-{args.worker_id}", args.cpu_tier_bytes, index,
         ssd_dir=args.ssd_tier_dir, ssd_tier_bytes=args.ssd_tier_bytes,
         serve=parse_host_port(args.serve_peers) if args.serve_peers else None, advertise=args.advertise,
-        secret=secret, peer_pull=args.peer_pull, remove_on_exit=args.remove_tiers_on_exit)
+        secret=secret, peer_pull=args.peer_pull, remove_on_exit=args.remove_tiers_on_exit,
+        **({"peer_pull_max_bytes": args.peer_pull_max_bytes} if getattr(args, "peer_pull_max_bytes", None) else {}))
 
 
 async def run_agent(args: argparse.Namespace) -> int:

@@ -282,10 +282,10 @@ class AgentLink:
 
     def pull(self, peer: str, keys: list[bytes], fingerprint_digest: bytes, deadline_ms: float,
              into: memoryview | None = None, on_blocks: Callable[[int], None] | None = None) -> LinkPull:
-        """Have the agent pull ``keys`` (16-byte tier keys, a prefix chain) of this shard
-        (``fingerprint_digest``, 16 bytes, as said in the hello) from ``peer`` (a worker id from
-        ``locate``) within ``deadline_ms``. Needs an answered worker hello (its ``block_bytes``
-        sizes the blocks).
+        """Have the agent pull ``keys`` (16-byte tier keys, a prefix chain) of this link's shard
+        (``fingerprint_digest``, 16 bytes, the one its hello said) from ``peer`` (a worker id
+        from ``locate``) within ``deadline_ms``. Needs an answered worker hello (its
+        ``block_bytes`` sizes the blocks).
 
         The agent receives the blocks into this shard's pull area (:meth:`pull_area`) and says
         how many have landed as they come; ``on_blocks(n)`` is called with each new count (blocks
@@ -297,6 +297,8 @@ class AgentLink:
         raises what ``on_blocks`` raises (the connection is then closed)."""
         if self._hello is None or self._hello.get("role") != "worker":
             return LinkPull(0, "no worker hello on this link: the block size is unknown", None)
+        if bytes(fingerprint_digest).hex() != self._hello.get("fingerprint_digest"):
+            return LinkPull(0, "fingerprint_digest is not this link's shard (its hello's)", None)
         bb = int(self._hello["block_bytes"])
         dst = memoryview(into).cast("B") if into is not None else None
         if dst is not None and (dst.nbytes < len(keys) * bb or dst.readonly):

@@ -67,6 +67,7 @@ MAX_PULL_KEYS = 1 << 16
 PROGRESS_EVERY_BYTES = 1 << 20  # a streamed pull's progress frame at most this often (and per block)
 MAX_SHARDS = 1 << 10  # most ranks of one parallel dimension a hello may name
 PEERS_TTL_S = 1.0
+STOP_WAIT_S = 1.0  # how long a stop waits for the connector's requests in progress
 _ROW = np.dtype([("key", "V16"), ("seq", "<u8"), ("pad", "<u8")])  # a slot table row (shm_slab)
 _ZERO_KEY = bytes(KEY_BYTES)
 
@@ -266,7 +267,7 @@ class TierService:
         self.counters = {"hellos": 0, "locates": 0, "located_blocks": 0, "pulls": 0, "pulled_blocks": 0,
                          "failed_pulls": 0, "pulled_bytes": 0}
         self._server: asyncio.AbstractServer | None = None
-        self._links: set[asyncio.StreamWriter] = set()  # the connector's open connections
+        self._links: dict[asyncio.StreamWriter, asyncio.Task] = {}  # the connector's connections
         self._peers: dict[str, dict[str, Any]] = {}
         self._peers_at = -1e9
         self._layout_lock = asyncio.Lock()
@@ -299,6 +300,12 @@ class TierService:
             self._server.close()
             for writer in list(self._links):  # as a stopped process would: the connector reconnects
                 writer.close()
+            handlers = set(self._links.values())  # they end at their link's EOF (a pull: cut short)
+            if handlers:
+                _, late = await asyncio.wait(handlers, timeout=STOP_WAIT_S)
+                for task in late:
+                    task.cancel()
+                await asyncio.gather(*late, return_exceptions=True)
             await self._server.wait_closed()
             self._server = None
         if self.peer_server is not None:
@@ -385,7 +392,7 @@ class TierService:
 
     # ---- the connector's requests -------------------------------------------------------------
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self._links.add(writer)
+        self._links[writer] = asyncio.current_task()
         try:
             while True:
                 try:
@@ -412,7 +419,7 @@ class TierService:
         except (AgentLinkError, asyncio.IncompleteReadError, ConnectionError) as exc:
             log.warning("connector link dropped: %s", exc)
         finally:
-            self._links.discard(writer)
+            self._links.pop(writer, None)
             writer.close()
 
     async def _answer(self, header: dict[str, Any], payload: bytes,

@@ -302,6 +302,7 @@ def test_pipeline_stages_get_their_own_files_and_a_new_layout_remakes_only_its_s
             for pp in (0, 1):
                 answer = await asyncio.to_thread(shard_hello, link, "worker", 0, 1, pp, 2)
                 assert answer["shm_path"] == str(tmp_path / ("a.shm" if pp == 0 else "a.shm-pp1-tp0"))
+            assert answer["pull_path"] == str(tmp_path / "a.shm-pp1-tp0-pull")
             stage0, stage1 = file_id(tmp_path / "a.shm"), file_id(tmp_path / "a.shm-pp1-tp0")
             assert ShmSlab.attach(tmp_path / "a.shm-pp1-tp0").fingerprint_digest == shard_digest(1, 0)
             # stage 1 comes back with another layout: only its file is made again
@@ -317,7 +318,7 @@ def test_pipeline_stages_get_their_own_files_and_a_new_layout_remakes_only_its_s
             assert bad["ok"] is False and "tp 2/2" in bad["error"]
         finally:
             await svc.stop()
-        assert not (tmp_path / "a.shm").exists() and not (tmp_path / "a.shm-pp1-tp0").exists()
+        assert not any(tmp_path.glob("a.shm*"))       # both tier files and both pull areas
     asyncio.run(main())
 
 
@@ -352,8 +353,12 @@ def test_each_tp_rank_pulls_its_own_shard_from_the_peer(tmp_path: Path, redis_ur
             assert (got.blocks, got.error, counts[-1]) == (6, None, 6) and counts == sorted(set(counts))
             assert bytes(got.view) == b"".join(rank_payload(rank, i) for i in range(6))
             assert bytes(links[rank].pull_area()[:6 * BLOCK_BYTES]) == bytes(got.view)   # read where it landed
-        unknown = await asyncio.to_thread(links[0].pull, "a", tier_keys, shard_digest(0, 5), 5000)
-        assert unknown.blocks == 0 and shard_digest(0, 5).hex() in unknown.error and unknown.view is None
+        unknown = await asyncio.to_thread(links[0].call, {"op": "pull", "peer": "a", "stream": True,
+                                                          "fingerprint_digest": shard_digest(0, 5).hex()},
+                                          memoryview(b"".join(tier_keys)))
+        assert unknown["ok"] is False and shard_digest(0, 5).hex() in unknown["error"]
+        other = await asyncio.to_thread(links[0].pull, "a", tier_keys, shard_digest(0, 1), 5000)  # not its shard
+        assert other == (0, "fingerprint_digest is not this link's shard (its hello's)", None)
         assert svc["a"].state()["peer"]["served"]["blocks_served"] == 12
     asyncio.run(run(tmp_path, redis_url, body))
 
