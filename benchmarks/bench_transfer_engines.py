@@ -29,9 +29,12 @@ before any timing):
   each block straight from its buffer, the client ``recv_into``s its buffer: what plain Python
   sockets move on this machine, the reference of the ratios.
 - ``kvroute-peer``: :class:`offload_agent.peer.server.PeerServer` (its defaults, one per block
-  size, over a source whose ``read_block`` copies the block out of a slab, as the agent's CPU tier
-  does) and :class:`offload_agent.peer.client.PeerClient` whose ``on_block`` copies each verified
-  block into the destination buffer. Framing, checksums, key and fingerprint checks included.
+  size, over a slab source that, like the agent's CPU tier, lends each block in place with its
+  xxh3_64 taken then, ``block_view``, and can copy it out, ``read_block``) and
+  :class:`offload_agent.peer.client.PeerClient` whose ``on_block`` copies each verified block into
+  the destination buffer. Framing, checksums, key and fingerprint checks included.
+  ``kvroute-peer-copy`` (only when named): the same source without ``block_view``, so every block
+  is copied out by the server's reading thread (the path of SSD-held blocks).
 - ``mooncake-tcp``: ``mooncake.engine.TransferEngine`` on both sides, ``initialize("127.0.0.1",
   "P2PHANDSHAKE", "tcp", "")`` (no metadata server), both buffers registered, the client does
   ``batch_transfer_sync_read`` of the blocks (one descriptor per block).
@@ -93,7 +96,8 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve()
 TAG = "@@kvr-te "                 # protocol lines between the parent and its children start with this
 ENGINES = {"mooncake-tcp", "nixl-ucx-tcp", "nixl-ucx-default"}
-ALL_METHODS = ["raw-tcp", "kvroute-peer", "mooncake-tcp", "nixl-ucx-tcp", "nixl-ucx-default"]
+DEFAULT_METHODS = ["raw-tcp", "kvroute-peer", "mooncake-tcp", "nixl-ucx-tcp", "nixl-ucx-default"]
+ALL_METHODS = DEFAULT_METHODS + ["kvroute-peer-copy"]
 PATTERN_PERIOD = (1 << 20) + 7    # source bytes repeat with this period: no two blocks alike
 
 
@@ -172,8 +176,8 @@ def serve(method: str, slab_bytes: int, block_sizes: list[int]) -> None:
     slab = pattern(slab_bytes)
     if method == "raw-tcp":
         serve_raw_tcp(slab)
-    elif method == "kvroute-peer":
-        serve_peer(slab, block_sizes)
+    elif method in ("kvroute-peer", "kvroute-peer-copy"):
+        serve_peer(slab, block_sizes, copy=method.endswith("-copy"))
     elif method == "mooncake-tcp":
         from mooncake.engine import TransferEngine
         te = TransferEngine()
@@ -221,13 +225,26 @@ def serve_raw_tcp(slab: bytearray) -> None:
 
 class SlabSource:
     """A BlockSource over a slab: block i of ``block_bytes`` at offset i x block_bytes, key
-    :func:`block_key` (i); ``read_block`` copies it out (as the agent's CPU tier does)."""
+    :func:`block_key` (i). Like the agent's CPU tier: ``block_view`` lends the block in place with
+    its xxh3_64 taken then (servers that know it send it without a copy), ``read_block`` copies it
+    out (older servers, or ``copy=True``)."""
 
-    def __init__(self, slab: bytearray, block_bytes: int) -> None:
+    def __init__(self, slab: bytearray, block_bytes: int, copy: bool = False) -> None:
+        from offload_agent.peer.protocol import payload_checksum
+        self.checksum = payload_checksum
         self.view = memoryview(slab)
         self.block_bytes = block_bytes
         self.fingerprint_digest = fingerprint(block_bytes)
         self.index = {block_key(i): i for i in range(len(slab) // block_bytes)}
+        if copy:
+            self.block_view = None
+
+    def block_view(self, key: bytes, look_again: bool = True) -> tuple[memoryview, int] | None:
+        i = self.index.get(key)
+        if i is None:
+            return None
+        data = self.view[i * self.block_bytes:(i + 1) * self.block_bytes]
+        return data, self.checksum(data)
 
     def read_block(self, key: bytes, out: memoryview) -> bool:
         i = self.index.get(key)
@@ -237,7 +254,7 @@ class SlabSource:
         return True
 
 
-def serve_peer(slab: bytearray, block_sizes: list[int]) -> None:
+def serve_peer(slab: bytearray, block_sizes: list[int], copy: bool) -> None:
     import asyncio
     sys.path.insert(0, str(REPO))
     from offload_agent.peer.server import PeerServer
@@ -245,7 +262,7 @@ def serve_peer(slab: bytearray, block_sizes: list[int]) -> None:
     async def main() -> None:
         servers, addrs = [], {}
         for bs in block_sizes:
-            srv = PeerServer(SlabSource(slab, bs), "127.0.0.1", 0)
+            srv = PeerServer(SlabSource(slab, bs, copy), "127.0.0.1", 0)
             host, port = await srv.start()
             servers.append(srv)
             addrs[str(bs)] = f"{host}:{port}"
@@ -679,8 +696,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5, help="timed transfers per method and case (default 5)")
     ap.add_argument("--block-kib", default="64,2048", help="block sizes in KiB, comma-separated (default 64,2048)")
     ap.add_argument("--blocks", default="16,256", help="blocks per transfer, comma-separated (default 16,256)")
-    ap.add_argument("--methods", default=",".join(ALL_METHODS),
-                    help=f"comma-separated, of {', '.join(ALL_METHODS)} (default: all)")
+    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                    help=f"comma-separated, of {', '.join(ALL_METHODS)} (default: {','.join(DEFAULT_METHODS)})")
     ap.add_argument("--engine-python", default=os.environ.get("KVR_TE_PYTHON", ""),
                     help="interpreter that has the transfer engines installed (default: $KVR_TE_PYTHON, "
                          "else this one)")
