@@ -57,6 +57,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 MAX_HEADER_BYTES = 1 << 20
+READ_AHEAD_BYTES = 64 << 10  # the most a read of a frame's header takes from the socket at once
 PULL_ANSWER_SLACK_S = 1.0  # how long past a pull's deadline the connector waits for the agent's answer
 _LEN = struct.Struct(">I")
 
@@ -170,6 +171,7 @@ class AgentLink:
         self.path = path
         self.timeout_s = timeout_s
         self._sock: socket.socket | None = None
+        self._ahead = bytearray()  # bytes received beyond the frame parts read so far
         self._hello: dict[str, Any] | None = None
         self.hello_answer: dict[str, Any] | None = None  # the agent's last answer to our hello
         self._area: tuple[str, tuple[int, int], memoryview] | None = None  # path, (dev, inode), map
@@ -178,6 +180,7 @@ class AgentLink:
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        self._ahead.clear()  # what was read ahead belongs to that connection
 
     def _connect(self) -> socket.socket:
         if self._sock is None:
@@ -192,16 +195,35 @@ class AgentLink:
         return self._sock
 
     def _recv_exact(self, sock: socket.socket, out: memoryview, deadline: float) -> None:
-        got = 0
+        """Fill ``out``: from the bytes read ahead first, then straight from the socket."""
+        got = min(len(self._ahead), out.nbytes)
+        out[:got] = self._ahead[:got]
+        del self._ahead[:got]
         while got < out.nbytes:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise socket.timeout("deadline")
-            sock.settimeout(left)
+            sock.settimeout(self._left(deadline))
             n = sock.recv_into(out[got:])
             if n == 0:
                 raise EOFError("agent closed the connection")
             got += n
+
+    def _read_bytes(self, sock: socket.socket, n: int, deadline: float) -> bytes:
+        """The next ``n`` bytes (a frame's small parts), reading ahead what the socket has."""
+        while len(self._ahead) < n:
+            sock.settimeout(self._left(deadline))
+            chunk = sock.recv(READ_AHEAD_BYTES)
+            if not chunk:
+                raise EOFError("agent closed the connection")
+            self._ahead += chunk
+        out = bytes(self._ahead[:n])
+        del self._ahead[:n]
+        return out
+
+    @staticmethod
+    def _left(deadline: float) -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise socket.timeout("deadline")
+        return left
 
     def call(self, header: dict[str, Any], payload: bytes | memoryview | None = None,
              timeout_s: float | None = None, into: memoryview | None = None) -> dict[str, Any]:
@@ -249,15 +271,15 @@ class AgentLink:
 
     def _send(self, sock: socket.socket, header: dict[str, Any], payload, deadline: float) -> None:
         sock.settimeout(max(0.001, deadline - time.monotonic()))
-        for piece in encode_frame(header, payload):
+        pieces = encode_frame(header, payload)
+        if sum(memoryview(p).nbytes for p in pieces) <= READ_AHEAD_BYTES:
+            pieces = [b"".join(pieces)]  # a small request in one send
+        for piece in pieces:
             sock.sendall(piece)
 
     def _read_frame(self, sock: socket.socket, deadline: float, into: memoryview | None) -> dict[str, Any]:
-        head = bytearray(4)
-        self._recv_exact(sock, memoryview(head), deadline)
-        raw = bytearray(header_length(bytes(head)))
-        self._recv_exact(sock, memoryview(raw), deadline)
-        answer = decode_header(bytes(raw))
+        head_bytes = header_length(self._read_bytes(sock, 4, deadline))
+        answer = decode_header(self._read_bytes(sock, head_bytes, deadline))
         size = answer.get("payload_bytes", 0)
         if size:
             sink = memoryview(bytearray(size)) if into is None or into.nbytes < size else into[:size]
