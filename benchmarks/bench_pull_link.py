@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Throughput of a peer pull on loopback, hop by hop, against a plain TCP socket moving the same
-bytes. Prints, per block size and pull size, the median Gbit/s of ``--repeats`` runs (interleaved)
-and each method's ratio to raw TCP:
+bytes. Prints, per block size and pull size, each method's median Gbit/s over ``--repeats``
+rounds and its ratio to raw TCP:
 
 - ``raw_tcp``: a plain sender process writes the pull's bytes on a kept TCP connection, this
   process receives them with ``recv_into`` into one buffer;
@@ -16,13 +16,16 @@ and each method's ratio to raw TCP:
     .venv/bin/python benchmarks/bench_pull_link.py [--repeats 5] [--block-bytes 65536 2097152]
         [--blocks 16 256] [--json out.json] [--plot plots/]
 
-Each method runs ``--repeats`` times after a warm-up run (connections made, pages touched); a run
-is as many pulls one after the other as move ``--run-mib`` (each pull from its request to its
-last byte). Aim: ``agent`` >= 0.8 x ``raw_tcp``. Each process is one Python interpreter; on a machine with
-fewer cores than the three (four with raw TCP) processes, the figures are the CPUs', not the
-code's. ``--json FILE`` writes table ``pull_link`` (per block size, pull size and method:
-``gbit_s`` (median), ``runs_gbit_s``, ``ratio_to_raw_tcp``, ``pull_bytes``, ``block_bytes``,
-``blocks``, ``repeats``); ``--plot DIR`` draws ``pull_link.png``.
+After a warm-up run of each method (connections made, pages touched), ``--repeats`` rounds run
+each method once, one after the other, so that they share the machine's noise; a run is as many
+pulls one after the other as move ``--run-mib`` (each pull from its request to its last byte). A
+method's ratio is the median over the rounds of its Gbit/s over raw TCP's in the same round. Aim:
+``agent`` >= 0.8 x ``raw_tcp``. Each process is one Python interpreter; on a machine with fewer
+cores than the three (four with raw TCP) processes, the figures are the CPUs', not the code's.
+
+``--json FILE`` writes table ``pull_link`` (per block size, pull size and method: ``gbit_s`` (the
+median), ``runs_gbit_s`` (each round's), ``ratio_to_raw_tcp`` (the median of the rounds' ratios),
+``pull_bytes``, ``block_bytes``, ``blocks``, ``repeats``); ``--plot DIR`` draws ``pull_link.png``.
 """
 from __future__ import annotations
 
@@ -178,9 +181,11 @@ async def measure(block_bytes: int, pulls: list[int], repeats: int, work: Path,
 
         out: dict[tuple[int, str], list[float]] = {}
         for n in pulls:
-            for method in METHODS:          # after a warm-up run (connections made, pages touched)
+            for method in METHODS:          # a warm-up run each: connections made, pages touched
                 await run(method, n)
-                out[(n, method)] = [await run(method, n) for _ in range(repeats)]
+            for _ in range(repeats):        # rounds of one run of each method: they share the noise
+                for method in METHODS:
+                    out.setdefault((n, method), []).append(await run(method, n))
         await client.close()
         link.close()
         raw.close()
@@ -204,8 +209,8 @@ def main() -> int:
     add_output_args(ap)
     args = ap.parse_args()
     fig = new_figures("bench_pull_link", args)
-    print(f"pull throughput on loopback, Gbit/s, median of {args.repeats} runs of >= {args.run_mib} MiB "
-          "(ratio to raw TCP)")
+    print(f"pull throughput on loopback, Gbit/s, median of {args.repeats} rounds of one run (>= {args.run_mib} MiB) "
+          "per method (ratio to raw TCP: median of the rounds')")
     print(f"{'block':>9} {'blocks':>6} " + " ".join(f"{m:>17}" for m in METHODS))
     rows = []
     shm_dir = "/dev/shm" if Path("/dev/shm").is_dir() else None
@@ -213,14 +218,15 @@ def main() -> int:
         for bb in args.block_bytes:
             runs = asyncio.run(measure(bb, args.blocks, args.repeats, Path(work), args.run_mib << 20))
             for n in args.blocks:
-                raw = statistics.median(runs[(n, "raw_tcp")])
+                raw = runs[(n, "raw_tcp")]
                 cells = []
                 for m in METHODS:
                     med = statistics.median(runs[(n, m)])
+                    ratio = statistics.median(x / r for x, r in zip(runs[(n, m)], raw))
                     rows.append({"method": m, "block_bytes": bb, "blocks": n, "pull_bytes": n * bb,
                                  "repeats": args.repeats, "gbit_s": med, "runs_gbit_s": runs[(n, m)],
-                                 "ratio_to_raw_tcp": med / raw})
-                    cells.append(f"{med:8.2f} ({med / raw:4.2f}x)")
+                                 "ratio_to_raw_tcp": ratio})
+                    cells.append(f"{med:8.2f} ({ratio:4.2f}x)")
                 print(f"{bb >> 10:>6}KiB {n:>6} " + " ".join(f"{c:>17}" for c in cells), flush=True)
     add_table(fig, "pull_link", rows)
     add_chart(fig, "bars", "pull_link.png", table="pull_link", group_by=["block_bytes", "blocks"], values=["gbit_s"],

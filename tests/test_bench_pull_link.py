@@ -18,7 +18,7 @@ def test_bench_pull_link_prints_and_writes_every_method(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stderr
     lines = run.stdout.splitlines()
-    assert "median of 1 runs" in lines[0] and lines[1].split() == ["block", "blocks", "raw_tcp", "peer", "agent",
+    assert "median of 1 rounds" in lines[0] and lines[1].split() == ["block", "blocks", "raw_tcp", "peer", "agent",
                                                                   "agent_into"]
     assert [ln.split()[:2] for ln in lines[2:]] == [["4KiB", "2"], ["4KiB", "5"], ["8KiB", "2"], ["8KiB", "5"]]
     rows = json.loads(out.read_text())["tables"]["pull_link"]
