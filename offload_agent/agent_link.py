@@ -47,6 +47,7 @@ runs in vLLM's interpreter).
 """
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -69,27 +70,43 @@ def pull_area_path(shm_path: str | os.PathLike) -> str:
 
 def create_pull_area(path: str | os.PathLike, size_bytes: int) -> mmap.mmap:
     """The agent's side: map the pull area ``path`` of ``size_bytes`` (raw block bytes, no
-    header), reusing a file of that size (a connector may have it mapped), else making a new
-    sparse one under that name (a mapping of the old one stays valid). Raises OSError, ValueError
-    for a size < 1."""
+    header), reusing a file of that size (a connector may have it mapped), else making a new one
+    under that name (a mapping of the old one stays valid). Every page is reserved
+    (``posix_fallocate``), so an area that does not fit in ``/dev/shm`` fails here, never as a
+    bus error while a pull writes it. Raises OSError, ValueError for a size < 1."""
     if size_bytes < 1:
         raise ValueError(f"pull area of {size_bytes} bytes")
+    path = os.fspath(path)
     try:
-        return map_pull_area(path, size_bytes)
-    except (OSError, ValueError):
-        pass
-    tmp = f"{os.fspath(path)}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = os.open(path, os.O_RDWR)
+        if os.fstat(fd).st_size != size_bytes:
+            os.close(fd)
+            fd = -1
+    except FileNotFoundError:
+        fd = -1
+    fresh = fd < 0
+    tmp = f"{path}.{os.getpid()}.tmp"
+    if fresh:
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.ftruncate(fd, size_bytes)
+        if fresh:
+            os.ftruncate(fd, size_bytes)
+        try:
+            os.posix_fallocate(fd, 0, size_bytes)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise OSError(exc.errno, f"cannot reserve {size_bytes} bytes for the pull area {path}: "
+                                         f"{exc.strerror}") from exc
         area = mmap.mmap(fd, size_bytes)
-        os.replace(tmp, path)
+        if fresh:
+            os.replace(tmp, path)
         return area
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        if fresh:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
         raise
     finally:
         os.close(fd)

@@ -224,9 +224,10 @@ class TierService:
     ``serve``: ``(host, port)`` to serve peers on, None not to; ``advertise``: the address peers
     should use (default the bound one); ``secret``: shared secret of the peer protocol;
     ``peer_pull``: whether the connector may pull; ``peer_pull_max_bytes``: size of each worker
-    shard's pull area (:func:`offload_agent.agent_link.create_pull_area`, sparse: memory is taken
-    as pulls fill it), the most one pull brings (the keys beyond it are not asked for). Raises
-    ValueError for bad sizes.
+    shard's pull area (:func:`offload_agent.agent_link.create_pull_area`, reserved whole in its
+    folder at the shard's first hello; when it cannot be, that shard's hello answers
+    ``peer_pull`` false), the most one pull brings (the keys beyond it are not asked for).
+    Raises ValueError for bad sizes.
     """
 
     def __init__(self, worker_id: str, model: str, block_size: int, socket_path: str | os.PathLike,
@@ -453,7 +454,10 @@ class TierService:
                     old = self.shards.get(hello.ranks)
                     area = old.pull_area if old else None
                     if area is None and self.peer_pull:
-                        area = memoryview(create_pull_area(pull_area_path(path), self.peer_pull_max_bytes))
+                        try:
+                            area = memoryview(create_pull_area(pull_area_path(path), self.peer_pull_max_bytes))
+                        except OSError as exc:  # e.g. /dev/shm sized for the CPU tier alone: no pulls
+                            log.warning("no peer pull for shard pp %d tp %d: %s", hello.pp_rank, hello.tp_rank, exc)
                     self.shards[hello.ranks] = _Shard(hello.pp_rank, hello.tp_rank, shm, SlabSource(shm, fp_dir),
                                                       area, old.pull_lock if old else asyncio.Lock())
                     self._by_digest = {sh.shm.fingerprint_digest: sh for sh in self.shards.values()}
@@ -462,11 +466,13 @@ class TierService:
                              hello.tp_size, hello.digest.hex()[:16], pid)
         self.engine_digest, self.engine_block_bytes = hello.engine_digest, hello.engine_block_bytes
         self.counters["hellos"] += 1
+        shard = self.shards.get(hello.ranks) if hello.role == "worker" else None
+        pulls = self.peer_pull and (shard is None or shard.pull_area is not None)
         answer = {"ok": True, "worker_id": self.worker_id, "shm_path": str(path), "num_slots": num_slots,
                   "ssd_dir": str(self.ssd_dir) if self.ssd_dir else None, "ssd_tier_bytes": self.ssd_tier_bytes,
-                  "peer_pull": self.peer_pull}
-        if hello.role == "worker" and self.peer_pull:
-            answer.update(pull_path=str(pull_area_path(path)), pull_bytes=self.peer_pull_max_bytes)
+                  "peer_pull": pulls}
+        if shard is not None and shard.pull_area is not None:
+            answer.update(pull_path=str(pull_area_path(path)), pull_bytes=shard.pull_area.nbytes)
         return answer
 
     async def peers(self) -> dict[str, dict[str, Any]]:
@@ -529,7 +535,7 @@ class TierService:
         digest_hex = header.get("fingerprint_digest")
         shard = self._by_digest.get(bytes.fromhex(digest_hex)) if digest_hex is not None else self.shards.get((0, 0))
         if shard is None or shard.pull_area is None:
-            why = "no pull area (peer_pull is off)" if shard else (
+            why = "no pull area (peer pull is off, or the area could not be reserved)" if shard else (
                 f"no CPU tier of shard fingerprint {digest_hex} here (no hello from that shard)" if digest_hex
                 else "no hello from shard (0, 0)")
             return {"ok": False, "error": why}, None

@@ -29,6 +29,7 @@ from offload_agent.tiers.shm_slab import ShmSlab
 BS = 4
 FP = TierFingerprint(model="m", num_layers=2, dtype="bfloat16", block_size=BS, block_bytes=512)
 BLOCK_BYTES = 512
+PULL_BYTES = 64 * BLOCK_BYTES  # each worker shard's pull area (reserved whole: keep it small)
 
 
 def hello(link: AgentLink) -> dict:
@@ -44,7 +45,7 @@ async def run(tmp_path: Path, redis_url: str, body) -> None:
     ns = f"t{uuid.uuid4().hex[:8]}"
     idx = {w: RedisIndex(redis_url, namespace=ns, socket_timeout_s=5) for w in ("a", "b")}
     svc = {w: TierService(w, "tiny", BS, tmp_path / f"{w}.sock", tmp_path / f"{w}.shm", 64 * BLOCK_BYTES, idx[w],
-                          serve=("127.0.0.1", 0), secret=b"s3cret") for w in ("a", "b")}
+                          serve=("127.0.0.1", 0), secret=b"s3cret", peer_pull_max_bytes=PULL_BYTES) for w in ("a", "b")}
     try:
         for s in svc.values():
             await s.start()
@@ -61,7 +62,7 @@ def test_hello_makes_the_shared_cpu_tier_and_reuses_it(tmp_path: Path, redis_url
         answer = await asyncio.to_thread(hello, link)
         assert answer == {"ok": True, "worker_id": "a", "shm_path": str(tmp_path / "a.shm"), "num_slots": 64,
                           "ssd_dir": None, "ssd_tier_bytes": 0, "peer_pull": True,
-                          "pull_path": str(tmp_path / "a.shm-pull"), "pull_bytes": 256 << 20}
+                          "pull_path": str(tmp_path / "a.shm-pull"), "pull_bytes": PULL_BYTES}
         shm = ShmSlab.attach(answer["shm_path"])
         assert (shm.num_slots, shm.block_bytes, shm.fingerprint_digest) == (64, BLOCK_BYTES, FP.digest())
         again = await asyncio.to_thread(hello, AgentLink(str(tmp_path / "a.sock")))  # the other side
@@ -136,7 +137,8 @@ def test_a_restarted_agent_gets_the_hello_again_and_reuses_the_tier_file(tmp_pat
         shm_path = tmp_path / "a.shm"
 
         def service() -> TierService:
-            return TierService("a", "tiny", BS, tmp_path / "a.sock", shm_path, 64 * BLOCK_BYTES, idx)
+            return TierService("a", "tiny", BS, tmp_path / "a.sock", shm_path, 64 * BLOCK_BYTES, idx,
+                               peer_pull_max_bytes=PULL_BYTES)
         first = service()
         await first.start()
         link = AgentLink(str(tmp_path / "a.sock"))
@@ -253,7 +255,8 @@ def test_each_tp_rank_gets_its_own_file_whatever_the_order_of_hellos(tmp_path: P
     files = {0: tmp_path / "a.shm", 1: tmp_path / "a.shm-pp0-tp1"}
 
     async def main():
-        svc = TierService("a", "tiny", BS, tmp_path / "a.sock", files[0], 64 * BLOCK_BYTES, MemoryIndex())
+        svc = TierService("a", "tiny", BS, tmp_path / "a.sock", files[0], 64 * BLOCK_BYTES, MemoryIndex(),
+                          peer_pull_max_bytes=PULL_BYTES)
         await svc.start()
         made: dict[int, tuple[int, bytes]] = {}
         try:
@@ -295,7 +298,7 @@ def test_each_tp_rank_gets_its_own_file_whatever_the_order_of_hellos(tmp_path: P
 def test_pipeline_stages_get_their_own_files_and_a_new_layout_remakes_only_its_shard(tmp_path: Path) -> None:
     async def main():
         svc = TierService("a", "tiny", BS, tmp_path / "a.sock", tmp_path / "a.shm", 64 * BLOCK_BYTES, MemoryIndex(),
-                          remove_on_exit=True)
+                          peer_pull_max_bytes=PULL_BYTES, remove_on_exit=True)
         await svc.start()
         link = AgentLink(str(tmp_path / "a.sock"))
         try:
@@ -400,7 +403,7 @@ async def pull_rig(tmp_path: Path, source: HeldSource, body, **svc_kw) -> None:
     server = PeerServer(source)
     host, port = await server.start()
     svc = TierService("b", "tiny", BS, tmp_path / "b.sock", tmp_path / "b.shm", 64 * BLOCK_BYTES,
-                      PeerIndex(f"{host}:{port}"), **svc_kw)
+                      PeerIndex(f"{host}:{port}"), **{"peer_pull_max_bytes": PULL_BYTES, **svc_kw})
     await svc.start()
     link = AgentLink(str(tmp_path / "b.sock"), timeout_s=10)
     try:
@@ -473,3 +476,23 @@ def test_a_pull_larger_than_the_pull_area_brings_what_fits(tmp_path: Path) -> No
         assert bytes(got.view) == b"".join(payload(i) for i in range(3))
         assert link.hello_answer["pull_bytes"] == 3 * BLOCK_BYTES + 100
     asyncio.run(pull_rig(tmp_path, HeldSource(keys), body, peer_pull_max_bytes=3 * BLOCK_BYTES + 100))
+
+
+def test_a_pull_area_that_cannot_be_made_turns_peer_pull_off_for_its_shard(tmp_path: Path) -> None:
+    async def main():
+        (tmp_path / "a.shm-pull").mkdir()            # in the way: the area cannot be made there
+        svc = TierService("a", "tiny", BS, tmp_path / "a.sock", tmp_path / "a.shm", 64 * BLOCK_BYTES, MemoryIndex(),
+                          peer_pull_max_bytes=PULL_BYTES)
+        await svc.start()
+        link = AgentLink(str(tmp_path / "a.sock"))
+        try:
+            answer = await asyncio.to_thread(hello, link)
+            assert answer["ok"] and answer["peer_pull"] is False and "pull_path" not in answer
+            assert ShmSlab.attach(answer["shm_path"]).num_slots == 64       # the CPU tier is there all the same
+            got = await asyncio.to_thread(link.pull, "b", [b"k" * 16], FP.digest(), 1000)
+            assert got == (0, "no pull area (peer pull is off, or the area could not be reserved)", None)
+            rank1 = await asyncio.to_thread(shard_hello, AgentLink(str(tmp_path / "a.sock")), "worker", 1)
+            assert rank1["peer_pull"] is True and rank1["pull_bytes"] == PULL_BYTES   # its own area is fine
+        finally:
+            await svc.stop()
+    asyncio.run(main())
