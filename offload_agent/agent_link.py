@@ -355,7 +355,8 @@ class AgentLink:
                     return LinkPull(0, str(answer.get("error")), None)
                 blocks = min(int(answer["blocks"]), len(keys))
                 if blocks > landed:
-                    area = area or self.pull_area()
+                    if area is None:
+                        area = self.pull_area()
                     landed = self._take(area, blocks, landed, bb, dst, on_blocks)
                 if final:
                     break
