@@ -475,9 +475,8 @@ class PeerServer:
             if isinstance(exc, (OSError, PeerClosed)):
                 self._counts["disconnects"] += 1
             raise
-        if first == len(req.keys):
+        if first == len(req.keys):  # all sent in place, the END with them
             self._slots.release()
-            await self._send_end(io, p.Status.OK, req.request_id, first, "")
             return
         loop = asyncio.get_running_loop()
         frame_bytes = p.BLOCK_PREFIX_BYTES + block_bytes
@@ -519,7 +518,8 @@ class PeerServer:
     async def _send_in_place(self, io: SockIO, req: p.Request, source: BlockSource, on_sent) -> int:
         """Send blocks from the first, on the event loop, while the source lends them in place
         without looking further (``block_view(key, False)``); returns how many were sent (the
-        rest go through the reading thread). Raises OSError/PeerClosed/TimeoutError."""
+        rest go through the reading thread; all of them: the END OK was sent after them). Raises
+        OSError/PeerClosed/TimeoutError."""
         block_view = getattr(source, "block_view", None)
         if block_view is None:
             return 0
@@ -543,6 +543,8 @@ class PeerServer:
                                          req.block_bytes)
                 parts += (prefixes[at:at + pb], found[0])
             if end > sent:
+                if end == len(keys):  # all of them: the END goes out in the same sendmsg
+                    parts.append(memoryview(p.encode_end(p.Status.OK, req.request_id, end, "")))
                 io.deadline = asyncio.get_running_loop().time() + self.io_timeout_s
                 await io.send_parts(parts)
                 on_sent(end - sent)
