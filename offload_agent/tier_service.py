@@ -223,11 +223,12 @@ class TierService:
     (peer locations and addresses; any :class:`KVIndex`, peers need :class:`SupportsWorkerStates`);
     ``serve``: ``(host, port)`` to serve peers on, None not to; ``advertise``: the address peers
     should use (default the bound one); ``secret``: shared secret of the peer protocol;
-    ``peer_pull``: whether the connector may pull; ``peer_pull_max_bytes``: size of each worker
-    shard's pull area (:func:`offload_agent.agent_link.create_pull_area`, reserved whole in its
-    folder at the shard's first hello; when it cannot be, that shard's hello answers
-    ``peer_pull`` false), the most one pull brings (the keys beyond it are not asked for).
-    Raises ValueError for bad sizes.
+    ``peer_pull``: whether the connector may pull; ``peer_pull_max_bytes``: the most bytes one
+    pull of a shard brings (the keys beyond are not asked for), the size of each worker shard's
+    pull area (:func:`offload_agent.agent_link.create_pull_area`), or its CPU tier's slots'
+    bytes when smaller (the area never doubles more than the tier); reserved whole in its folder
+    at the shard's first hello (when it cannot be, that shard's hello answers ``peer_pull``
+    false). Raises ValueError for bad sizes.
     """
 
     def __init__(self, worker_id: str, model: str, block_size: int, socket_path: str | os.PathLike,
@@ -455,7 +456,8 @@ class TierService:
                     area = old.pull_area if old else None
                     if area is None and self.peer_pull:
                         try:
-                            area = memoryview(create_pull_area(pull_area_path(path), self.peer_pull_max_bytes))
+                            area_bytes = min(self.peer_pull_max_bytes, num_slots * hello.block_bytes)
+                            area = memoryview(create_pull_area(pull_area_path(path), area_bytes))
                         except OSError as exc:  # e.g. /dev/shm sized for the CPU tier alone: no pulls
                             log.warning("no peer pull for shard pp %d tp %d: %s", hello.pp_rank, hello.tp_rank, exc)
                     self.shards[hello.ranks] = _Shard(hello.pp_rank, hello.tp_rank, shm, SlabSource(shm, fp_dir),
