@@ -57,6 +57,7 @@ from offload_agent.tiers.shm_slab import ShmSlab  # noqa: E402
 METHODS = ("raw_tcp", "peer", "agent", "agent_into")
 BLOCK_TOKENS = 16
 DEADLINE_MS = 60_000.0
+START_TIMEOUT_S = 300  # a loaded machine may take long to start a process and fill its tier
 _SIZE = struct.Struct("<Q")
 
 
@@ -125,7 +126,7 @@ def start(target, *args):
     parent, child = mp.Pipe()
     proc = mp.get_context("spawn").Process(target=target, args=(child, *args), daemon=True)
     proc.start()
-    if not parent.poll(60):
+    if not parent.poll(START_TIMEOUT_S):
         raise RuntimeError(f"{target.__name__} did not start")
     return proc, parent, parent.recv()
 
