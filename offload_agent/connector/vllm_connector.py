@@ -137,13 +137,16 @@ class TierConnectorMetadata(KVConnectorMetadata):
 
 
 class TierWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler, one step: ``failures`` as ``(key, tier, slot)`` to forget."""
+    """Worker -> scheduler, one step: ``failures`` as ``(key, tier, slot)`` to forget;
+    ``short_pulls`` as ``(peer, first key that did not come)`` (:data:`worker_ops.ShortPull`)."""
 
-    def __init__(self, failures: list) -> None:
+    def __init__(self, failures: list, short_pulls: list | None = None) -> None:
         self.failures = failures
+        self.short_pulls = short_pulls or []
 
     def aggregate(self, other: "KVConnectorWorkerMetadata") -> "KVConnectorWorkerMetadata":
-        return TierWorkerMetadata(self.failures + list(getattr(other, "failures", [])))
+        return TierWorkerMetadata(self.failures + list(getattr(other, "failures", [])),
+                                  self.short_pulls + list(getattr(other, "short_pulls", [])))
 
 
 class _Layout:
@@ -209,6 +212,9 @@ class _Locate:
     def __init__(self, first: int, upto: int, future: Future, give_up_at: float) -> None:
         self.first, self.upto, self.future, self.give_up_at = first, upto, future, give_up_at
         self.t0 = time.monotonic()
+
+    def peer_answer(self) -> tuple[str | None, int]:
+        return self.future.result() if self.future.done() else (None, 0)
 
 
 def _parallel_rank(name: str) -> int:
@@ -547,7 +553,16 @@ class KVRouteTierConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output) -> None:
         meta = getattr(connector_output, "kv_connector_worker_meta", None)
-        if not isinstance(meta, TierWorkerMetadata) or not meta.failures:
+        if not isinstance(meta, TierWorkerMetadata):
+            return
+        until = time.monotonic() + NO_PEER_TTL_S
+        for peer, key in meta.short_pulls:  # vLLM re-queues the request: compute from there, do not pull again
+            self._no_peer[key] = until
+            for st in self._reqs.values():
+                if st.locating is not None and st.locating.peer_answer()[0] == peer:
+                    st.locating = None
+        self.stats["short_pulls"] += len(meta.short_pulls)
+        if not meta.failures:
             return
         for key, tier, slot in meta.failures:
             self.planner.forget(key, tier, slot)
@@ -659,8 +674,8 @@ class KVRouteTierConnector(KVConnectorBase_V1):
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         if self.worker is None:
             return None
-        failures = self.worker.take_failures()
-        return TierWorkerMetadata(failures) if failures else None
+        failures, short = self.worker.take_failures(), self.worker.take_short_pulls()
+        return TierWorkerMetadata(failures, short) if failures or short else None
 
     def shutdown(self) -> None:
         if getattr(self, "worker", None) is not None:

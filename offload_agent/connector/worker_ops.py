@@ -45,6 +45,9 @@ from offload_agent.tiers.store import TierStore
 
 log = logging.getLogger("vllm.kvroute_tiers.worker")
 
+ShortPull = tuple[str, bytes]
+"""A pull that fell short: ``(peer, key of the first block that did not come)``."""
+
 PullFn = Callable[[str, list[bytes], memoryview], tuple[int, "str | None"]]
 """``pull(peer, keys, into) -> (blocks, error)``: the first ``blocks`` of ``keys`` pulled from
 ``peer`` into ``into`` (``len(keys) * block_bytes``), each verified; never raises."""
@@ -108,6 +111,7 @@ class TierWorker:
         self._copying: list[_AsyncLoad] = []     # arrived, copy to GPU enqueued, event pending
         self._pool: ThreadPoolExecutor | None = None
         self._pull_buf: torch.Tensor | None = None
+        self._short_pulls: list[ShortPull] = []
 
     @property
     def pinned(self) -> bool:
@@ -227,6 +231,12 @@ class TierWorker:
         """Tier copies found unusable since the last call, for the planner to forget."""
         return self.store.take_failures()
 
+    def take_short_pulls(self) -> list[ShortPull]:
+        """Pulls that fell short since the last call (:data:`ShortPull`), so the scheduler does not
+        offer the same blocks from the same peer again at once."""
+        out, self._short_pulls = self._short_pulls, []
+        return out
+
     # ---- saves -----------------------------------------------------------------------------------
     def run_saves(self, ops: list) -> None:
         """Execute a step's save-side operations in order; saves are enqueued (CUDA) or done (CPU).
@@ -301,6 +311,8 @@ class TierWorker:
                 job.rows += range(row, row + got)
                 job.blocks += blocks[:got]
                 job.failed += blocks[got:]
+                if got < len(keys):
+                    self._short_pulls.append((op[1], keys[got]))  # list.append: safe across threads
                 row += len(keys)
                 log.info("kvroute tiers: request %s: pulled %d of %d blocks from %s%s", job.req_id, got,
                          len(keys), op[1], f" ({error}; the rest is recomputed)" if got < len(keys) else "")
@@ -320,6 +332,7 @@ class TierWorker:
         for g in blocks[got:]:
             self._load_failed(g)
         if got < n:
+            self._short_pulls.append((peer, keys[got]))
             log.info("kvroute tiers: pulled %d of %d blocks from %s (%s; the rest is recomputed)", got, n, peer, error)
         return got
 

@@ -17,9 +17,9 @@ Each test has its own prompts, so any one runs alone (``-k``) or in any order:
    connector asked for AMX state): B pulls it from A: vLLM reports the tokens cached (source
    ``p2p``), the greedy tokens and logprobs are identical to A's computation, the pulled blocks
    are B's own afterwards (B's CPU tier in the index; a second request hits B's GPU cache);
-3. a transfer corrupted on the wire is detected (checksum) and nothing wrong is served: the load
-   is asynchronous, so vLLM puts the request back in its queue and it is loaded again by a clean
-   pull (identical output).
+3. a transfer corrupted on the wire is detected (checksum), B recomputes (identical output) and
+   nothing wrong is served: the load is asynchronous, so vLLM puts the request back in its queue,
+   and the connector, told of the short pull, does not offer those blocks from A again.
 4. B's vLLM restarted: its connector maps the agent's CPU tier file again and takes back the
    blocks in it; the pulled prompt is then a CPU-tier hit on the fresh engine, identical output.
 """
@@ -276,11 +276,12 @@ def test_a_corrupted_transfer_is_detected_and_recomputed(pair):
     log = pair.log("b")
     assert f"pulled 0 of {N} blocks from a" in log
     assert f"Recovered from KV load failure: 1 request(s) rescheduled ({N * BLOCK} tokens affected)" in log
-    # the load is asynchronous: vLLM puts the request back in the queue, asks the connector again
-    # and the second pull (not corrupted) brings the blocks; vLLM 0.32 counts each planned load
-    # by source when it schedules it, the failed one included
-    assert log.index(f"pulled {N} of {N} blocks from a", log.index(f"pulled 0 of {N} blocks from a")) > 0
-    assert pair.cached_by_source("b").get("p2p", 0.0) - before == 2 * N * BLOCK
+    # the load is asynchronous: vLLM puts the request back in its queue and asks the connector
+    # again, which no longer offers those blocks from that peer (the short pull was reported):
+    # B computes them, pulling once
+    assert f"pulled {N} of {N} blocks from a" not in log[log.index(f"pulled 0 of {N} blocks from a"):]
+    # vLLM 0.32 counts the planned load by source when it schedules it and keeps the count
+    assert pair.cached_by_source("b").get("p2p", 0.0) - before == N * BLOCK
     assert "checksum" in pair.log("agent-b")
 
 

@@ -405,8 +405,27 @@ def test_async_peer_pull_short(gen):
     done, invalid = _wait_finished(w, "req-p")
     assert done == {"req-p"} and invalid == {13, 14}
     assert peer.asked == [("10.0.0.2:7000", keys, 5 * w.kv.block_bytes)]
+    assert w.take_short_pulls() == [("10.0.0.2:7000", keys[3])] and w.take_short_pulls() == []
     w.flush()
     _assert_short_load(views, content, D)
+    w.close()
+
+
+def test_a_pull_in_flight_holds_up_no_other_request(gen):
+    """While one request's pull hangs, another request's CPU-tier load and a save run to the end
+    in the step, and the hanging request is not reported until its pull returns."""
+    views, content, peer, w, keys = _peer_case(gen, 11)
+    planner = TierPlanner(8)
+    other = gc.chain_keys(w.store.fingerprint, 2, SHAPE.block_size, 12)
+    w.start_async("req-slow", [("load_peer", "p", keys, [10, 11, 12, 13, 14])])
+    w.run_saves(gc.plan_saves(planner, other, [1, 2]))
+    loads, _ = planner.plan_load(other, [20, 21])
+    w.run_loads(loads)
+    w.flush()
+    assert torch.equal(gc.read_blocks(views, "LBHNC", SHAPE.blocks, [20, 21]), content[:, :2])
+    assert w.finished_loads() == set() and w.take_invalid_blocks() == set()
+    peer.release.set()
+    assert _wait_finished(w, "req-slow")[0] == {"req-slow"}
     w.close()
 
 
@@ -417,6 +436,7 @@ def test_sync_peer_pull_short(gen):
     D = [10, 11, 12, 13, 14]
     w.run_loads([("load_peer", "p", keys, D)])
     assert w.take_invalid_blocks() == {13, 14}
+    assert w.take_short_pulls() == [("p", keys[3])]
     _assert_short_load(views, content, D)
 
 
