@@ -457,8 +457,10 @@ def test_a_streamed_pull_keeps_what_came_by_its_deadline(tmp_path: Path, monkeyp
     source = HeldSource(keys, hold_at=4)
 
     async def body(svc, link):
+        warm = await asyncio.to_thread(link.pull, "p", keys[:2], FP.digest(), 5000)   # the peer connection made
+        assert warm.blocks == 2
         counts: list[int] = []
-        got = await asyncio.to_thread(link.pull, "p", keys, FP.digest(), 300, None, counts.append)
+        got = await asyncio.to_thread(link.pull, "p", keys, FP.digest(), 1000, None, counts.append)
         assert got.blocks == 4 and got.error.startswith("deadline") and counts == [1, 2, 3, 4]   # as they came
         assert bytes(got.view) == b"".join(payload(i) for i in range(4))
         source.release.set()                # the peer's read ends; the next pull is served in full
