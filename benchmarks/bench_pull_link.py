@@ -84,7 +84,8 @@ class OnePeer(MemoryIndex):
 
 # ---- the other processes ---------------------------------------------------------------------
 def raw_sender(conn, nbytes: int) -> None:
-    """Serve ``size`` bytes for every 8-byte size asked on each connection, until told to stop."""
+    """On the one connection it accepts, send ``size`` bytes for every 8-byte size asked, until it
+    closes."""
     lsock = socket.create_server(("127.0.0.1", 0))
     conn.send(lsock.getsockname()[1])
     data = memoryview(bytearray(b"\x5a" * nbytes))
