@@ -70,6 +70,8 @@ def check_args(args: argparse.Namespace) -> str | None:
     if any(tier_args) and not args.tier_socket:
         return "--cpu-tier-bytes, --ssd-tier-dir, --tier-shm and --serve-peers need --tier-socket"
     if args.tier_socket:
+        if getattr(args, "peer_pull_max_bytes", None) is not None and args.peer_pull_max_bytes < 1:
+            return f"--peer-pull-max-bytes must be > 0, got {args.peer_pull_max_bytes}"
         if args.cpu_tier_bytes <= 0:
             return "--tier-socket needs --cpu-tier-bytes > 0"
         if (args.ssd_tier_dir is None) != (args.ssd_tier_bytes <= 0):

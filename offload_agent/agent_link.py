@@ -47,7 +47,6 @@ runs in vLLM's interpreter).
 """
 from __future__ import annotations
 
-import errno
 import json
 import mmap
 import os
@@ -56,6 +55,8 @@ import struct
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
+
+from offload_agent.tiers.shm_slab import reserve
 
 MAX_HEADER_BYTES = 1 << 20
 READ_AHEAD_BYTES = 64 << 10  # the most a read of a frame's header takes from the socket at once
@@ -91,12 +92,7 @@ def create_pull_area(path: str | os.PathLike, size_bytes: int) -> mmap.mmap:
     try:
         if fresh:
             os.ftruncate(fd, size_bytes)
-        try:
-            os.posix_fallocate(fd, 0, size_bytes)
-        except OSError as exc:
-            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                raise OSError(exc.errno, f"cannot reserve {size_bytes} bytes for the pull area {path}: "
-                                         f"{exc.strerror}") from exc
+        reserve(fd, size_bytes, f"the pull area {path}")
         area = mmap.mmap(fd, size_bytes)
         if fresh:
             os.replace(tmp, path)

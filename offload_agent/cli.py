@@ -49,6 +49,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--advertise", metavar="HOST:PORT", help="the address peers use (default: the bound one)")
     t.add_argument("--no-peer-pull", dest="peer_pull", action="store_false",
                    help="never pull blocks from peers for this worker")
+    t.add_argument("--peer-pull-max-bytes", type=int, default=None, metavar="N",
+                   help="shared memory each worker shard's pulls land in (default 256 MiB, at most its CPU tier); "
+                        "a longer pull goes in several")
     t.add_argument("--peer-secret-env", metavar="VAR",
                    help="environment variable holding the peer protocol's shared secret (both sides need it)")
     t.add_argument("--remove-tiers-on-exit", action="store_true",

@@ -24,7 +24,7 @@ from conftest import ADMIN_TOKEN, Proc, free_ports, kvroute_argv, wait_http, wai
 
 from kvcore.block_keys import ENCODING_VERSION, block_keys
 from kvcore.index.base import TierMatch
-from offload_agent.agent_link import AgentLink
+from offload_agent.agent_link import AgentLink, pull_area_path
 from offload_agent.tiers.shm_slab import ShmSlab
 from router.peer_states import PeerStateSource, PublishedPeerStates
 
@@ -101,8 +101,9 @@ class Cluster:
         for p in reversed(list(self.procs.values())):
             p.stop()
         for path in self.shm.values():
-            if os.path.exists(path):
-                os.unlink(path)
+            for leftover in (path, pull_area_path(path)):  # a SIGKILLed agent leaves both
+                if os.path.exists(leftover):
+                    os.unlink(leftover)
 
     def log(self, name: str) -> str:
         return self.procs[name].log_path.read_text(errors="replace")

@@ -705,7 +705,8 @@ def _hello(link: AgentLink, header: dict[str, Any], wait_s: float) -> dict[str, 
 
 class _AgentPuller:
     """The worker's pulls through its agent (:data:`PullFn`), on a link of their own (they run in
-    the byte path's background thread)."""
+    the byte path's background thread); a pull longer than the agent's pull area goes in parts,
+    within one deadline."""
 
     def __init__(self, settings: TierSettings, hello: dict[str, Any], digest: bytes) -> None:
         self.settings = settings
@@ -719,5 +720,18 @@ class _AgentPuller:
             self.greeted = _hello(self.link, self.hello, 0.0) is not None
             if not self.greeted:
                 return 0, "the agent did not answer"
-        got = self.link.pull(peer, keys, self.digest, self.settings.peer_pull_deadline_ms, into)
-        return got.blocks, got.error
+        bb = int(self.hello["block_bytes"])
+        room = int((self.link.hello_answer or {}).get("pull_bytes") or len(keys) * bb)
+        per_pull = max(1, room // bb)  # the agent's pull area holds this many blocks
+        give_up = time.monotonic() + self.settings.peer_pull_deadline_ms / 1000
+        done = 0
+        for lo in range(0, len(keys), per_pull):
+            part = keys[lo:lo + per_pull]
+            left_ms = (give_up - time.monotonic()) * 1000
+            if left_ms <= 0:
+                return done, "deadline: the pull's time ran out between its parts"
+            got = self.link.pull(peer, part, self.digest, left_ms, into[lo * bb:(lo + len(part)) * bb])
+            done += got.blocks
+            if got.blocks < len(part):
+                return done, got.error
+        return done, None

@@ -75,6 +75,17 @@ def _round_up(n: int, to: int = PAGE_BYTES) -> int:
     return (n + to - 1) // to * to
 
 
+def reserve(fd: int, size: int, what: str) -> None:
+    """Reserve every page of the file ``fd`` up to ``size`` bytes (``posix_fallocate``), so a
+    shared memory file that does not fit fails now, never as a bus error on a later write; a file
+    system that cannot reserve is left as it is. Raises OSError naming ``what`` and the size."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise OSError(exc.errno, f"cannot reserve {size} bytes for {what}: {exc.strerror}") from exc
+
+
 def file_bytes(num_slots: int, block_bytes: int) -> int:
     """Size of the file holding ``num_slots`` slots of ``block_bytes``."""
     return _round_up(PAGE_BYTES + num_slots * ROW_BYTES) + num_slots * block_bytes
@@ -129,12 +140,7 @@ class ShmSlab:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.ftruncate(fd, size)
-            try:  # all pages reserved now: a /dev/shm too small fails here, not as SIGBUS on a later write
-                os.posix_fallocate(fd, 0, size)
-            except OSError as exc:
-                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                    raise OSError(exc.errno, f"cannot reserve {size} bytes for the CPU tier in {path.parent}: "
-                                             f"{exc.strerror}") from exc
+            reserve(fd, size, f"the CPU tier in {path.parent}")
             mm = mmap.mmap(fd, size)
             table_at = PAGE_BYTES
             slab_at = _round_up(table_at + num_slots * ROW_BYTES)
