@@ -272,6 +272,7 @@ class TierService:
         self._links: dict[asyncio.StreamWriter, asyncio.Task] = {}  # the connector's connections
         self._peers: dict[str, dict[str, Any]] = {}
         self._peers_at = -1e9
+        self._peers_lock = asyncio.Lock()
         self._layout_lock = asyncio.Lock()
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -481,23 +482,27 @@ class TierService:
         """Other workers whose agents serve blocks of this engine's layout (their
         ``engine_fingerprint``, or ``fingerprint`` for agents that do not publish one): id ->
         their ``peer`` state (cached for ``PEERS_TTL_S``; empty when the index cannot say)."""
-        now = time.monotonic()
-        if now - self._peers_at < PEERS_TTL_S:
+        if time.monotonic() - self._peers_at < PEERS_TTL_S:
             return self._peers
-        self._peers_at = now
-        if not isinstance(self.index, SupportsWorkerStates) or self.engine_digest is None:
-            self._peers = {}
-            return self._peers
-        try:
-            states = await self.index.worker_states()
-        except IndexUnavailable as exc:
-            log.debug("peers unknown: %s", exc)
-            return self._peers
-        fp = self.engine_digest.hex()
-        self._peers = {wid: st["peer"] for wid, st in states.items()
-                       if wid != self.worker_id and isinstance(st.get("peer"), dict) and st["peer"].get("serve")
-                       and st["peer"].get("engine_fingerprint", st["peer"].get("fingerprint")) == fp}
-        return self._peers
+        async with self._peers_lock:  # concurrent callers (a pull per TP rank) wait for one refresh
+            if time.monotonic() - self._peers_at < PEERS_TTL_S:
+                return self._peers
+            try:
+                if not isinstance(self.index, SupportsWorkerStates) or self.engine_digest is None:
+                    self._peers = {}
+                    return self._peers
+                try:
+                    states = await self.index.worker_states()
+                except IndexUnavailable as exc:
+                    log.debug("peers unknown: %s", exc)
+                    return self._peers
+                fp = self.engine_digest.hex()
+                self._peers = {wid: st["peer"] for wid, st in states.items()
+                               if wid != self.worker_id and isinstance(st.get("peer"), dict) and st["peer"].get("serve")
+                               and st["peer"].get("engine_fingerprint", st["peer"].get("fingerprint")) == fp}
+                return self._peers
+            finally:
+                self._peers_at = time.monotonic()
 
     async def _locate(self, header: dict[str, Any], payload: bytes) -> dict[str, Any]:
         first, n = int(header["start_block"]), int(header["max_blocks"])

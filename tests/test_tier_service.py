@@ -366,6 +366,37 @@ def test_each_tp_rank_pulls_its_own_shard_from_the_peer(tmp_path: Path, redis_ur
     asyncio.run(run(tmp_path, redis_url, body))
 
 
+def test_both_tp_ranks_first_pulls_at_once_each_get_their_shard(tmp_path: Path, redis_url: str) -> None:
+    """Every rank of a TP engine pulls the same blocks in the same step: the first pulls of both
+    ranks reach the agent together, before it knows its peers; both must find the peer (one
+    refresh of the peer list, the other waiting for it) and get their own heads."""
+    tokens = [random.Random(8).randrange(1000) for _ in range(6 * BS)]
+    tier_keys = tier_block_keys(tokens, BS, tier_root(ENGINE))
+
+    async def body(svc, idx):
+        for w in ("a", "b"):
+            for rank in (0, 1):
+                await asyncio.to_thread(shard_hello, AgentLink(str(tmp_path / f"{w}.sock")), "worker", rank)
+        for rank in (0, 1):
+            shm = ShmSlab.attach(svc["a"].shard_path(0, rank))
+            for i, k in enumerate(tier_keys):
+                shm.begin_write(i)
+                shm.slot_view(i)[:] = bytes([rank + 1]) * BLOCK_BYTES
+                shm.end_write(i, k)
+            shm.close()
+        for w in ("a", "b"):
+            await idx[w].heartbeat(w, 10.0, state=svc[w].state())
+        links = {r: AgentLink(str(tmp_path / "b.sock")) for r in (0, 1)}
+        for r in (0, 1):
+            await asyncio.to_thread(shard_hello, links[r], "worker", r)
+        got = await asyncio.gather(*(asyncio.to_thread(links[r].pull, "a", tier_keys, shard_digest(0, r), 5000)
+                                     for r in (0, 1)))
+        for r in (0, 1):
+            assert (got[r].blocks, got[r].error) == (6, None)
+            assert bytes(got[r].view) == bytes([r + 1]) * (6 * BLOCK_BYTES)
+    asyncio.run(run(tmp_path, redis_url, body))
+
+
 # ---- pulls streamed through the agent's pull area ----------------------------------------------------
 class HeldSource:
     """A peer's BlockSource of ``blocks`` (key -> bytes); the read of key number ``hold_at`` waits
