@@ -79,9 +79,18 @@ class SlabSource:
     Which slot holds a key is a map kept from the slot table: when a key is not in it and the
     table has changed (its version moved), the rows whose seq changed since the last look are
     read again (a vectorised diff of the seq column; the first look reads every row), so the cost
-    follows the writes, not the tier's size (262,144 slots: ~80 ms for a full read)."""
+    follows the writes, not the tier's size (262,144 slots: ~80 ms for a full read).
 
-    def __init__(self, shm: ShmSlab, ssd_fp_dir: Path | None) -> None:
+    ``lend_in_place``: offer :meth:`block_view` to the server, which then checksums a slot and
+    sends it from the shared memory without a copy. Off by default: the bytes are read twice
+    without the seqlock around both, so a slot the connector rewrites in between fails the pull
+    (never served wrong), and one spurious checksum failure on the first pull of a fresh
+    connection under heavy load was seen on real vLLM and not explained; the copy path reads each
+    block once, under the seqlock, and checksums that copy."""
+
+    def __init__(self, shm: ShmSlab, ssd_fp_dir: Path | None, lend_in_place: bool = False) -> None:
+        if not lend_in_place:
+            self.block_view = None  # the server sees no in-place lending: every block is copied
         self.shm = shm
         self.fingerprint_digest = shm.fingerprint_digest
         self.block_bytes = shm.block_bytes

@@ -24,6 +24,7 @@ from offload_agent import tier_service
 from offload_agent.peer.server import PeerServer
 from offload_agent.tier_service import TierService
 from offload_agent.tiers import TierFingerprint, TierStore, tier_block_keys, tier_root
+from offload_agent.peer.protocol import payload_checksum
 from offload_agent.tiers.shm_slab import ShmSlab
 
 BS = 4
@@ -224,6 +225,12 @@ def test_the_served_map_follows_slot_rewrites(tmp_path: Path) -> None:
     writer.end_write(7, k[3])
     assert source.read_block(k[3], out) and bytes(out) == payload(3)
     assert source._slots == {k[2]: 2, k[3]: 7}
+    assert source.block_view is None             # the server copies every block (the default)
+    lender = SlabSource(owner, None, lend_in_place=True)
+    view, checksum = lender.block_view(k[2])
+    assert bytes(view) == payload(2) and checksum == payload_checksum(payload(2))
+    assert lender.block_view(k[0]) is None
+    del view
     writer.close()
     owner.close()
 
