@@ -29,6 +29,7 @@ referenced until its copy's event completes; blocks of a step in which a load fa
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -307,15 +308,17 @@ class TierWorker:
             if op[0] == "load_peer":
                 keys, blocks = op[2], op[3]
                 into = memoryview(job.staging[row:row + len(keys)].numpy()).cast("B")
+                t0 = time.monotonic()
                 got, error = self._pull(op[1], keys, into) if self._pull is not None else (0, "no agent")
+                pull_ms = (time.monotonic() - t0) * 1000
                 job.rows += range(row, row + got)
                 job.blocks += blocks[:got]
                 job.failed += blocks[got:]
                 if got < len(keys):
                     self._short_pulls.append((op[1], keys[got]))  # list.append: safe across threads
                 row += len(keys)
-                log.info("kvroute tiers: request %s: pulled %d of %d blocks from %s%s", job.req_id, got,
-                         len(keys), op[1], f" ({error}; the rest is recomputed)" if got < len(keys) else "")
+                log.info("kvroute tiers: request %s: pulled %d of %d blocks from %s in %.1f ms%s", job.req_id, got,
+                         len(keys), op[1], pull_ms, f" ({error}; the rest is recomputed)" if got < len(keys) else "")
             elif op[0] == "fail_block":
                 job.failed.append(op[1])
 
@@ -325,6 +328,7 @@ class TierWorker:
         n = len(keys)
         if self._pull_buf is None or self._pull_buf.shape[0] < n:
             self._pull_buf = torch.empty((n, self.kv.block_bytes), dtype=torch.uint8, pin_memory=self.cuda)
+        t0 = time.monotonic()
         if self._pull is None:
             got, error = 0, "no agent"
         else:
@@ -333,7 +337,8 @@ class TierWorker:
             self._load_failed(g)
         if got < n:
             self._short_pulls.append((peer, keys[got]))
-            log.info("kvroute tiers: pulled %d of %d blocks from %s (%s; the rest is recomputed)", got, n, peer, error)
+        log.info("kvroute tiers: pulled %d of %d blocks from %s in %.1f ms%s", got, n, peer,
+                 (time.monotonic() - t0) * 1000, f" ({error}; the rest is recomputed)" if got < n else "")
         return got
 
     def finished_loads(self) -> set[str]:
