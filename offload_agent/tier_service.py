@@ -82,11 +82,10 @@ class SlabSource:
     follows the writes, not the tier's size (262,144 slots: ~80 ms for a full read).
 
     ``lend_in_place``: offer :meth:`block_view` to the server, which then checksums a slot and
-    sends it from the shared memory without a copy. Off by default: the bytes are read twice
-    without the seqlock around both, so a slot the connector rewrites in between fails the pull
-    (never served wrong), and one spurious checksum failure on the first pull of a fresh
-    connection under heavy load was seen on real vLLM and not explained; the copy path reads each
-    block once, under the seqlock, and checksums that copy."""
+    sends it from the shared memory without a copy. Off by default: the slot is read twice (for
+    the checksum, then by the kernel) without the seqlock around both, so a slot rewritten in
+    between fails the pull at the client (never served wrong); the copy path reads each block
+    once, under the seqlock, and checksums that copy."""
 
     def __init__(self, shm: ShmSlab, ssd_fp_dir: Path | None, lend_in_place: bool = False) -> None:
         if not lend_in_place:
