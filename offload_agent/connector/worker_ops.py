@@ -108,6 +108,7 @@ class TierWorker:
         self._writer: dict[int, object] = {}     # slot -> the event of its pending save
         self._pending_key: dict[int, bytes] = {} # slot -> the key its pending save writes
         self._slot_event: dict[int, object] = {}
+        self._touching: deque[tuple[object, list[int]]] = deque()  # copies in flight, in order
         self._loads: dict[str, _AsyncLoad] = {}
         self._copying: list[_AsyncLoad] = []     # arrived, copy to GPU enqueued, event pending
         self._pool: ThreadPoolExecutor | None = None
@@ -121,7 +122,7 @@ class TierWorker:
 
     # ---- completion of copies --------------------------------------------------------------------
     def poll(self) -> None:
-        """Mark the slots of completed saves (never blocks)."""
+        """Mark the slots of completed saves and forget completed copies, in order (never blocks)."""
         while self._saving and self._saving[0][0].query():
             event, written = self._saving.popleft()
             for slot, key in written:
@@ -129,7 +130,9 @@ class TierWorker:
                     del self._writer[slot]
                     del self._pending_key[slot]
                     self.store.mark(slot, key)
-            for slot, _ in written:
+        while self._touching and self._touching[0][0].query():
+            event, slots = self._touching.popleft()
+            for slot in slots:
                 if self._slot_event.get(slot) is event:
                     del self._slot_event[slot]
 
@@ -138,19 +141,13 @@ class TierWorker:
         event = self._slot_event.get(slot)
         if event is not None:
             event.synchronize()
-            self._drain()
-
-    def _drain(self) -> None:
-        """Complete every save whose copy has finished, in order, waiting for none."""
-        self.poll()
-        for slot in [s for s, e in self._slot_event.items() if e.query()]:
-            del self._slot_event[slot]
+            self.poll()
 
     def flush(self) -> None:
         """Wait for every copy in flight and mark its slots (shutdown, tests)."""
-        for event, _ in list(self._saving):
+        for event, _ in list(self._saving) + list(self._touching):
             event.synchronize()
-        self._drain()
+        self.poll()
         for job in list(self._copying):
             job.event.synchronize()
 
@@ -200,9 +197,11 @@ class TierWorker:
         flush_loads()
 
     def _record(self, slots: list[int], event) -> None:
+        """``event`` (None on CPU: the copy is done) is the last copy touching ``slots``."""
         if event is not None:
             for s in slots:
                 self._slot_event[s] = event
+            self._touching.append((event, slots))
 
     def _host_op(self, op: tuple) -> None:
         kind = op[0]
