@@ -253,6 +253,7 @@ def _servers(tmp_path_factory, redis_url: str, what: str, specs: list[tuple[str,
     log_dir = tmp_path_factory.mktemp(what)
     tag = str(os.getpid())
     procs: list[Proc] = []
+    shm_before = set(Path("/dev/shm").glob("vllm_dist_*"))
     try:
         ports = free_ports(4 * len(specs))  # all at once: separate calls may hand out a port twice
         servers = [_start(wid, flags, model, log_dir, redis_url, tag, procs, eager, ports[4 * i:4 * i + 4])
@@ -261,6 +262,8 @@ def _servers(tmp_path_factory, redis_url: str, what: str, specs: list[tuple[str,
         yield servers
     finally:
         _stop(procs, tag)
+        for left in set(Path("/dev/shm").glob("vllm_dist_*")) - shm_before:  # vLLM's TP/PP shared memory,
+            left.unlink(missing_ok=True)                                      # which a stopped CPU server leaves
 
 
 @pytest.fixture(scope="class")
