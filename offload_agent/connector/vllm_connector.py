@@ -262,10 +262,11 @@ class KVRouteTierConnector(KVConnectorBase_V1):
             return
         if self.settings.agent_socket:
             self._hello_agent("scheduler", self.fingerprint)
-        self._check_slots()
+        self._size_tiers()
         self._init_scheduler()
 
-    def _check_slots(self) -> None:
+    def _size_tiers(self) -> None:
+        """Refuse a CPU tier too small for one block (all shards); size the SSD tier in blocks."""
         if self.num_slots < 1:
             raise ValueError(f"kvroute tiers: the CPU tier ({self.settings.cpu_tier_bytes} bytes) holds no block of "
                              f"{self.layout.engine_block_bytes} bytes (all ranks)")
@@ -494,7 +495,8 @@ class KVRouteTierConnector(KVConnectorBase_V1):
         if n_ext > n_local:  # the rest from a peer, through the agent; saved to the CPU tier once loaded
             ops.append(("load_peer", peer, keys[n_local:], block_ids[n_local:]))
             tiers += [PEER] * (n_ext - n_local)
-        if asynchronous:  # CPU-tier copies in the step (ordered with the slots' other copies), the rest in the background
+        # asynchronous: CPU-tier copies in the step (ordered with the slots' other copies), the rest in the background
+        if asynchronous:
             self._pre_ops += [op for op in ops if op[0] == "load_cpu"]
             self._async_loads[request.request_id] = [op for op in ops if op[0] != "load_cpu"]
         else:
@@ -624,7 +626,7 @@ class KVRouteTierConnector(KVConnectorBase_V1):
         self.fingerprint = fp = L.fingerprint(self.settings.model_id, kv.layout, kv.block_bytes)
         if self.settings.agent_socket:
             self._hello_agent("worker", fp)
-        self._check_slots()
+        self._size_tiers()
         shm = self._attach_slab(fp.digest(), kv.block_bytes) if self.agent_info is not None else None
         if self.agent_info is not None and shm is None:
             self.agent_info, self.peer_pull = None, False

@@ -44,8 +44,8 @@ class TierFingerprint:
     tensors); ``block_size``: tokens per block; ``block_bytes``: bytes of one block over this
     shard's layers; ``layout``: the logical page shape in bytes as the worker's KV cache views show
     it (e.g. ``"8x16x512"`` for ``[H, N, K|V]``; kernel-block splitting adds a dimension);
-    ``heads``: KV heads x head size of the model's spec; ``tp_rank``/``tp_size`` and ``pp_rank``/``pp_size``: the tensor- and
-    pipeline-parallel shard; ``layers``: digest of this shard's layer names (pipeline stages with
+    ``heads``: KV heads x head size of the model's spec; ``tp_rank``/``tp_size`` and
+    ``pp_rank``/``pp_size``: the tensor- and pipeline-parallel shard; ``layers``: digest of this shard's layer names (pipeline stages with
     equal layer counts differ); ``format``: :data:`FORMAT`.
 
     :meth:`digest` names the shard (its SSD folder, its CPU tier file, what a peer must match);
