@@ -60,14 +60,34 @@ def tier_argv_env(args: argparse.Namespace, i: int, agent_socket: str | None = N
     per worker: two servers sharing a folder would evict each other's files), plus the
     ``PYTHONPATH`` vLLM needs to import the connector. ``agent_socket``: the worker's agent owns
     the tiers (same sizes; the connector falls back to these local tiers when the agent is
-    absent). Nothing when no tier flag is set. Raises ValueError for sizes the connector rejects."""
+    absent). ``--tier-option KEY=VALUE`` flags (``args.tier_option``, when present) set the
+    connector's other numbers (``peer_locate_timeout_ms``, ...: ``TierSettings``). Nothing when no
+    tier flag is set. Raises ValueError for values the connector rejects."""
     if not args.cpu_tier_bytes:
         return [], {}
     from offload_agent.connector.config import kv_transfer_config, vllm_env as connector_env
 
     cfg = kv_transfer_config(args.cpu_tier_bytes, ssd_tier_folder(args, i), args.ssd_tier_bytes or 0,
-                             agent_socket=agent_socket)
+                             agent_socket=agent_socket, **tier_options(getattr(args, "tier_option", None) or []))
     return ["--kv-transfer-config", json.dumps(cfg)], connector_env()
+
+
+TIER_OPTIONS = ("peer_locate_timeout_ms", "peer_pull_deadline_ms", "peer_pull_min_blocks", "agent_wait_s")
+
+
+def tier_options(pairs: list[str]) -> dict[str, float]:
+    """``KEY=VALUE`` strings (``--tier-option``) as the connector's settings; ValueError naming an
+    unknown key (one of ``TIER_OPTIONS``) or a value that is not a number."""
+    out: dict[str, float] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or key not in TIER_OPTIONS:
+            raise ValueError(f"--tier-option {pair!r}: expected KEY=VALUE with KEY one of {', '.join(TIER_OPTIONS)}")
+        try:
+            out[key] = float(value)
+        except ValueError:
+            raise ValueError(f"--tier-option {pair!r}: {value!r} is not a number") from None
+    return out
 
 
 def ssd_tier_folder(args: argparse.Namespace, i: int) -> Path | None:

@@ -426,6 +426,9 @@ def register(subparsers) -> None:
     p.add_argument("--ssd-tier-dir", default=None,
                    help="vllm engine: folder for the SSD tier (one subfolder per worker)")
     p.add_argument("--ssd-tier-bytes", type=int, default=None, help="vllm engine: bytes of SSD tier per worker")
+    p.add_argument("--tier-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="vllm engine with tiers: a KV connector setting, repeatable: peer_locate_timeout_ms "
+                        "(default 100), peer_pull_deadline_ms (1000), peer_pull_min_blocks (4), agent_wait_s (10)")
     p.add_argument("--policy", default="ttft",
                    help="routing policy (default ttft: lowest predicted TTFT, dispatch queue on; kv_aware, "
                         "round_robin, least_load, session)")
@@ -455,6 +458,13 @@ def register(subparsers) -> None:
                 p.error("--cpu-tier-bytes must be > 0 when tiers are used")
             if (args.ssd_tier_dir is None) != (args.ssd_tier_bytes is None) or (args.ssd_tier_bytes or 1) <= 0:
                 p.error("--ssd-tier-dir and --ssd-tier-bytes (> 0) go together")
+        if args.tier_option:
+            if not args.cpu_tier_bytes:
+                p.error("--tier-option needs the tiers (--engine vllm --cpu-tier-bytes N)")
+            try:
+                tier_argv_env(args, 0)
+            except ValueError as exc:
+                p.error(str(exc))
         return run(args)
 
     p.set_defaults(func=func)

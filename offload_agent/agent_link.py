@@ -195,6 +195,11 @@ class AgentLink:
             self._sock = None
         self._ahead.clear()  # what was read ahead belongs to that connection
 
+    def connect(self) -> None:
+        """Open the connection now rather than at the first call; AgentLinkError when the agent
+        does not answer on ``path``."""
+        self._connect()
+
     def _connect(self) -> socket.socket:
         if self._sock is None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -149,12 +149,31 @@ def test_up_vllm_tier_flags_load_our_connector_with_a_folder_per_worker(tmp_path
     assert tier_argv_env(no_tiers, 0) == ([], {})
 
 
+def test_up_tier_options_reach_the_connector_settings(tmp_path):
+    from kvroute.cli import build_parser
+    from kvroute.engines import tier_argv_env
+
+    args = build_parser().parse_args([
+        "up", "--engine", "vllm", "--vllm-python", "/opt/vllm/bin/python", "--model", str(tmp_path),
+        "--cpu-tier-bytes", str(1 << 20), "--tier-option", "peer_locate_timeout_ms=5000",
+        "--tier-option", "peer_pull_min_blocks=2"])
+    extra = json.loads(tier_argv_env(args, 0, "/tmp/a.sock")[0][1])["kv_connector_extra_config"]
+    assert extra == {"cpu_tier_bytes": 1 << 20, "agent_socket": "/tmp/a.sock",
+                     "peer_locate_timeout_ms": 5000.0, "peer_pull_min_blocks": 2.0}
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--cpu-tier-bytes", "1000"], "need --engine vllm"),
     (["--engine", "vllm", "--vllm-python", sys.executable, "--ssd-tier-dir", "/tmp/x",
       "--ssd-tier-bytes", "10"], "--cpu-tier-bytes must be > 0"),
     (["--engine", "vllm", "--vllm-python", sys.executable, "--cpu-tier-bytes", "1000",
       "--ssd-tier-dir", "/tmp/x"], "go together"),
+    (["--engine", "vllm", "--vllm-python", sys.executable, "--tier-option", "peer_pull_min_blocks=2"],
+     "--tier-option needs the tiers"),
+    (["--engine", "vllm", "--vllm-python", sys.executable, "--cpu-tier-bytes", "1000",
+      "--tier-option", "peer_locate_ms=5"], "KEY one of peer_locate_timeout_ms"),
+    (["--engine", "vllm", "--vllm-python", sys.executable, "--cpu-tier-bytes", "1000",
+      "--tier-option", "peer_pull_deadline_ms=-1"], "peer_pull_deadline_ms must be a number >= 0"),
 ])
 def test_up_rejects_incomplete_tier_flags(tmp_path, flags, message):
     done = subprocess.run(kvroute_argv("up", "--model", str(tmp_path), *flags),

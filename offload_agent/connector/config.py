@@ -32,7 +32,7 @@ class TierSettings:
     within ``agent_wait_s`` at start, the connector runs its own local tiers as configured above.
     ``peer_pull_deadline_ms``: longest wait for a pull (what has not come by then is recomputed);
     ``peer_locate_timeout_ms``: longest wait for the agent to say which peer holds a prefix (the
-    engine waits meanwhile); ``peer_pull_min_blocks``: a prompt missing fewer blocks than this
+    request waits meanwhile, other requests' steps run; past it the blocks are computed); ``peer_pull_min_blocks``: a prompt missing fewer blocks than this
     locally is not looked up (its pull would save less than the lookup costs the engine).
     """
 

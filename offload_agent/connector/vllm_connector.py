@@ -338,6 +338,8 @@ class KVRouteTierConnector(KVConnectorBase_V1):
             else:
                 kept = self.planner.add_cpu_blocks(shm.stable_slots())  # the tier outlived a restart
                 shm.close()
+        if self.peer_pull:  # the lookup thread and its connection ready before the first request
+            self._locate_pool().submit(self._connect_locate_link)
         logger.info("kvroute tiers: CPU tier %d blocks of %d bytes over %d shard(s) (%d kept from before), SSD tier "
                     "%s: %d blocks (%d found on disk), engine %s", self.num_slots, self.layout.engine_block_bytes,
                     self.layout.tp_size * self.layout.pp_size, kept, self.ssd_dir or "off", self.ssd_slots, found,
@@ -447,6 +449,8 @@ class KVRouteTierConnector(KVConnectorBase_V1):
             if now < loc.give_up_at:
                 return None
             self.stats["locate_timeouts"] += 1
+            logger.info("kvroute tiers: request %s: no answer within %.0f ms on which peer holds blocks %d..%d; "
+                        "computing them", st.request.request_id, self.settings.peer_locate_timeout_ms, first, upto - 1)
             return None, 0
         peer, m = loc.future.result()
         m = max(0, min(m, upto - first))
@@ -462,6 +466,12 @@ class KVRouteTierConnector(KVConnectorBase_V1):
             self._locator = ThreadPoolExecutor(1, thread_name_prefix="kvroute-locate")
             self._locate_link = AgentLink(self.settings.agent_socket, timeout_s=1.0)
         return self._locator
+
+    def _connect_locate_link(self) -> None:
+        try:
+            self._locate_link.connect()
+        except AgentLinkError as exc:  # the first lookup connects again
+            logger.warning("kvroute tiers: cannot reach the agent for peer lookups yet: %s", exc)
 
     def _ask_locate(self, st: _ReqState, first: int, upto: int) -> tuple[str | None, int]:
         """Background thread: ask the agent (``locate``); no peer on any failure."""

@@ -33,6 +33,9 @@ def test_kvroute_up_pulls_between_workers_with_the_embedded_index(tmp_path):
         "up", "--engine", "vllm", "--vllm-python", py, "--workers", "2", "--model", str(model),
         "--served-model-name", "tiny", "--port", str(port), "--block-size", str(BLOCK),
         "--num-gpu-blocks-override", "96", "--max-model-len", "1024", "--cpu-tier-bytes", str(400 * TINY_BLOCK_BYTES),
+        # which bytes a pull brings is checked, not how fast: on two shared cores the agent may take
+        # longer than the default 100 ms to say which peer holds the prefix (vLLM then computes it)
+        "--tier-option", "peer_locate_timeout_ms=5000",
         "--vllm-args", "--enforce-eager --dtype bfloat16", "--log-dir", str(tmp_path / "up"),
         "--ready-timeout-s", "600"), tmp_path, env={"KVROUTE_ADMIN_TOKEN": ADMIN_TOKEN}, deadline_s=900)
     try:
