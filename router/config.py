@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
@@ -83,15 +83,22 @@ class IndexConfig(BaseModel):
     backend: str = "memory"
 
 
+WorkerRole = Literal["both", "prefill", "decode"]
+WORKER_ROLES: tuple[str, ...] = ("both", "prefill", "decode")
+
+
 class WorkerConfig(_Strict):
     """One worker (a vLLM server). ``id`` defaults to ``host:port`` of ``url``; ``events`` /
-    ``replay``: the server's ZMQ KV-event PUB and replay endpoints (absent: approximate mode)."""
+    ``replay``: the server's ZMQ KV-event PUB and replay endpoints (absent: approximate mode).
+    ``role``: ``both`` (serves whole requests), ``prefill`` or ``decode`` (one leg of a
+    disaggregated request); roles matter only for a model whose ``policy.pd`` is on."""
 
     id: str | None = Field(None, min_length=1)
     url: str
     model: str = Field(min_length=1)
     events: str | None = None
     replay: str | None = None
+    role: WorkerRole = "both"
 
     @field_validator("url")
     @classmethod

@@ -18,7 +18,7 @@ from collections.abc import Callable, Coroutine
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
-from router.config import WorkerConfig
+from router.config import WORKER_ROLES, WorkerConfig, WorkerRole
 from router.evidence import EvidenceTrust
 from router.policies.base import WorkerLoad
 from router.shared_load import OthersLoad, SharedLoadTable, prefill_end_of
@@ -49,7 +49,7 @@ class WorkerRegistration:
     """
 
     def __init__(self, cfg: WorkerConfig) -> None:
-        self.cfg = cfg
+        self.cfg = cfg.model_copy()  # its own copy: set_role changes it at run time
         self.id: str = cfg.id or cfg.url
         self.url = cfg.url
         self.model = cfg.model
@@ -83,6 +83,21 @@ class WorkerRegistration:
         self.on_prefill_done: Callable[[], None] | None = None  # set by the dispatch queue
         # the other gateway processes' load on this worker (kvroute serve --processes N)
         self.shared: tuple[SharedLoadTable, int] | None = None
+
+    @property
+    def role(self) -> WorkerRole:
+        """``both``, ``prefill`` or ``decode`` (:class:`~router.config.WorkerConfig`), as
+        ``cfg.role``: :meth:`set_role` changes both."""
+        return self.cfg.role
+
+    def set_role(self, role: WorkerRole) -> None:
+        """Change the worker's role at run time (``PUT /admin/workers/{id}/role``); requests in
+        flight keep the leg they were sent for. Raises ValueError for a role not in ``WORKER_ROLES``."""
+        if role not in WORKER_ROLES:
+            raise ValueError(f"role must be one of {', '.join(WORKER_ROLES)}, got {role!r}")
+        if role != self.cfg.role:
+            log.info("worker %s: role %s -> %s", self.id, self.cfg.role, role)
+        self.cfg.role = role
 
     @property
     def has_events(self) -> bool:
@@ -277,7 +292,7 @@ class WorkerRegistration:
         now = time.monotonic()
         load = self.load()
         return {
-            "id": self.id, "url": self.url, "model": self.model,
+            "id": self.id, "url": self.url, "model": self.model, "role": self.role,
             "events": self.cfg.events, "replay": self.cfg.replay,
             "healthy": bool(self.healthy), "draining": self.draining, "in_flight": load.in_flight,
             "drained": self.draining and load.in_flight == 0,
