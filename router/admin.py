@@ -3,7 +3,8 @@
 | method path | answer |
 |---|---|
 | GET /admin/workers | ``{"workers": [worker entry + {"blocks": {gpu, cpu, ssd}, "speculative_blocks", "peer"}], "models": {model: {"prefill_rate"}}}`` (``models``: each base model's TTFT line learned from all of its workers, the entry's ``prefill_rate`` shape; a worker's ``prefill_rate.speed_factor``: its TTFTs over that line's, the median, which ``ttft`` scales the line by, null until known; ``peer``: the worker's peer-pull state as routing uses it, :class:`router.peer_pull.PeerInfo`: ``serve``, ``pull``, ``block_bytes``, ``block_size``, ``link_bytes_per_s``, ``pull_overhead_ms``, ``pulls``, ``pulled_blocks``, ``failed_pulls``; null when its agent publishes none) |
-| POST /admin/workers | body: a config worker ``{id?, url, model, events?, replay?}`` -> 201 the entry; 400 bad, 409 id taken |
+| POST /admin/workers | body: a config worker ``{id?, url, model, events?, replay?, role?}`` -> 201 the entry; 400 bad, 409 id taken |
+| PUT /admin/workers/{id}/role | body ``{"role": "both" \| "prefill" \| "decode"}`` -> 200 the entry with its new ``role`` (requests in flight keep their leg); 400 bad role, 404 unknown |
 | DELETE /admin/workers/{id} | 200 ``{"removed": id}``; index entries purged, in-flight requests finish; 404 unknown |
 | POST /admin/workers/{id}/drain[?wait_s=S] | 200 the entry (``draining: true``; ``drained: true`` once its in-flight count is 0; with ``wait_s`` the answer waits up to S s for that); 404 unknown |
 | GET /admin/policy | the live policy mapping (the config's ``policy`` section) |
@@ -17,8 +18,8 @@ Errors use the OpenAI error shape. The routes an offload agent uses with the gat
 (``POST /admin/index/match``, ``GET /admin/peers``, ``PUT``/``DELETE /admin/workers/{id}/peer``)
 are in :mod:`router.admin_peers`.
 
-With ``kvroute serve --processes N`` (:mod:`router.siblings`): a change (workers added, removed
-or drained, a new policy) is applied by the process that gets it and then sent to every
+With ``kvroute serve --processes N`` (:mod:`router.siblings`): a change (workers added, removed,
+drained or given a role, a new policy) is applied by the process that gets it and then sent to every
 sibling; ``/admin/decisions`` and ``/admin/summary`` merge every process's decisions; worker
 counts are every process's.
 """
@@ -35,7 +36,7 @@ from pydantic import ValidationError
 from kvcore.index.base import SupportsWorkerStates
 from kvcore.index.errors import IndexUnavailable
 from router.admin_peers import add_peer_routes
-from router.config import WorkerConfig, validation_message
+from router.config import WORKER_ROLES, WorkerConfig, validation_message
 from router.decision_log import (DEFAULT_SUMMARY_BUCKET_S, DEFAULT_SUMMARY_WINDOW_S, SummaryWindowError,
                                  merge_summaries)
 from router.endpoints import parse_json_object
@@ -58,6 +59,14 @@ def _json(data: Any, status: int = 200) -> Response:
 
 def _not_found(worker_id: str) -> GatewayError:
     return GatewayError(404, f"no worker {worker_id!r}", "not_found_error", "worker_not_found", "id")
+
+
+def _json_text(value: Any, limit: int = 200) -> str:
+    """``value`` as JSON text cut to ``limit`` characters (for error messages)."""
+    import orjson
+
+    text = orjson.dumps(value).decode()
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _first_field(exc: ValidationError) -> str | None:
@@ -168,6 +177,20 @@ def make_admin_router(gateway: Gateway) -> APIRouter:
         deadline = asyncio.get_running_loop().time() + wait_s
         while reg.total_in_flight > 0 and asyncio.get_running_loop().time() < deadline and not reg.removed:
             await asyncio.sleep(DRAIN_POLL_S)
+        return _json(reg.describe())
+
+    @api.put("/workers/{worker_id}/role")
+    async def set_worker_role(worker_id: str, request: Request) -> Response:
+        body = parse_json_object(await request.body())
+        role = body.get("role")
+        if set(body) != {"role"} or role not in WORKER_ROLES:
+            raise bad_request(f"body must be {{\"role\": one of {', '.join(WORKER_ROLES)}}}, got "
+                              f"{_json_text(body)}", "role")
+        try:
+            reg = await gateway.set_worker_role(worker_id, role)
+        except KeyError:
+            raise _not_found(worker_id) from None
+        await to_siblings(request, "PUT", f"/admin/workers/{worker_id}/role", {"role": role})
         return _json(reg.describe())
 
     @api.get("/policy")

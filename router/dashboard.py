@@ -8,7 +8,7 @@ every second:
 
 | call | shown |
 |---|---|
-| ``GET /admin/workers`` | per worker: health, draining, in flight, engine running/waiting, KV cache usage, prefill left, evidence |
+| ``GET /admin/workers`` | per worker: health, draining, role, in flight, engine running/waiting, KV cache usage, prefill left, evidence |
 | ``GET /admin/index`` | blocks per tier (gpu, cpu, ssd) and speculative; KV-event seq, last event age, gaps, replays, resyncs |
 | ``GET /admin/summary`` | prefix-hit rate (predicted and actual) and cached tokens over the last 5 minutes, decisions by reason |
 | ``GET /admin/decisions?limit=20`` | the last routing decisions, newest first, with each candidate's matched blocks, load and cost |

@@ -3,7 +3,7 @@
 :class:`Gateway` owns the index (from :func:`kvcore.index.make_index`), the worker registry and
 its per-worker tasks, the tokenizer pool, the live policy, the router, the upstream client and
 the metrics. Admin calls and ``SIGHUP`` go through :meth:`add_worker`, :meth:`remove_worker`,
-:meth:`set_policy` and :meth:`apply_config`.
+:meth:`drain_worker`, :meth:`set_worker_role`, :meth:`set_policy` and :meth:`apply_config`.
 
 Extension point for the embedded KV-event ingest: ``gateway.registry.add_task_factory(f)`` with
 ``f(registration) -> coroutine`` runs ``f`` for every worker (present and future) and cancels it
@@ -221,6 +221,16 @@ class Gateway:
             if reg is None:
                 raise KeyError(worker_id)
             reg.draining = True
+            return reg
+
+    async def set_worker_role(self, worker_id: str, role: str) -> WorkerRegistration:
+        """Change a worker's role (``both``, ``prefill``, ``decode``); serialised with the other
+        worker changes. Raises KeyError when unknown, ValueError for a bad role."""
+        async with self._lock:
+            reg = self.registry.get(worker_id)
+            if reg is None:
+                raise KeyError(worker_id)
+            reg.set_role(role)  # type: ignore[arg-type]  # checked there
             return reg
 
     def set_policy(self, cfg: dict[str, Any]) -> None:

@@ -9,6 +9,7 @@
 | kvroute_ttft_seconds | histogram | worker | request received to first body byte from the worker |
 | kvroute_in_flight | gauge | worker | requests sent and unfinished (current registration) |
 | kvroute_worker_healthy | gauge | worker | 1 up, 0 down or unknown |
+| kvroute_worker_role | gauge | worker, role | 1 for the worker's role (``both``, ``prefill``, ``decode``; info style: one series per worker) |
 | kvroute_tokenization_fallbacks_total | counter | model, reason | requests routed by load, exact tokens unavailable |
 | kvroute_predicted_cached_tokens | histogram | worker | predicted prefix-hit tokens per request (chosen worker) |
 | kvroute_actual_cached_tokens | histogram | worker | the worker's ``usage.prompt_tokens_details.cached_tokens`` |
@@ -70,8 +71,8 @@ _EVENT_COUNTERS = {
 
 
 class _WorkerGauges(Collector):
-    """In-flight, health and KV-event ingest state per worker, read from the registry at scrape
-    time (no stale series for removed workers, no counters to keep in step)."""
+    """In-flight, health, role and KV-event ingest state per worker, read from the registry at
+    scrape time (no stale series for removed workers, no counters to keep in step)."""
 
     def __init__(self, workers: Callable[[], Iterable[WorkerRegistration]]) -> None:
         self._workers = workers
@@ -80,6 +81,8 @@ class _WorkerGauges(Collector):
         in_flight = GaugeMetricFamily("kvroute_in_flight", "Requests sent to the worker and unfinished",
                                       labels=["worker"])
         healthy = GaugeMetricFamily("kvroute_worker_healthy", "1 when the worker is up", labels=["worker"])
+        role = GaugeMetricFamily("kvroute_worker_role", "1 for the worker's role (both, prefill, decode)",
+                                 labels=["worker", "role"])
         trusted = GaugeMetricFamily("kvroute_evidence_trusted",
                                     "1 while the worker's reported cached tokens agree with the index",
                                     labels=["worker"])
@@ -109,12 +112,14 @@ class _WorkerGauges(Collector):
                 events_live.add_metric([reg.id], 1 if reg.events_live else 0)
             in_flight.add_metric([reg.id], reg.in_flight)
             healthy.add_metric([reg.id], 1 if reg.healthy else 0)
+            role.add_metric([reg.id, reg.role], 1)
             trusted.add_metric([reg.id], 1 if reg.evidence.trusted else 0)
             learned = reg.prefill_rate.learned
             if learned is not None:
                 rate.add_metric([reg.id], learned.ms_per_token)
         yield in_flight
         yield healthy
+        yield role
         yield trusted
         yield rate
         yield events_live

@@ -24,7 +24,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 from starlette.routing import Route
 
-from router.config import WorkerConfig
+from router.config import WORKER_ROLES, WorkerConfig
 from router.policies.factory import POLICY_NAMES
 
 _REF = "#/components/schemas/"
@@ -184,6 +184,7 @@ _ADMIN_BODIES = {
     ("post", "/admin/explain"): "ExplainRequest",
     ("post", "/admin/index/match"): "IndexMatchRequest",
     ("put", "/admin/workers/{worker_id}/peer"): "PeerState",
+    ("put", "/admin/workers/{worker_id}/role"): "WorkerRole",
 }
 
 
@@ -255,6 +256,9 @@ def build_openapi(app: FastAPI, models: list[str] | None = None) -> dict[str, An
                 "enabled": _BOOL, "excess_tokens": number, "ratio": {"type": "number", "minimum": 1}}},
                 {"type": "boolean"}, {"type": "null"}]},
             "session_header": _STR}}
+    schemas["WorkerRole"] = {"type": "object", "required": ["role"], "additionalProperties": False, "properties": {
+        "role": {"type": "string", "enum": list(WORKER_ROLES),
+                 "description": "both: whole requests; prefill / decode: one leg of a disaggregated request"}}}
     schemas["ExplainRequest"] = {"anyOf": [_ref("ChatCompletionRequest"), _ref("CompletionRequest")]}
     schemas.update(_agent_schemas())
     components["securitySchemes"] = {
@@ -289,6 +293,8 @@ def build_openapi(app: FastAPI, models: list[str] | None = None) -> dict[str, An
                 responses["400"] = {"description": "malformed state or ttl_s", **_ERROR}
                 responses["409"] = {"description": "too many workers' states kept", **_ERROR}
                 responses["413"] = {"description": "state over 64 KiB", **_ERROR}
+            if path == "/admin/workers/{worker_id}/role":
+                responses["400"] = {"description": "role not both, prefill or decode", **_ERROR}
             if path == "/admin/workers" and method == "post":
                 responses["409"] = {"description": "worker id taken", **_ERROR}
             if path in ("/admin/workers", "/admin/index"):

@@ -4,8 +4,8 @@ driven by the ``openai`` SDK; the page in a real browser: headless Chromium (Deb
 ``chromium``; ``KVR_CHROMIUM`` names another binary) driven by Playwright for Python.
 
 In the browser: a wrong admin token is refused with a message and asked again; both workers are
-listed; the decisions table lists the request ids sent, each with the worker named in its
-``x-kvroute-worker`` header; the numbers move as traffic flows (waited on as page conditions,
+listed, each with its role, which follows ``PUT /admin/workers/{id}/role``; the decisions table
+lists the request ids sent, each with the worker named in its ``x-kvroute-worker`` header; the numbers move as traffic flows (waited on as page conditions,
 never slept); the explain box shows a pasted body's decision; a hostile request id shows as text.
 The last test saves a screenshot (``tmp_path``, and ``$KVR_SCREENSHOT_DIR`` when set).
 
@@ -195,6 +195,22 @@ def test_workers_and_decisions_are_shown_and_move_with_traffic(gw, page):
     cell = decision_row(page, "dash-more-3").locator(".gateway-ms")
     expect(cell).to_have_text(re.compile(r"^\d+\.\d$"))  # one decimal, as the page rounds it
     assert abs(float(cell.inner_text()) - logged["gateway_ms"]) <= 0.05 + 1e-9
+
+
+def test_the_workers_table_shows_each_role_as_it_changes(gw, page):
+    sign_in(page, gw)
+    expect(page.locator("#workers thead")).to_contain_text("role")
+    expect(page.locator("#workers tbody .role")).to_have_text(["both", "both"])
+    headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    try:
+        r = httpx.put(gw + "/admin/workers/w1/role", json={"role": "decode"}, headers=headers, timeout=30)
+        assert r.status_code == 200, r.text
+        expect(page.locator('#workers tr[data-worker="w1"] .role')).to_have_text("decode")
+        expect(page.locator('#workers tr[data-worker="w0"] .role')).to_have_text("both")
+    finally:
+        assert httpx.put(gw + "/admin/workers/w1/role", json={"role": "both"}, headers=headers,
+                         timeout=30).status_code == 200
+    expect(page.locator('#workers tr[data-worker="w1"] .role')).to_have_text("both")
 
 
 def test_the_explain_box_shows_the_decision_for_a_pasted_body(gw, page):
