@@ -9,8 +9,9 @@ connection. Requests (``op``) and answers:
 "fingerprint": {TierFingerprint fields}, "fingerprint_digest": hex, "shard": {"tp_rank",
 "tp_size", "pp_rank", "pp_size"}, "engine_digest": hex, "engine_block_bytes": int}``
     -> ``{"ok": true, "worker_id", "shm_path", "num_slots", "ssd_dir" (str or null),
-    "ssd_tier_bytes", "peer_pull": bool, "pull_path", "pull_bytes"}`` (the last two for a worker
-    with peer pull: its shard's pull area, below). ``block_bytes`` and ``fingerprint_digest``
+    "ssd_tier_bytes", "peer_pull": bool, "serves_peers": bool, "pull_path", "pull_bytes"}`` (the
+    last two for a worker with peer pull: its shard's pull area, below; ``serves_peers``: the
+    agent serves its tiers to peers, which a P/D prefill side needs). ``block_bytes`` and ``fingerprint_digest``
     are this KV shard's; ``engine_digest`` (16 bytes) is the same for every shard of the engine and its
     scheduler; ``engine_block_bytes`` is one block summed over all shards (the CPU tier holds
     ``num_slots`` = its bytes // ``engine_block_bytes`` blocks, in every shard's file). Without

@@ -481,7 +481,7 @@ class TierService:
         pulls = self.peer_pull and (shard is None or shard.pull_area is not None)
         answer = {"ok": True, "worker_id": self.worker_id, "shm_path": str(path), "num_slots": num_slots,
                   "ssd_dir": str(self.ssd_dir) if self.ssd_dir else None, "ssd_tier_bytes": self.ssd_tier_bytes,
-                  "peer_pull": pulls}
+                  "peer_pull": pulls, "serves_peers": self.serve is not None}
         if shard is not None and shard.pull_area is not None:
             answer.update(pull_path=str(pull_area_path(path)), pull_bytes=shard.pull_area.nbytes)
         return answer

@@ -61,6 +61,23 @@ say hello at start, waiting up to ``agent_wait_s``; without an answer, local tie
   block verified by the agent) into vLLM's blocks and reports the rest failed, so vLLM recomputes
   it. Pulled blocks are then saved to the CPU tier like computed ones.
 
+Prefill-decode disaggregation (vLLM's protocol: ``kv_transfer_params``), over the agents' peer
+protocol, so it needs the agent on both sides:
+
+- prefill side: a request with ``do_remote_decode`` is computed as any other (its full prompt
+  blocks saved to the agent's CPU tier in the step that computes them; that step waits for its
+  saves on CUDA) and ``request_finished`` answers :func:`prefill_answer`'s params: this worker's
+  agent (``kvroute_peer``, the hello answer's ``worker_id``), the full prompt blocks the tiers hold
+  from the first (``kvroute_blocks``) and the engine digest (``kvroute_engine``, hex). No GPU block
+  is held for the reader. Where that cannot work (no agent, an agent that does not serve peers, a
+  request the tiers do not store) the refusal is logged and the answer carries no params, so the
+  gateway sends the request whole to the decode worker;
+- decode side: a request with ``do_remote_prefill`` and ``kvroute_peer`` (same engine digest) skips
+  the peer lookup and loads the prompt blocks its local tiers lack, up to ``kvroute_blocks``, from
+  that peer asynchronously; the pull retries the missing tail until ``peer_pull_deadline_ms`` (the
+  prefill side's saves may land just after its answer) and what has not come is recomputed. Other
+  connectors' params (no ``kvroute_peer``) are ignored: the request is served as any other.
+
 Requests with a LoRA adapter, multimodal inputs or prompt embeddings are neither saved nor loaded
 (their KV depends on more than the tokens). Models with more than one KV cache group (hybrid
 attention) disable the connector with a warning.
@@ -85,6 +102,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from vllm.logger import init_logger
 from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.request import RequestStatus
 
 from offload_agent.agent_link import AgentLink, AgentLinkError
 from offload_agent.connector.config import TierSettings, unsupported_setup
@@ -128,12 +146,15 @@ def _request_amx_permission() -> None:
 class TierConnectorMetadata(KVConnectorMetadata):
     """Scheduler -> worker, one step: ``pre_ops`` run before the forward pass (loads),
     ``post_ops`` after it (saves), ``async_loads`` (request id -> its SSD and peer loads) start in
-    the background; see :data:`offload_agent.tiers.planner.Op`."""
+    the background; see :data:`offload_agent.tiers.planner.Op`. ``wait_saves``: the step completes
+    the prompt of a P/D prefill request, whose reader pulls the blocks right after the answer: the
+    worker waits for the step's saves (CUDA) instead of marking them at a later step."""
 
-    def __init__(self, pre_ops: list, post_ops: list, async_loads: dict[str, list]) -> None:
+    def __init__(self, pre_ops: list, post_ops: list, async_loads: dict[str, list], wait_saves: bool = False) -> None:
         self.pre_ops = pre_ops
         self.post_ops = post_ops
         self.async_loads = async_loads
+        self.wait_saves = wait_saves
 
 
 class TierWorkerMetadata(KVConnectorWorkerMetadata):
@@ -192,7 +213,7 @@ class _Layout:
 
 
 class _ReqState:
-    __slots__ = ("request", "keys", "root", "saved_upto", "skip", "locating")
+    __slots__ = ("request", "keys", "root", "saved_upto", "skip", "locating", "pd_pulled")
 
     def __init__(self, request: "Request", root: bytes | None) -> None:
         self.request = request
@@ -201,6 +222,32 @@ class _ReqState:
         self.saved_upto = 0
         self.skip = root is None
         self.locating: _Locate | None = None
+        self.pd_pulled = False  # its P/D pull was planned once (asked again after a failure: not again)
+
+
+def remote_prefill_source(params: Any, engine_hex: str) -> tuple[str, int] | None | str:
+    """The decode side's reading of a request's ``kv_transfer_params``: ``(peer, blocks)`` for our
+    connector's params (``do_remote_prefill`` with ``kvroute_peer``), None for params that are not
+    ours or no P/D (the request is served as any other), or a str saying why ours are unusable
+    (another engine's digest, a bad field; logged, then served as any other)."""
+    if not isinstance(params, dict) or not params.get("do_remote_prefill") or params.get("kvroute_peer") is None:
+        return None
+    peer, blocks, engine = params.get("kvroute_peer"), params.get("kvroute_blocks"), params.get("kvroute_engine")
+    if not isinstance(peer, str) or not peer:
+        return f"kvroute_peer must be a worker id, got {peer!r}"
+    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 0:
+        return f"kvroute_blocks must be an integer >= 0, got {blocks!r}"
+    if engine != engine_hex:
+        return f"kvroute_engine {engine!r} is another engine's (this one is {engine_hex[:16]}...)"
+    return peer, blocks
+
+
+def prefill_answer(worker_id: str, blocks: int, engine_hex: str) -> dict[str, Any]:
+    """The ``kv_transfer_params`` a P/D prefill request finishes with (vLLM's protocol keys, plus
+    where and how many of its full prompt blocks the decode side pulls)."""
+    return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": None,
+            "remote_block_ids": None, "remote_host": None, "remote_port": None,
+            "kvroute_peer": worker_id, "kvroute_blocks": int(blocks), "kvroute_engine": engine_hex}
 
 
 class _Locate:
@@ -424,7 +471,11 @@ class KVRouteTierConnector(KVConnectorBase_V1):
         tiers = self.planner.lookup(keys[start:n_max])
         n = len(tiers)
         peer, m = None, 0
-        if self.peer_pull and n_max - (start + n) >= max(1, self.settings.peer_pull_min_blocks):
+        pd = None if st.pd_pulled else self._remote_prefill(request)
+        if pd is not None:  # P/D: the prefill worker's agent holds the prompt's blocks; no lookup
+            peer, upto = pd
+            m = max(0, min(upto, n_max) - (start + n))
+        elif self.peer_pull and n_max - (start + n) >= max(1, self.settings.peer_pull_min_blocks):
             located = self._locate(st, start + n, n_max)
             if located is None:
                 return None, False
@@ -432,6 +483,25 @@ class KVRouteTierConnector(KVConnectorBase_V1):
         asynchronous = m > 0 or SSD in tiers
         self._pending_load[request.request_id] = (start, n, peer, m, asynchronous)
         return (n + m) * bs, asynchronous
+
+    def _remote_prefill(self, request: "Request") -> tuple[str, int] | None:
+        """``(peer, blocks)`` when ``request`` came with our P/D params and its blocks can be pulled
+        (:func:`remote_prefill_source`); None otherwise (served as any other; why is logged)."""
+        source = remote_prefill_source(getattr(request, "kv_transfer_params", None), self.engine_digest.hex())
+        if source is None or isinstance(source, tuple) and source[0] == (self.agent_info or {}).get("worker_id"):
+            return None
+        why = source if isinstance(source, str) else None
+        if why is None and not self.peer_pull:
+            why = "peer pull is off (no agent, or an agent without peer pull)"
+        if why is not None:
+            self.stats["pd_refused"] += 1
+            logger.warning("kvroute tiers: request %s: P/D params not usable (%s); computing its prompt",
+                           request.request_id, why)
+            st = self._reqs.get(request.request_id)
+            if st is not None:
+                st.pd_pulled = True  # said once
+            return None
+        return source
 
     def _locate(self, st: _ReqState, first: int, upto: int) -> tuple[str | None, int] | None:
         """Which peer's agent holds blocks ``first..upto-1``, and how many from ``first``; None
@@ -503,8 +573,13 @@ class KVRouteTierConnector(KVConnectorBase_V1):
         hashes = [self._engine_hash(request, b) for b in range(start, start + n_local)]
         ops, tiers = self.planner.plan_load(keys[:n_local], block_ids[:n_local], hashes, promote=not asynchronous)
         if n_ext > n_local:  # the rest from a peer, through the agent; saved to the CPU tier once loaded
-            ops.append(("load_peer", peer, keys[n_local:], block_ids[n_local:]))
+            pd = not st.pd_pulled and self._remote_prefill(request) is not None
+            # P/D: the prefill side's saves may land after its answer: the pull waits for them
+            ops.append(("load_peer", peer, keys[n_local:], block_ids[n_local:]) + ((True,) if pd else ()))
             tiers += [PEER] * (n_ext - n_local)
+            if pd:
+                st.pd_pulled = True
+                self.stats["pd_pulls"] += 1
         # asynchronous: CPU-tier copies in the step (ordered with the slots' other copies), the rest in the background
         if asynchronous:
             self._pre_ops += [op for op in ops if op[0] == "load_cpu"]
@@ -543,6 +618,7 @@ class KVRouteTierConnector(KVConnectorBase_V1):
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
         bs = self.layout.block_size
         post: list = []
+        wait_saves = False
         for rid, n_sched in scheduler_output.num_scheduled_tokens.items():
             st = self._reqs.get(rid)
             if st is None or st.skip or rid not in computed:
@@ -551,6 +627,7 @@ class KVRouteTierConnector(KVConnectorBase_V1):
             upto = min(prompt_blocks, (computed[rid] + n_sched) // bs)
             if upto <= st.saved_upto:
                 continue
+            wait_saves = wait_saves or (upto == prompt_blocks and _remote_decode(st.request))
             keys = self._keys(st, upto)
             block_ids = self._kv_cache_manager.get_block_ids(rid)[0]
             for b in range(st.saved_upto, upto):
@@ -559,7 +636,7 @@ class KVRouteTierConnector(KVConnectorBase_V1):
                 post += ops
             st.saved_upto = upto
             self.planner.touch_chain(keys[:upto])
-        meta = TierConnectorMetadata(self._pre_ops, post, self._async_loads)
+        meta = TierConnectorMetadata(self._pre_ops, post, self._async_loads, wait_saves)
         self._pre_ops, self._async_loads = [], {}
         return meta
 
@@ -584,10 +661,40 @@ class KVRouteTierConnector(KVConnectorBase_V1):
         logger.warning("kvroute tiers: %d block copies failed and were forgotten", len(meta.failures))
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict | None]:
-        self._reqs.pop(request.request_id, None)
+        """Forget the request; a P/D prefill request (``do_remote_decode``) answers where its blocks
+        are (:func:`prefill_answer`), or None when it cannot (logged). No GPU block is held: the
+        blocks are in the agent's tiers."""
+        st = self._reqs.pop(request.request_id, None)
         self._pending_load.pop(request.request_id, None)
         self._hit_tiers.pop(request.request_id, None)
-        return False, None
+        if not _remote_decode(request):
+            return False, None
+        return False, self._prefill_params(request, st)
+
+    def _prefill_params(self, request: "Request", st: _ReqState | None) -> dict | None:
+        if request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR):
+            return None  # nobody reads it
+        why = None
+        if not self.layout.ok:
+            why = "the tiers are disabled for this model"
+        elif self.agent_info is None:
+            why = "no offload agent (agent_socket unset or not answering): nothing can serve the blocks"
+        elif not self.agent_info.get("serves_peers"):
+            why = "the agent does not serve peers (start it with --serve-peers)"
+        elif st is None or st.skip:
+            why = "the tiers do not store this request (LoRA, multimodal inputs or prompt embeddings)"
+        if why is not None:
+            self.stats["pd_refused"] += 1
+            logger.warning("kvroute tiers: request %s asked for remote decode, refused: %s; answering no "
+                           "kv_transfer_params", request.request_id, why)
+            return None
+        bs = self.layout.block_size
+        full = len(request.prompt_token_ids or []) // bs
+        held = len(self.planner.lookup(self._keys(st, full)[:full]))
+        self.stats["pd_prefills"] += 1
+        logger.info("kvroute tiers: request %s: prefilled for remote decode, %d of %d full prompt blocks in "
+                    "the tiers of %s", request.request_id, held, full, self.agent_info["worker_id"])
+        return prefill_answer(str(self.agent_info["worker_id"]), held, self.engine_digest.hex())
 
     def take_events(self):
         if not self.layout.ok:
@@ -674,6 +781,8 @@ class KVRouteTierConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if isinstance(meta, TierConnectorMetadata):
             self.worker.run_saves(meta.post_ops)
+            if meta.wait_saves:
+                self.worker.settle_saves()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.worker is None:
@@ -693,6 +802,12 @@ class KVRouteTierConnector(KVConnectorBase_V1):
         if getattr(self, "worker", None) is not None:
             self.worker.close()
             self.worker = None
+
+
+def _remote_decode(request: "Request") -> bool:
+    """Whether ``request`` is a P/D prefill (``kv_transfer_params.do_remote_decode``)."""
+    params = getattr(request, "kv_transfer_params", None)
+    return isinstance(params, dict) and bool(params.get("do_remote_decode"))
 
 
 NO_PEER_TTL_S = 2.0   # a prefix no peer held is not looked up again for this long
@@ -718,7 +833,12 @@ def _hello(link: AgentLink, header: dict[str, Any], wait_s: float) -> dict[str, 
 class _AgentPuller:
     """The worker's pulls through its agent (:data:`PullFn`), on a link of their own (they run in
     the byte path's background thread); a pull longer than the agent's pull area goes in parts,
-    within one deadline."""
+    within one deadline. ``wait=True`` (P/D): a part that falls short is asked for again from its
+    first missing block, after a pause growing from ``RETRY_FIRST_S`` to ``RETRY_MAX_S``, until
+    the deadline (the prefill side's saves may land after its answer)."""
+
+    RETRY_FIRST_S = 0.01
+    RETRY_MAX_S = 0.1
 
     def __init__(self, settings: TierSettings, hello: dict[str, Any], digest: bytes) -> None:
         self.settings = settings
@@ -727,7 +847,7 @@ class _AgentPuller:
         self.digest = digest
         self.greeted = False
 
-    def __call__(self, peer: str, keys: list[bytes], into: memoryview) -> tuple[int, str | None]:
+    def __call__(self, peer: str, keys: list[bytes], into: memoryview, wait: bool = False) -> tuple[int, str | None]:
         if not self.greeted:
             self.greeted = _hello(self.link, self.hello, 0.0) is not None
             if not self.greeted:
@@ -736,14 +856,28 @@ class _AgentPuller:
         room = int((self.link.hello_answer or {}).get("pull_bytes") or len(keys) * bb)
         per_pull = max(1, room // bb)  # the agent's pull area holds this many blocks
         give_up = time.monotonic() + self.settings.peer_pull_deadline_ms / 1000
-        done = 0
-        for lo in range(0, len(keys), per_pull):
-            part = keys[lo:lo + per_pull]
+        done, pause, retries = 0, self.RETRY_FIRST_S, 0
+        while done < len(keys):
+            part = keys[done:done + per_pull]
             left_ms = (give_up - time.monotonic()) * 1000
             if left_ms <= 0:
-                return done, "deadline: the pull's time ran out between its parts"
-            got = self.link.pull(peer, part, self.digest, left_ms, into[lo * bb:(lo + len(part)) * bb])
+                return done, f"deadline: the pull's time ran out between its parts{_tries(retries)}"
+            got = self.link.pull(peer, part, self.digest, left_ms, into[done * bb:(done + len(part)) * bb])
             done += got.blocks
             if got.blocks < len(part):
-                return done, got.error
+                if not wait:
+                    return done, got.error
+                if time.monotonic() + pause >= give_up:
+                    return done, f"{got.error}{_tries(retries)}"
+                retries += 1
+                logger.debug("kvroute tiers: pull from %s: %d of %d blocks so far (%s); asking again",
+                             peer, done, len(keys), got.error)
+                time.sleep(pause)
+                pause = min(pause * 2, self.RETRY_MAX_S)
+        if retries:
+            logger.info("kvroute tiers: pull from %s: all %d blocks after %d retries", peer, len(keys), retries)
         return done, None
+
+
+def _tries(retries: int) -> str:
+    return f", after {retries} retries" if retries else ""

@@ -49,9 +49,11 @@ log = logging.getLogger("vllm.kvroute_tiers.worker")
 ShortPull = tuple[str, bytes]
 """A pull that fell short: ``(peer, key of the first block that did not come)``."""
 
-PullFn = Callable[[str, list[bytes], memoryview], tuple[int, "str | None"]]
+PullFn = Callable[..., tuple[int, "str | None"]]
 """``pull(peer, keys, into) -> (blocks, error)``: the first ``blocks`` of ``keys`` pulled from
-``peer`` into ``into`` (``len(keys) * block_bytes``), each verified; never raises."""
+``peer`` into ``into`` (``len(keys) * block_bytes``), each verified; never raises. Called with
+``wait=True`` for a ``load_peer`` operation that carries a fifth element True (P/D: blocks the
+peer does not hold yet are asked for again until the pull's deadline)."""
 
 
 class _AsyncLoad:
@@ -142,6 +144,13 @@ class TierWorker:
         if event is not None:
             event.synchronize()
             self.poll()
+
+    def settle_saves(self) -> None:
+        """Wait for the saves in flight and mark their slots (a P/D prefill's last step: its reader
+        pulls them at once). Nothing to wait for on CPU."""
+        for event, _ in list(self._saving):
+            event.synchronize()
+        self.poll()
 
     def flush(self) -> None:
         """Wait for every copy in flight and mark its slots (shutdown, tests)."""
@@ -308,7 +317,8 @@ class TierWorker:
                 keys, blocks = op[2], op[3]
                 into = memoryview(job.staging[row:row + len(keys)].numpy()).cast("B")
                 t0 = time.monotonic()
-                got, error = self._pull(op[1], keys, into) if self._pull is not None else (0, "no agent")
+                wait = {"wait": True} if len(op) > 4 and op[4] else {}
+                got, error = self._pull(op[1], keys, into, **wait) if self._pull is not None else (0, "no agent")
                 pull_ms = (time.monotonic() - t0) * 1000
                 job.rows += range(row, row + got)
                 job.blocks += blocks[:got]
