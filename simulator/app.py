@@ -2,7 +2,8 @@
 
 - ``POST /v1/completions``, ``POST /v1/chat/completions``: stream or not, ``n``, ``max_tokens`` /
   ``max_completion_tokens``, ``stream_options.include_usage``, ``cache_salt``, ``seed``,
-  ``ignore_eos``, ``vllm_xargs.kv_cache_report_mode``; unknown fields are accepted and ignored.
+  ``ignore_eos``, ``vllm_xargs.kv_cache_report_mode``, ``kv_transfer_params`` (P/D, below);
+  unknown fields are accepted and ignored.
 - ``GET /v1/models``, ``POST /tokenize`` (``{count, max_model_len, tokens, token_strs}``),
   ``POST /detokenize`` (``{prompt}``), ``GET /health``, ``POST /reset_prefix_cache``,
   ``GET /metrics`` (vLLM's metric names, see :mod:`simulator.metrics`).
@@ -11,6 +12,19 @@
   first, as ``{"requests": [{"method", "path", "headers",
   "body"}]}`` (``body`` is the parsed JSON, or the raw text when it was not JSON);
   ``DELETE /sim/requests`` clears that record.
+
+P/D disaggregation, vLLM's protocol as its NixlConnector speaks it (``kv_transfer_params``, an
+object or null; anything else is a 400):
+
+- ``do_remote_decode: true`` (a prefill leg): served as usual (the gateway asks for 1 token); a
+  non-streaming answer carries ``kv_transfer_params`` = ``{"do_remote_prefill": true,
+  "do_remote_decode": false, "remote_engine_id": "<this sim's engine id>", "remote_block_ids":
+  [the prompt's block ids], "remote_host", "remote_port": this server's, "remote_request_id",
+  "kvroute_sim_tokens": <prompt tokens prefilled>}`` (first prompt's first choice).
+- ``do_remote_prefill: true`` (a decode leg): the prompt's uncached full blocks are loaded over
+  the simulated link instead of computed (:mod:`simulator.engine`), then cached here (KV events)
+  and counted in ``usage.prompt_tokens_details.cached_tokens``. The sim never contacts the prefill
+  worker named in the params; the answer's ``kv_transfer_params`` is null, as vLLM's decode side's.
 
 Errors use vLLM's shape (:func:`simulator.openai_format.error_body`): malformed JSON or bad field
 400, unknown model 404, prompt (or prompt + max_tokens) over ``--max-model-len`` 400.
@@ -78,6 +92,8 @@ class _Parsed:
     report_full: bool
     seed: int | None
     ignore_eos: bool
+    remote_prefill: bool = False  # kv_transfer_params.do_remote_prefill
+    remote_decode: bool = False  # kv_transfer_params.do_remote_decode
 
 
 class SimServer:
@@ -96,6 +112,7 @@ class SimServer:
                              max_num_batched_tokens=cfg.max_num_batched_tokens)
         self.registry = make_registry(self)
         self.created = int(time.time())  # one value per process, so identical requests give identical bytes
+        self.engine_id = f"kvroute-sim-{cfg.port}-{cfg.seed}-{self.created}"
         self.recorded: deque[dict[str, Any]] = deque(maxlen=cfg.recorded_requests)
         self._counter = 0
         self._engine_task: asyncio.Task | None = None
@@ -201,12 +218,17 @@ class SimServer:
         seed = body.get("seed")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise ApiError(400, "'seed' must be an integer", "seed")
+        kvt = body.get("kv_transfer_params")
+        if kvt is not None and not isinstance(kvt, dict):
+            raise ApiError(400, "'kv_transfer_params' must be an object", "kv_transfer_params")
+        kvt = kvt or {}
         return _Parsed(
             prompts=prompts, n=n, max_tokens=max_tokens, stream=bool(body.get("stream", False)),
             include_usage=isinstance(opts, dict) and bool(opts.get("include_usage")),
             extra_keys=[[salt]] if salt else None,
             report_full=isinstance(xargs, dict) and xargs.get("kv_cache_report_mode") == "full",
-            seed=seed, ignore_eos=bool(body.get("ignore_eos", False)))
+            seed=seed, ignore_eos=bool(body.get("ignore_eos", False)),
+            remote_prefill=bool(kvt.get("do_remote_prefill")), remote_decode=bool(kvt.get("do_remote_decode")))
 
     def _submit(self, parsed: _Parsed, rid: str) -> tuple[list[SimRequest], asyncio.Queue]:
         """One engine request per (prompt, choice), sharing one sink; 400 if one can never fit."""
@@ -222,6 +244,7 @@ class SimServer:
                 reqs.append(SimRequest(request_id=f"{rid}-{index}", prompt_token_ids=prompt,
                                        output_token_ids=out, finish_reason=reason,
                                        extra_keys=parsed.extra_keys, report_full=parsed.report_full,
+                                       remote_prefill=parsed.remote_prefill, remote_decode=parsed.remote_decode,
                                        index=index, sink=sink))
         added = []
         try:
@@ -277,7 +300,15 @@ class SimServer:
         texts = [self.sampler.text(r.output_token_ids[:r.num_output]) for r in reqs]
         reasons = [r.finish_reason for r in reqs]
         build = fmt.chat_completion if chat else fmt.completion
-        return _json(build(rid, self.created, self.model, texts, reasons, self._usage(parsed, reqs)))
+        kvt = self._prefill_params(request, reqs[0]) if parsed.remote_decode and not reqs[0].aborted else None
+        return _json(build(rid, self.created, self.model, texts, reasons, self._usage(parsed, reqs), kvt))
+
+    def _prefill_params(self, request: Request, req: SimRequest) -> dict[str, Any]:
+        """The ``kv_transfer_params`` of a prefill leg's answer (module docstring)."""
+        return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": self.engine_id,
+                "remote_block_ids": req.final_block_ids or [],
+                "remote_host": request.url.hostname or self.cfg.host, "remote_port": self.cfg.port,
+                "remote_request_id": req.request_id, "kvroute_sim_tokens": len(req.prompt_token_ids)}
 
     async def _stream(self, parsed: _Parsed, rid: str, chat: bool, reqs: list[SimRequest],
                       sink: asyncio.Queue, watcher: asyncio.Task):

@@ -6,8 +6,8 @@ import argparse
 
 from simulator.config import (DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS,
                               DEFAULT_NUM_GPU_BLOCKS)
-from simulator.timing import (DEFAULT_DECODE_MS_PER_TOKEN, DEFAULT_PREFILL_MS_PER_TOKEN,
-                              DEFAULT_PREFILL_OVERHEAD_MS, PRESETS)
+from simulator.timing import (DEFAULT_DECODE_MS_PER_TOKEN, DEFAULT_KV_BYTES_PER_TOKEN, DEFAULT_KV_LINK_GBPS,
+                              DEFAULT_PREFILL_MS_PER_TOKEN, DEFAULT_PREFILL_OVERHEAD_MS, PRESETS)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -56,6 +56,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-ms-per-seq", type=float, default=None,
                    help="decode-step cost added by each running sequence beyond the first (default: "
                         "decode-ms-per-token / 64)")
+    p.add_argument("--kv-bytes-per-token", type=float, default=None, metavar="BYTES",
+                   help="P/D: KV bytes of one token, all layers, moved to a decode worker instead of its prefill "
+                        f"(default: the timing preset's, else {DEFAULT_KV_BYTES_PER_TOKEN}, an 8B model in bf16)")
+    p.add_argument("--kv-link-gbps", type=float, default=None, metavar="GBPS",
+                   help=f"P/D: the link a decode worker loads remote KV over, Gb/s; one load at a time "
+                        f"(default {DEFAULT_KV_LINK_GBPS:g})")
     p.add_argument("--speedup", type=float, default=1.0, help="divide all simulated times by this (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the engine hashes and output text (default 0)")
     p.set_defaults(func=_run)

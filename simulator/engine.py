@@ -17,6 +17,19 @@ Each step (one asyncio iteration of :meth:`Engine.run`):
    request receives its next output token.
 
 Output tokens are fixed when a request is made (:mod:`simulator.outputs`); the engine only paces them.
+
+P/D disaggregation (vLLM's protocol, ``kv_transfer_params``):
+
+- ``remote_decode`` (a prefill worker's leg): served as any request; when it finishes, the ids of
+  the blocks that held its prompt are kept in ``final_block_ids`` for the answer's params. The
+  blocks are freed as usual and stay cached (vLLM's prefill side holds them until the decode side
+  has read them; the simulated decode side reads nothing, so nothing is held).
+- ``remote_prefill`` (a decode worker's leg): admitted like any request, but the prompt's uncached
+  full blocks (at most ``(len - 1) // block_size``, so a token is left to compute) are loaded over
+  the worker's link instead of computed: the request waits in ``receiving``, outside the steps, for
+  :meth:`TimingModel.transfer_s` of those tokens (transfers queue on the one link), then joins the
+  running requests with the loaded blocks cached (``BlockStored``) and computes only the rest.
+  ``num_cached_tokens`` counts local hits plus loaded tokens, as vLLM's does.
 """
 from __future__ import annotations
 
@@ -49,6 +62,8 @@ class SimRequest:
     finish_reason: str
     extra_keys: list[Any] | None = None
     report_full: bool = False
+    remote_prefill: bool = False  # load the uncached full prompt blocks instead of computing them
+    remote_decode: bool = False  # a prefill leg: keep the prompt's block ids at the end
     index: int = 0
     sink: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrival_s: float = field(default_factory=time.monotonic)
@@ -62,6 +77,12 @@ class SimRequest:
     block_hashes: list[int] = field(default_factory=list)
     finished: bool = False
     aborted: bool = False
+    # P/D state
+    local_hit_tokens: int = 0  # prefix hit at first admission (the rest of num_cached_tokens came over the link)
+    transferred_tokens: int = 0  # prompt tokens loaded over the link instead of computed
+    transfer_sim_s: float = 0.0  # their transfer time, simulated seconds
+    kv_ready_s: float | None = None  # engine clock time the load completes
+    final_block_ids: list[int] | None = None  # remote_decode: the prompt's block ids at the end
 
     def all_token_ids(self) -> list[int]:
         """Prompt tokens plus the output tokens produced so far."""
@@ -79,6 +100,11 @@ class EngineStats:
     request_success: int = 0
     preemptions: int = 0
     steps: int = 0
+    external_queries_tokens: int = 0  # prompt tokens of requests asking for a remote prefill
+    external_hits_tokens: int = 0  # prompt tokens loaded over the link
+    kv_transfers: int = 0
+    kv_transfer_sim_s: float = 0.0  # simulated seconds of all loads
+    kv_transfer_bytes: float = 0.0
 
 
 @dataclass
@@ -100,6 +126,7 @@ class Engine:
 
     ``publish(events)``: called with each step's KV events (skipped when a step has none).
     ``max_num_batched_tokens``: the token budget of one step (None: unlimited).
+    ``clock``: the time source of KV loads (seconds); :meth:`run` sets it to its event loop's clock.
     """
 
     def __init__(self, pool: BlockPool, timing: TimingModel, max_num_seqs: int, seed: int,
@@ -112,6 +139,9 @@ class Engine:
         self.publish = publish
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
+        self.receiving: list[SimRequest] = []  # admitted, loading their prompt's KV over the link
+        self.clock: Callable[[], float] = time.monotonic
+        self._link_free_s = 0.0  # clock time the link finishes its last queued transfer
         self.stats = EngineStats()
         self._wake = asyncio.Event()
 
@@ -132,8 +162,8 @@ class Engine:
         if req.finished:
             return
         req.finished = req.aborted = True
-        if req in self.running:
-            self.running.remove(req)
+        if req in self.running or req in self.receiving:
+            (self.running if req in self.running else self.receiving).remove(req)
             self.pool.free(req.blocks)
             req.blocks = []
         else:
@@ -155,23 +185,28 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        """Queued requests, those loading remote KV included (vLLM keeps them in its waiting queue)."""
+        return len(self.waiting) + len(self.receiving)
 
     # ---- the loop -----------------------------------------------------------------------------
     async def run(self) -> None:
         """Step forever (cancel to stop); sleeps each step's simulated duration."""
         loop = asyncio.get_running_loop()
+        self.clock = loop.time
         clock = loop.time()
         while True:
-            if not self.running and not self.waiting:
+            if not self.running and not self.waiting and not self.receiving:
                 self._wake.clear()
                 await self._wake.wait()
                 clock = loop.time()
             step = self.schedule()
-            if not step.worked:  # nothing fits yet: wait for an abort or a new request
+            if not step.worked:  # nothing fits yet: wait for an abort, a new request or a KV load
                 self._wake.clear()
+                wait_s = MAX_LAG_S
+                if self.receiving:
+                    wait_s = min(wait_s, max(0.0, min(r.kv_ready_s for r in self.receiving) - loop.time()))
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), MAX_LAG_S)
+                    await asyncio.wait_for(self._wake.wait(), wait_s)
                 continue
             clock = max(clock, loop.time() - MAX_LAG_S) + step.duration_s
             await asyncio.sleep(max(0.0, clock - loop.time()))
@@ -179,6 +214,7 @@ class Engine:
 
     def schedule(self) -> "Step":
         """Start a step: pick the requests, take their blocks, cache newly full blocks."""
+        self._take_received(self.clock())
         scheduled, prefill_tokens, num_prefills, attention = self._schedule()
         num_decodes = sum(1 for r in scheduled if r.num_computed_tokens > r.prefill_target)
         return Step(scheduled, self.timing.step_s(prefill_tokens, num_prefills, num_decodes, attention),
@@ -245,13 +281,16 @@ class Engine:
             self.pool.touch(hit)
             req.blocks = hit + self.pool.allocate(need)
             hit_tokens = len(hit) * bs
-            if req.num_cached_tokens is None:
-                req.num_cached_tokens = hit_tokens
+            first = req.num_cached_tokens is None
+            if first:
+                req.num_cached_tokens = req.local_hit_tokens = hit_tokens
                 self.stats.prefix_cache_queries_tokens += len(tokens)
                 self.stats.prefix_cache_hits_tokens += hit_tokens
             if req.report_full and hit:
                 self.pool.announce(req.block_hashes, tokens, len(hit), req.extra_keys)
             req.num_hashed_blocks = len(hit)
+            if first and req.remote_prefill and self._start_load(req, hit_tokens):
+                continue
             chunk = min(len(tokens) - hit_tokens, budget)
             budget -= chunk
             req.prefill_target = len(tokens)
@@ -264,6 +303,40 @@ class Engine:
             if req.num_computed_tokens == req.prefill_target:
                 scheduled.append(req)
         return scheduled, prefill_tokens, num_prefills, attention
+
+    def _start_load(self, req: SimRequest, hit_tokens: int) -> bool:
+        """Queue the link transfer of ``req``'s uncached full prompt blocks (its blocks are taken);
+        False when there is nothing to load (the request is then computed as any other)."""
+        bs = self.pool.block_size
+        n = len(req.prompt_token_ids)
+        tokens = max(0, (n - 1) // bs * bs - hit_tokens)
+        self.stats.external_queries_tokens += n - hit_tokens
+        if tokens == 0:
+            return False
+        now = self.clock()
+        req.transferred_tokens = tokens
+        req.transfer_sim_s = self.timing.transfer_sim_s(tokens)
+        req.kv_ready_s = self._link_free_s = max(now, self._link_free_s) + self.timing.transfer_s(tokens)
+        req.num_cached_tokens = hit_tokens + tokens
+        req.num_computed_tokens = hit_tokens
+        req.prefill_target = n
+        self.stats.external_hits_tokens += tokens
+        self.stats.kv_transfers += 1
+        self.stats.kv_transfer_sim_s += req.transfer_sim_s
+        self.stats.kv_transfer_bytes += tokens * self.timing.kv_bytes_per_token
+        self.receiving.append(req)
+        return True
+
+    def _take_received(self, now: float) -> None:
+        """Requests whose load has completed by ``now`` join the running ones (while seats are
+        free), their loaded blocks cached, the rest of the prompt left to compute."""
+        for req in [r for r in self.receiving if r.kv_ready_s <= now]:
+            if len(self.running) >= self.max_num_seqs:
+                return
+            self.receiving.remove(req)
+            req.num_computed_tokens = req.local_hit_tokens + req.transferred_tokens
+            self._cache_blocks(req)
+            self.running.append(req)
 
     def _extend_hashes(self, req: SimRequest, tokens: list[int]) -> None:
         have = len(req.block_hashes)
@@ -301,6 +374,9 @@ class Engine:
             req.sink.put_nowait((req.index, token))
             if req.num_output >= len(req.output_token_ids):
                 req.finished = True
+                if req.remote_decode:
+                    req.final_block_ids = [b.block_id for b in
+                                           req.blocks[:-(-len(req.prompt_token_ids) // self.pool.block_size)]]
                 self.running.remove(req)
                 self.pool.free(req.blocks)
                 req.blocks = []

@@ -10,6 +10,8 @@
   chunk follows); with ``stream_options.include_usage`` a final chunk has ``"choices": []``, the
   usage and the fingerprint.
 - Errors: ``{"error": {"message", "type", "param", "code"}}`` (vLLM's ``ErrorResponse``).
+- ``kv_transfer_params``: null, except on a non-streaming answer to a P/D prefill leg
+  (``do_remote_decode``), where it holds what the decode worker needs (:mod:`simulator.app`).
 """
 from __future__ import annotations
 
@@ -45,17 +47,18 @@ def _head(rid: str, obj: str, created: int, model: str) -> dict[str, Any]:
 
 
 def completion(rid: str, created: int, model: str, texts: list[str], reasons: list[str],
-               use: dict[str, Any]) -> dict[str, Any]:
+               use: dict[str, Any], kv_transfer_params: dict[str, Any] | None = None) -> dict[str, Any]:
     """Non-streaming ``/v1/completions`` body; ``texts[i]``/``reasons[i]`` per choice index."""
     body = _head(rid, "text_completion", created, model)
     body["choices"] = [{"index": i, "text": t, "logprobs": None, "finish_reason": r, "stop_reason": None,
                         "prompt_logprobs": None} for i, (t, r) in enumerate(zip(texts, reasons))]
-    body.update(service_tier=None, system_fingerprint=SYSTEM_FINGERPRINT, usage=use, kv_transfer_params=None)
+    body.update(service_tier=None, system_fingerprint=SYSTEM_FINGERPRINT, usage=use,
+                kv_transfer_params=kv_transfer_params)
     return body
 
 
 def chat_completion(rid: str, created: int, model: str, texts: list[str], reasons: list[str],
-                    use: dict[str, Any]) -> dict[str, Any]:
+                    use: dict[str, Any], kv_transfer_params: dict[str, Any] | None = None) -> dict[str, Any]:
     """Non-streaming ``/v1/chat/completions`` body."""
     body = _head(rid, "chat.completion", created, model)
     body["choices"] = [{"index": i, "message": {"role": "assistant", "content": t, "refusal": None,
@@ -64,7 +67,7 @@ def chat_completion(rid: str, created: int, model: str, texts: list[str], reason
                         "logprobs": None, "finish_reason": r, "stop_reason": None}
                        for i, (t, r) in enumerate(zip(texts, reasons))]
     body.update(service_tier=None, system_fingerprint=SYSTEM_FINGERPRINT, usage=use,
-                prompt_logprobs=None, kv_transfer_params=None)
+                prompt_logprobs=None, kv_transfer_params=kv_transfer_params)
     return body
 
 

@@ -16,7 +16,9 @@ def timing_from_args(args: argparse.Namespace) -> TimingModel:
     """The timing model of ``--timing-preset`` (if any) with the single timing flags applied."""
     overrides = {"prefill_overhead_ms": args.prefill_overhead_ms, "prefill_ms_per_token": args.prefill_ms_per_token,
                  "decode_ms_per_token": args.decode_ms_per_token, "decode_ms_per_seq": args.decode_ms_per_seq,
-                 "prefill_ms_per_token_sq": args.prefill_ms_per_token_sq}
+                 "prefill_ms_per_token_sq": args.prefill_ms_per_token_sq,
+                 "kv_bytes_per_token": args.kv_bytes_per_token,
+                 "kv_link_gbps": args.kv_link_gbps}
     if args.timing_preset:
         return preset_timing(args.timing_preset, args.speedup, **overrides)
     return TimingModel(speedup=args.speedup, **{k: v for k, v in overrides.items() if v is not None})
