@@ -2,7 +2,7 @@
 section, and :class:`router.discovery.kubernetes.KubernetesDiscovery` with the real
 ``kubernetes`` client against the fake API server of tests/fake_kube_api.py (list, watch from
 the list's resourceVersion, 410 Gone as an event and as a status, API errors with backoff,
-prompt stop), changing a stand-in gateway that has the real worker registry. The gateway
+prompt stop, role labels), changing a stand-in gateway that has the real worker registry. The gateway
 process itself with discovery on is tests/test_k8s_gateway_e2e.py."""
 from __future__ import annotations
 
@@ -64,6 +64,32 @@ def test_pods_that_do_not_serve(change, state, reason):
     assert (view.state, view.worker) == (state, None) and view.reason.startswith(reason)
 
 
+ROLE = "kvroute.io/role"
+WORKER_LABELS = {"app.kubernetes.io/name": "vllm-worker"}
+
+
+def test_role_label_gives_the_worker_role():
+    assert map_pod(make_pod("p", 8000), k8s_cfg()).worker.role == "both"  # no label: both
+    for role in ("prefill", "decode", "both"):
+        view = map_pod(make_pod("p", 8000, labels={**WORKER_LABELS, ROLE: role}), k8s_cfg())
+        assert view.worker == WorkerConfig(id="p", url="http://127.0.0.1:8000", model="tiny", role=role)
+    # another label name; the default one is then just a label
+    pod = make_pod("p", 8000, labels={**WORKER_LABELS, "example.com/leg": "decode", ROLE: "prefill"})
+    assert map_pod(pod, k8s_cfg(role_label="example.com/leg")).worker.role == "decode"
+    assert map_pod(pod, k8s_cfg(role_label="leg")).worker.role == "both"
+
+
+@pytest.mark.parametrize("value", ["Prefill", "prefiller", "", "decode "])
+def test_bad_role_label_refuses_the_pod(value):
+    pod = make_pod("p", 8000, labels={**WORKER_LABELS, ROLE: value})
+    with pytest.raises(ValueError, match=f"label {ROLE}={value!r} is not one of both, prefill, decode"):
+        map_pod(pod, k8s_cfg())
+    with pytest.raises(ValueError):  # not ready yet: refused all the same (the operator hears early)
+        map_pod(make_pod("p", 8000, ready=False, labels={**WORKER_LABELS, ROLE: value}), k8s_cfg())
+    pod["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"  # going anyway: just gone
+    assert map_pod(pod, k8s_cfg()).state == "gone"
+
+
 def test_named_port_first_container_wins_and_missing_name():
     pod = make_pod("p", 8000)
     pod["spec"]["containers"].append({"name": "agent", "ports": [{"name": "http", "containerPort": 9999},
@@ -79,6 +105,7 @@ def test_discovery_config_validated_with_the_gateway_config():
     cfg = parse_config({**base, "discovery": {"kubernetes": {"label_selector": SELECTOR, "model": "tiny"}}})
     k = cfg.discovery.kubernetes
     assert (k.port, k.scheme, k.events_port, k.namespace, k.not_ready_remove_s) == (8000, "http", None, None, 30.0)
+    assert k.role_label == "kvroute.io/role"
     assert parse_config(base).discovery.kubernetes is None
     bad = [
         ({"label_selector": SELECTOR, "model": "other"}, "is not a model"),
@@ -88,6 +115,9 @@ def test_discovery_config_validated_with_the_gateway_config():
         ({"label_selector": SELECTOR, "model": "tiny", "replay_port": 5558}, "replay_port needs events_port"),
         ({"label_selector": SELECTOR, "model": "tiny", "api_server": "127.0.0.1:8001"}, "api_server"),
         ({"label_selector": "", "model": "tiny"}, "label_selector"),
+        ({"label_selector": SELECTOR, "model": "tiny", "role_label": "kvroute.io/"}, "role_label"),
+        ({"label_selector": SELECTOR, "model": "tiny", "role_label": "Bad_Prefix/role"}, "role_label"),
+        ({"label_selector": SELECTOR, "model": "tiny", "role_label": "x" * 64}, "role_label"),
         ({"label_selector": SELECTOR, "model": "tiny", "namespace_": "x"}, "Extra inputs"),
     ]
     for section, message in bad:
@@ -228,6 +258,39 @@ async def test_not_ready_remove_zero_removes_at_once(fake, discovered):
     fake.put_pod(make_pod("a", 8101, namespace="ns1", ready=False))
     await until(lambda: gw.ids() == set(), what="a removed")
     assert gw.changes == [("add", "a"), ("remove", "a")]
+
+
+async def test_role_label_sets_and_changes_the_role_and_a_bad_one_skips_the_pod(fake, discovered, caplog):
+    fake.put_pod(make_pod("p0", 8101, namespace="ns1", labels={**WORKER_LABELS, ROLE: "prefill"}))
+    fake.put_pod(make_pod("d0", 8102, namespace="ns1", labels={**WORKER_LABELS, ROLE: "decode"}))
+    fake.put_pod(make_pod("x0", 8103, namespace="ns1", labels={**WORKER_LABELS, ROLE: "fast"}))
+    fake.put_pod(make_pod("b0", 8104, namespace="ns1"))
+    d, gw = await discovered()
+    await until(lambda: gw.ids() == {"p0", "d0", "b0"}, what="the well-labelled pods added")
+    assert {r.id: r.role for r in gw.registry.all()} == {"p0": "prefill", "d0": "decode", "b0": "both"}
+    skipped = [r for r in caplog.records if "pod x0 skipped" in r.getMessage()]
+    assert len(skipped) == 1 and skipped[0].levelname == "WARNING" and "kvroute.io/role='fast'" in skipped[0].getMessage()
+
+    reg = gw.registry.get("d0")
+    fake.put_pod(make_pod("d0", 8102, namespace="ns1", labels={**WORKER_LABELS, ROLE: "both"}))
+    await until(lambda: reg.role == "both", what="d0's role changed")
+    assert gw.registry.get("d0") is reg and reg.cfg.role == "both"  # in place: not re-registered
+    assert gw.changes.count(("add", "d0")) == 1
+
+    fake.put_pod(make_pod("p0", 8101, namespace="ns1", labels={**WORKER_LABELS, ROLE: "Prefill"}))
+    await until(lambda: "p0" not in gw.ids(), what="p0 removed once its label turned bad")
+    fake.put_pod(make_pod("p0", 8101, namespace="ns1", labels={**WORKER_LABELS, ROLE: "Prefill", "x": "1"}))
+    # events apply in order: once d0's next change shows, p0's event before it has been applied
+    fake.put_pod(make_pod("d0", 8102, namespace="ns1", labels={**WORKER_LABELS, ROLE: "decode"}))
+    await until(lambda: reg.role == "decode", what="d0's role changed back")
+    assert sum("pod p0 skipped" in r.getMessage() for r in caplog.records) == 1  # warned once per value
+    assert "p0" not in gw.ids()
+    fake.put_pod(make_pod("p0", 8101, namespace="ns1", labels={**WORKER_LABELS, ROLE: "prefill"}))
+    await until(lambda: "p0" in gw.ids(), what="p0 back with a good label")
+    assert gw.registry.get("p0").role == "prefill"
+    fake.put_pod(make_pod("x0", 8103, namespace="ns1", labels={**WORKER_LABELS}))  # label dropped: both
+    await until(lambda: "x0" in gw.ids(), what="x0 added once its label went")
+    assert gw.registry.get("x0").role == "both"
 
 
 async def test_gone_event_relists_and_reconciles(fake, discovered):

@@ -15,6 +15,8 @@ a ``SIGHUP`` reload leaves discovery (and the workers it found) as they are::
         events_port: null            # vLLM's ZMQ KV-event PUB port on the pod IP (number or name);
         replay_port: null            #   null: no embedded subscription (a `kvroute agent` sidecar
                                      #   writes the Redis index instead) / no replay endpoint
+        role_label: kvroute.io/role  # the pod label naming its role: prefill | decode | both
+                                     # (absent: both; another value: the pod is skipped, logged)
         not_ready_remove_s: 30       # a Ready pod that turns not Ready is drained at once and
                                      # removed when still not Ready after this long (0: at once)
         api_server: null             # e.g. http://127.0.0.1:8001 (`kubectl proxy`): no auth;
@@ -34,6 +36,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 # an IANA_SVC_NAME, as a containerPort's ``name`` must be: 1-15 chars, lowercase alphanumerics and
 # '-', at least one letter, no leading, trailing or doubled '-'
 _PORT_NAME = re.compile(r"^(?=.*[a-z])[a-z0-9]([a-z0-9]|-(?!-)){0,14}$")
+# a label key: an optional DNS-subdomain prefix and '/', then a name of 1-63 characters,
+# alphanumerics with '-', '_' or '.' inside
+_LABEL_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$")
+_LABEL_PREFIX = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*$")
+DEFAULT_ROLE_LABEL = "kvroute.io/role"
 
 PortRef = int | str
 
@@ -67,6 +74,7 @@ class KubernetesDiscoveryConfig(BaseModel):
     scheme: str = "http"
     events_port: PortRef | None = None
     replay_port: PortRef | None = None
+    role_label: str = DEFAULT_ROLE_LABEL
     not_ready_remove_s: float = Field(30.0, ge=0)
     api_server: str | None = None
     kubeconfig: str | None = None
@@ -79,6 +87,15 @@ class KubernetesDiscoveryConfig(BaseModel):
     @classmethod
     def _check_ports(cls, v: PortRef | None) -> PortRef | None:
         return _check_port_ref(v)
+
+    @field_validator("role_label")
+    @classmethod
+    def _check_role_label(cls, v: str) -> str:
+        prefix, slash, name = v.rpartition("/")
+        if not _LABEL_NAME.match(name) or (slash and (len(prefix) > 253 or not _LABEL_PREFIX.match(prefix))):
+            raise ValueError(f"role_label must be a label key ([dns-prefix/]name, name 1-63 alphanumerics "
+                             f"and '-', '_', '.'), got {v!r}")
+        return v
 
     @field_validator("scheme")
     @classmethod

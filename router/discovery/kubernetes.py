@@ -29,6 +29,10 @@ What a pod's state does (:func:`router.discovery.pods.map_pod`), worker id = pod
 - **gone** (``DELETED`` event, missing from a re-list, ``deletionTimestamp`` set, phase
   Succeeded/Failed, labels no longer matching): removed with ``Gateway.remove_worker`` at once:
   its index entries are purged and requests in flight on it finish.
+- **skipped** (its role label, ``role_label``, is not prefill, decode or both): a WARNING
+  (once per pod and value), and treated as gone. A Ready pod's role follows its label: a
+  changed label changes the worker's role in place (no re-registration; its index entries and
+  counts stay); a role set through the admin API holds until the pod's next change.
 
 Only workers discovery added are touched: a configured or admin-added worker with a pod's name
 is left alone (logged). An operator's drain of a discovered worker is kept (discovery undrains
@@ -118,6 +122,7 @@ class KubernetesDiscovery:
         self._drained: set[str] = set()  # of those, the ones discovery drained
         self._not_ready_since: dict[str, float] = {}  # monotonic s a registered pod turned not Ready
         self._conflicts: set[str] = set()  # pod names taken by a worker discovery does not own
+        self._skipped: dict[str | None, str] = {}  # pod name -> why map_pod refused it (warned once)
         # counters for state(); written by the thread (ints: one writer each, atomic enough)
         self.lists = 0
         self.watches = 0
@@ -296,6 +301,9 @@ class KubernetesDiscovery:
             view = self._view(pod)
             if view is not None:
                 views[view.name] = view
+        listed = {(pod.get("metadata") or {}).get("name") for pod in pods}
+        for name in [n for n in self._skipped if n not in listed]:
+            del self._skipped[name]
         for name in sorted((set(self._pods) | self._owned) - set(views)):
             self._pods.pop(name, None)
             await self._remove(name, "not in the pod list any more")
@@ -309,19 +317,29 @@ class KubernetesDiscovery:
             except ValueError:
                 return
             self._pods.pop(name, None)
+            self._skipped.pop(name, None)
             await self._remove(name, "pod deleted")
             return
         view = self._view(pod)
         if view is not None:
             await self._apply(view)
+            return
+        name = (pod.get("metadata") or {}).get("name")
+        if isinstance(name, str) and name:  # skipped (a bad role label): as gone
+            self._pods.pop(name, None)
+            await self._remove(name, f"skipped: {self._skipped.get(name)}")
 
     def _view(self, pod: dict[str, Any]) -> PodView | None:
+        name = (pod.get("metadata") or {}).get("name")
         try:
-            return map_pod(pod, self.cfg)
+            view = map_pod(pod, self.cfg)
         except ValueError as exc:  # pydantic's ValidationError is one
-            log.warning("kubernetes discovery: pod %s skipped: %s",
-                        (pod.get("metadata") or {}).get("name"), exc)
+            if self._skipped.get(name) != str(exc):
+                log.warning("kubernetes discovery: pod %s skipped: %s", name, exc)
+            self._skipped[name] = str(exc)
             return None
+        self._skipped.pop(name, None)
+        return view
 
     async def _apply(self, view: PodView) -> None:
         before = self._pods.get(view.name)
@@ -347,6 +365,10 @@ class KubernetesDiscovery:
                 log.warning("kubernetes discovery: pod %s is Ready but a worker of that id was configured "
                             "or added by hand; left alone", name)
             return
+        if reg is not None and reg.role != wcfg.role and reg.cfg.model_copy(update={"role": wcfg.role}) == wcfg:
+            log.info("kubernetes discovery: pod %s: role %s -> %s (its %s label)", name, reg.role, wcfg.role,
+                     self.cfg.role_label)
+            reg.set_role(wcfg.role)
         if reg is not None and reg.cfg == wcfg:
             if name in self._drained:
                 self._drained.discard(name)

@@ -6,7 +6,8 @@ lists and watches. A pod is
 - ``ready``: phase Running (or unset), not being deleted, condition ``Ready=True``, a pod IP and
   every configured port resolved: it is the worker ``WorkerConfig(id=<pod name>,
   url=<scheme>://<pod IP>:<port>, model, events=tcp://<pod IP>:<events_port>,
-  replay=tcp://<pod IP>:<replay_port>)`` (events/replay only when configured);
+  replay=tcp://<pod IP>:<replay_port>, role=<the pod's role label>)`` (events/replay only when
+  configured; role ``both`` when the pod has no ``role_label`` label);
 - ``not_ready``: alive but not serving (starting, readiness probe failing, no IP yet, or a named
   port its containers do not declare);
 - ``gone``: being deleted (``metadata.deletionTimestamp`` set) or finished (phase Succeeded or
@@ -15,13 +16,17 @@ lists and watches. A pod is
 Port fields of the config take a number (used as is) or a containerPort ``name`` looked up in the
 pod's ``spec.containers[*].ports`` (first match in container order), so pods may publish different
 port numbers under one name.
+
+A pod whose role label is not ``prefill``, ``decode`` or ``both`` is no worker at all
+(:func:`map_pod` raises ValueError; discovery skips it with a warning): serving it as ``both``
+would send whole requests to a pod its operator meant for one leg.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from router.config import WorkerConfig
+from router.config import WORKER_ROLES, WorkerConfig
 from router.discovery.config import KubernetesDiscoveryConfig, PortRef
 
 PodState = Literal["ready", "not_ready", "gone"]
@@ -61,6 +66,17 @@ def resolve_port(pod: dict[str, Any], ref: PortRef) -> int | None:
     return None
 
 
+def pod_role(pod: dict[str, Any], label: str) -> str:
+    """The pod's role from its ``label`` label (``both`` when absent). Raises ValueError when
+    the value is not one of ``prefill``, ``decode``, ``both``."""
+    value = ((pod.get("metadata") or {}).get("labels") or {}).get(label)
+    if value is None:
+        return "both"
+    if value not in WORKER_ROLES:
+        raise ValueError(f"label {label}={value!r} is not one of {', '.join(WORKER_ROLES)}")
+    return value
+
+
 def _is_ready(status: dict[str, Any]) -> bool:
     for cond in status.get("conditions") or []:
         if cond.get("type") == "Ready":
@@ -74,8 +90,8 @@ def _host(ip: str) -> str:
 
 def map_pod(pod: dict[str, Any], cfg: KubernetesDiscoveryConfig) -> PodView:
     """The gateway's view of ``pod`` (a Pod as the API serves it in JSON: ``metadata``, ``spec``,
-    ``status``) under ``cfg``. Raises ValueError when the pod has no name, or its name cannot be
-    a worker id."""
+    ``status``) under ``cfg``. Raises ValueError when the pod has no name, its name cannot be
+    a worker id, or its role label is bad (:func:`pod_role`; not checked on a pod that is gone)."""
     name = pod_name(pod)
     meta = pod.get("metadata") or {}
     status = pod.get("status") or {}
@@ -89,6 +105,7 @@ def map_pod(pod: dict[str, Any], cfg: KubernetesDiscoveryConfig) -> PodView:
     phase = status.get("phase")
     if phase in ("Succeeded", "Failed"):
         return view("gone", f"phase {phase}")
+    role = pod_role(pod, cfg.role_label)
     if phase not in (None, "Running"):
         return view("not_ready", f"phase {phase}")
     if not _is_ready(status):
@@ -110,5 +127,5 @@ def map_pod(pod: dict[str, Any], cfg: KubernetesDiscoveryConfig) -> PodView:
     events = f"tcp://{host}:{ports['events_port']}" if ports["events_port"] else None
     replay = f"tcp://{host}:{ports['replay_port']}" if ports["replay_port"] else None
     worker = WorkerConfig(id=name, url=f"{cfg.scheme}://{host}:{ports['port']}", model=cfg.model,
-                          events=events, replay=replay)
+                          events=events, replay=replay, role=role)
     return view("ready", "", worker)
