@@ -53,11 +53,13 @@ def vllm_argv(args: argparse.Namespace, port: int, events_cfg: dict) -> list[str
     return argv + shlex.split(args.vllm_args or "")
 
 
-def tier_argv_env(args: argparse.Namespace, i: int, agent_socket: str | None = None) -> tuple[list[str], dict[str, str]]:
+def tier_argv_env(args: argparse.Namespace, i: int, agent_socket: str | None = None,
+                  worker_id: str | None = None) -> tuple[list[str], dict[str, str]]:
     """The tiers' part of vLLM worker ``i``'s launch: ``--kv-transfer-config`` loading our KV
     connector (offload_agent/connector) with ``--cpu-tier-bytes`` of RAM and, when
-    ``--ssd-tier-dir`` is given, ``--ssd-tier-bytes`` of block files in ``<dir>/w<i>`` (one folder
-    per worker: two servers sharing a folder would evict each other's files), plus the
+    ``--ssd-tier-dir`` is given, ``--ssd-tier-bytes`` of block files in ``<dir>/<worker_id>``
+    (default ``w<i>``; one folder per worker: two servers sharing a folder would evict each
+    other's files), plus the
     ``PYTHONPATH`` vLLM needs to import the connector. ``agent_socket``: the worker's agent owns
     the tiers (same sizes; the connector falls back to these local tiers when the agent is
     absent). ``--tier-option KEY=VALUE`` flags (``args.tier_option``, when present) set the
@@ -67,7 +69,7 @@ def tier_argv_env(args: argparse.Namespace, i: int, agent_socket: str | None = N
         return [], {}
     from offload_agent.connector.config import kv_transfer_config, vllm_env as connector_env
 
-    cfg = kv_transfer_config(args.cpu_tier_bytes, ssd_tier_folder(args, i), args.ssd_tier_bytes or 0,
+    cfg = kv_transfer_config(args.cpu_tier_bytes, ssd_tier_folder(args, i, worker_id), args.ssd_tier_bytes or 0,
                              agent_socket=agent_socket, **tier_options(getattr(args, "tier_option", None) or []))
     return ["--kv-transfer-config", json.dumps(cfg)], connector_env()
 
@@ -90,38 +92,41 @@ def tier_options(pairs: list[str]) -> dict[str, float]:
     return out
 
 
-def ssd_tier_folder(args: argparse.Namespace, i: int) -> Path | None:
-    """Worker ``i``'s SSD tier folder: ``<--ssd-tier-dir>/w<i>``, None without the flag."""
-    return Path(args.ssd_tier_dir) / f"w{i}" if args.ssd_tier_dir else None
+def ssd_tier_folder(args: argparse.Namespace, i: int, worker_id: str | None = None) -> Path | None:
+    """Worker ``i``'s SSD tier folder: ``<--ssd-tier-dir>/<worker_id>`` (default ``w<i>``), None
+    without the flag."""
+    return Path(args.ssd_tier_dir) / (worker_id or f"w{i}") if args.ssd_tier_dir else None
 
 
-def agent_tier_argv(args: argparse.Namespace, i: int, socket_path: str, shm_path: str) -> list[str]:
+def agent_tier_argv(args: argparse.Namespace, i: int, socket_path: str, shm_path: str,
+                    worker_id: str | None = None) -> list[str]:
     """``kvroute agent`` flags making worker ``i``'s agent the owner of its tiers, serving its
     blocks to peers on a free loopback port and removing the CPU tier file when it stops."""
     argv = ["--tier-socket", socket_path, "--tier-shm", shm_path, "--cpu-tier-bytes", str(args.cpu_tier_bytes),
             "--serve-peers", "127.0.0.1:0", "--remove-tiers-on-exit"]
-    ssd = ssd_tier_folder(args, i)
+    ssd = ssd_tier_folder(args, i, worker_id)
     if ssd is not None:
         argv += ["--ssd-tier-dir", str(ssd.resolve()), "--ssd-tier-bytes", str(args.ssd_tier_bytes)]
     return argv
 
 
 def agent_argv(args: argparse.Namespace, i: int, events: str, replay: str, gateway_url: str,
-               socket_path: str | None, shm_path: str) -> list[str]:
-    """``kvroute agent`` command line of worker ``i`` (id ``w<i>``). With a Redis ``--index``: its
+               socket_path: str | None, shm_path: str, worker_id: str | None = None) -> list[str]:
+    """``kvroute agent`` command line of worker ``i`` (id ``worker_id``, default ``w<i>``: the
+    gateway's id of the worker, which its peers' P/D params and pulls name). With a Redis ``--index``: its
     KV events (``events``, ``replay``) into Redis, and its tiers when ``socket_path`` is given.
     With the embedded index (``--index memory``): only the owner of its tiers (``socket_path``
     required), the gateway at ``gateway_url`` as its index (the gateway subscribes to the events
     itself; the agent reads the admin token from ``KVROUTE_ADMIN_TOKEN``). Raises ValueError for
     the embedded index without ``socket_path`` (such an agent would have nothing to do)."""
-    common = ["--worker-id", f"w{i}", "--model", args.served_model_name, "--block-size", str(args.block_size)]
+    common = ["--worker-id", worker_id or f"w{i}", "--model", args.served_model_name, "--block-size", str(args.block_size)]
     if args.index == "memory":
         if socket_path is None:
             raise ValueError("with the embedded index an agent only owns the tiers: it needs a tier socket")
         argv = kvroute_argv("agent", *common, "--index", gateway_url)
     else:
         argv = kvroute_argv("agent", *common, "--events", events, "--replay", replay, "--index", args.index)
-    return argv + (agent_tier_argv(args, i, socket_path, shm_path) if socket_path else [])
+    return argv + (agent_tier_argv(args, i, socket_path, shm_path, worker_id) if socket_path else [])
 
 
 def _cpu_slices(n_workers: int) -> list[str]:

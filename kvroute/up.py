@@ -1,6 +1,9 @@
 """``kvroute up``: the main job on one host.
 
-Starts N workers (``kvroute sim`` processes, or real vLLM OpenAI servers run by the interpreter
+Starts N workers (``--workers N``, ids ``w0``..; or a prefill-decode cluster, ``--prefill-workers P
+--decode-workers D``: ids ``p0``.. with role ``prefill`` and ``d0``.. with role ``decode``, the
+gateway's ``policy.pd`` on; with ``--engine vllm`` the KV moves through our connector and the
+agents, so that needs ``--cpu-tier-bytes``) (``kvroute sim`` processes, or real vLLM OpenAI servers run by the interpreter
 ``--vllm-python`` with prefix caching, ZMQ KV events + replay, prompt-token details and the given
 block size), one offload agent per worker when the index is Redis (it writes the worker's KV
 events there) or when vLLM workers have CPU/SSD tiers, and the gateway (``kvroute serve``) on
@@ -294,9 +297,38 @@ class _LiveReadyView:
                   file=self.out, flush=True)
 
 
+@dataclass(frozen=True)
+class WorkerPlan:
+    """One worker ``up`` starts: ``id`` (the gateway's and its agent's worker id), ``index``
+    among all the workers (its sim seed, its slice of the cores or its GPU) and ``role``."""
+
+    id: str
+    index: int
+    role: str = "both"
+
+
+def plan_workers(args: argparse.Namespace) -> list[WorkerPlan]:
+    """The workers to start: ``w0``.. (``--workers N``, role ``both``), or ``p0``.. (role
+    ``prefill``) then ``d0``.. (role ``decode``) for ``--prefill-workers P --decode-workers D``."""
+    if is_pd(args):
+        return ([WorkerPlan(f"p{i}", i, "prefill") for i in range(args.prefill_workers)]
+                + [WorkerPlan(f"d{i}", args.prefill_workers + i, "decode") for i in range(args.decode_workers)])
+    return [WorkerPlan(f"w{i}", i) for i in range(args.workers)]
+
+
+def is_pd(args: argparse.Namespace) -> bool:
+    """True for a prefill-decode cluster (``--prefill-workers``/``--decode-workers`` given)."""
+    return getattr(args, "prefill_workers", None) is not None
+
+
 def gateway_config(args: argparse.Namespace, workers: list[dict], port: int) -> dict:
-    """The gateway config (DESIGN.md schema) for the cluster ``up`` starts."""
+    """The gateway config (DESIGN.md schema) for the cluster ``up`` starts; a prefill-decode
+    cluster's workers carry their ``role`` (``workers`` entries as given) and its policy has
+    ``pd: {enabled: true}`` (every model)."""
     index = {"backend": "memory"} if args.index == "memory" else {"backend": "redis", "url": args.index}
+    policy: dict = {"name": args.policy}
+    if is_pd(args):
+        policy["pd"] = {"enabled": True}
     return {
         "listen": {"host": args.host, "port": port},
         "admin": {"token_env": "KVROUTE_ADMIN_TOKEN"},
@@ -304,7 +336,7 @@ def gateway_config(args: argparse.Namespace, workers: list[dict], port: int) -> 
                     "block_size": args.block_size}],
         "index": index,
         "workers": workers,
-        "policy": {"name": args.policy},
+        "policy": policy,
         # stopped first on the way down: its requests in flight finish while the workers still run
         "timeouts": {"shutdown_grace_s": GATEWAY_GRACE_S},
     }
@@ -333,9 +365,10 @@ def run(args: argparse.Namespace) -> int:
     base = f"http://{args.host if args.host != '0.0.0.0' else '127.0.0.1'}:{args.port}"
     try:
         workers = []
-        ports = free_ports(3 * args.workers)
-        for i in range(args.workers):
-            wid = f"w{i}"
+        plan = plan_workers(args)
+        ports = free_ports(3 * len(plan))
+        for w in plan:
+            wid, i = w.id, w.index
             port, ev_port, replay_port = ports[3 * i:3 * i + 3]
             events_cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
                           "endpoint": f"tcp://*:{ev_port}",
@@ -347,23 +380,25 @@ def run(args: argparse.Namespace) -> int:
             agent_socket = str(log_dir / f"{wid}-tiers.sock") if owned else None
             if args.index != "memory" or owned:
                 cluster.start(f"agent-{wid}", agent_argv(
-                    args, i, events, replay, base, agent_socket, f"/dev/shm/kvroute-tier-{os.getpid()}-{wid}"),
-                    log_dir)
+                    args, i, events, replay, base, agent_socket, f"/dev/shm/kvroute-tier-{os.getpid()}-{wid}",
+                    wid), log_dir)
             if args.engine == "vllm":
-                argv, env = vllm_argv(args, port, events_cfg), vllm_env(i, args.workers)
-                tier_args, tier_env = tier_argv_env(args, i, agent_socket)
+                argv, env = vllm_argv(args, port, events_cfg), vllm_env(i, len(plan))
+                tier_args, tier_env = tier_argv_env(args, i, agent_socket, wid)
                 argv, env = argv + tier_args, {**env, **tier_env}
             else:
                 argv, env = sim_argv(args, i, port, events_cfg), None
             url = f"http://127.0.0.1:{port}"
             cluster.start(wid, argv, log_dir, url + "/health", env)
             workers.append({"id": wid, "url": url, "model": args.served_model_name,
-                            "events": events, "replay": replay})
+                            "events": events, "replay": replay, **({"role": w.role} if is_pd(args) else {})})
         cfg_path = log_dir / "gateway.yaml"
         gw_workers = workers if args.index == "memory" else [
             {k: v for k, v in w.items() if k not in ("events", "replay")} for w in workers]
         cfg_path.write_text(json.dumps(gateway_config(args, gw_workers, args.port), indent=2))
-        print(f"[kvroute up] starting {args.workers} {args.engine} worker(s), then the gateway; logs in {log_dir}",
+        what = (f"{args.prefill_workers} prefill + {args.decode_workers} decode" if is_pd(args)
+                else str(len(plan)))
+        print(f"[kvroute up] starting {what} {args.engine} worker(s), then the gateway; logs in {log_dir}",
               file=out, flush=True)
         start = time.monotonic()
         _wait_ready(cluster, args.ready_timeout_s, out)
@@ -371,7 +406,7 @@ def run(args: argparse.Namespace) -> int:
         cluster.start("gateway", kvroute_argv("serve", "--config", str(cfg_path), "--processes", str(getattr(args, "processes", 1))),
                       log_dir, base + "/health")
         _wait_ready(cluster, args.ready_timeout_s, out)
-        while not _gateway_sees_workers(base, args.workers):  # health hysteresis: a few seconds
+        while not _gateway_sees_workers(base, len(plan)):  # health hysteresis: a few seconds
             dead = cluster.dead_child()
             if dead is not None:
                 raise RuntimeError(f"{dead.name} exited with {dead.popen.returncode}:\n{_tail(dead.log_path)}")
@@ -405,7 +440,12 @@ def register(subparsers) -> None:
     """Add the ``up`` subcommand."""
     p = subparsers.add_parser("up", help="run N workers, their agents and the gateway on this host",
                               description=__doc__.split("\n\n")[0])
-    p.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")
+    p.add_argument("--workers", type=int, default=None, help="number of workers, ids w0.. (default 2)")
+    p.add_argument("--prefill-workers", type=int, default=None, metavar="P",
+                   help="prefill-decode cluster (with --decode-workers, instead of --workers): P prefill "
+                        "workers p0.. and the gateway's P/D on; --engine vllm needs --cpu-tier-bytes")
+    p.add_argument("--decode-workers", type=int, default=None, metavar="D",
+                   help="prefill-decode cluster: D decode workers d0.. (with --prefill-workers)")
     p.add_argument("--engine", choices=["sim", "vllm"], default="sim",
                    help="worker engine: simulated (default) or real vLLM run by --vllm-python")
     p.add_argument("--model", required=True, help="model directory (HF tokenizer + chat template)")
@@ -442,7 +482,22 @@ def register(subparsers) -> None:
     def func(args: argparse.Namespace) -> int:
         if args.served_model_name is None:
             args.served_model_name = Path(args.model).name
-        if args.workers < 1:
+        pd_flags = (args.prefill_workers, args.decode_workers)
+        if any(v is not None for v in pd_flags):
+            if args.workers is not None:
+                p.error("--workers and --prefill-workers/--decode-workers are exclusive "
+                        "(a P/D cluster's size is P + D)")
+            if None in pd_flags:
+                p.error("--prefill-workers and --decode-workers go together")
+            if min(pd_flags) < 1:
+                p.error("--prefill-workers and --decode-workers must be >= 1")
+            if args.engine == "vllm" and not args.cpu_tier_bytes:
+                p.error("--engine vllm with --prefill-workers/--decode-workers moves the KV through kvroute's "
+                        "connector and one agent per worker: give --cpu-tier-bytes N (RAM per worker for the "
+                        "tier the prefill side keeps the prompt's blocks in and the decode side loads them into)")
+        elif args.workers is None:
+            args.workers = 2
+        elif args.workers < 1:
             p.error("--workers must be >= 1")
         if args.ready_timeout_s is None:
             args.ready_timeout_s = 900.0 if args.engine == "vllm" else 300.0

@@ -182,6 +182,69 @@ def test_up_rejects_incomplete_tier_flags(tmp_path, flags, message):
     assert message in done.stderr
 
 
+def test_up_pd_plans_prefill_then_decode_workers_and_a_pd_gateway_config(tmp_path):
+    """--prefill-workers P --decode-workers D: ids p0.., d0.., indices over all (seeds, core
+    slices), roles in the gateway config, policy.pd on. --workers N: w0.., no roles, no pd
+    (today's config)."""
+    from kvroute.cli import build_parser
+    from kvroute.up import WorkerPlan, gateway_config, plan_workers
+
+    def parse(*flags: str):
+        return build_parser().parse_args(["up", "--model", str(tmp_path), "--served-model-name", "m", *flags])
+
+    args = parse("--prefill-workers", "2", "--decode-workers", "3", "--policy", "kv_aware")
+    plan = plan_workers(args)
+    assert plan == [WorkerPlan("p0", 0, "prefill"), WorkerPlan("p1", 1, "prefill"), WorkerPlan("d0", 2, "decode"),
+                    WorkerPlan("d1", 3, "decode"), WorkerPlan("d2", 4, "decode")]
+    entries = [{"id": w.id, "url": f"http://127.0.0.1:{9000 + w.index}", "model": "m", "role": w.role} for w in plan]
+    cfg = gateway_config(args, entries, 8000)
+    assert cfg["policy"] == {"name": "kv_aware", "pd": {"enabled": True}}
+    assert [(w["id"], w["role"]) for w in cfg["workers"]] == [("p0", "prefill"), ("p1", "prefill"),
+                                                              ("d0", "decode"), ("d1", "decode"), ("d2", "decode")]
+
+    plain = parse("--workers", "3")
+    assert plan_workers(plain) == [WorkerPlan("w0", 0), WorkerPlan("w1", 1), WorkerPlan("w2", 2)]
+    entries = [{"id": w.id, "url": f"http://127.0.0.1:{9000 + w.index}", "model": "m"} for w in plan_workers(plain)]
+    cfg = gateway_config(plain, entries, 8000)
+    assert cfg["policy"] == {"name": "ttft"} and all("role" not in w for w in cfg["workers"])
+
+
+def test_up_pd_vllm_agents_and_tier_folders_are_named_after_the_worker(tmp_path):
+    """With --engine vllm a P/D cluster's agents take the gateway's worker ids (the prefill side's
+    params name its agent's id, the decode side pulls from it), and each gets its own SSD folder."""
+    from kvroute.cli import build_parser
+    from kvroute.engines import agent_argv, tier_argv_env
+
+    args = build_parser().parse_args([
+        "up", "--engine", "vllm", "--vllm-python", "/opt/vllm/bin/python", "--model", str(tmp_path),
+        "--served-model-name", "m", "--block-size", "16", "--prefill-workers", "1", "--decode-workers", "1",
+        "--cpu-tier-bytes", str(1 << 20), "--ssd-tier-dir", str(tmp_path / "ssd"), "--ssd-tier-bytes", str(1 << 22)])
+    argv = agent_argv(args, 1, "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558", "http://127.0.0.1:8000",
+                      "/run/d0.sock", "/dev/shm/t-d0", "d0")
+    assert argv[argv.index("--worker-id") + 1] == "d0"
+    assert argv[argv.index("--ssd-tier-dir") + 1] == str((tmp_path / "ssd" / "d0").resolve())
+    assert argv[argv.index("--serve-peers") + 1] == "127.0.0.1:0"  # the decode side pulls from it
+    tier_args, _ = tier_argv_env(args, 0, "/run/p0.sock", "p0")
+    extra = json.loads(tier_args[1])["kv_connector_extra_config"]
+    assert extra["ssd_tier_dir"] == str((tmp_path / "ssd" / "p0").resolve())
+    assert extra["agent_socket"] == str(Path("/run/p0.sock").resolve())
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--workers", "2", "--prefill-workers", "1", "--decode-workers", "1"], "are exclusive"),
+    (["--prefill-workers", "1"], "go together"),
+    (["--decode-workers", "2"], "go together"),
+    (["--prefill-workers", "0", "--decode-workers", "1"], "must be >= 1"),
+    (["--engine", "vllm", "--vllm-python", sys.executable, "--prefill-workers", "1", "--decode-workers", "1"],
+     "give --cpu-tier-bytes N"),
+])
+def test_up_rejects_bad_pd_flags(tmp_path, flags, message):
+    done = subprocess.run(kvroute_argv("up", "--model", str(tmp_path), *flags),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert message in done.stderr
+
+
 def test_up_agent_command_lines_follow_the_index(tmp_path):
     """With a Redis index an agent writes its worker's events there; with the embedded index (and
     tiers) it only owns the tiers and uses the gateway as its index."""
