@@ -9,7 +9,9 @@ before and after, stop the router. The workers run through the whole rig, so eve
 same engines; only their caches are reset.
 
 Routers are named ``kvroute:<policy>`` (a gateway started with ``kvroute serve``, its embedded index
-fed by the workers' KV events; ``<policy>`` a policy name or a label given by ``--policy-config``)
+fed by the workers' KV events; ``<policy>`` a policy name or a label given by ``--policy-config``),
+``kvroute-pd:<policy>`` (the same gateway with the workers' roles from ``RigSpec.roles`` and
+``policy.pd`` on: prefill-decode disaggregation, vLLM's ``kv_transfer_params`` protocol)
 or a key of :data:`kvroute.bench.peers.PEERS` (peers that are not installed are skipped, and said so).
 """
 from __future__ import annotations
@@ -59,6 +61,16 @@ class RigSpec:
     ready_timeout_s: float = 900.0
     gateway_processes: int = 1  # kvroute serve --processes for every kvroute target
     reset_tiers: bool = False  # the workers have CPU tiers: empty them too between routers
+    roles: list[str] | None = None  # P/D: worker i's role (prefill | decode) for kvroute-pd targets
+    pd_policy: dict[str, Any] = field(default_factory=dict)  # P/D: policy.pd besides enabled (min_prefill_tokens)
+
+
+KVROUTE_PREFIXES = ("kvroute:", "kvroute-pd:")
+
+
+def is_kvroute(name: str) -> bool:
+    """True for a router the rig runs as a kvroute gateway (unified or P/D)."""
+    return name.startswith(KVROUTE_PREFIXES)
 
 
 WARM_UP_REQUESTS = 8  # per worker, two at a time
@@ -108,8 +120,9 @@ def start_workers(spec: RigSpec, cluster: Cluster) -> list[RigWorker]:
 
 
 def kvroute_launch(spec: RigSpec, policy: dict[str, Any], port: int, workers: list[RigWorker],
-                   label: str) -> RouterLaunch:
-    """A ``kvroute serve`` gateway in front of ``workers`` with ``policy`` (embedded index)."""
+                   label: str, roles: list[str] | None = None) -> RouterLaunch:
+    """A ``kvroute serve`` gateway in front of ``workers`` with ``policy`` (embedded index);
+    ``roles``: worker i's role (the config's ``role``), None for every worker ``both``."""
     cfg = {
         "listen": {"host": "127.0.0.1", "port": port},
         "admin": {"token_env": ADMIN_TOKEN_ENV},
@@ -117,7 +130,7 @@ def kvroute_launch(spec: RigSpec, policy: dict[str, Any], port: int, workers: li
                     "block_size": spec.block_size}],
         "index": {"backend": "memory"},
         "workers": [{"id": w.id, "url": w.url, "model": spec.served_model_name, "events": w.events,
-                     "replay": w.replay} for w in workers],
+                     "replay": w.replay, **({"role": roles[i]} if roles else {})} for i, w in enumerate(workers)],
         "policy": policy,
         "routing": {"decisions_kept": RIG_DECISIONS_KEPT},
     }
@@ -162,7 +175,8 @@ def kvroute_note(metrics_text: str) -> dict[str, Any]:
     (``kvroute_predicted_cached_tokens`` / ``kvroute_actual_cached_tokens`` sums, and the mean
     absolute error per request from ``kvroute_cached_tokens_error_tokens``), decisions that went
     past the longest prefix holder by reason (``kvroute_route_off_longest_prefix_total``), and
-    the mean observed / predicted TTFT (``kvroute_ttft_prediction_ratio``)."""
+    the mean observed / predicted TTFT (``kvroute_ttft_prediction_ratio``), and P/D requests by
+    outcome (``kvroute_pd_requests_total``: split, whole, prefill_failed; empty without P/D)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     reasons: dict[str, float] = {}
@@ -177,6 +191,11 @@ def kvroute_note(metrics_text: str) -> dict[str, Any]:
                 off_longest[label] = off_longest.get(label, 0) + smp.value
             elif smp.name.endswith(("_sum", "_count")) and smp.name.startswith("kvroute_"):
                 sums[smp.name] = sums.get(smp.name, 0.0) + smp.value
+    pd = {}
+    for fam in text_string_to_metric_families(metrics_text):
+        for smp in fam.samples:
+            if smp.name == "kvroute_pd_requests_total":
+                pd[smp.labels.get("outcome", "")] = pd.get(smp.labels.get("outcome", ""), 0) + int(smp.value)
     n = sums.get("kvroute_cached_tokens_error_tokens_count", 0.0)
     ratio_n = sums.get("kvroute_ttft_prediction_ratio_count", 0.0)
     return {"decisions_by_reason": {k: int(v) for k, v in sorted(reasons.items())},
@@ -186,7 +205,20 @@ def kvroute_note(metrics_text: str) -> dict[str, Any]:
             "predicted_cached_tokens": int(sums.get("kvroute_predicted_cached_tokens_sum", 0)),
             "reported_cached_tokens": int(sums.get("kvroute_actual_cached_tokens_sum", 0)),
             "reported_requests": int(sums.get("kvroute_actual_cached_tokens_count", 0)),
+            "pd_requests_by_outcome": dict(sorted(pd.items())),
             "cached_tokens_mae": sums.get("kvroute_cached_tokens_error_tokens_sum", 0.0) / n if n else None}
+
+
+def pd_share(by_outcome: dict[str, int]) -> dict[str, Any]:
+    """The split of a P/D run's requests from the gateway's ``kvroute_pd_requests_total`` counts
+    by outcome: ``{"split", "whole", "prefill_failed", "split_share", "describe"}`` (share of
+    split requests among all counted, None when none was counted)."""
+    counts = {k: int(by_outcome.get(k, 0)) for k in ("split", "whole", "prefill_failed")}
+    total = sum(counts.values())
+    share = counts["split"] / total if total else None
+    text = (f"{counts['split']} split, {counts['whole']} whole, {counts['prefill_failed']} prefill failed"
+            + (f" ({share:.0%} split)" if share is not None else " (no P/D counter: the gateway has no P/D path?)"))
+    return {**counts, "split_share": share, "describe": text}
 
 
 def save_decisions(decisions: list[dict[str, Any]], log_dir: Path, name: str) -> Path:
@@ -202,9 +234,14 @@ def save_decisions(decisions: list[dict[str, Any]], log_dir: Path, name: str) ->
 
 def launch_router(name: str, spec: RigSpec, workers: list[RigWorker], port: int) -> RouterLaunch:
     """The launch of router ``name`` (module docstring). Raises KeyError for an unknown name."""
-    if name.startswith("kvroute:"):
+    if is_kvroute(name):
         label = name.split(":", 1)[1]
         policy = spec.policy_configs.get(label, {"name": label})
+        if name.startswith("kvroute-pd:"):
+            if not spec.roles:
+                raise ValueError(f"{name} needs worker roles (bench rig --pd P:D)")
+            policy = {**policy, "pd": {**spec.pd_policy, "enabled": True}}
+            return kvroute_launch(spec, policy, port, workers, name, spec.roles)
         return kvroute_launch(spec, policy, port, workers, name)
     return PEERS[name].launch(port, workers, spec.model_dir, spec.served_model_name, spec.block_size)
 
@@ -219,12 +256,12 @@ def run_router(name: str, spec: RigSpec, workers: list[RigWorker], workload: Wor
                           launch.base_url + launch.ready_path, launch.env)
     try:
         _wait_ready(cluster, ROUTER_READY_TIMEOUT_S, sys.stderr)
-        if name.startswith("kvroute:"):
+        if is_kvroute(name):
             _wait_until(lambda: _kvroute_ready(launch.base_url, len(workers)), ROUTER_READY_TIMEOUT_S,
                         f"{name} seeing every worker healthy")
         for w in workers:
             worker_http.reset_prefix_cache(w.url, spec.served_model_name, external=spec.reset_tiers)
-        if name.startswith("kvroute:"):
+        if is_kvroute(name):
             _wait_until(lambda: _index_empty(launch.base_url), INDEX_CLEAR_TIMEOUT_S, f"{name}'s index emptied")
         worker_ids = {w.id for w in workers}
         worker_pids = [c.popen.pid for c in cluster.children if c.name in worker_ids]
@@ -232,7 +269,7 @@ def run_router(name: str, spec: RigSpec, workers: list[RigWorker], workload: Wor
         meter.start()
         result = run_target(Target(name, launch.base_url), workload, settings)
         result["cpu"] = cpu_report(meter.stop(), result["requests"], result["duration_s"])
-        if name.startswith("kvroute:"):
+        if is_kvroute(name):
             ok = result["requests"] - result["errors"]
             # the gateway books a request's usage as its stream ends: wait until all are booked
             gw, _ = worker_http.poll_until(lambda: kvroute_note(httpx.get(launch.metrics_url, timeout=10).text),
@@ -255,6 +292,9 @@ def run_router(name: str, spec: RigSpec, workers: list[RigWorker], workload: Wor
                 result["note"] += f"; TTFT observed/predicted mean {gw['ttft_observed_over_predicted_mean']:.2f}"
             if split is not None:
                 result["note"] += f"; {describe(split)}"
+            if name.startswith("kvroute-pd:"):
+                result["pd"] = pd_share(gw["pd_requests_by_outcome"])
+                result["note"] += "; P/D: " + result["pd"]["describe"]
         elif launch.metrics_url:
             try:
                 note = PEERS[name].event_path(httpx.get(launch.metrics_url, timeout=10).text)

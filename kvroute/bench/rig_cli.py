@@ -12,6 +12,24 @@ import tempfile
 from pathlib import Path
 
 DEFAULT_KVROUTE_ROUTERS = ("kvroute:ttft", "kvroute:kv_aware", "kvroute:round_robin")
+DEFAULT_PD_ROUTERS = ("kvroute:ttft", "kvroute-pd:ttft")  # with --pd: unified against P/D on the same workers
+
+
+def pd_split(text: str) -> tuple[int, int]:
+    """``--pd P:D`` -> (P, D), both >= 1. Raises argparse.ArgumentTypeError otherwise."""
+    p, sep, d = text.partition(":")
+    try:
+        out = int(p), int(d)
+    except ValueError:
+        out = None
+    if not sep or out is None or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"want P:D, two counts >= 1 (e.g. 2:6), got {text!r}")
+    return out
+
+
+def pd_roles(pd: tuple[int, int]) -> list[str]:
+    """Worker roles of ``--pd P:D``: workers 0..P-1 prefill, the next D decode."""
+    return ["prefill"] * pd[0] + ["decode"] * pd[1]
 
 
 def add_rig_parser(sub: argparse._SubParsersAction) -> None:
@@ -26,14 +44,22 @@ def add_rig_parser(sub: argparse._SubParsersAction) -> None:
                     "workers' prefix caches between routers, replay the same requests in the same order "
                     "through each, and print one table.")
     r = p.add_argument_group("rig")
-    r.add_argument("--workers", type=_positive_int, default=2, help="number of workers (default 2)")
+    r.add_argument("--workers", type=_positive_int, default=None,
+                   help="number of workers (default 2, or P+D with --pd)")
+    r.add_argument("--pd", type=pd_split, default=None, metavar="P:D",
+                   help="prefill-decode disaggregation: workers 0..P-1 get role prefill, the next D decode, and "
+                        "kvroute-pd:<policy> routers run kvroute with those roles and policy.pd on; default routers "
+                        "become kvroute:ttft (unified, the same workers) and kvroute-pd:ttft")
+    r.add_argument("--pd-min-prefill-tokens", type=int, default=None, metavar="N",
+                   help="with --pd: policy.pd.min_prefill_tokens (below it the decode worker serves the request "
+                        "whole; default: the gateway's)")
     r.add_argument("--engine", choices=["sim", "vllm"], default="sim",
                    help="kvroute sim (default) or real vLLM run by --vllm-python")
     r.add_argument("--gateway-processes", type=int, default=1, metavar="N",
                    help="run each kvroute gateway as kvroute serve --processes N (default 1)")
     r.add_argument("--routers", default=None, metavar="LIST",
                    help="comma-separated routers: kvroute:<policy> (ttft, kv_aware, round_robin, least_load, session, "
-                        "or a --policy-config label) and peers sglang:cache_aware, sglang:round_robin, "
+                        "or a --policy-config label), kvroute-pd:<policy> (with --pd) and peers sglang:cache_aware, sglang:round_robin, "
                         "smg:cache_aware, vllm-router:kv_aware; default: kvroute:ttft, kvroute:kv_aware, "
                         "kvroute:round_robin and every installed peer")
     r.add_argument("--policy-config", action="append", default=[], metavar="LABEL=JSON",
@@ -72,11 +98,13 @@ def _router_list(args: argparse.Namespace, labels: dict) -> tuple[list[str], lis
     from kvroute.bench.peers import PEERS
     from router.policies.factory import make_policy
 
-    wanted = ([n.strip() for n in args.routers.split(",") if n.strip()] if args.routers
-              else list(DEFAULT_KVROUTE_ROUTERS) + list(PEERS))
+    default = list(DEFAULT_PD_ROUTERS) if args.pd else list(DEFAULT_KVROUTE_ROUTERS) + list(PEERS)
+    wanted = [n.strip() for n in args.routers.split(",") if n.strip()] if args.routers else default
     run, skipped = [], []
     for name in dict.fromkeys(wanted):  # each once, in order
-        if name.startswith("kvroute:"):
+        if name.startswith("kvroute-pd:") and not args.pd:
+            raise ValueError(f"{name} needs --pd P:D (the workers' roles)")
+        if name.startswith(("kvroute:", "kvroute-pd:")):
             label = name.split(":", 1)[1]
             if label not in labels:
                 make_policy({"name": label})  # ValueError now, not after the workers started
@@ -136,6 +164,16 @@ def _rig(args: argparse.Namespace) -> int:
 
     model_dir = Path(args.tokenizer)
     try:
+        if args.pd:
+            if args.workers not in (None, sum(args.pd)):
+                raise ValueError(f"--pd {args.pd[0]}:{args.pd[1]} runs {sum(args.pd)} workers, not --workers {args.workers}")
+            args.workers = sum(args.pd)
+            if args.engine != "sim":
+                raise ValueError("--pd runs on --engine sim (vLLM workers need a KV connector for P/D: "
+                                 "kvroute up --prefill-workers P --decode-workers D)")
+        elif args.pd_min_prefill_tokens is not None:
+            raise ValueError("--pd-min-prefill-tokens needs --pd")
+        args.workers = args.workers or 2
         policy_configs = _policy_configs(args.policy_config)
         routers, skipped = _router_list(args, policy_configs)
         sim_extra = shlex.split(args.sim_args)
@@ -182,8 +220,14 @@ def _rig(args: argparse.Namespace) -> int:
 
     spec = RigSpec(args.workers, args.engine, model_dir, args.model, args.block_size, log_dir, worker_argv,
                    policy_configs, gateway_processes=args.gateway_processes,
-                   reset_tiers=bool(args.cpu_tier_bytes))
+                   reset_tiers=bool(args.cpu_tier_bytes), roles=pd_roles(args.pd) if args.pd else None,
+                   pd_policy=({} if args.pd_min_prefill_tokens is None
+                              else {"min_prefill_tokens": args.pd_min_prefill_tokens}))
     tiers = f" + a CPU tier of {args.cpu_tier_bytes} bytes" if args.cpu_tier_bytes else ""
+    if args.pd:
+        print(f"[rig] P/D {args.pd[0]}:{args.pd[1]}: w0..w{args.pd[0] - 1} prefill, w{args.pd[0]}..w{args.workers - 1} "
+              f"decode for kvroute-pd targets; every worker serves whole requests for the others",
+              file=sys.stderr, flush=True)
     print(f"[rig] {args.workers} {args.engine} workers x {blocks or 'default'} KV blocks of {args.block_size}{tiers}; "
           f"workload {workload.name}: {summary['requests']} requests, {summary['distinct_blocks']} distinct blocks, "
           f"ideal hit rate {summary['ideal_hit_rate']:.3f}{capacity_note(summary)}; {arrivals.describe()}; "
@@ -222,7 +266,9 @@ def _rig(args: argparse.Namespace) -> int:
               "rig": {"workers": args.workers, "engine": args.engine, "kv_blocks_per_worker": blocks,
                       "cpu_tier_bytes_per_worker": args.cpu_tier_bytes,
                       "block_size": args.block_size, "timing_preset": args.timing_preset if args.engine == "sim" else None,
-                      "routers": routers, "skipped": skipped, "repeats": args.repeats}}
+                      "routers": routers, "skipped": skipped, "repeats": args.repeats,
+                      "pd": {"prefill": args.pd[0], "decode": args.pd[1], "roles": pd_roles(args.pd),
+                             "min_prefill_tokens": args.pd_min_prefill_tokens} if args.pd else None}}
     if failed:
         report["failed"] = failed
     if targets:
