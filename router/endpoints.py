@@ -18,6 +18,8 @@ import orjson
 from router.client_auth import ClientAuth
 from router.decision_log import DecisionEntry, DecisionLog
 from router.errors import GatewayError, bad_request, body_too_large, error_body, upstream_failed
+from router.pd import decode_body
+from router.pd_relay import PrefillResult, prefill_leg
 from router.proxy import ClientState, upstream_headers
 from router.registry import InFlight
 from router.stream_usage import request_stream_usage
@@ -188,7 +190,12 @@ class ProxyEndpoint:
             return None, gw.router.ranked_by_load(body), raw, False, None, None
         plan = await gw.router.plan(self.kind, body, headers, raw)
         queued_s = time.monotonic()
-        plan, reservation = await gw.dispatch_queue.take_turn(plan)
+        if plan.pd is not None and plan.pd.pooled:  # legs chosen from the role pools (router.pd)
+            reservation = None
+        else:
+            plan, reservation = await gw.dispatch_queue.take_turn(plan)
+        if plan.pd is not None and not plan.pd.split:
+            gw.metrics.pd_requests.labels(plan.model.name, "whole").inc()
         gw.router.record_decision(plan)
         logged = gw.decisions.record(plan, request_id, (time.monotonic() - queued_s) * 1000.0)
         strip = False
@@ -201,6 +208,26 @@ class ProxyEndpoint:
                      ranked: list[WorkerRegistration], strip: bool, reservation: Reservation | None,
                      logged: DecisionEntry | None = None) -> None:
         gw = self.gw
+        split = plan is not None and plan.pd is not None and plan.pd.split
+        response_headers = None
+        if split:  # the prefill leg first (router.pd_relay); then the decode leg below
+            prefill = plan.pd.prefill
+            try:
+                result = await prefill_leg(gw, send, state, scope["method"], scope["path"], body, self.kind,
+                                           headers, request_id, plan, t0,
+                                           on_answer=lambda handle: record_first_token(gw, prefill, handle))
+            except Exception:  # a bug in the leg: the decode worker serves the request whole
+                if state.response_started:
+                    raise
+                log.exception("request %s: prefill leg failed", request_id)
+                result = PrefillResult(detail="internal error")
+            if result.answered:
+                return
+            split = result.params is not None
+            gw.metrics.pd_requests.labels(plan.model.name, "split" if split else "prefill_failed").inc()
+            if split:
+                raw = decode_body(raw, result.params)
+                response_headers = [(b"x-kvroute-prefill-worker", plan.pd.prefill_worker.encode("latin-1"))]
 
         async def on_attempt(reg: WorkerRegistration) -> None:
             DecisionLog.sent(logged, reg.id, t0)
@@ -209,6 +236,14 @@ class ProxyEndpoint:
                 reservation.release()
 
         try:
+            if split:  # the decode worker computes no prompt: its reports teach neither trust nor rate
+                await gw.upstream.relay(
+                    send, state, scope["method"], scope["path"], raw, upstream_headers(headers, request_id),
+                    request_id, ranked, t0=t0, on_attempt=on_attempt,
+                    on_cached_tokens=lambda handle, n: DecisionLog.usage(logged, n),
+                    on_first_token=lambda handle: DecisionLog.first_token(logged, handle.ttft_ms),
+                    strip_usage=strip, response_headers=response_headers)
+                return
             await gw.upstream.relay(
                 send, state, scope["method"], scope["path"], raw, upstream_headers(headers, request_id),
                 request_id, ranked, t0=t0,

@@ -11,6 +11,7 @@
 | kvroute_worker_healthy | gauge | worker | 1 up, 0 down or unknown |
 | kvroute_worker_role | gauge | worker, role | 1 for the worker's role (``both``, ``prefill``, ``decode``; info style: one series per worker) |
 | kvroute_tokenization_fallbacks_total | counter | model, reason | requests routed by load, exact tokens unavailable |
+| kvroute_pd_requests_total | counter | model, outcome | requests of a model with P/D on: ``split`` (two legs), ``whole`` (the prefill leg skipped), ``prefill_failed`` (the prefill leg failed, served whole by the decode worker) |
 | kvroute_predicted_cached_tokens | histogram | worker | predicted prefix-hit tokens per request (chosen worker) |
 | kvroute_actual_cached_tokens | histogram | worker | the worker's ``usage.prompt_tokens_details.cached_tokens`` |
 | kvroute_cached_tokens_error_tokens | histogram | worker | ``abs(actual - predicted)`` per request |
@@ -219,6 +220,8 @@ class GatewayMetrics:
         self.peer_credit_blocks = Counter(
             "kvroute_peer_credit_blocks",
             "Prompt blocks decisions credited the chosen worker for pulling from a peer", ["worker"], registry=r)
+        self.pd_requests = Counter("kvroute_pd_requests", "Requests of a model with P/D on, by outcome",
+                                   ["model", "outcome"], registry=r)
         r.register(_WorkerGauges(workers))
         self._response_children: dict[tuple[str, int], tuple[Any, Any]] = {}
 

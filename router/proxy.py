@@ -35,7 +35,8 @@ _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"pr
                          b"proxy-authorization", b"te", b"trailer", b"trailers", b"transfer-encoding",
                          b"upgrade"})
 _REQUEST_DROP = _HOP_BY_HOP | {b"host", b"content-length", b"accept-encoding", b"expect", b"x-request-id"}
-_RESPONSE_DROP = _HOP_BY_HOP | {b"content-length", b"x-request-id", b"x-kvroute-worker"}
+_RESPONSE_DROP = _HOP_BY_HOP | {b"content-length", b"x-request-id", b"x-kvroute-worker",
+                                b"x-kvroute-prefill-worker"}
 _CORS_PREFIX = b"access-control-"  # the gateway's CORS policy answers browsers, not the worker's
 _SSE = b"text/event-stream"
 
@@ -70,11 +71,14 @@ def upstream_headers(client_headers: list[tuple[bytes, bytes]], request_id: str)
 
 
 def client_headers(raw: Iterable[tuple[bytes, bytes]], worker_id: str, request_id: str,
-                   content_length: int | None = None) -> list[tuple[bytes, bytes]]:
-    """Response headers for the client from the worker's ``raw_headers``."""
+                   content_length: int | None = None,
+                   extra: list[tuple[bytes, bytes]] | None = None) -> list[tuple[bytes, bytes]]:
+    """Response headers for the client from the worker's ``raw_headers``; ``extra``: the
+    gateway's own (``x-kvroute-prefill-worker`` on a split request, :mod:`router.pd_relay`)."""
     out = [(k.lower(), v) for k, v in raw
            if k.lower() not in _RESPONSE_DROP and not k.lower().startswith(_CORS_PREFIX)]
     out.append((b"x-kvroute-worker", worker_id.encode("latin-1")))
+    out.extend(extra or ())
     out.append((b"x-request-id", request_id.encode("latin-1")))
     if content_length is not None:
         out.append((b"content-length", str(content_length).encode()))
@@ -133,7 +137,8 @@ class Upstream:
                     on_first_token: Callable[[InFlight], None] | None = None,
                     presumed_ttft_ms: Callable[[str], float | None] | None = None,
                     predicted_ttft_ms: Callable[[str], float | None] | None = None,
-                    strip_usage: bool = False) -> None:
+                    strip_usage: bool = False,
+                    response_headers: list[tuple[bytes, bytes]] | None = None) -> None:
         """Send the request to ``ranked[0]`` (``ranked[1]`` after a connect failure) and relay
         the answer through ASGI ``send``. ``t0``: perf_counter at request receipt (TTFT).
         ``uncached_tokens(worker_id)``: prefill tokens to count as that worker's load;
@@ -145,7 +150,8 @@ class Upstream:
         ``presumed_ttft_ms(worker_id)``: for a request whose answer is not streamed, when to count
         its prefill as done (its first byte comes only with the whole answer);
         ``predicted_ttft_ms(worker_id)``: the policy's TTFT prediction there, which tells the
-        dispatch queue when the worker's prefill should end. Raises GatewayError
+        dispatch queue when the worker's prefill should end; ``response_headers``: added to the
+        worker's for the client (:func:`client_headers` ``extra``). Raises GatewayError
         (502/504) when nothing reached the client. With tracing on (:mod:`router.tracing`) each
         attempt is a CLIENT span ``kvroute.upstream`` whose context goes to the worker as
         ``traceparent`` (in place of the client's), with children ``kvroute.ttfb`` and
@@ -169,7 +175,8 @@ class Upstream:
                         tracing.set_attributes(span, {"worker": reg.id, "request_id": request_id, "attempt": i + 1,
                                                       "http.request.method": method, "url.full": reg.url + path})
                     await self._relay_one(send, state, reg, handle, method, path, body, attempt_headers, request_id,
-                                          t0, on_cached_tokens, on_first_token, strip_usage, span, trace_cached)
+                                          t0, on_cached_tokens, on_first_token, strip_usage, span, trace_cached,
+                                          response_headers)
                 return
             except _Retryable as exc:
                 if exc.connect_failed:
@@ -187,7 +194,8 @@ class Upstream:
     async def _relay_one(self, send, state: ClientState, reg: WorkerRegistration, handle, method: str, path: str,
                          body: bytes, headers, request_id: str, t0: float, on_cached_tokens,
                          on_first_token, strip_usage: bool, span=tracing.INVALID_SPAN,
-                         trace_cached: Callable[[int], None] | None = None) -> None:
+                         trace_cached: Callable[[int], None] | None = None,
+                         response_headers: list[tuple[bytes, bytes]] | None = None) -> None:
         """One attempt on ``reg`` (see :meth:`relay`); ``span``: the attempt's span (its HTTP
         status goes on it); ``trace_cached(n)``: puts the worker's cached tokens on the spans,
         called before the last byte reaches the client (the ASGI server span ends there)."""
@@ -224,11 +232,13 @@ class Upstream:
                     # on a busy host the gateway waits for CPU, and the client's TTFT must not
                     after_first = (lambda: on_first_token(handle)) if handle.streamed and on_first_token else None
                     await self._relay_stream(send, state, resp, reg, handle, first, request_id, on_cached_tokens,
-                                             strip_usage and status == 200, trace_cached, after_first)
+                                             strip_usage and status == 200, trace_cached, after_first,
+                                             response_headers)
                 else:
                     state.response_started = True
                     await send({"type": "http.response.start", "status": status,
-                                "headers": client_headers(resp.raw_headers, reg.id, request_id, len(first))})
+                                "headers": client_headers(resp.raw_headers, reg.id, request_id, len(first),
+                                                          response_headers)})
                     state.response_done = True
                     cached = None
                     if trace_cached is not None and status == 200:  # tracing: before the last send
@@ -249,11 +259,12 @@ class Upstream:
                             reg: WorkerRegistration, handle: InFlight, first: bytes, request_id: str,
                             on_cached_tokens,
                             strip_usage: bool, trace_cached: Callable[[int], None] | None = None,
-                            after_first: Callable[[], None] | None = None) -> None:
+                            after_first: Callable[[], None] | None = None,
+                            response_headers: list[tuple[bytes, bytes]] | None = None) -> None:
         watcher = (UsageStrip() if strip_usage else UsageTap()) if on_cached_tokens is not None else None
         state.response_started = True
         await send({"type": "http.response.start", "status": resp.status,
-                    "headers": client_headers(resp.raw_headers, reg.id, request_id)})
+                    "headers": client_headers(resp.raw_headers, reg.id, request_id, extra=response_headers)})
         chunk = first
         finished = False
         idle_s = self.timeouts.stream_idle_s

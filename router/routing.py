@@ -19,6 +19,7 @@ from kvcore.tokenization import BadPrompt
 from router.config import ModelConfig, RoutingConfig
 from router.errors import GatewayError, bad_request, no_healthy_worker, unknown_model
 from router.metrics import GatewayMetrics
+from router.pd import PDLegs, choose_decode, pools, prefill_policy, split_or_whole
 from router.peer_pull import PeerTable, peer_blocks_by_worker
 from router.policies.base import Candidate, CandidateScore, Decision, Policy, RouteRequest
 from router.policies.factory import describe, make_policy
@@ -66,7 +67,9 @@ class RoutePlan:
     ``model``: the base model; ``lora_name``: the adapter named by the body, if any;
     ``blocks``: the prompt's tokens and keys (None when the policy does not use the index);
     ``matches``: per worker, matched blocks by tier; ``workers``: the candidates' registrations
-    by id, at decision time.
+    by id, at decision time; ``pd``: for a model with disaggregation on (:mod:`router.pd`), the
+    legs: ``decision`` is then the decode leg's (or the whole request's) and ``pd.prefill`` the
+    prefill leg's plan when split; None for other models.
     """
 
     model: ModelConfig
@@ -77,6 +80,7 @@ class RoutePlan:
     decision: Decision
     policy_name: str
     workers: dict[str, WorkerRegistration] = field(default_factory=dict)
+    pd: PDLegs | None = None
 
     def ranked(self) -> list[WorkerRegistration]:
         """Candidates' registrations, best first."""
@@ -130,7 +134,7 @@ class RoutePlan:
         """The ``POST /admin/explain`` answer (DESIGN.md); ``max_candidates``: only the best that
         many candidates (the chosen first), all when None."""
         tokens = self.blocks.prompt_tokens if self.blocks is not None else None
-        return {
+        out = {
             "prompt_tokens": tokens,
             "blocks": len(self.blocks.first_keys) if self.blocks is not None else 0,
             "candidates": [s.as_dict() for s in self.decision.scores[:max_candidates]],
@@ -141,6 +145,9 @@ class RoutePlan:
             "policy": self.policy_name,
             "tokenization_fallback": self.blocks.fallback if self.blocks is not None else None,
         }
+        if self.pd is not None:  # both legs (router.pd.PDLegs.as_dict)
+            out["pd"] = self.pd.as_dict()
+        return out
 
     def trace_attributes(self) -> dict[str, Any]:
         """The decision as span attributes (:data:`router.tracing.ATTR` keys; None: unknown):
@@ -251,8 +258,10 @@ class Router:
         if not regs:
             raise no_healthy_worker(model.name)
         policy = self.policy.policy
+        pd_on = policy.pd.applies_to(model.name)
+        uses_index = policy.uses_index or pd_on
         blocks: PromptBlocks | None = None
-        if policy.uses_index or explain:
+        if uses_index or explain:
             t0 = time.perf_counter()
             with tracing.span("kvroute.tokenize") as span:
                 try:
@@ -271,7 +280,7 @@ class Router:
             if blocks.fallback is not None:
                 self.metrics.tokenization_fallbacks.labels(model.name, blocks.fallback).inc()
         matches: dict[str, TierMatch] = {}
-        if blocks is not None and blocks.first_keys and policy.uses_index:
+        if blocks is not None and blocks.first_keys and uses_index:
             t0 = time.perf_counter()
             with tracing.span("kvroute.lookup") as span:
                 try:
@@ -294,11 +303,46 @@ class Router:
         if not regs:
             raise no_healthy_worker(model.name)
         with tracing.span("kvroute.choose") as span:
-            decision = policy.choose(request, self._candidates(regs, matches, request, blocks))
+            if pd_on:
+                plan = self._plan_pd(RoutePlan(model, lora_name, blocks, matches, request, Decision("", "", []),
+                                               policy.name or ""), policy, regs)
+                decision = plan.decision
+            else:
+                decision = policy.choose(request, self._candidates(regs, matches, request, blocks))
+                plan = RoutePlan(model, lora_name, blocks, matches, request, decision, policy.name or "",
+                                 {r.id: r for r in regs})
             tracing.set_attributes(span, {"policy": policy.name or "", "candidates": len(decision.scores),
                                           "chosen": decision.worker_id, "reason": decision.reason})
-        return RoutePlan(model, lora_name, blocks, matches, request, decision, policy.name or "",
-                         {r.id: r for r in regs})
+        return plan
+
+    def _plan_pd(self, base: RoutePlan, policy: Policy, regs: list[WorkerRegistration]) -> RoutePlan:
+        """``base`` (tokens, matches, request; no decision yet) decided for a model with
+        disaggregation on (:mod:`router.pd`): the decode leg over the decode pool, then split or
+        whole, then the prefill leg over the prefill pool; with a pool empty, the live policy over
+        ``regs`` for a whole request."""
+        request, matches, blocks = base.request, base.matches, base.blocks
+        minimum = policy.pd.min_prefill_tokens
+        by_id = {r.id: r for r in regs}
+        prefill_ids, decode_ids = pools({r.id: r.role for r in regs})
+        if not prefill_ids or not decode_ids:
+            decision = policy.choose(request, self._candidates(regs, matches, request, blocks))
+            reason = "no_prefill_pool" if not prefill_ids else "no_decode_pool"
+            return replace(base, decision=decision, workers=by_id,
+                           pd=PDLegs("whole", reason, minimum, pooled=False))
+        decode_regs = [by_id[w] for w in decode_ids]
+        decision, scores = choose_decode(request, self._candidates(decode_regs, matches, request, blocks))
+        outcome, reason = split_or_whole(scores[0], minimum)
+        legs = PDLegs(outcome, reason, minimum, decode=scores)
+        if legs.split:
+            prefill_regs = [by_id[w] for w in prefill_ids]
+            chooser = prefill_policy(policy)
+            prefill = chooser.choose(request, self._candidates(prefill_regs, matches, request, blocks))
+            if prefill.worker_id == decision.worker_id:  # a "both" worker won both legs
+                legs.outcome, legs.reason = "whole", "same_worker"
+            else:
+                legs.prefill = replace(base, decision=prefill, policy_name=chooser.name,
+                                       workers={r.id: r for r in prefill_regs})
+        return replace(base, decision=decision, workers={r.id: r for r in decode_regs}, pd=legs)
 
     def redecide(self, plan: RoutePlan, regs: list[WorkerRegistration],
                   backlog_tokens: Mapping[str, float] | None = None) -> RoutePlan:
@@ -315,7 +359,7 @@ class Router:
                 c.load = replace(c.load, prefill_tokens=c.load.prefill_tokens + int(extra))
         decision = policy.choose(plan.request, candidates)
         return RoutePlan(plan.model, plan.lora_name, plan.blocks, plan.matches, plan.request, decision,
-                         policy.name or "", {r.id: r for r in regs})
+                         policy.name or "", {r.id: r for r in regs}, plan.pd)
 
     def record_decision(self, plan: RoutePlan) -> None:
         """Count a real (not explained) decision, and whether it went past the longest holder;
@@ -333,12 +377,14 @@ class Router:
             if (chosen.total if chosen is not None else 0) < longest:
                 self.metrics.off_longest_prefix.labels(plan.policy_name, plan.decision.reason).inc()
 
-    async def commit(self, plan: RoutePlan, reg: WorkerRegistration) -> None:
+    async def commit(self, plan: RoutePlan, reg: WorkerRegistration, count_use: bool = True) -> None:
         """Record the prompt's keys as speculative entries on the worker the request went to, and
-        count the first prompt's keys as used (:attr:`prefix_uses`)."""
+        count the first prompt's keys as used (:attr:`prefix_uses`; ``count_use`` False for the
+        prefill leg of a split request, whose decode leg counts it)."""
         if plan.blocks is None or not plan.blocks.keys:
             return
-        self.prefix_uses.record(plan.blocks.first_keys)
+        if count_use:
+            self.prefix_uses.record(plan.blocks.first_keys)
         # events confirm the entries soon (the gateway's own ingest, or an agent writing a shared
         # index): keep them only that long, so a worker whose agent died stops attracting prompts
         event_fed = reg.has_events or self.index.agent_fed(reg.id)

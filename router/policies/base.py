@@ -10,6 +10,7 @@ from typing import Any
 
 from kvcore.index.base import TierMatch
 from router.peer_pull import PeerInfo
+from router.policies.pd import PDSettings
 from router.policies.queue import QueueSettings
 from router.ttft_model import PrefillRate
 
@@ -163,13 +164,15 @@ class Policy(abc.ABC):
     the request header (lower case) whose value the gateway puts in ``RouteRequest.session_key``
     (else the body's ``user``), None when the policy has no use for a session key; ``queue``:
     the dispatch queue's settings (the config's ``queue`` key, set by the factory), whose
-    defaults are ``default_queue``."""
+    defaults are ``default_queue``; ``pd``: prefill-decode disaggregation (the config's ``pd``
+    key, :mod:`router.policies.pd`, set by the factory; off by default)."""
 
     name: str = ""
     uses_index: bool = False
     session_header: str | None = None
     default_queue: QueueSettings = QueueSettings()
     queue: QueueSettings = QueueSettings()
+    pd: PDSettings = PDSettings()
 
     @abc.abstractmethod
     def choose(self, request: RouteRequest, candidates: list[Candidate]) -> Decision:

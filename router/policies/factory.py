@@ -14,7 +14,8 @@ The config is the ``policy:`` mapping of DESIGN.md, the same for the YAML file a
     {name: round_robin | least_load, ...load keys}
 
 Every policy also takes ``queue`` (:mod:`router.policies.queue`: the gateway's dispatch queue,
-on by default for ``ttft`` only). Each policy accepts only its own keys besides (listed in the error message); ``name`` defaults to
+on by default for ``ttft`` only) and ``pd`` (:mod:`router.policies.pd`: prefill-decode
+disaggregation per model, off by default). Each policy accepts only its own keys besides (listed in the error message); ``name`` defaults to
 ``ttft`` (lowest predicted TTFT, with the dispatch queue on: it won on the bench rig, see its
 module); ``kv_aware``, the default before it, stays for comparison. Adding a policy: one module with a ``Policy`` subclass that has ``from_config`` and
 ``config``, and one line in :data:`_POLICIES`.
@@ -26,6 +27,7 @@ from typing import Any
 
 from router.policies._config import mapping
 from router.policies.base import Policy
+from router.policies.pd import PDSettings
 from router.policies.kv_aware import KVAwarePolicy
 from router.policies.least_load import LeastLoadPolicy
 from router.policies.queue import QueueSettings
@@ -51,8 +53,9 @@ def make_policy(cfg: Mapping[str, Any] | None) -> Policy:
     cls = _POLICIES.get(name) if isinstance(name, str) else None
     if cls is None:
         raise ValueError(f"unknown policy name {name!r}; expected one of {', '.join(POLICY_NAMES)}")
-    policy = cls.from_config({k: v for k, v in cfg.items() if k not in ("name", "queue")})
+    policy = cls.from_config({k: v for k, v in cfg.items() if k not in ("name", "queue", "pd")})
     policy.queue = QueueSettings.from_config(cfg.get("queue"), cls.default_queue)
+    policy.pd = PDSettings.from_config(cfg.get("pd"))
     return policy
 
 
@@ -60,4 +63,5 @@ def describe(policy: Policy) -> dict[str, Any]:
     """The policy's effective config, defaults filled in: ``{"name": ..., **keys}``.
     ``make_policy(describe(p))`` builds an equal policy."""
     config = getattr(policy, "config", None)
-    return {"name": policy.name, **(config() if callable(config) else {}), "queue": policy.queue.config()}
+    return {"name": policy.name, **(config() if callable(config) else {}), "queue": policy.queue.config(),
+            "pd": policy.pd.config()}

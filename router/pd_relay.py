@@ -1,0 +1,109 @@
+"""The prefill leg of a split request (I/O; the choice and the bodies are :mod:`router.pd`).
+
+The gateway sends :func:`router.pd.prefill_body` to the prefill worker (same path, the client's
+headers, ``x-request-id: <client's>-prefill``) and waits for its whole answer, within
+``timeouts.first_byte_s``. Then:
+
+- 200 with a ``kv_transfer_params`` object: :attr:`PrefillResult.params` carries it to the decode
+  leg (the caller relays the client's body with it to the decode worker);
+- a 4xx: the worker refused the client's input (vLLM's decode worker would give the same
+  error): relayed to the client as it is (``x-kvroute-worker`` names the prefill worker);
+- a connect error (counted against the worker's health as a failed probe), a timeout, a broken
+  connection, a 5xx, a 200 without the params: :attr:`PrefillResult.params` is None and the
+  caller serves the request whole on the decode worker.
+
+While the leg runs the prefill worker counts the request in flight with its predicted uncached
+tokens (released in every path); the prompt's keys are recorded there as speculative index
+entries (its KV events confirm them). Cancelling the task (the client went away) closes the
+connection, which makes vLLM abort the request and free the blocks it holds for the decode side.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from router.pd import prefill_body, transfer_params
+from router.proxy import ClientState, client_headers, upstream_headers
+from router.registry import InFlight
+
+if TYPE_CHECKING:
+    from router.gateway import Gateway
+    from router.routing import RoutePlan
+
+log = logging.getLogger("kvroute.pd")
+
+
+@dataclass
+class PrefillResult:
+    """``params``: the prefill worker's ``kv_transfer_params`` (None: serve the request whole);
+    ``answered``: the worker's 4xx went to the client (nothing more to do); ``detail``: why the
+    leg failed, for the log."""
+
+    params: dict[str, Any] | None = None
+    answered: bool = False
+    detail: str = ""
+
+
+async def prefill_leg(gw: Gateway, send, state: ClientState, method: str, path: str, body: dict[str, Any],
+                      kind: str, headers: list[tuple[bytes, bytes]], request_id: str, plan: RoutePlan,
+                      t0: float, on_answer: Callable[[InFlight], None] | None = None) -> PrefillResult:
+    """Run the prefill leg of ``plan`` (split: ``plan.pd.prefill`` set) for the client's ``body``
+    (a ``kind`` ``chat`` or ``completion`` request); see the module docstring. ``t0``:
+    perf_counter at request receipt; ``on_answer(handle)``: the 200 answer arrived (its time
+    from dispatch is the prefill worker's TTFT, ``handle.ttft_ms``)."""
+    pplan = plan.pd.prefill
+    reg = pplan.workers[pplan.decision.worker_id]
+    payload = prefill_body(body, kind)
+    await gw.router.commit(pplan, reg, count_use=False)
+    handle = reg.begin(pplan.uncached_tokens(reg.id), pplan.predicted_ttft_ms(reg.id))
+    resp: aiohttp.ClientResponse | None = None
+    done = False
+    try:
+        try:
+            async with asyncio.timeout(gw.upstream.timeouts.first_byte_s):
+                resp = await gw.upstream.session.request(method, reg.url + path, data=payload,
+                                                         headers=upstream_headers(headers, f"{request_id}-prefill"))
+                answer = await resp.read()
+        except aiohttp.ClientConnectorError as exc:
+            health = gw.upstream.health
+            reg.record_probe(False, health.fail_threshold, health.rise_threshold, str(exc))
+            return _failed(request_id, reg.id, f"{type(exc).__name__}: {exc}")
+        except TimeoutError:
+            return _failed(request_id, reg.id, f"no answer in {gw.upstream.timeouts.first_byte_s} s")
+        except aiohttp.ClientError as exc:
+            return _failed(request_id, reg.id, f"{type(exc).__name__}: {exc}")
+        done = True
+        handle.first_byte()
+        status = resp.status
+        gw.metrics.record_response(reg.id, status, time.perf_counter() - t0)
+        if 400 <= status < 500:
+            state.response_started = True
+            await send({"type": "http.response.start", "status": status,
+                        "headers": client_headers(resp.raw_headers, reg.id, request_id, len(answer))})
+            state.response_done = True
+            await send({"type": "http.response.body", "body": answer, "more_body": False})
+            return PrefillResult(answered=True)
+        if status != 200:
+            return _failed(request_id, reg.id, f"HTTP {status}")
+        params = transfer_params(answer)
+        if params is None:
+            return _failed(request_id, reg.id, "answer without a kv_transfer_params object")
+        if on_answer is not None:
+            on_answer(handle)
+        return PrefillResult(params)
+    finally:
+        handle.finish()
+        if resp is not None:
+            resp.release() if done else resp.close()
+
+
+def _failed(request_id: str, worker_id: str, detail: str) -> PrefillResult:
+    log.warning("request %s: prefill leg on %s failed (%s); serving it whole on the decode worker",
+                request_id, worker_id, detail)
+    return PrefillResult(detail=detail)

@@ -1,0 +1,467 @@
+"""The gateway's prefill-decode path (router/pd.py, router/pd_relay.py, the endpoints): the legs'
+choice (pure, over candidates) and, through a real ``kvroute serve`` and the openai SDK, the
+two-leg relay in front of small aiohttp stand-ins that answer as vLLM does (a prefill leg answers
+``kv_transfer_params``; the decode leg streams) and record what each leg received: bodies,
+headers, fallback to whole, a 4xx passed through, a client disconnect cancelling the prefill leg,
+the skip when the decode worker holds the prefix, explain and the metric.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from aiohttp import web
+from openai import OpenAI
+
+from conftest import ADMIN_TOKEN, Proc, free_ports, serve_gateway, wait_until
+from kvcore.index.base import TierMatch
+from router.pd import PREFILL_KV_TRANSFER_PARAMS, choose_decode, decode_body, prefill_body, prefill_policy, \
+    split_or_whole
+from router.policies import Candidate, RouteRequest, WorkerLoad, describe, make_policy
+from test_gateway_e2e import metric_value, system_prompt
+
+BLOCK = 32
+MIN_PREFILL = 64
+PROMPT_TOKENS = 100  # what a stand-in reports as usage.prompt_tokens
+
+
+# ---- pure: settings, legs, bodies ----------------------------------------------------------------
+
+def test_pd_settings_validated_and_described():
+    policy = make_policy({"name": "ttft", "pd": {"enabled": True, "models": ["tiny"], "min_prefill_tokens": 64}})
+    assert describe(policy)["pd"] == {"enabled": True, "models": ["tiny"], "min_prefill_tokens": 64}
+    assert policy.pd.applies_to("tiny") and not policy.pd.applies_to("other")
+    assert describe(make_policy({}))["pd"] == {"enabled": False, "models": [], "min_prefill_tokens": 256}
+    assert make_policy({"pd": {"enabled": True}}).pd.applies_to("anything")
+    for bad, words in [({"enabled": "yes"}, "policy.pd.enabled"), ({"model": []}, "unknown key(s) 'model'"),
+                       ({"models": "tiny"}, "policy.pd.models"), ({"min_prefill_tokens": -1}, ">= 0"),
+                       ({"min_prefill_tokens": 2.5}, "whole number")]:
+        with pytest.raises(ValueError, match=None) as exc:
+            make_policy({"pd": bad})
+        assert words in str(exc.value)
+
+
+def _cand(worker: str, gpu: int = 0, **load) -> Candidate:
+    return Candidate(worker, WorkerLoad(**load), TierMatch(gpu=gpu))
+
+
+def test_decode_holder_serves_whole_and_a_prefix_on_a_prefill_worker_is_split_there():
+    req = RouteRequest(model="m", prompt_tokens=1000, all_prompt_tokens=1000, block_size=16, num_blocks=62)
+    # d1 holds 60 of the 62 blocks: 40 uncached tokens < 64 -> served whole by d1
+    decision, scores = choose_decode(req, [_cand("d0"), _cand("d1", gpu=60)])
+    assert decision.worker_id == "d1" and decision.reason == "prefix_hit"
+    assert (scores[0].held_tokens, scores[0].uncached_tokens) == (960, 40)
+    assert [s.worker_id for s in scores] == ["d1", "d0"] and scores[1].uncached_tokens == 1000
+    assert split_or_whole(scores[0], 64) == ("whole", "decode_holds_prefix")
+    # the prefix only on prefill worker p1: no decode worker holds it -> split, prefilled on p1
+    decision, scores = choose_decode(req, [_cand("d0"), _cand("d1")])
+    assert split_or_whole(scores[0], 64) == ("split", "uncached_tokens")
+    prefill = prefill_policy(make_policy({"name": "kv_aware"})).choose(req, [_cand("p0"), _cand("p1", gpu=60)])
+    assert prefill.worker_id == "p1" and prefill.reason == "prefix_hit"
+    ttft = {s.worker_id: s.predicted_ttft_ms for s in prefill.scores}
+    assert ttft["p1"] == pytest.approx(25 + 0.1 * 40) and ttft["p0"] == pytest.approx(25 + 0.1 * 1000)
+    # a short cold prompt is whole; decode load and a full KV cache move the decode leg
+    short = RouteRequest(model="m", prompt_tokens=20, all_prompt_tokens=20, block_size=16, num_blocks=1)
+    assert split_or_whole(choose_decode(short, [_cand("d0")])[1][0], 64) == ("whole", "short_prompt")
+    decision, scores = choose_decode(req, [_cand("d0", in_flight=3, decoding=3), _cand("d1", kv_usage=0.9)])
+    by = {s.worker_id: s for s in scores}
+    assert by["d0"].cost == pytest.approx(3 * 128 + 1000) and by["d1"].cost == pytest.approx(1000 / 0.1)
+    assert decision.worker_id == "d0" and decision.reason == "load"
+
+
+def test_leg_bodies():
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 50,
+            "stream": True, "stream_options": {"include_usage": True}, "n": 2, "temperature": 0.5}
+    assert orjson.loads(prefill_body(chat, "chat")) == {
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 1, "max_tokens": 1,
+        "stream": False, "n": 1, "temperature": 0.5, "kv_transfer_params": PREFILL_KV_TRANSFER_PARAMS}
+    comp = {"model": "m", "prompt": "x", "max_tokens": 9}
+    assert orjson.loads(prefill_body(comp, "completion")) == {
+        "model": "m", "prompt": "x", "max_tokens": 1, "stream": False, "n": 1,
+        "kv_transfer_params": PREFILL_KV_TRANSFER_PARAMS}
+    params = {"do_remote_prefill": True, "remote_block_ids": [1, 2], "opaque": {"a": 1}}
+    assert orjson.loads(decode_body(orjson.dumps(comp), params)) == {**comp, "kv_transfer_params": params}
+
+
+# ---- stand-in workers ----------------------------------------------------------------------------
+
+@dataclass
+class StandIn:
+    """One vLLM stand-in: ``seen``: (path, headers, body) of each completion request; ``mode``
+    for prefill legs: ok | 500 | no_params | 400 | hang; ``answered``: params answered, by
+    x-request-id; ``cancelled``: x-request-ids whose handler was cancelled (client gone)."""
+
+    id: str
+    port: int
+    mode: str = "ok"
+    seen: list[tuple[str, dict[str, str], dict[str, Any]]] = field(default_factory=list)
+    answered: dict[str, dict[str, Any]] = field(default_factory=dict)
+    cancelled: list[str] = field(default_factory=list)
+    runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def of(self, request_id: str) -> list[tuple[str, dict[str, str], dict[str, Any]]]:
+        return [s for s in self.seen if s[1].get("x-request-id", "").startswith(request_id)]
+
+    async def completion(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        rid = request.headers.get("x-request-id", "")
+        self.seen.append((request.path, {k.lower(): v for k, v in request.headers.items()}, body))
+        params = body.get("kv_transfer_params") or {}
+        if params.get("do_remote_decode"):
+            return await self._prefill(rid, body)
+        return await self._answer(request, body, bool(params.get("do_remote_prefill")))
+
+    async def _prefill(self, rid: str, body: dict[str, Any]) -> web.Response:
+        if self.mode == "hang":
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.cancelled.append(rid)
+                raise
+        if self.mode == "500":
+            return web.json_response({"error": {"message": "engine dead", "type": "InternalServerError"}}, status=500)
+        if self.mode == "400":
+            return web.json_response({"object": "error", "message": "prompt too long", "type": "BadRequestError",
+                                      "param": None, "code": 400}, status=400)
+        out = {"id": "cmpl-p", "object": "text_completion", "model": body.get("model"),
+               "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+               "usage": {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": 1, "total_tokens": PROMPT_TOKENS + 1}}
+        if self.mode == "ok":
+            params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": f"engine-{self.id}",
+                      "remote_block_ids": [3, 1, 4], "remote_host": "127.0.0.1", "remote_port": self.port,
+                      "remote_request_id": uuid.uuid4().hex}
+            self.answered[rid] = params
+            out["kv_transfer_params"] = params
+        return web.json_response(out)
+
+    async def _answer(self, request: web.Request, body: dict[str, Any], remote: bool) -> web.StreamResponse:
+        chat = request.path.endswith("/chat/completions")
+        cached = PROMPT_TOKENS - 1 if remote else 0
+        usage = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": 2, "total_tokens": PROMPT_TOKENS + 2,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
+        pieces = ["from ", self.id]
+        if not body.get("stream"):
+            choice = ({"index": 0, "message": {"role": "assistant", "content": "".join(pieces)}, "finish_reason": "length"}
+                      if chat else {"index": 0, "text": "".join(pieces), "finish_reason": "length"})
+            return web.json_response({"id": "x", "object": "chat.completion" if chat else "text_completion",
+                                      "created": 0, "model": body["model"], "choices": [choice], "usage": usage})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        for i, piece in enumerate(pieces):
+            choice = ({"index": 0, "delta": {"content": piece}, "finish_reason": None} if chat
+                      else {"index": 0, "text": piece, "finish_reason": None})
+            if i == len(pieces) - 1:
+                choice["finish_reason"] = "length"
+            event = {"id": "x", "object": kind, "created": 0, "model": body["model"], "choices": [choice]}
+            await resp.write(b"data: " + orjson.dumps(event) + b"\n\n")
+        if (body.get("stream_options") or {}).get("include_usage"):
+            event = {"id": "x", "object": kind, "created": 0, "model": body["model"], "choices": [], "usage": usage}
+            await resp.write(b"data: " + orjson.dumps(event) + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+
+async def _health(request: web.Request) -> web.Response:
+    return web.Response(text="")
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    return web.Response(text="vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+                             "vllm:kv_cache_usage_perc 0.1\n")
+
+
+class StandIns:
+    """The stand-ins' aiohttp servers on one event loop in a thread."""
+
+    def __init__(self, ids: list[str]) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.workers = {w: StandIn(w, p) for w, p in zip(ids, free_ports(len(ids)))}
+        for w in self.workers.values():
+            self.call(self._start(w))
+
+    def call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
+
+    async def _start(self, w: StandIn) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", w.completion)
+        app.router.add_post("/v1/completions", w.completion)
+        app.router.add_get("/health", _health)
+        app.router.add_get("/metrics", _metrics)
+        w.runner = web.AppRunner(app, handler_cancellation=True)
+        await w.runner.setup()
+        await web.TCPSite(w.runner, "127.0.0.1", w.port).start()
+
+    def stop_listening(self, w: StandIn) -> None:
+        """Close the port and every open connection (the gateway's pooled keep-alive ones too)."""
+        self.call(w.runner.cleanup())
+
+    def listen(self, w: StandIn) -> None:
+        self.call(self._start(w))
+
+    def close(self) -> None:
+        for w in self.workers.values():
+            self.call(w.runner.cleanup())  # idempotent
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@dataclass
+class PD:
+    base: str
+    stand: StandIns
+
+    def __getitem__(self, worker: str) -> StandIn:
+        return self.stand.workers[worker]
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory, tiny_model):
+    log_dir = tmp_path_factory.mktemp("pd-gateway")
+    stand = StandIns(["p0", "d0", "d1"])
+    started: list[Proc] = []
+    try:
+        roles = {"p0": "prefill", "d0": "decode", "d1": "decode"}
+        cfg = {
+            "listen": {"host": "127.0.0.1", "port": free_ports(1)[0]},
+            "admin": {"token_env": "KVROUTE_ADMIN_TOKEN"},
+            "models": [{"name": "tiny", "tokenizer": str(tiny_model), "block_size": BLOCK}],
+            "index": {"backend": "memory"},
+            "workers": [{"id": w, "url": stand.workers[w].url, "model": "tiny", "role": r} for w, r in roles.items()],
+            "policy": {"name": "ttft", "pd": {"enabled": True, "min_prefill_tokens": MIN_PREFILL}},
+            "timeouts": {"connect_s": 2, "first_byte_s": 20},
+            # slow probes: the prefill worker that stops listening still counts as healthy
+            "health": {"interval_s": 60, "fail_threshold": 5, "rise_threshold": 1},
+        }
+        base, _, _ = serve_gateway(cfg, log_dir, started, "gateway-pd")
+        yield PD(base, stand)
+    finally:
+        for p in reversed(started):
+            p.stop()
+        stand.close()
+
+
+@pytest.fixture(autouse=True)
+def _modes(request):
+    yield
+    if "pd" in request.fixturenames:
+        for w in request.getfixturevalue("pd").stand.workers.values():
+            w.mode = "ok"
+
+
+def admin(pd: PD, method: str, path: str, body=None) -> httpx.Response:
+    return httpx.request(method, pd.base + path, json=body, timeout=30,
+                         headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+
+
+def counts(pd: PD) -> dict[str, float]:
+    return {o: metric_value(pd, "kvroute_pd_requests_total", model="tiny", outcome=o)
+            for o in ("split", "whole", "prefill_failed")}
+
+
+def idle(pd: PD) -> None:
+    """Every worker's in-flight count back to 0 in the gateway."""
+    def check() -> bool:
+        return all(w["in_flight"] == 0 and w["prefill_tokens"] == 0
+                   for w in admin(pd, "GET", "/admin/workers").json()["workers"])
+    wait_until(check, what="no requests in flight")
+
+
+def long_chat(seed: str, question: str = "q1", **extra) -> dict:
+    return {"model": "tiny", "messages": [{"role": "system", "content": system_prompt(seed, 300)},
+                                          {"role": "user", "content": question}], "max_tokens": 7, **extra}
+
+
+def sdk(pd: PD) -> OpenAI:
+    return OpenAI(base_url=pd.base + "/v1", api_key="x", max_retries=0)
+
+
+def new_id() -> str:
+    return "pd-" + uuid.uuid4().hex[:12]
+
+
+def prefill_and_decode(pd: PD, rid: str) -> tuple[tuple, tuple, str]:
+    """What the prefill worker and the decode worker received for ``rid``, and the decode worker."""
+    (p,) = pd["p0"].of(rid)
+    decoded = [(w, s) for w in ("d0", "d1") for s in pd[w].of(rid)]
+    assert len(decoded) == 1, decoded
+    return p, decoded[0][1], decoded[0][0]
+
+
+# ---- through the gateway -------------------------------------------------------------------------
+
+def test_policy_pd_at_admin(pd):
+    got = admin(pd, "GET", "/admin/policy").json()
+    assert got["pd"] == {"enabled": True, "models": [], "min_prefill_tokens": MIN_PREFILL}
+    r = admin(pd, "PUT", "/admin/policy", {**got, "pd": {"enabled": True, "min_prefill_tokens": "many"}})
+    assert r.status_code == 400 and "policy.pd.min_prefill_tokens" in r.json()["error"]["message"]
+    assert admin(pd, "GET", "/admin/policy").json() == got
+
+
+def test_explain_shows_both_legs(pd):
+    out = admin(pd, "POST", "/admin/explain", long_chat("explain")).json()
+    legs = out["pd"]
+    assert legs["outcome"] == "split" and legs["reason"] == "uncached_tokens"
+    assert legs["min_prefill_tokens"] == MIN_PREFILL and legs["prefill_worker"] == "p0"
+    assert legs["decode_worker"] == out["chosen"] and out["chosen"] in ("d0", "d1")
+    decode = {c["worker"]: c for c in legs["decode"]["candidates"]}
+    assert set(decode) == {"d0", "d1"} and legs["decode"]["uncached_tokens"] == out["prompt_tokens"]
+    for c in decode.values():  # cold, idle, KV 10 % full: the prompt over the room
+        assert c["held_tokens"] == 0 and c["uncached_tokens"] == out["prompt_tokens"]
+        assert c["kv_room"] == pytest.approx(0.9) and c["cost"] == pytest.approx(out["prompt_tokens"] / 0.9, abs=0.01)
+    (p0,) = legs["prefill"]["candidates"]
+    assert p0["worker"] == "p0" and legs["prefill"]["policy"] == "ttft"
+    assert p0["predicted_ttft_ms"] == pytest.approx(25 + 0.1 * out["prompt_tokens"], abs=0.01)
+    assert legs["prefill"]["predicted_ttft_ms"] == p0["predicted_ttft_ms"]
+
+
+def test_split_chat_stream_through_the_sdk(pd):
+    before = counts(pd)
+    rid = new_id()
+    body = long_chat("split-stream")
+    with sdk(pd).chat.completions.with_streaming_response.create(
+            **body, stream=True, stream_options={"include_usage": True}, extra_headers={"x-request-id": rid}) as resp:
+        headers = resp.headers
+        chunks = list(resp.parse())
+    p, d, dworker = prefill_and_decode(pd, rid)
+    assert headers["x-kvroute-worker"] == dworker and headers["x-kvroute-prefill-worker"] == "p0"
+    assert headers["x-request-id"] == rid
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == f"from {dworker}"
+    assert chunks[-1].usage.prompt_tokens == PROMPT_TOKENS
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == PROMPT_TOKENS - 1
+    path, pheaders, pbody = p
+    sent = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    assert path == "/v1/chat/completions" and pheaders["x-request-id"] == f"{rid}-prefill"
+    assert pbody == {**body, "max_tokens": 1, "stream": False, "n": 1,
+                     "kv_transfer_params": PREFILL_KV_TRANSFER_PARAMS}
+    path, dheaders, dbody = d
+    assert path == "/v1/chat/completions" and dheaders["x-request-id"] == rid
+    assert dbody == {**sent, "kv_transfer_params": pd["p0"].answered[f"{rid}-prefill"]}
+    after = counts(pd)
+    assert after["split"] == before["split"] + 1 and after["prefill_failed"] == before["prefill_failed"]
+    idle(pd)
+    entry = next(e for e in admin(pd, "GET", "/admin/decisions").json()["decisions"] if e["request_id"] == rid)
+    assert entry["pd"]["outcome"] == "split" and entry["pd"]["prefill_worker"] == "p0"
+    assert entry["worker"] == dworker and entry["actual_cached_tokens"] == PROMPT_TOKENS - 1
+
+
+def test_split_completion_without_stream(pd):
+    rid = new_id()
+    body = {"model": "tiny", "prompt": system_prompt("split-completion", 300), "max_tokens": 5, "temperature": 0}
+    r = httpx.post(pd.base + "/v1/completions", json=body, headers={"x-request-id": rid}, timeout=30)
+    assert r.status_code == 200, r.text
+    p, d, dworker = prefill_and_decode(pd, rid)
+    assert r.headers["x-kvroute-worker"] == dworker and r.headers["x-kvroute-prefill-worker"] == "p0"
+    assert r.json()["choices"][0]["text"] == f"from {dworker}"
+    assert p[0] == "/v1/completions" and p[2] == {**body, "max_tokens": 1, "stream": False, "n": 1,
+                                                  "kv_transfer_params": PREFILL_KV_TRANSFER_PARAMS}
+    assert d[2] == {**body, "kv_transfer_params": pd["p0"].answered[f"{rid}-prefill"]}
+    idle(pd)
+
+
+def test_chat_max_completion_tokens_is_one_on_the_prefill_leg(pd):
+    rid = new_id()
+    body = {**long_chat("max-completion"), "max_completion_tokens": 9}
+    r = sdk(pd).chat.completions.with_raw_response.create(**body, extra_headers={"x-request-id": rid})
+    assert r.headers["x-kvroute-prefill-worker"] == "p0"
+    p, d, _ = prefill_and_decode(pd, rid)
+    assert p[2]["max_completion_tokens"] == 1 and p[2]["max_tokens"] == 1
+    assert d[2]["max_completion_tokens"] == 9 and d[2]["max_tokens"] == 7
+
+
+def test_decode_worker_holding_the_prefix_serves_whole(pd):
+    first = new_id()
+    r = httpx.post(pd.base + "/v1/chat/completions", json=long_chat("follow-up", "q1"),
+                   headers={"x-request-id": first}, timeout=30)
+    assert r.status_code == 200 and r.headers["x-kvroute-prefill-worker"] == "p0"
+    holder = r.headers["x-kvroute-worker"]
+    follow = long_chat("follow-up", "q2")
+    out = admin(pd, "POST", "/admin/explain", follow).json()
+    legs = out["pd"]
+    assert legs["outcome"] == "whole" and legs["reason"] == "decode_holds_prefix"
+    assert legs["decode_worker"] == holder and legs["prefill"] is None and legs["prefill_worker"] is None
+    assert 0 < legs["decode"]["uncached_tokens"] < MIN_PREFILL
+    assert out["reason"] == "prefix_hit"
+    before = counts(pd)
+    rid = new_id()
+    r = httpx.post(pd.base + "/v1/chat/completions", json=follow, headers={"x-request-id": rid}, timeout=30)
+    assert r.status_code == 200 and r.headers["x-kvroute-worker"] == holder
+    assert "x-kvroute-prefill-worker" not in r.headers
+    assert pd["p0"].of(rid) == []
+    (path, _, dbody), = pd[holder].of(rid)
+    assert dbody == follow  # whole: the client's body as it is
+    assert counts(pd)["whole"] == before["whole"] + 1
+    idle(pd)
+
+
+@pytest.mark.parametrize("mode", ["500", "no_params"])
+def test_prefill_failure_falls_back_to_whole(pd, mode):
+    pd["p0"].mode = mode
+    before = counts(pd)
+    rid = new_id()
+    body = long_chat(f"fallback-{mode}")
+    r = sdk(pd).chat.completions.with_raw_response.create(**body, extra_headers={"x-request-id": rid})
+    p, d, dworker = prefill_and_decode(pd, rid)
+    assert r.headers["x-kvroute-worker"] == dworker and "x-kvroute-prefill-worker" not in r.headers
+    assert r.parse().choices[0].message.content == f"from {dworker}"
+    assert p[2]["kv_transfer_params"] == PREFILL_KV_TRANSFER_PARAMS and d[2] == body
+    after = counts(pd)
+    assert after["prefill_failed"] == before["prefill_failed"] + 1 and after["split"] == before["split"]
+    idle(pd)
+
+
+def test_prefill_worker_down_falls_back_to_whole(pd):
+    p0 = pd["p0"]
+    pd.stand.stop_listening(p0)
+    try:
+        before = counts(pd)
+        rid = new_id()
+        body = long_chat("fallback-down")
+        r = httpx.post(pd.base + "/v1/chat/completions", json=body, headers={"x-request-id": rid}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert "x-kvroute-prefill-worker" not in r.headers and p0.of(rid) == []
+        dworker = r.headers["x-kvroute-worker"]
+        (_, _, dbody), = pd[dworker].of(rid)
+        assert dbody == body
+        assert counts(pd)["prefill_failed"] == before["prefill_failed"] + 1
+        idle(pd)
+    finally:
+        pd.stand.listen(p0)
+
+
+def test_prefill_4xx_reaches_the_client(pd):
+    pd["p0"].mode = "400"
+    rid = new_id()
+    r = httpx.post(pd.base + "/v1/chat/completions", json=long_chat("bad-input"), headers={"x-request-id": rid},
+                   timeout=30)
+    assert r.status_code == 400 and r.headers["x-kvroute-worker"] == "p0" and r.headers["x-request-id"] == rid
+    assert r.json() == {"object": "error", "message": "prompt too long", "type": "BadRequestError", "param": None,
+                        "code": 400}
+    assert pd["d0"].of(rid) == [] and pd["d1"].of(rid) == []
+    idle(pd)
+
+
+def test_client_disconnect_cancels_the_prefill_leg(pd):
+    p0 = pd["p0"]
+    p0.mode = "hang"
+    rid = new_id()
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(pd.base + "/v1/chat/completions", json=long_chat("disconnect", stream=True),
+                   headers={"x-request-id": rid}, timeout=httpx.Timeout(30, read=1.0))
+    wait_until(lambda: f"{rid}-prefill" in p0.cancelled, what="the prefill leg cancelled on the worker")
+    idle(pd)
+    assert pd["d0"].of(rid) == [] and pd["d1"].of(rid) == []
