@@ -1,8 +1,11 @@
-"""docker-compose.yml, checked without Docker (it does not run here): the YAML parses, every file it
+"""docker-compose.yml and its prefill-decode variant docker-compose.pd.yml, checked without Docker (it does not run here): the YAML parses, every file it
 references exists, every kvroute command parses with kvroute's CLI and the gateway config with the
 gateway's validator, vLLM's own argument parser accepts the workers' command line (KV events and
 our tiers connector config included) and the connector module imports in vLLM's interpreter, and
-the services agree with each other (names, ports, model name, block size, volumes, GPUs)."""
+the services agree with each other (names, ports, model name, block size, volumes, GPUs). The P/D
+variant: the gateway config gives p0 role prefill and d0 role decode (each service labelled
+kvroute.io/role with its worker's role) with policy.pd on, and its workers run exactly the vLLM
+command of docker-compose.yml (which vLLM's parser checks)."""
 from __future__ import annotations
 
 import json
@@ -21,6 +24,18 @@ from router.config import load_config
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "docker-compose.yml"
 USER_PROVIDED = {"./models"}  # the model folder; README says how to fill it
+
+
+# compose file -> (its gateway config, its worker ids)
+VARIANTS = {"docker-compose.yml": ("configs/gateway.compose.yaml", ("w0", "w1")),
+            "docker-compose.pd.yml": ("configs/gateway.compose-pd.yaml", ("p0", "d0"))}
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def variant(request) -> tuple[dict, Path, tuple[str, ...]]:
+    """``(the parsed compose file, its gateway config path, its worker ids)``, for each file."""
+    config, ids = VARIANTS[request.param]
+    return yaml.safe_load((REPO / request.param).read_text()), REPO / config, ids
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +60,10 @@ def _named_volumes(service: dict) -> dict[str, str]:
     return {v.split(":")[0]: v.split(":")[1] for v in service.get("volumes", []) if not v.startswith((".", "/"))}
 
 
-def test_services_and_referenced_files_exist(compose):
+def test_services_and_referenced_files_exist(variant):
+    compose, _, ids = variant
     services = compose["services"]
-    assert set(services) == {"redis", "gateway", "vllm-w0", "vllm-w1", "agent-w0", "agent-w1"}
+    assert set(services) == {"redis", "gateway", *(f"vllm-{w}" for w in ids), *(f"agent-{w}" for w in ids)}
     for name, svc in services.items():
         build = svc.get("build")
         if build:
@@ -66,26 +82,42 @@ def test_services_and_referenced_files_exist(compose):
     assert "models/" in (REPO / "README.md").read_text()  # how to provide ./models
 
 
-def test_kvroute_commands_parse_and_gateway_config_validates(compose):
+def test_kvroute_commands_parse_and_gateway_config_validates(variant):
+    compose, config, ids = variant
     services = compose["services"]
     parser = build_parser()
-    for name in ("gateway", "agent-w0", "agent-w1"):
+    for name in ("gateway", *(f"agent-{w}" for w in ids)):
         args = parser.parse_args(services[name]["command"])
         assert callable(args.func), name
     mounts = dict((target, host) for host, target in _bind_mounts(services["gateway"]))
     config_path = services["gateway"]["command"][services["gateway"]["command"].index("--config") + 1]
-    cfg = load_config(REPO / mounts[config_path])
+    assert REPO / mounts[config_path] == config
+    cfg = load_config(config)
     assert cfg.index.backend == "redis"
     assert cfg.policy["name"] == "kv_aware"
+    assert [w.id for w in cfg.workers] == list(ids)
 
 
-def test_services_agree(compose):
+def test_pd_variant_gives_roles_and_turns_pd_on(compose):
+    pd = yaml.safe_load((REPO / "docker-compose.pd.yml").read_text())["services"]
+    cfg = load_config(REPO / "configs/gateway.compose-pd.yaml")
+    assert [(w.id, w.role) for w in cfg.workers] == [("p0", "prefill"), ("d0", "decode")]
+    assert cfg.policy["pd"]["enabled"] is True and cfg.policy["pd"].get("models", []) == []
+    for w in cfg.workers:
+        assert pd[f"vllm-{w.id}"]["labels"] == pd[f"agent-{w.id}"]["labels"] == {"kvroute.io/role": w.role}
+        # the same vLLM server as docker-compose.yml's (test_vllm_accepts_the_worker_command checks it)
+        assert pd[f"vllm-{w.id}"]["command"] == compose["services"]["vllm-w0"]["command"]
+    assert load_config(REPO / "configs/gateway.compose.yaml").policy.get("pd", {}).get("enabled") is not True
+
+
+def test_services_agree(variant):
+    compose, config, ids = variant
     services = compose["services"]
-    cfg = load_config(REPO / "configs/gateway.compose.yaml")
+    cfg = load_config(config)
     (model,) = cfg.models
-    vllm = {w: _flags(services[f"vllm-{w}"]["command"]) for w in ("w0", "w1")}
-    assert vllm["w0"] == vllm["w1"]
-    flags = vllm["w0"]
+    vllm = {w: _flags(services[f"vllm-{w}"]["command"]) for w in ids}
+    assert vllm[ids[0]] == vllm[ids[1]]
+    flags = vllm[ids[0]]
     assert flags["--served-model-name"] == model.name
     assert int(flags["--block-size"]) == model.block_size
     assert "--enable-prefix-caching" in flags and "--enable-prompt-tokens-details" in flags
