@@ -184,10 +184,11 @@ def test_up_rejects_incomplete_tier_flags(tmp_path, flags, message):
 
 def test_up_pd_plans_prefill_then_decode_workers_and_a_pd_gateway_config(tmp_path):
     """--prefill-workers P --decode-workers D: ids p0.., d0.., indices over all (seeds, core
-    slices), roles in the gateway config, policy.pd on. --workers N: w0.., no roles, no pd
-    (today's config)."""
+    slices), roles in the gateway config, policy.pd on; the config passes the gateway's own
+    validation. --workers N: w0.., no roles, no pd (today's config)."""
     from kvroute.cli import build_parser
     from kvroute.up import WorkerPlan, gateway_config, plan_workers
+    from router.config import parse_config
 
     def parse(*flags: str):
         return build_parser().parse_args(["up", "--model", str(tmp_path), "--served-model-name", "m", *flags])
@@ -199,14 +200,16 @@ def test_up_pd_plans_prefill_then_decode_workers_and_a_pd_gateway_config(tmp_pat
     entries = [{"id": w.id, "url": f"http://127.0.0.1:{9000 + w.index}", "model": "m", "role": w.role} for w in plan]
     cfg = gateway_config(args, entries, 8000)
     assert cfg["policy"] == {"name": "kv_aware", "pd": {"enabled": True}}
-    assert [(w["id"], w["role"]) for w in cfg["workers"]] == [("p0", "prefill"), ("p1", "prefill"),
-                                                              ("d0", "decode"), ("d1", "decode"), ("d2", "decode")]
+    gw = parse_config(cfg)
+    assert [(w.id, w.role) for w in gw.workers] == [("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"),
+                                                    ("d1", "decode"), ("d2", "decode")]
+    assert gw.policy["pd"] == {"enabled": True}
 
     plain = parse("--workers", "3")
     assert plan_workers(plain) == [WorkerPlan("w0", 0), WorkerPlan("w1", 1), WorkerPlan("w2", 2)]
     entries = [{"id": w.id, "url": f"http://127.0.0.1:{9000 + w.index}", "model": "m"} for w in plan_workers(plain)]
     cfg = gateway_config(plain, entries, 8000)
-    assert cfg["policy"] == {"name": "ttft"} and all("role" not in w for w in cfg["workers"])
+    assert cfg["policy"] == {"name": "ttft"} and all(w.role == "both" for w in parse_config(cfg).workers)
 
 
 def test_up_pd_vllm_agents_and_tier_folders_are_named_after_the_worker(tmp_path):
@@ -243,6 +246,35 @@ def test_up_rejects_bad_pd_flags(tmp_path, flags, message):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert message in done.stderr
+
+
+def test_up_pd_sims_serve_a_split_completion(procs, tiny_model, tmp_path):
+    """`kvroute up --engine sim --prefill-workers 1 --decode-workers 1`: both roles listed in
+    /admin/workers and exported, P/D on in the gateway's policy, and a completion through the
+    openai SDK served by d0 after p0's prefill leg (a prompt over min_prefill_tokens)."""
+    port, logs = free_port(), tmp_path / "up-logs"
+    p = procs("up", kvroute_argv("up", "--engine", "sim", "--prefill-workers", "1", "--decode-workers", "1",
+                                 "--model", str(tiny_model), "--served-model-name", "tiny", "--port", str(port),
+                                 "--speedup", "50", "--log-dir", str(logs)),
+              env={"KVROUTE_ADMIN_TOKEN": "up-token"})
+    base = _wait_line(p, r"gateway ready: (http://\S+)/v1").group(1)
+    assert "starting 1 prefill + 1 decode sim worker(s)" in p.log_path.read_text()
+    auth = {"Authorization": "Bearer up-token"}
+    listed = httpx.get(base + "/admin/workers", headers=auth, timeout=10).json()["workers"]
+    assert sorted((w["id"], w["role"], w["healthy"]) for w in listed) == [("d0", "decode", True),
+                                                                         ("p0", "prefill", True)]
+    assert httpx.get(base + "/admin/policy", headers=auth, timeout=10).json()["pd"]["enabled"] is True
+    metrics = httpx.get(base + "/metrics", timeout=10).text
+    assert 'kvroute_worker_role{role="prefill",worker="p0"} 1.0' in metrics
+    assert 'kvroute_worker_role{role="decode",worker="d0"} 1.0' in metrics
+
+    cli = OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=60)
+    prompt = " ".join(f"word{i % 50}" for i in range(600))  # well over min_prefill_tokens (256)
+    raw = cli.completions.with_raw_response.create(model="tiny", prompt=prompt, max_tokens=4)
+    done = raw.parse()
+    assert raw.headers["x-kvroute-worker"] == "d0" and raw.headers["x-kvroute-prefill-worker"] == "p0"
+    assert done.usage.completion_tokens == 4 and done.usage.prompt_tokens >= 600
+    assert done.choices[0].text
 
 
 def test_up_agent_command_lines_follow_the_index(tmp_path):
