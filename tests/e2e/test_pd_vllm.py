@@ -1,0 +1,313 @@
+"""Prefill-decode disaggregation on real vLLM (CPU build) with our connector: one prefill worker
+``p`` and one decode worker ``d``, each with its ``kvroute agent`` (CPU tier in shared memory,
+peers served with a shared secret, KV events into a real Redis), and the gateway with P/D on.
+
+vLLM's protocol (``kv_transfer_params``) over the agents' peer protocol: ``p`` answers the
+prefill leg with where the prompt's blocks are (its agent, how many, the engine digest) and ``d``
+pulls them from ``p``'s agent asynchronously. The reference answer of every prompt is the same
+request computed whole on ``p`` with a ``cache_salt`` of its own (nothing of it cached, no block
+of it shared with the unsalted prompt); the salt does not change the output.
+
+``p``'s agent advertises a TCP forwarder run by this test in front of its peer port (a byte of a
+transfer can be corrupted), and the gateway reaches ``p``'s vLLM through another (``p`` can be
+killed with a request in flight). One module-scoped cluster; each test has its own prompts; the
+test that kills ``p`` runs last (file order).
+
+1. The two legs driven by hand (the contract's bodies): ``p`` answers our params; ``d``'s greedy
+   tokens and logprobs equal the reference; ``d`` pulled every block (its log, vLLM's ``p2p``
+   counter); ``d``'s ``cached_tokens`` is what ``p`` reported (vLLM 0.32 reports the prefill
+   side's cache hits on the decode side, ``remote_prefill_cached_tokens``: 0 for a fresh prompt);
+   NIXL's params (no ``kvroute_peer``) on ``d`` are served as a normal request.
+2. A transfer corrupted on the wire is caught by the checksum; the pull asks again for the missing
+   blocks within its deadline; the answer equals the reference.
+3. Through the gateway: a long prompt is split (both workers named); the follow-up turn, whose
+   history ``d`` holds, skips the prefill leg (``d`` alone, its history cached); both equal their
+   references.
+4. Through the gateway, ``p``'s vLLM killed with the prefill leg in flight: the request is served
+   whole by ``d``, equal to the reference (outcome ``prefill_failed``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from e2e.conftest import vllm_python
+from e2e.test_peer_pull_vllm import Forwarder
+from e2e.tier_checks import TINY_BLOCK_BYTES, cached_by_source, random_tokens, same_output
+from conftest import ADMIN_TOKEN, Proc, free_ports, kvroute_argv, wait_http, wait_until
+from offload_agent.connector.config import kv_transfer_config, vllm_env
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tools"))
+from model_cache import ensure_model  # noqa: E402
+
+BLOCK = 32
+GPU_BLOCKS = 96
+CPU_BYTES = 400 * TINY_BLOCK_BYTES
+PROMPT_TOKENS = 900                 # 28 full blocks (the prefill side saves them), 28 creditable on d
+N = 28
+AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+SECRET = "peer-secret-for-the-pd-test"
+# two loaded cores: give the lookup and the pull room (what moves is checked here, not how fast)
+PEER_LIMITS = {"peer_locate_timeout_ms": 5000.0, "peer_pull_deadline_ms": 10000.0}
+PREFILL_LEG = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+               "remote_block_ids": None, "remote_host": None, "remote_port": None}
+MIN_PREFILL_TOKENS = 256
+
+
+class KillingForwarder:
+    """A TCP forwarder in front of a vLLM server. Once ``arm(kill)`` is called, the next
+    ``POST /v1/completions`` that comes through is sent on and ``kill()`` runs right after: the
+    server dies with that request in flight."""
+
+    def __init__(self, listen_port: int, target_port: int) -> None:
+        self.target_port = target_port
+        self.kill = None
+        self.killed = threading.Event()
+        self._sock = socket.create_server(("127.0.0.1", listen_port))
+        self._sock.settimeout(0.5)
+        self._stop = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def arm(self, kill) -> None:
+        self.kill = kill
+
+    def close(self) -> None:
+        self._stop.set()
+        self._sock.close()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                client, _ = self._sock.accept()
+            except OSError:
+                continue
+            try:
+                server = socket.create_connection(("127.0.0.1", self.target_port), timeout=30)
+            except OSError:
+                client.close()
+                continue
+            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, requests: bool) -> None:
+        try:
+            while not self._stop.is_set():
+                data = src.recv(1 << 16)
+                if not data:
+                    break
+                dst.sendall(data)
+                if requests and self.kill is not None and b"POST /v1/completions" in data:
+                    kill, self.kill = self.kill, None
+                    kill()
+                    self.killed.set()
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
+class Cluster:
+    def __init__(self, urls: dict[str, str], gateway: str, procs: dict[str, Proc], peer_fwd: Forwarder,
+                 http_fwd: KillingForwarder) -> None:
+        self.urls, self.gateway, self.procs, self.peer_fwd, self.http_fwd = urls, gateway, procs, peer_fwd, http_fwd
+        self.references = 0
+
+    def post(self, url: str, body: dict, headers: dict | None = None) -> httpx.Response:
+        r = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=180)
+        assert r.status_code == 200, r.text
+        return r
+
+    def reference(self, body: dict) -> dict:
+        """``body`` computed whole on ``p``, nothing of it cached (a salt of its own)."""
+        self.references += 1
+        out = self.post(self.urls["p"], {**body, "cache_salt": f"reference-{self.references}"}).json()
+        assert _cached(out) == 0
+        return out
+
+    def log(self, name: str) -> str:
+        return self.procs[name].log_path.read_text(errors="replace")
+
+    def tiers_log(self, name: str) -> str:
+        return "\n".join([ln for ln in self.log(name).splitlines() if "kvroute tiers" in ln][-15:])
+
+    def admin(self, path: str) -> dict:
+        r = httpx.get(self.gateway + path, headers=AUTH, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def pd_outcomes(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        text = httpx.get(self.gateway + "/metrics", timeout=30).text
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.name == "kvroute_pd_requests_total":
+                    out[s.labels["outcome"]] = out.get(s.labels["outcome"], 0.0) + s.value
+        return out
+
+
+def _cached(body: dict) -> int:
+    return (body["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+
+def _body(tokens: list[int]) -> dict:
+    return {"model": "tiny", "prompt": tokens, "max_tokens": 8, "temperature": 0, "logprobs": 3}
+
+
+def _prefill_leg(body: dict) -> dict:
+    return {**body, "max_tokens": 1, "stream": False, "n": 1, "kv_transfer_params": dict(PREFILL_LEG)}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, redis_url):
+    py = vllm_python()
+    model = ensure_model("tiny", py)
+    log_dir = tmp_path_factory.mktemp("pd")
+    procs: dict[str, Proc] = {}
+    peer_fwd = http_fwd = None
+    tag = f"pd-{os.getpid()}"
+    try:
+        (p_http, p_ev, p_rp, d_http, d_ev, d_rp, p_serve, p_peer_fwd, d_serve, p_http_fwd, gw_port) = free_ports(11)
+        ports = {"p": (p_http, p_ev, p_rp, p_serve), "d": (d_http, d_ev, d_rp, d_serve)}
+        peer_fwd = Forwarder(p_peer_fwd, p_serve)
+        http_fwd = KillingForwarder(p_http_fwd, p_http)
+        urls = {}
+        for wid, (http_port, ev, rp, serve) in ports.items():
+            sock = log_dir / f"{wid}.sock"
+            advertise = f"127.0.0.1:{p_peer_fwd}" if wid == "p" else f"127.0.0.1:{serve}"
+            procs[f"agent-{wid}"] = Proc(f"agent-{wid}", kvroute_argv(
+                "agent", "--worker-id", wid, "--events", f"tcp://127.0.0.1:{ev}", "--replay", f"tcp://127.0.0.1:{rp}",
+                "--index", redis_url, "--model", "tiny", "--block-size", str(BLOCK),
+                "--tier-socket", str(sock), "--tier-shm", f"/dev/shm/kvroute-e2e-{tag}-{wid}",
+                "--cpu-tier-bytes", str(CPU_BYTES), "--serve-peers", f"127.0.0.1:{serve}",
+                "--advertise", advertise, "--peer-secret-env", "KVR_PEER_SECRET", "--remove-tiers-on-exit"),
+                log_dir, env={"KVR_PEER_SECRET": SECRET})
+            events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
+                      "endpoint": f"tcp://*:{ev}", "replay_endpoint": f"tcp://*:{rp}"}
+            argv = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                    "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(http_port),
+                    "--max-model-len", "1024", "--block-size", str(BLOCK), "--enable-prefix-caching",
+                    "--dtype", "bfloat16", "--enforce-eager", "--num-gpu-blocks-override", str(GPU_BLOCKS),
+                    "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(events),
+                    "--kv-transfer-config", json.dumps(kv_transfer_config(CPU_BYTES, agent_socket=sock, **PEER_LIMITS))]
+            env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1",
+                   "VLLM_CPU_OMP_THREADS_BIND": "0" if wid == "p" else str(min(1, os.cpu_count() - 1)), **vllm_env()}
+            procs[wid] = Proc(wid, argv, log_dir, env=env)
+            urls[wid] = f"http://127.0.0.1:{http_port}"
+        for wid in urls:
+            wait_http(urls[wid] + "/health", procs[wid], timeout_s=480)
+        cfg = {"listen": {"host": "127.0.0.1", "port": gw_port},
+               "models": [{"name": "tiny", "tokenizer": str(model), "block_size": BLOCK}],
+               "index": {"backend": "redis", "url": redis_url},
+               "policy": {"name": "kv_aware", "pd": {"enabled": True, "min_prefill_tokens": MIN_PREFILL_TOKENS}},
+               "workers": [{"id": "p", "url": f"http://127.0.0.1:{p_http_fwd}", "model": "tiny", "role": "prefill"},
+                           {"id": "d", "url": urls["d"], "model": "tiny", "role": "decode"}]}
+        cfg_path = log_dir / "gw.yaml"
+        cfg_path.write_text(json.dumps(cfg))
+        procs["gateway"] = Proc("gateway", kvroute_argv("serve", "--config", str(cfg_path)), log_dir)
+        gateway = f"http://127.0.0.1:{gw_port}"
+        wait_http(gateway + "/health", procs["gateway"])
+        c = Cluster(urls, gateway, procs, peer_fwd, http_fwd)
+
+        def both_serving():
+            workers = c.admin("/admin/workers")["workers"]
+            return len(workers) == 2 and all(w["healthy"] and ((w.get("peer") or {}).get("serve")) for w in workers)
+        assert wait_until(both_serving, 60), c.admin("/admin/workers")
+        yield c
+    finally:
+        for proc in reversed(list(procs.values())):
+            proc.stop()
+        for fwd in (peer_fwd, http_fwd):
+            if fwd is not None:
+                fwd.close()
+
+
+def _split_by_hand(c: Cluster, body: dict) -> tuple[dict, dict]:
+    """The prefill leg to ``p``, then the client's body with ``p``'s params to ``d``; returns
+    ``p``'s params and ``d``'s completion."""
+    pre = c.post(c.urls["p"], _prefill_leg(body), {"x-request-id": f"pd-{body['prompt'][0]}-prefill"}).json()
+    params = pre.get("kv_transfer_params")
+    assert isinstance(params, dict), (pre, c.tiers_log("p"))
+    out = c.post(c.urls["d"], {**body, "kv_transfer_params": params}).json()
+    return params, out
+
+
+def test_the_legs_by_hand_give_the_unified_answer_with_the_blocks_pulled(cluster):
+    body = _body(random_tokens(100, PROMPT_TOKENS))
+    ref = cluster.reference(body)
+    before = cached_by_source(cluster.urls["d"]).get("p2p", 0.0)
+    params, out = _split_by_hand(cluster, body)
+    assert {k: params[k] for k in ("do_remote_prefill", "do_remote_decode", "kvroute_peer", "kvroute_blocks")} == {
+        "do_remote_prefill": True, "do_remote_decode": False, "kvroute_peer": "p", "kvroute_blocks": N}
+    assert len(params["kvroute_engine"]) == 32 and params.get("remote_prefill_cached_tokens") == 0
+    same_output(ref, out)
+    assert cached_by_source(cluster.urls["d"]).get("p2p", 0.0) - before == N * BLOCK, cluster.tiers_log("d")
+    assert f"pulled {N} of {N} blocks from p" in cluster.log("d")
+    assert _cached(out) == params["remote_prefill_cached_tokens"]   # vLLM: p's cache hits, as unified would say
+    # another connector's params (NIXL's: no kvroute_peer) on d: a normal request, nothing pulled
+    nixl = {**params, "remote_engine_id": "nixl-engine", "remote_block_ids": [1, 2, 3], "remote_host": "127.0.0.1",
+            "remote_port": 1}
+    for key in ("kvroute_peer", "kvroute_blocks", "kvroute_engine", "remote_prefill_cached_tokens"):
+        nixl.pop(key)
+    pulled = cluster.log("d").count("pulled ")
+    same_output(ref, cluster.post(cluster.urls["d"], {**body, "kv_transfer_params": nixl}).json())
+    assert cluster.log("d").count("pulled ") == pulled
+
+
+def test_a_corrupted_transfer_is_asked_again_and_the_answer_is_right(cluster):
+    body = _body(random_tokens(101, PROMPT_TOKENS))
+    ref = cluster.reference(body)
+    cluster.peer_fwd.corrupt_next()
+    _, out = _split_by_hand(cluster, body)
+    assert cluster.peer_fwd.corrupted.is_set()
+    same_output(ref, out)                                      # never a wrong answer
+    assert "checksum" in cluster.log("agent-d")
+    # the pull asked again for the blocks the corrupted answer lost, within its deadline
+    assert f"pull from p: all {N} blocks after " in cluster.log("d"), cluster.tiers_log("d")
+
+
+def test_the_gateway_splits_a_long_prompt_and_the_follow_up_turn_stays_on_d(cluster):
+    first = _body(random_tokens(102, PROMPT_TOKENS))
+    ref = cluster.reference(first)
+    before = cluster.pd_outcomes()
+    r = cluster.post(cluster.gateway, first)
+    assert (r.headers["x-kvroute-worker"], r.headers.get("x-kvroute-prefill-worker")) == ("d", "p")
+    same_output(ref, r.json())
+    # turn 2: the first turn's prompt and 40 new tokens; d holds the first's full blocks (the index
+    # says so), fewer than MIN_PREFILL_TOKENS are left to compute: no prefill leg
+    assert wait_until(lambda: cluster.admin("/admin/index")["workers"]["d"]["blocks"]["gpu"] >= N)
+    follow = _body(first["prompt"] + random_tokens(103, 40))
+    ref2 = cluster.reference(follow)
+    r2 = cluster.post(cluster.gateway, follow)
+    assert r2.headers["x-kvroute-worker"] == "d" and "x-kvroute-prefill-worker" not in r2.headers
+    assert _cached(r2.json()) == N * BLOCK                       # the first turn's blocks, held by d
+    same_output(ref2, r2.json())
+    after = cluster.pd_outcomes()
+    assert after.get("split", 0) - before.get("split", 0) == 1
+    assert after.get("whole", 0) - before.get("whole", 0) == 1
+
+
+def test_a_prefill_worker_killed_mid_request_still_gives_the_right_answer(cluster):
+    body = _body(random_tokens(104, PROMPT_TOKENS))
+    ref = cluster.reference(body)
+    before = cluster.pd_outcomes()
+    cluster.http_fwd.arm(lambda: cluster.procs["p"].signal(signal.SIGKILL))
+    r = cluster.post(cluster.gateway, body)
+    assert cluster.http_fwd.killed.is_set()
+    wait_until(lambda: not cluster.procs["p"].alive(), 10, "p's vLLM gone")
+    assert r.headers["x-kvroute-worker"] == "d"
+    same_output(ref, r.json())
+    assert cluster.pd_outcomes().get("prefill_failed", 0) - before.get("prefill_failed", 0) == 1
