@@ -17,6 +17,10 @@ request goes on::
      "actual_cached_tokens": n | null}                   # vLLM's usage.prompt_tokens_details
                                                          # (a several-prompt body: their sum)
 
+A request of a model with P/D on carries ``pd`` (:meth:`router.pd.PDLegs.as_dict`: both legs'
+candidates and costs, the outcome and its reason) and, when split, the prefill leg's
+``pd.prefill_ms`` and ``pd.prefill_outcome`` (:meth:`DecisionLog.prefill`).
+
 A candidate a peer can supply blocks to carries ``peer_blocks``, ``peer_worker``, ``peer_credit``
 and ``peer_credit_source`` (:meth:`router.policies.base.CandidateScore.as_dict`), as in explain.
 
@@ -100,6 +104,16 @@ class DecisionLog:
             if arrived_s is not None:
                 since_ms = (time.perf_counter() - arrived_s) * 1000.0
                 entry["gateway_ms"] = round(max(0.0, since_ms - entry["queue_wait_ms"]), 3)
+
+    @staticmethod
+    def prefill(entry: DecisionEntry | None, ms: float, outcome: str) -> None:
+        """A split request's prefill leg (:mod:`router.pd_relay`) took ``ms`` from its send to
+        its answer (or failure), with ``outcome`` ``split``, ``prefill_failed`` or ``answered``
+        (a 4xx passed to the client): ``pd.prefill_ms`` and ``pd.prefill_outcome``; the leg's
+        time is not the gateway's own (``gateway_ms`` leaves it out)."""
+        if entry is not None and isinstance(entry.get("pd"), dict):
+            entry["pd"]["prefill_ms"] = round(ms, 3)
+            entry["pd"]["prefill_outcome"] = outcome
 
     @staticmethod
     def first_token(entry: DecisionEntry | None, upstream_ttft_ms: float | None) -> None:

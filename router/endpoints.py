@@ -209,9 +209,11 @@ class ProxyEndpoint:
                      logged: DecisionEntry | None = None) -> None:
         gw = self.gw
         split = plan is not None and plan.pd is not None and plan.pd.split
+        t0_sent = t0
         response_headers = None
         if split:  # the prefill leg first (router.pd_relay); then the decode leg below
             prefill = plan.pd.prefill
+            leg_s = time.perf_counter()
             try:
                 result = await prefill_leg(gw, send, state, scope["method"], scope["path"], body, self.kind,
                                            headers, request_id, plan, t0,
@@ -221,16 +223,20 @@ class ProxyEndpoint:
                     raise
                 log.exception("request %s: prefill leg failed", request_id)
                 result = PrefillResult(detail="internal error")
+            leg_s = time.perf_counter() - leg_s
+            split = result.params is not None
+            DecisionLog.prefill(logged, leg_s * 1000.0,
+                                "answered" if result.answered else "split" if split else "prefill_failed")
             if result.answered:
                 return
-            split = result.params is not None
+            t0_sent = t0 + leg_s  # the decision log's gateway_ms leaves the prefill leg out
             gw.metrics.pd_requests.labels(plan.model.name, "split" if split else "prefill_failed").inc()
             if split:
                 raw = decode_body(raw, result.params)
                 response_headers = [(b"x-kvroute-prefill-worker", plan.pd.prefill_worker.encode("latin-1"))]
 
         async def on_attempt(reg: WorkerRegistration) -> None:
-            DecisionLog.sent(logged, reg.id, t0)
+            DecisionLog.sent(logged, reg.id, t0_sent)
             await gw.router.commit(plan, reg)
             if reservation is not None:  # counted in flight right after this returns
                 reservation.release()

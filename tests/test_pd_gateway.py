@@ -19,12 +19,12 @@ import pytest
 from aiohttp import web
 from openai import OpenAI
 
-from conftest import ADMIN_TOKEN, Proc, free_ports, serve_gateway, wait_until
+from conftest import ADMIN_TOKEN, Proc, free_ports, serve_gateway, wait_http, wait_until
 from kvcore.index.base import TierMatch
 from router.pd import PREFILL_KV_TRANSFER_PARAMS, choose_decode, decode_body, prefill_body, prefill_policy, \
     split_or_whole
 from router.policies import Candidate, RouteRequest, WorkerLoad, describe, make_policy
-from test_gateway_e2e import metric_value, system_prompt
+from test_gateway_e2e import _sim_argv, metric_value, system_prompt
 
 BLOCK = 32
 MIN_PREFILL = 64
@@ -357,6 +357,9 @@ def test_split_chat_stream_through_the_sdk(pd):
     entry = next(e for e in admin(pd, "GET", "/admin/decisions").json()["decisions"] if e["request_id"] == rid)
     assert entry["pd"]["outcome"] == "split" and entry["pd"]["prefill_worker"] == "p0"
     assert entry["worker"] == dworker and entry["actual_cached_tokens"] == PROMPT_TOKENS - 1
+    assert entry["pd"]["prefill_outcome"] == "split" and entry["pd"]["prefill_ms"] > 0
+    assert [c["worker"] for c in entry["pd"]["prefill"]["candidates"]] == ["p0"]
+    assert sorted(c["worker"] for c in entry["pd"]["decode"]["candidates"]) == ["d0", "d1"]
 
 
 def test_split_completion_without_stream(pd):
@@ -465,3 +468,57 @@ def test_client_disconnect_cancels_the_prefill_leg(pd):
     wait_until(lambda: f"{rid}-prefill" in p0.cancelled, what="the prefill leg cancelled on the worker")
     idle(pd)
     assert pd["d0"].of(rid) == [] and pd["d1"].of(rid) == []
+
+
+# ---- over real `kvroute sim` workers that speak the protocol ------------------------------------
+
+def _sim_metrics(url: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:prompt_tokens_by_source_total"):
+            name, value = line.rsplit(" ", 1)
+            source = name.split('source="', 1)[1].split('"', 1)[0]
+            out[source] = out.get(source, 0.0) + float(value)
+    return out
+
+
+def test_split_then_follow_up_whole_over_sims(tmp_path, tiny_model):
+    started: list[Proc] = []
+    try:
+        p_port, d_port, g_port = free_ports(3)
+        sims = {"p0": f"http://127.0.0.1:{p_port}", "d0": f"http://127.0.0.1:{d_port}"}
+        for (name, url), port in zip(sims.items(), (p_port, d_port)):
+            started.append(Proc(name, _sim_argv(tiny_model, port), tmp_path))
+        for proc, url in zip(started, sims.values()):
+            wait_http(url + "/health", proc, timeout_s=180)
+        cfg = {"listen": {"host": "127.0.0.1", "port": g_port},
+               "models": [{"name": "tiny", "tokenizer": str(tiny_model), "block_size": BLOCK}],
+               "workers": [{"id": "p0", "url": sims["p0"], "model": "tiny", "role": "prefill"},
+                           {"id": "d0", "url": sims["d0"], "model": "tiny", "role": "decode"}],
+               "policy": {"name": "ttft", "pd": {"enabled": True, "min_prefill_tokens": MIN_PREFILL}}}
+        base, _, _ = serve_gateway(cfg, tmp_path, started, "gateway-pd-sims")
+        client = OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
+        prompt = [(7 * i) % 400 + 50 for i in range(300)]  # 9 full blocks of 32 + 12 tokens
+        p_before, d_before = _sim_metrics(sims["p0"]), _sim_metrics(sims["d0"])
+        with client.completions.with_streaming_response.create(
+                model="tiny", prompt=prompt, max_tokens=4, stream=True, stream_options={"include_usage": True}) as r:
+            assert r.headers["x-kvroute-worker"] == "d0" and r.headers["x-kvroute-prefill-worker"] == "p0"
+            chunks = list(r.parse())
+        usage = chunks[-1].usage
+        assert usage.prompt_tokens == 300 and usage.completion_tokens == 4
+        assert usage.prompt_tokens_details.cached_tokens == 288  # the 9 full blocks came over the link
+        p_after, d_after = _sim_metrics(sims["p0"]), _sim_metrics(sims["d0"])
+        assert p_after.get("local_compute", 0) - p_before.get("local_compute", 0) == 300
+        assert d_after.get("external_kv_transfer", 0) - d_before.get("external_kv_transfer", 0) == 288
+        assert d_after.get("local_compute", 0) - d_before.get("local_compute", 0) == 12
+        # the next turn: d0 holds 288 of its 320 tokens, 32 uncached < 64: served whole by d0
+        follow = prompt + list(range(60, 80))
+        r = client.completions.with_raw_response.create(model="tiny", prompt=follow, max_tokens=2)
+        assert r.headers["x-kvroute-worker"] == "d0" and "x-kvroute-prefill-worker" not in r.headers
+        assert r.parse().usage.prompt_tokens_details.cached_tokens == 288
+        assert _sim_metrics(sims["p0"]) == p_after  # the prefill worker saw nothing
+        assert metric_value(PD(base, None), "kvroute_pd_requests_total", model="tiny", outcome="split") == 1
+        assert metric_value(PD(base, None), "kvroute_pd_requests_total", model="tiny", outcome="whole") == 1
+    finally:
+        for p in reversed(started):
+            p.stop()
