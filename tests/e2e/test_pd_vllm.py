@@ -28,10 +28,8 @@ test that kills ``p`` runs last (file order).
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import sys
 import threading
 from pathlib import Path
@@ -41,22 +39,18 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.conftest import vllm_python
-from e2e.test_peer_pull_vllm import Forwarder
-from e2e.tier_checks import TINY_BLOCK_BYTES, cached_by_source, random_tokens, same_output
-from conftest import ADMIN_TOKEN, Proc, free_ports, kvroute_argv, wait_http, wait_until
-from offload_agent.connector.config import kv_transfer_config, vllm_env
+from e2e.test_peer_pull_vllm import Forwarder, start_gateway, start_peer_workers
+from e2e.tier_checks import cached_by_source, random_tokens, same_output
+from conftest import ADMIN_TOKEN, Proc, free_ports, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
 from model_cache import ensure_model  # noqa: E402
 
 BLOCK = 32
-GPU_BLOCKS = 96
-CPU_BYTES = 400 * TINY_BLOCK_BYTES
 PROMPT_TOKENS = 900                 # 28 full blocks (the prefill side saves them), 28 creditable on d
 N = 28
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-SECRET = "peer-secret-for-the-pd-test"
 # two loaded cores: give the lookup and the pull room (what moves is checked here, not how fast)
 PEER_LIMITS = {"peer_locate_timeout_ms": 5000.0, "peer_pull_deadline_ms": 10000.0}
 PREFILL_LEG = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -64,65 +58,9 @@ PREFILL_LEG = {"do_remote_decode": True, "do_remote_prefill": False, "remote_eng
 MIN_PREFILL_TOKENS = 256
 
 
-class KillingForwarder:
-    """A TCP forwarder in front of a vLLM server. Once ``arm(kill)`` is called, the next
-    ``POST /v1/completions`` that comes through is sent on and ``kill()`` runs right after: the
-    server dies with that request in flight."""
-
-    def __init__(self, listen_port: int, target_port: int) -> None:
-        self.target_port = target_port
-        self.kill = None
-        self.killed = threading.Event()
-        self._sock = socket.create_server(("127.0.0.1", listen_port))
-        self._sock.settimeout(0.5)
-        self._stop = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def arm(self, kill) -> None:
-        self.kill = kill
-
-    def close(self) -> None:
-        self._stop.set()
-        self._sock.close()
-
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                client, _ = self._sock.accept()
-            except OSError:
-                continue
-            try:
-                server = socket.create_connection(("127.0.0.1", self.target_port), timeout=30)
-            except OSError:
-                client.close()
-                continue
-            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, requests: bool) -> None:
-        try:
-            while not self._stop.is_set():
-                data = src.recv(1 << 16)
-                if not data:
-                    break
-                dst.sendall(data)
-                if requests and self.kill is not None and b"POST /v1/completions" in data:
-                    kill, self.kill = self.kill, None
-                    kill()
-                    self.killed.set()
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-
 class Cluster:
     def __init__(self, urls: dict[str, str], gateway: str, procs: dict[str, Proc], peer_fwd: Forwarder,
-                 http_fwd: KillingForwarder) -> None:
+                 http_fwd: Forwarder) -> None:
         self.urls, self.gateway, self.procs, self.peer_fwd, self.http_fwd = urls, gateway, procs, peer_fwd, http_fwd
         self.references = 0
 
@@ -183,43 +121,14 @@ def cluster(tmp_path_factory, redis_url):
         (p_http, p_ev, p_rp, d_http, d_ev, d_rp, p_serve, p_peer_fwd, d_serve, p_http_fwd, gw_port) = free_ports(11)
         ports = {"p": (p_http, p_ev, p_rp, p_serve), "d": (d_http, d_ev, d_rp, d_serve)}
         peer_fwd = Forwarder(p_peer_fwd, p_serve)
-        http_fwd = KillingForwarder(p_http_fwd, p_http)
-        urls = {}
-        for wid, (http_port, ev, rp, serve) in ports.items():
-            sock = log_dir / f"{wid}.sock"
-            advertise = f"127.0.0.1:{p_peer_fwd}" if wid == "p" else f"127.0.0.1:{serve}"
-            procs[f"agent-{wid}"] = Proc(f"agent-{wid}", kvroute_argv(
-                "agent", "--worker-id", wid, "--events", f"tcp://127.0.0.1:{ev}", "--replay", f"tcp://127.0.0.1:{rp}",
-                "--index", redis_url, "--model", "tiny", "--block-size", str(BLOCK),
-                "--tier-socket", str(sock), "--tier-shm", f"/dev/shm/kvroute-e2e-{tag}-{wid}",
-                "--cpu-tier-bytes", str(CPU_BYTES), "--serve-peers", f"127.0.0.1:{serve}",
-                "--advertise", advertise, "--peer-secret-env", "KVR_PEER_SECRET", "--remove-tiers-on-exit"),
-                log_dir, env={"KVR_PEER_SECRET": SECRET})
-            events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
-                      "endpoint": f"tcp://*:{ev}", "replay_endpoint": f"tcp://*:{rp}"}
-            argv = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                    "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(http_port),
-                    "--max-model-len", "1024", "--block-size", str(BLOCK), "--enable-prefix-caching",
-                    "--dtype", "bfloat16", "--enforce-eager", "--num-gpu-blocks-override", str(GPU_BLOCKS),
-                    "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(events),
-                    "--kv-transfer-config", json.dumps(kv_transfer_config(CPU_BYTES, agent_socket=sock, **PEER_LIMITS))]
-            env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1",
-                   "VLLM_CPU_OMP_THREADS_BIND": "0" if wid == "p" else str(min(1, os.cpu_count() - 1)), **vllm_env()}
-            procs[wid] = Proc(wid, argv, log_dir, env=env)
-            urls[wid] = f"http://127.0.0.1:{http_port}"
-        for wid in urls:
-            wait_http(urls[wid] + "/health", procs[wid], timeout_s=480)
-        cfg = {"listen": {"host": "127.0.0.1", "port": gw_port},
-               "models": [{"name": "tiny", "tokenizer": str(model), "block_size": BLOCK}],
-               "index": {"backend": "redis", "url": redis_url},
-               "policy": {"name": "kv_aware", "pd": {"enabled": True, "min_prefill_tokens": MIN_PREFILL_TOKENS}},
-               "workers": [{"id": "p", "url": f"http://127.0.0.1:{p_http_fwd}", "model": "tiny", "role": "prefill"},
-                           {"id": "d", "url": urls["d"], "model": "tiny", "role": "decode"}]}
-        cfg_path = log_dir / "gw.yaml"
-        cfg_path.write_text(json.dumps(cfg))
-        procs["gateway"] = Proc("gateway", kvroute_argv("serve", "--config", str(cfg_path)), log_dir)
-        gateway = f"http://127.0.0.1:{gw_port}"
-        wait_http(gateway + "/health", procs["gateway"])
+        http_fwd = Forwarder(p_http_fwd, p_http)    # the gateway's way to p's vLLM
+        advertise = {"p": f"127.0.0.1:{p_peer_fwd}", "d": f"127.0.0.1:{d_serve}"}
+        urls, _ = start_peer_workers(procs, py, model, log_dir, redis_url, ports, advertise, tag, PEER_LIMITS)
+        gateway = start_gateway(
+            procs, log_dir, gw_port, model, redis_url,
+            [{"id": "p", "url": f"http://127.0.0.1:{p_http_fwd}", "model": "tiny", "role": "prefill"},
+             {"id": "d", "url": urls["d"], "model": "tiny", "role": "decode"}],
+            policy={"name": "kv_aware", "pd": {"enabled": True, "min_prefill_tokens": MIN_PREFILL_TOKENS}})
         c = Cluster(urls, gateway, procs, peer_fwd, http_fwd)
 
         def both_serving():
@@ -304,9 +213,15 @@ def test_a_prefill_worker_killed_mid_request_still_gives_the_right_answer(cluste
     body = _body(random_tokens(104, PROMPT_TOKENS))
     ref = cluster.reference(body)
     before = cluster.pd_outcomes()
-    cluster.http_fwd.arm(lambda: cluster.procs["p"].signal(signal.SIGKILL))
+    killed = threading.Event()
+
+    def kill_p(data: bytes) -> None:   # p dies once the prefill leg has reached it
+        if b"POST /v1/completions" in data and not killed.is_set():
+            cluster.procs["p"].signal(signal.SIGKILL)
+            killed.set()
+    cluster.http_fwd.on_request = kill_p
     r = cluster.post(cluster.gateway, body)
-    assert cluster.http_fwd.killed.is_set()
+    assert killed.is_set()
     wait_until(lambda: not cluster.procs["p"].alive(), 10, "p's vLLM gone")
     assert r.headers["x-kvroute-worker"] == "d"
     same_output(ref, r.json())

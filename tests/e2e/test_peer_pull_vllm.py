@@ -64,10 +64,12 @@ def _tokens(seed: int, n: int = PROMPT_TOKENS) -> list[int]:
 
 class Forwarder:
     """A TCP forwarder in front of a peer server. ``corrupt_next()`` flips one byte, 4096 bytes
-    into the next answer (inside the first block's payload), once."""
+    into the next answer (inside the first block's payload), once. ``on_request(data)``, when
+    set, is called with each piece of a request once it has been sent on."""
 
     def __init__(self, listen_port: int, target_port: int) -> None:
         self.target_port = target_port
+        self.on_request = None
         self.armed = threading.Event()
         self.corrupted = threading.Event()
         self.connections = 0
@@ -104,6 +106,10 @@ class Forwarder:
                     break
                 if not answers:
                     pos[0] = 0      # a new request: its answer starts
+                    if self.on_request is not None:
+                        dst.sendall(data)
+                        self.on_request(data)
+                        continue
                 else:
                     at = 4096 - pos[0]
                     if self.armed.is_set() and 0 <= at < len(data):
@@ -120,6 +126,67 @@ class Forwarder:
                     s.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+
+
+def start_peer_workers(procs: dict[str, Proc], py: str, model: Path, log_dir: Path, redis_url: str,
+                       ports: dict[str, tuple[int, int, int, int]], advertise: dict[str, str], tag: str,
+                       limits: dict) -> tuple[dict[str, str], dict[str, tuple[list[str], dict[str, str]]]]:
+    """Start each worker of ``ports`` (id -> HTTP, events, replay and peer ports; the n-th on core
+    n) with :func:`start_peer_worker` into ``procs`` and wait until they answer. Returns their
+    URLs and the servers' (argv, env) to start them again."""
+    urls, starts = {}, {}
+    for i, (wid, wports) in enumerate(ports.items()):
+        procs[f"agent-{wid}"], procs[wid], starts[wid] = start_peer_worker(
+            wid, py, model, log_dir, redis_url, wports, advertise[wid], tag, i, limits)
+        urls[wid] = f"http://127.0.0.1:{wports[0]}"
+    for wid in urls:
+        wait_http(urls[wid] + "/health", procs[wid], timeout_s=480)
+    return urls, starts
+
+
+def start_gateway(procs: dict[str, Proc], log_dir: Path, port: int, model: Path, redis_url: str,
+                  workers: list[dict], **config) -> str:
+    """Start the gateway (the tiny model, the Redis index, ``workers``, ``config``'s other keys)
+    into ``procs``; returns its URL once it answers."""
+    cfg = {"listen": {"host": "127.0.0.1", "port": port},
+           "models": [{"name": "tiny", "tokenizer": str(model), "block_size": BLOCK}],
+           "index": {"backend": "redis", "url": redis_url}, "workers": workers, **config}
+    cfg_path = log_dir / "gw.yaml"
+    cfg_path.write_text(json.dumps(cfg))
+    procs["gateway"] = Proc("gateway", kvroute_argv("serve", "--config", str(cfg_path)), log_dir)
+    gateway = f"http://127.0.0.1:{port}"
+    wait_http(gateway + "/health", procs["gateway"])
+    return gateway
+
+
+def start_peer_worker(wid: str, py: str, model: Path, log_dir: Path, redis_url: str,
+                      ports: tuple[int, int, int, int], advertise: str, tag: str, core: int,
+                      limits: dict) -> tuple[Proc, Proc, tuple[list[str], dict[str, str]]]:
+    """Start worker ``wid``: its ``kvroute agent`` (CPU tier in ``/dev/shm``, the worker's KV
+    events into Redis, peers served on ``ports[3]`` and advertised as ``advertise``, shared secret
+    ``SECRET``) and its vLLM server (the tiny model, our connector on the agent's socket with
+    ``limits``, KV events on ``ports[1]``/``ports[2]``, HTTP on ``ports[0]``, OMP bound to
+    ``core``). Returns the agent, the server and the server's (argv, env) to start it again."""
+    http_port, ev, rp, serve = ports
+    sock = log_dir / f"{wid}.sock"
+    agent = Proc(f"agent-{wid}", kvroute_argv(
+        "agent", "--worker-id", wid, "--events", f"tcp://127.0.0.1:{ev}", "--replay", f"tcp://127.0.0.1:{rp}",
+        "--index", redis_url, "--model", "tiny", "--block-size", str(BLOCK),
+        "--tier-socket", str(sock), "--tier-shm", f"/dev/shm/kvroute-e2e-{tag}-{wid}",
+        "--cpu-tier-bytes", str(CPU_BYTES), "--serve-peers", f"127.0.0.1:{serve}",
+        "--advertise", advertise, "--peer-secret-env", "KVR_PEER_SECRET", "--remove-tiers-on-exit"),
+        log_dir, env={"KVR_PEER_SECRET": SECRET})
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
+              "endpoint": f"tcp://*:{ev}", "replay_endpoint": f"tcp://*:{rp}"}
+    argv = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(http_port),
+            "--max-model-len", "1024", "--block-size", str(BLOCK), "--enable-prefix-caching",
+            "--dtype", "bfloat16", "--enforce-eager", "--num-gpu-blocks-override", str(GPU_BLOCKS),
+            "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(events),
+            "--kv-transfer-config", json.dumps(kv_transfer_config(CPU_BYTES, agent_socket=sock, **limits))]
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": str(min(core, os.cpu_count() - 1)), **vllm_env()}
+    return agent, Proc(wid, argv, log_dir, env=env), (argv, env)
 
 
 class Pair:
@@ -168,42 +235,10 @@ def pair(tmp_path_factory, redis_url):
         (a_http, a_ev, a_rp, b_http, b_ev, b_rp, a_serve, a_fwd, b_serve, gw_port) = free_ports(10)
         ports = {"a": (a_http, a_ev, a_rp, a_serve), "b": (b_http, b_ev, b_rp, b_serve)}
         forwarder = Forwarder(a_fwd, a_serve)
-        env_secret = {"KVR_PEER_SECRET": SECRET}
-        urls, starts = {}, {}
-        for wid, (http_port, ev, rp, serve) in ports.items():
-            sock = log_dir / f"{wid}.sock"
-            advertise = f"127.0.0.1:{a_fwd}" if wid == "a" else f"127.0.0.1:{serve}"
-            procs[f"agent-{wid}"] = Proc(f"agent-{wid}", kvroute_argv(
-                "agent", "--worker-id", wid, "--events", f"tcp://127.0.0.1:{ev}", "--replay", f"tcp://127.0.0.1:{rp}",
-                "--index", redis_url, "--model", "tiny", "--block-size", str(BLOCK),
-                "--tier-socket", str(sock), "--tier-shm", f"/dev/shm/kvroute-e2e-{tag}-{wid}",
-                "--cpu-tier-bytes", str(CPU_BYTES), "--serve-peers", f"127.0.0.1:{serve}",
-                "--advertise", advertise, "--peer-secret-env", "KVR_PEER_SECRET", "--remove-tiers-on-exit"),
-                log_dir, env=env_secret)
-            events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
-                      "endpoint": f"tcp://*:{ev}", "replay_endpoint": f"tcp://*:{rp}"}
-            argv = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                    "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(http_port),
-                    "--max-model-len", "1024", "--block-size", str(BLOCK), "--enable-prefix-caching",
-                    "--dtype", "bfloat16", "--enforce-eager", "--num-gpu-blocks-override", str(GPU_BLOCKS),
-                    "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(events),
-                    "--kv-transfer-config", json.dumps(kv_transfer_config(CPU_BYTES, agent_socket=sock, **PEER_LIMITS))]
-            env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1",
-                   "VLLM_CPU_OMP_THREADS_BIND": "0" if wid == "a" else str(min(1, os.cpu_count() - 1)), **vllm_env()}
-            starts[wid] = (argv, env)
-            procs[wid] = Proc(wid, argv, log_dir, env=env)
-            urls[wid] = f"http://127.0.0.1:{http_port}"
-        for wid in urls:
-            wait_http(urls[wid] + "/health", procs[wid], timeout_s=480)
-        cfg = {"listen": {"host": "127.0.0.1", "port": gw_port},
-               "models": [{"name": "tiny", "tokenizer": str(model), "block_size": BLOCK}],
-               "index": {"backend": "redis", "url": redis_url},
-               "workers": [{"id": wid, "url": url, "model": "tiny"} for wid, url in urls.items()]}
-        cfg_path = log_dir / "gw.yaml"
-        cfg_path.write_text(json.dumps(cfg))
-        procs["gateway"] = Proc("gateway", kvroute_argv("serve", "--config", str(cfg_path)), log_dir)
-        gateway = f"http://127.0.0.1:{gw_port}"
-        wait_http(gateway + "/health", procs["gateway"])
+        advertise = {"a": f"127.0.0.1:{a_fwd}", "b": f"127.0.0.1:{b_serve}"}
+        urls, starts = start_peer_workers(procs, py, model, log_dir, redis_url, ports, advertise, tag, PEER_LIMITS)
+        gateway = start_gateway(procs, log_dir, gw_port, model, redis_url,
+                                [{"id": wid, "url": url, "model": "tiny"} for wid, url in urls.items()])
         p = Pair(urls, gateway, procs, forwarder)
 
         def restart(wid: str) -> Proc:  # the same server again: same ports, same agent
