@@ -63,7 +63,7 @@ def test_hello_makes_the_shared_cpu_tier_and_reuses_it(tmp_path: Path, redis_url
         answer = await asyncio.to_thread(hello, link)
         assert answer == {"ok": True, "worker_id": "a", "shm_path": str(tmp_path / "a.shm"), "num_slots": 64,
                           "ssd_dir": None, "ssd_tier_bytes": 0, "peer_pull": True,
-                          "pull_path": str(tmp_path / "a.shm-pull"), "pull_bytes": PULL_BYTES}
+                          "serves_peers": True, "pull_path": str(tmp_path / "a.shm-pull"), "pull_bytes": PULL_BYTES}
         shm = ShmSlab.attach(answer["shm_path"])
         assert (shm.num_slots, shm.block_bytes, shm.fingerprint_digest) == (64, BLOCK_BYTES, FP.digest())
         again = await asyncio.to_thread(hello, AgentLink(str(tmp_path / "a.sock")))  # the other side

@@ -70,7 +70,7 @@ OPERATIONS = (
     "POST /admin/workers/{worker_id}/drain", "GET /admin/policy", "PUT /admin/policy", "GET /admin/index",
     "POST /admin/explain", "GET /admin/decisions", "GET /admin/summary", "GET /dashboard",
     "POST /admin/index/match", "GET /admin/peers", "PUT /admin/workers/{worker_id}/peer",
-    "DELETE /admin/workers/{worker_id}/peer",
+    "DELETE /admin/workers/{worker_id}/peer", "PUT /admin/workers/{worker_id}/role",
     "POST /v1/chat/completions", "POST /v1/completions", "POST /v1/responses", "POST /v1/embeddings",
     "POST /tokenize", "POST /detokenize", "POST /v1/messages", "POST /v1/messages/count_tokens",
     "POST /v1/chat/completions/render", "POST /v1/completions/render", "POST /v1/responses/render",
