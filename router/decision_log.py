@@ -19,7 +19,9 @@ request goes on::
 
 A request of a model with P/D on carries ``pd`` (:meth:`router.pd.PDLegs.as_dict`: both legs'
 candidates and costs, the outcome and its reason) and, when split, the prefill leg's
-``pd.prefill_ms`` and ``pd.prefill_outcome`` (:meth:`DecisionLog.prefill`).
+``pd.prefill_ms``, ``pd.prefill_outcome`` and ``pd.prefill_cached_tokens`` (:meth:`DecisionLog.prefill`);
+its ``actual_cached_tokens`` is then the decode worker's report, which counts the tokens
+transferred from the prefill worker as cached.
 
 A candidate a peer can supply blocks to carries ``peer_blocks``, ``peer_worker``, ``peer_credit``
 and ``peer_credit_source`` (:meth:`router.policies.base.CandidateScore.as_dict`), as in explain.
@@ -106,14 +108,17 @@ class DecisionLog:
                 entry["gateway_ms"] = round(max(0.0, since_ms - entry["queue_wait_ms"]), 3)
 
     @staticmethod
-    def prefill(entry: DecisionEntry | None, ms: float, outcome: str) -> None:
+    def prefill(entry: DecisionEntry | None, ms: float, outcome: str, cached_tokens: int | None = None) -> None:
         """A split request's prefill leg (:mod:`router.pd_relay`) took ``ms`` from its send to
-        its answer (or failure), with ``outcome`` ``split``, ``prefill_failed`` or ``answered``
-        (a 4xx passed to the client): ``pd.prefill_ms`` and ``pd.prefill_outcome``; the leg's
-        time is not the gateway's own (``gateway_ms`` leaves it out)."""
+        its answer (or failure), with ``outcome`` ``split``, ``prefill_failed`` or
+        ``prefill_rejected`` (a 4xx passed to the client), and the prefill worker reported
+        ``cached_tokens`` prefix-hit tokens (None: no report): ``pd.prefill_ms``,
+        ``pd.prefill_outcome`` and ``pd.prefill_cached_tokens``; the leg's time is not the
+        gateway's own (``gateway_ms`` leaves it out)."""
         if entry is not None and isinstance(entry.get("pd"), dict):
             entry["pd"]["prefill_ms"] = round(ms, 3)
             entry["pd"]["prefill_outcome"] = outcome
+            entry["pd"]["prefill_cached_tokens"] = cached_tokens
 
     @staticmethod
     def first_token(entry: DecisionEntry | None, upstream_ttft_ms: float | None) -> None:

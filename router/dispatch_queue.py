@@ -43,6 +43,11 @@ published under the gateway processes' shared lock
 (:meth:`~router.registry.WorkerRegistration.claim`), so neither do two processes. Requests of
 a model with no routable worker fail with 503.
 
+The prefill leg of a split request (:mod:`router.pd`) waits here as a whole request does, by the
+same rules, limited to its prefill pool (``pool``: the prefill plan's workers) and re-chosen by
+the prefill leg's policy (:func:`router.pd.prefill_policy`); its decode leg then goes to the
+decode worker without waiting (the decode worker computes no prompt).
+
 Pure asyncio in one event loop; no I/O.
 """
 from __future__ import annotations
@@ -55,6 +60,7 @@ from dataclasses import dataclass, field
 
 from router.errors import no_healthy_worker
 from router.metrics import GatewayMetrics
+from router.policies.base import Policy
 from router.policies.queue import QueueSettings
 from router.registry import WorkerRegistration, WorkerRegistry
 from router.routing import RoutePlan, Router
@@ -85,6 +91,8 @@ class _Entry:
     arrival_s: float
     size_tokens: float  # predicted own prefill at the best holder; inf when tokens are unknown
     held_blocks: dict[str, int]  # credited matched blocks per worker id
+    pool: frozenset[str] | None = None  # the only workers it may go to (a prefill leg's pool)
+    policy: Policy | None = None  # the policy that re-chooses its worker (None: the live one)
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
     def affinity_wait_s(self, settings: QueueSettings) -> float:
@@ -117,14 +125,17 @@ class DispatchQueue:
         """Requests waiting now."""
         return len(self._entries)
 
-    async def take_turn(self, plan: RoutePlan) -> tuple[RoutePlan, Reservation | None]:
+    async def take_turn(self, plan: RoutePlan, pool: frozenset[str] | None = None,
+                        policy: Policy | None = None) -> tuple[RoutePlan, Reservation | None]:
         """Wait until ``plan``'s request may be dispatched; returns the plan to send it by (a new
         decision among the workers then open) and the reservation to release once its first
-        attempt has begun. With the queue off: ``(plan, None)`` at once. Raises GatewayError 503
-        when no worker serves the model any more; cancelling the wait gives up its place."""
+        attempt has begun. ``pool``: only these worker ids may take it (a prefill leg's pool);
+        ``policy``: the policy that re-chooses (None: the live one). With the queue off:
+        ``(plan, None)`` at once. Raises GatewayError 503 when no worker (of ``pool``) serves
+        the model any more; cancelling the wait gives up its place."""
         if not self.settings().enabled:
             return plan, None
-        entry = _Entry(plan, self.clock(), _size_tokens(plan), _held_blocks(plan))
+        entry = _Entry(plan, self.clock(), _size_tokens(plan), _held_blocks(plan), pool, policy)
         self._entries.append(entry)
         self.pump()
         try:
@@ -167,6 +178,8 @@ class DispatchQueue:
         backlog: dict[str, float] = {}  # worker id -> prefill tokens of requests ahead waiting for it
         for entry in sorted(self._entries, key=lambda e: e.order(now, settings)):
             regs = self.registry.routable(entry.plan.model.name)
+            if entry.pool is not None:
+                regs = [r for r in regs if r.id in entry.pool]
             if not regs:
                 self._entries.remove(entry)
                 entry.future.set_exception(no_healthy_worker(entry.plan.model.name))
@@ -177,7 +190,7 @@ class DispatchQueue:
                 continue
             affinity_wait_s = entry.affinity_wait_s(settings)
             if now - entry.arrival_s < affinity_wait_s and settings.affinity == "policy":
-                plan = self.router.redecide(entry.plan, regs, backlog)
+                plan = self.router.redecide(entry.plan, regs, backlog, entry.policy)
                 chosen = plan.decision.worker_id
                 if not any(r.id == chosen for r in ready):
                     backlog[chosen] = backlog.get(chosen, 0.0) + plan.uncached_tokens(chosen)
@@ -188,7 +201,7 @@ class DispatchQueue:
                     ready = [r for r in ready if entry.held_blocks.get(r.id, 0) >= top - 1]
                 if not ready:
                     continue
-                plan = self.router.redecide(entry.plan, ready)
+                plan = self.router.redecide(entry.plan, ready, policy=entry.policy)
             reg = plan.workers[plan.decision.worker_id]
             predicted_ms = plan.predicted_ttft_ms(reg.id)
             end_s = None if predicted_ms is None else now + predicted_ms / 1000.0

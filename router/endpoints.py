@@ -18,7 +18,7 @@ import orjson
 from router.client_auth import ClientAuth
 from router.decision_log import DecisionEntry, DecisionLog
 from router.errors import GatewayError, bad_request, body_too_large, error_body, upstream_failed
-from router.pd import decode_body
+from router.pd import decode_body, prefill_policy
 from router.pd_relay import PrefillResult, prefill_leg
 from router.proxy import ClientState, upstream_headers
 from router.registry import InFlight
@@ -192,6 +192,8 @@ class ProxyEndpoint:
         queued_s = time.monotonic()
         if plan.pd is not None and plan.pd.pooled:  # legs chosen from the role pools (router.pd)
             reservation = None
+            if plan.pd.split:  # the prefill leg waits for its pool as a whole request would
+                reservation = await self._prefill_turn(plan)
         else:
             plan, reservation = await gw.dispatch_queue.take_turn(plan)
         if plan.pd is not None and not plan.pd.split:
@@ -202,6 +204,28 @@ class ProxyEndpoint:
         if body.get("stream") is True and gw.cfg.routing.measure_stream_usage:
             raw, strip = request_stream_usage(raw, body)
         return plan, plan.ranked(), raw, strip, reservation, logged
+
+    async def _prefill_turn(self, plan: RoutePlan) -> Reservation | None:
+        """The split ``plan``'s prefill leg through the dispatch queue (on when the policy has
+        it): waits until a prefill-pool worker is open, re-chosen by the prefill leg's policy
+        (``plan.pd.prefill`` replaced); the reservation (None with the queue off) is released
+        once the leg is in flight. When the pool has no routable worker left, or the re-chosen
+        worker is the decode worker (role ``both``), the decode worker serves the request
+        whole (outcome ``whole``, reason ``no_prefill_pool`` / ``same_worker``)."""
+        legs = plan.pd
+        chooser = prefill_policy(self.gw.router.policy.policy)
+        try:
+            prefill, reservation = await self.gw.dispatch_queue.take_turn(
+                legs.prefill, frozenset(legs.prefill.workers), chooser)
+        except GatewayError:
+            legs.outcome, legs.reason, legs.prefill = "whole", "no_prefill_pool", None
+            return None
+        if reservation is not None and prefill.decision.worker_id == legs.decode_worker:
+            reservation.release()
+            legs.outcome, legs.reason, legs.prefill = "whole", "same_worker", None
+            return None
+        legs.prefill = prefill
+        return reservation
 
     async def _relay(self, send, state: ClientState, scope, raw: bytes, body: dict[str, Any],
                      headers: list[tuple[bytes, bytes]], request_id: str, t0: float, plan: RoutePlan | None,
@@ -214,10 +238,12 @@ class ProxyEndpoint:
         if split:  # the prefill leg first (router.pd_relay); then the decode leg below
             prefill = plan.pd.prefill
             leg_s = time.perf_counter()
-            try:
+            try:  # the prefill worker computed the prompt: its leg teaches its rate and evidence
                 result = await prefill_leg(gw, send, state, scope["method"], scope["path"], body, self.kind,
                                            headers, request_id, plan, t0,
-                                           on_answer=lambda handle: record_first_token(gw, prefill, handle))
+                                           on_answer=lambda handle: record_first_token(gw, prefill, handle),
+                                           on_usage=lambda handle, n: record_usage(gw, prefill, handle, n),
+                                           on_begin=reservation.release if reservation is not None else None)
             except Exception:  # a bug in the leg: the decode worker serves the request whole
                 if state.response_started:
                     raise
@@ -225,12 +251,12 @@ class ProxyEndpoint:
                 result = PrefillResult(detail="internal error")
             leg_s = time.perf_counter() - leg_s
             split = result.params is not None
-            DecisionLog.prefill(logged, leg_s * 1000.0,
-                                "answered" if result.answered else "split" if split else "prefill_failed")
+            outcome = "prefill_rejected" if result.answered else "split" if split else "prefill_failed"
+            DecisionLog.prefill(logged, leg_s * 1000.0, outcome, result.cached_tokens)
+            gw.metrics.pd_requests.labels(plan.model.name, outcome).inc()
             if result.answered:
                 return
             t0_sent = t0 + leg_s  # the decision log's gateway_ms leaves the prefill leg out
-            gw.metrics.pd_requests.labels(plan.model.name, "split" if split else "prefill_failed").inc()
             if split:
                 raw = decode_body(raw, result.params)
                 response_headers = [(b"x-kvroute-prefill-worker", plan.pd.prefill_worker.encode("latin-1"))]
@@ -242,7 +268,12 @@ class ProxyEndpoint:
                 reservation.release()
 
         try:
-            if split:  # the decode worker computes no prompt: its reports teach neither trust nor rate
+            # split: the decode worker received the prompt's KV and computed none of it; it reports
+            # the transferred tokens as cached and its first token comes after the transfer, so
+            # its answer teaches neither its evidence trust nor its prefill rate, and its cached
+            # tokens are not booked in the metrics (the prefill leg booked the request's figures
+            # for the prefill worker, which computed the prompt): only the decision log gets them
+            if split:
                 await gw.upstream.relay(
                     send, state, scope["method"], scope["path"], raw, upstream_headers(headers, request_id),
                     request_id, ranked, t0=t0, on_attempt=on_attempt,

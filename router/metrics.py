@@ -11,8 +11,8 @@
 | kvroute_worker_healthy | gauge | worker | 1 up, 0 down or unknown |
 | kvroute_worker_role | gauge | worker, role | 1 for the worker's role (``both``, ``prefill``, ``decode``; info style: one series per worker) |
 | kvroute_tokenization_fallbacks_total | counter | model, reason | requests routed by load, exact tokens unavailable |
-| kvroute_pd_requests_total | counter | model, outcome | requests of a model with P/D on: ``split`` (two legs), ``whole`` (the prefill leg skipped), ``prefill_failed`` (the prefill leg failed, served whole by the decode worker) |
-| kvroute_predicted_cached_tokens | histogram | worker | predicted prefix-hit tokens per request (chosen worker) |
+| kvroute_pd_requests_total | counter | model, outcome | requests of a model with P/D on: ``split`` (two legs), ``whole`` (the prefill leg skipped), ``prefill_failed`` (the prefill leg failed or timed out, served whole by the decode worker), ``prefill_rejected`` (the prefill worker answered a 4xx, passed to the client) |
+| kvroute_predicted_cached_tokens | histogram | worker | predicted prefix-hit tokens per request (chosen worker; a split request's prefill worker) |
 | kvroute_actual_cached_tokens | histogram | worker | the worker's ``usage.prompt_tokens_details.cached_tokens`` |
 | kvroute_cached_tokens_error_tokens | histogram | worker | ``abs(actual - predicted)`` per request |
 | kvroute_upstream_retries_total | counter | | connect failures retried on the next-best worker |

@@ -2,14 +2,15 @@
 
 The gateway sends :func:`router.pd.prefill_body` to the prefill worker (same path, the client's
 headers, ``x-request-id: <client's>-prefill``) and waits for its whole answer, within
-``timeouts.first_byte_s``. Then:
+``policy.pd.prefill_timeout_s`` (:mod:`router.policies.pd`; null: ``timeouts.first_byte_s``).
+Then:
 
 - 200 with a ``kv_transfer_params`` object: :attr:`PrefillResult.params` carries it to the decode
   leg (the caller relays the client's body with it to the decode worker);
 - a 4xx: the worker refused the client's input (vLLM's decode worker would give the same
   error): relayed to the client as it is (``x-kvroute-worker`` names the prefill worker);
-- a connect error (counted against the worker's health as a failed probe), a timeout, a broken
-  connection, a 5xx, a 200 without the params: :attr:`PrefillResult.params` is None and the
+- a connect error (counted against the worker's health as a failed probe), no answer within the
+  timeout (the connection is closed: vLLM aborts the request), a broken connection, a 5xx, a 200 without the params: :attr:`PrefillResult.params` is None and the
   caller serves the request whole on the decode worker.
 
 While the leg runs the prefill worker counts the request in flight with its predicted uncached
@@ -31,6 +32,7 @@ import aiohttp
 from router.pd import prefill_body, transfer_params
 from router.proxy import ClientState, client_headers, upstream_headers
 from router.registry import InFlight
+from router.stream_usage import cached_tokens_of_body
 
 if TYPE_CHECKING:
     from router.gateway import Gateway
@@ -43,30 +45,39 @@ log = logging.getLogger("kvroute.pd")
 class PrefillResult:
     """``params``: the prefill worker's ``kv_transfer_params`` (None: serve the request whole);
     ``answered``: the worker's 4xx went to the client (nothing more to do); ``detail``: why the
-    leg failed, for the log."""
+    leg failed, for the log; ``cached_tokens``: the prefill worker's reported prefix hit (tokens;
+    None when its answer carried none)."""
 
     params: dict[str, Any] | None = None
     answered: bool = False
     detail: str = ""
+    cached_tokens: int | None = None
 
 
 async def prefill_leg(gw: Gateway, send, state: ClientState, method: str, path: str, body: dict[str, Any],
                       kind: str, headers: list[tuple[bytes, bytes]], request_id: str, plan: RoutePlan,
-                      t0: float, on_answer: Callable[[InFlight], None] | None = None) -> PrefillResult:
+                      t0: float, on_answer: Callable[[InFlight], None] | None = None,
+                      on_usage: Callable[[InFlight, int], None] | None = None,
+                      on_begin: Callable[[], None] | None = None) -> PrefillResult:
     """Run the prefill leg of ``plan`` (split: ``plan.pd.prefill`` set) for the client's ``body``
     (a ``kind`` ``chat`` or ``completion`` request); see the module docstring. ``t0``:
-    perf_counter at request receipt; ``on_answer(handle)``: the 200 answer arrived (its time
-    from dispatch is the prefill worker's TTFT, ``handle.ttft_ms``)."""
+    perf_counter at request receipt; ``on_answer(handle)``: the 200 answer with params arrived
+    (its time from dispatch is the prefill worker's TTFT, ``handle.ttft_ms``);
+    ``on_usage(handle, n)``: that answer reported ``n`` cached prompt tokens; ``on_begin()``: the
+    leg is counted in flight on the prefill worker (the dispatch queue's reservation may go)."""
     pplan = plan.pd.prefill
     reg = pplan.workers[pplan.decision.worker_id]
     payload = prefill_body(body, kind)
+    timeout_s = gw.router.policy.policy.pd.prefill_timeout_s or gw.upstream.timeouts.first_byte_s
     await gw.router.commit(pplan, reg, count_use=False)
     handle = reg.begin(pplan.uncached_tokens(reg.id), pplan.predicted_ttft_ms(reg.id))
+    if on_begin is not None:
+        on_begin()
     resp: aiohttp.ClientResponse | None = None
     done = False
     try:
         try:
-            async with asyncio.timeout(gw.upstream.timeouts.first_byte_s):
+            async with asyncio.timeout(timeout_s):
                 resp = await gw.upstream.session.request(method, reg.url + path, data=payload,
                                                          headers=upstream_headers(headers, f"{request_id}-prefill"))
                 answer = await resp.read()
@@ -75,7 +86,7 @@ async def prefill_leg(gw: Gateway, send, state: ClientState, method: str, path: 
             reg.record_probe(False, health.fail_threshold, health.rise_threshold, str(exc))
             return _failed(request_id, reg.id, f"{type(exc).__name__}: {exc}")
         except TimeoutError:
-            return _failed(request_id, reg.id, f"no answer in {gw.upstream.timeouts.first_byte_s} s")
+            return _failed(request_id, reg.id, f"no answer in {timeout_s:g} s")
         except aiohttp.ClientError as exc:
             return _failed(request_id, reg.id, f"{type(exc).__name__}: {exc}")
         done = True
@@ -96,7 +107,10 @@ async def prefill_leg(gw: Gateway, send, state: ClientState, method: str, path: 
             return _failed(request_id, reg.id, "answer without a kv_transfer_params object")
         if on_answer is not None:
             on_answer(handle)
-        return PrefillResult(params)
+        cached = cached_tokens_of_body(answer)
+        if cached is not None and on_usage is not None:
+            on_usage(handle, cached)
+        return PrefillResult(params, cached_tokens=cached)
     finally:
         handle.finish()
         if resp is not None:

@@ -345,13 +345,13 @@ class Router:
         return replace(base, decision=decision, workers={r.id: r for r in decode_regs}, pd=legs)
 
     def redecide(self, plan: RoutePlan, regs: list[WorkerRegistration],
-                  backlog_tokens: Mapping[str, float] | None = None) -> RoutePlan:
-        """The live policy's choice among ``regs`` (non-empty), with their load as it is now and
-        the prefix matches ``plan`` looked up: a new plan sharing ``plan``'s tokens and matches
-        (the dispatch queue's decision once workers open). ``backlog_tokens``: per worker id,
-        prefill tokens of requests waiting in the gateway ahead of this one for that worker,
-        added to its load. Consumes no tie-break draw."""
-        policy = self.policy.policy
+                  backlog_tokens: Mapping[str, float] | None = None, policy: Policy | None = None) -> RoutePlan:
+        """The live policy's (or ``policy``'s: a prefill leg's) choice among ``regs`` (non-empty),
+        with their load as it is now and the prefix matches ``plan`` looked up: a new plan
+        sharing ``plan``'s tokens and matches (the dispatch queue's decision once workers open).
+        ``backlog_tokens``: per worker id, prefill tokens of requests waiting in the gateway
+        ahead of this one for that worker, added to its load. Consumes no tie-break draw."""
+        policy = self.policy.policy if policy is None else policy
         candidates = self._candidates(regs, plan.matches, plan.request, plan.blocks)
         for c in candidates:
             extra = (backlog_tokens or {}).get(c.worker_id, 0.0)

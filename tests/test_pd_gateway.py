@@ -2,13 +2,16 @@
 choice (pure, over candidates) and, through a real ``kvroute serve`` and the openai SDK, the
 two-leg relay in front of small aiohttp stand-ins that answer as vLLM does (a prefill leg answers
 ``kv_transfer_params``; the decode leg streams) and record what each leg received: bodies,
-headers, fallback to whole, a 4xx passed through, a client disconnect cancelling the prefill leg,
-the skip when the decode worker holds the prefix, explain and the metric.
+headers, fallback to whole (a failing, silent or timed-out prefill worker), a 4xx passed through,
+a client disconnect cancelling the prefill leg, what a split request teaches (the prefill
+worker's rate and usage, nothing from the decode worker's report), the skip when the decode
+worker holds the prefix, explain and the metric.
 """
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,19 +32,28 @@ from test_gateway_e2e import _sim_argv, metric_value, system_prompt
 BLOCK = 32
 MIN_PREFILL = 64
 PROMPT_TOKENS = 100  # what a stand-in reports as usage.prompt_tokens
+PREFILL_CACHED = 32  # what a stand-in's prefill leg reports as usage.prompt_tokens_details.cached_tokens
 
 
 # ---- pure: settings, legs, bodies ----------------------------------------------------------------
 
 def test_pd_settings_validated_and_described():
     policy = make_policy({"name": "ttft", "pd": {"enabled": True, "models": ["tiny"], "min_prefill_tokens": 64}})
-    assert describe(policy)["pd"] == {"enabled": True, "models": ["tiny"], "min_prefill_tokens": 64}
+    assert describe(policy)["pd"] == {"enabled": True, "models": ["tiny"], "min_prefill_tokens": 64,
+                                      "prefill_timeout_s": None}
     assert policy.pd.applies_to("tiny") and not policy.pd.applies_to("other")
-    assert describe(make_policy({}))["pd"] == {"enabled": False, "models": [], "min_prefill_tokens": 256}
+    assert describe(make_policy({}))["pd"] == {"enabled": False, "models": [], "min_prefill_tokens": 256,
+                                               "prefill_timeout_s": None}
     assert make_policy({"pd": {"enabled": True}}).pd.applies_to("anything")
+    timed = make_policy({"pd": {"enabled": True, "prefill_timeout_s": 2.5}})
+    assert timed.pd.prefill_timeout_s == 2.5 and describe(timed)["pd"]["prefill_timeout_s"] == 2.5
+    assert make_policy({"pd": describe(timed)["pd"]}).pd == timed.pd
     for bad, words in [({"enabled": "yes"}, "policy.pd.enabled"), ({"model": []}, "unknown key(s) 'model'"),
                        ({"models": "tiny"}, "policy.pd.models"), ({"min_prefill_tokens": -1}, ">= 0"),
-                       ({"min_prefill_tokens": 2.5}, "whole number")]:
+                       ({"min_prefill_tokens": 2.5}, "whole number"),
+                       ({"prefill_timeout_s": 0}, "policy.pd.prefill_timeout_s must be > 0"),
+                       ({"prefill_timeout_s": "5"}, "policy.pd.prefill_timeout_s must be a finite number"),
+                       ({"prefill_timeout_s": True}, "policy.pd.prefill_timeout_s must be a finite number")]:
         with pytest.raises(ValueError, match=None) as exc:
             make_policy({"pd": bad})
         assert words in str(exc.value)
@@ -94,8 +106,9 @@ def test_leg_bodies():
 @dataclass
 class StandIn:
     """One vLLM stand-in: ``seen``: (path, headers, body) of each completion request; ``mode``
-    for prefill legs: ok | 500 | no_params | 400 | hang; ``answered``: params answered, by
-    x-request-id; ``cancelled``: x-request-ids whose handler was cancelled (client gone)."""
+    for prefill legs: ok | 500 | no_params | 400 | hang | gate (answers as ok once ``gate`` is
+    set); ``answered``: params answered, by x-request-id; ``cancelled``: x-request-ids whose
+    handler was cancelled (client gone)."""
 
     id: str
     port: int
@@ -104,6 +117,7 @@ class StandIn:
     answered: dict[str, dict[str, Any]] = field(default_factory=dict)
     cancelled: list[str] = field(default_factory=list)
     runner: web.AppRunner | None = None
+    gate: asyncio.Event | None = None
 
     @property
     def url(self) -> str:
@@ -122,6 +136,8 @@ class StandIn:
         return await self._answer(request, body, bool(params.get("do_remote_prefill")))
 
     async def _prefill(self, rid: str, body: dict[str, Any]) -> web.Response:
+        if self.mode == "gate":
+            await self.gate.wait()
         if self.mode == "hang":
             try:
                 await asyncio.Event().wait()
@@ -133,10 +149,11 @@ class StandIn:
         if self.mode == "400":
             return web.json_response({"object": "error", "message": "prompt too long", "type": "BadRequestError",
                                       "param": None, "code": 400}, status=400)
-        out = {"id": "cmpl-p", "object": "text_completion", "model": body.get("model"),
+        out = {"id": "cmpl-p", "object": "text_completion", "model": body.get("model"),  # ok | gate | no_params
                "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
-               "usage": {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": 1, "total_tokens": PROMPT_TOKENS + 1}}
-        if self.mode == "ok":
+               "usage": {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": 1, "total_tokens": PROMPT_TOKENS + 1,
+                         "prompt_tokens_details": {"cached_tokens": PREFILL_CACHED}}}
+        if self.mode in ("ok", "gate"):
             params = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": f"engine-{self.id}",
                       "remote_block_ids": [3, 1, 4], "remote_host": "127.0.0.1", "remote_port": self.port,
                       "remote_request_id": uuid.uuid4().hex}
@@ -270,7 +287,7 @@ def admin(pd: PD, method: str, path: str, body=None) -> httpx.Response:
 
 def counts(pd: PD) -> dict[str, float]:
     return {o: metric_value(pd, "kvroute_pd_requests_total", model="tiny", outcome=o)
-            for o in ("split", "whole", "prefill_failed")}
+            for o in ("split", "whole", "prefill_failed", "prefill_rejected")}
 
 
 def idle(pd: PD) -> None:
@@ -306,9 +323,18 @@ def prefill_and_decode(pd: PD, rid: str) -> tuple[tuple, tuple, str]:
 
 def test_policy_pd_at_admin(pd):
     got = admin(pd, "GET", "/admin/policy").json()
-    assert got["pd"] == {"enabled": True, "models": [], "min_prefill_tokens": MIN_PREFILL}
+    assert got["pd"] == {"enabled": True, "models": [], "min_prefill_tokens": MIN_PREFILL, "prefill_timeout_s": None}
     r = admin(pd, "PUT", "/admin/policy", {**got, "pd": {"enabled": True, "min_prefill_tokens": "many"}})
     assert r.status_code == 400 and "policy.pd.min_prefill_tokens" in r.json()["error"]["message"]
+    r = admin(pd, "PUT", "/admin/policy", {**got, "pd": {**got["pd"], "prefill_timeout_s": -1}})
+    assert r.status_code == 400 and "policy.pd.prefill_timeout_s must be > 0" in r.json()["error"]["message"]
+    assert admin(pd, "GET", "/admin/policy").json() == got
+    try:
+        r = admin(pd, "PUT", "/admin/policy", {**got, "pd": {**got["pd"], "prefill_timeout_s": 7.5}})
+        assert r.status_code == 200, r.text
+        assert admin(pd, "GET", "/admin/policy").json()["pd"] == {**got["pd"], "prefill_timeout_s": 7.5}
+    finally:
+        assert admin(pd, "PUT", "/admin/policy", got).status_code == 200
     assert admin(pd, "GET", "/admin/policy").json() == got
 
 
@@ -448,6 +474,7 @@ def test_prefill_worker_down_falls_back_to_whole(pd):
 
 def test_prefill_4xx_reaches_the_client(pd):
     pd["p0"].mode = "400"
+    before = counts(pd)
     rid = new_id()
     r = httpx.post(pd.base + "/v1/chat/completions", json=long_chat("bad-input"), headers={"x-request-id": rid},
                    timeout=30)
@@ -455,19 +482,93 @@ def test_prefill_4xx_reaches_the_client(pd):
     assert r.json() == {"object": "error", "message": "prompt too long", "type": "BadRequestError", "param": None,
                         "code": 400}
     assert pd["d0"].of(rid) == [] and pd["d1"].of(rid) == []
+    after = counts(pd)
+    assert after == {**before, "prefill_rejected": before["prefill_rejected"] + 1}
+    entry = next(e for e in admin(pd, "GET", "/admin/decisions").json()["decisions"] if e["request_id"] == rid)
+    assert entry["pd"]["prefill_outcome"] == "prefill_rejected" and entry["pd"]["prefill_cached_tokens"] is None
     idle(pd)
 
 
 def test_client_disconnect_cancels_the_prefill_leg(pd):
     p0 = pd["p0"]
     p0.mode = "hang"
+    before = counts(pd)
     rid = new_id()
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(pd.base + "/v1/chat/completions", json=long_chat("disconnect", stream=True),
                    headers={"x-request-id": rid}, timeout=httpx.Timeout(30, read=1.0))
     wait_until(lambda: f"{rid}-prefill" in p0.cancelled, what="the prefill leg cancelled on the worker")
     idle(pd)
-    assert pd["d0"].of(rid) == [] and pd["d1"].of(rid) == []
+    assert len(p0.of(rid)) == 1 and pd["d0"].of(rid) == [] and pd["d1"].of(rid) == []
+    assert counts(pd) == before  # neither split nor a fallback: nothing went on
+
+
+def test_prefill_timeout_falls_back_to_whole(pd):
+    """A prefill worker that takes the leg and never answers: after policy.pd.prefill_timeout_s
+    the leg's connection is closed (the worker sees its request cancelled) and the decode worker
+    serves the client's own body whole, counted prefill_failed."""
+    p0 = pd["p0"]
+    p0.mode = "hang"
+    got = admin(pd, "GET", "/admin/policy").json()
+    assert admin(pd, "PUT", "/admin/policy", {**got, "pd": {**got["pd"], "prefill_timeout_s": 1.0}}).status_code == 200
+    try:
+        before = counts(pd)
+        rid = new_id()
+        body = long_chat("prefill-timeout")
+        t0 = time.monotonic()
+        r = sdk(pd).chat.completions.with_raw_response.create(**body, extra_headers={"x-request-id": rid})
+        elapsed = time.monotonic() - t0
+        p, d, dworker = prefill_and_decode(pd, rid)
+        assert r.headers["x-kvroute-worker"] == dworker and "x-kvroute-prefill-worker" not in r.headers
+        assert r.parse().choices[0].message.content == f"from {dworker}"
+        assert p[2]["kv_transfer_params"] == PREFILL_KV_TRANSFER_PARAMS and d[2] == body
+        assert 1.0 <= elapsed < 15.0
+        assert f"{rid}-prefill" in p0.cancelled  # closed at the timeout, before the decode leg began
+        after = counts(pd)
+        assert after == {**before, "prefill_failed": before["prefill_failed"] + 1}
+        entry = next(e for e in admin(pd, "GET", "/admin/decisions").json()["decisions"] if e["request_id"] == rid)
+        assert entry["pd"]["prefill_outcome"] == "prefill_failed" and 1000.0 <= entry["pd"]["prefill_ms"] < 15000.0
+        assert entry["worker"] == dworker
+        idle(pd)
+    finally:
+        assert admin(pd, "PUT", "/admin/policy", got).status_code == 200
+
+
+def _worker_entries(pd: PD) -> dict[str, dict]:
+    return {w["id"]: w for w in admin(pd, "GET", "/admin/workers").json()["workers"]}
+
+
+def test_split_request_teaches_the_prefill_worker_only(pd):
+    """A split request's figures come from the worker that computed its prompt: the prefill leg's
+    answer books the prefill worker's reported cached tokens (against its prediction) and its
+    TTFT line; the decode worker's answer, which counts the transferred tokens as cached, books
+    nothing but the decision log's actual_cached_tokens."""
+    def figures() -> dict[str, tuple[float, float, float]]:
+        workers = _worker_entries(pd)
+        return {w: (metric_value(pd, "kvroute_actual_cached_tokens_count", worker=w),
+                    metric_value(pd, "kvroute_actual_cached_tokens_sum", worker=w),
+                    workers[w]["prefill_rate"]["observed"]) for w in ("p0", "d0", "d1")}
+
+    idle(pd)
+    before = figures()
+    rid = new_id()
+    body = long_chat("teaches")
+    with sdk(pd).chat.completions.with_streaming_response.create(
+            **body, stream=True, extra_headers={"x-request-id": rid}) as resp:
+        assert resp.headers["x-kvroute-prefill-worker"] == "p0"
+        dworker = resp.headers["x-kvroute-worker"]
+        text = "".join(c.choices[0].delta.content or "" for c in resp.parse() if c.choices)
+    assert text == f"from {dworker}"
+    idle(pd)
+    entry = wait_until(lambda: next((e for e in admin(pd, "GET", "/admin/decisions").json()["decisions"]
+                                     if e["request_id"] == rid and e["actual_cached_tokens"] is not None), None),
+                       what="the decode worker's usage in the decision log")
+    assert entry["actual_cached_tokens"] == PROMPT_TOKENS - 1  # the decode worker's report, transfer included
+    assert entry["pd"]["prefill_cached_tokens"] == PREFILL_CACHED
+    after = figures()
+    count, total, observed = before["p0"]
+    assert after["p0"] == (count + 1, total + PREFILL_CACHED, observed + 1)
+    assert after["d0"] == before["d0"] and after["d1"] == before["d1"]
 
 
 # ---- over real `kvroute sim` workers that speak the protocol ------------------------------------
@@ -517,8 +618,71 @@ def test_split_then_follow_up_whole_over_sims(tmp_path, tiny_model):
         assert r.headers["x-kvroute-worker"] == "d0" and "x-kvroute-prefill-worker" not in r.headers
         assert r.parse().usage.prompt_tokens_details.cached_tokens == 288
         assert _sim_metrics(sims["p0"]) == p_after  # the prefill worker saw nothing
-        assert metric_value(PD(base, None), "kvroute_pd_requests_total", model="tiny", outcome="split") == 1
-        assert metric_value(PD(base, None), "kvroute_pd_requests_total", model="tiny", outcome="whole") == 1
+        gw = PD(base, None)
+        assert metric_value(gw, "kvroute_pd_requests_total", model="tiny", outcome="split") == 1
+        assert metric_value(gw, "kvroute_pd_requests_total", model="tiny", outcome="whole") == 1
+        # usage booked once per request, for the worker that computed the prompt: the split one on
+        # p0 (its cold prefill: 0 cached, 0 predicted), the whole follow-up on d0 (288 cached)
+        def booked() -> dict[str, tuple[float, float]]:
+            return {w: (metric_value(gw, "kvroute_actual_cached_tokens_count", worker=w),
+                        metric_value(gw, "kvroute_actual_cached_tokens_sum", worker=w)) for w in ("p0", "d0")}
+        wait_until(lambda: booked()["d0"][0] == 1, what="the follow-up's usage booked")
+        assert booked() == {"p0": (1, 0), "d0": (1, 288)}
+        assert metric_value(gw, "kvroute_predicted_cached_tokens_sum", worker="d0") == 288
     finally:
         for p in reversed(started):
             p.stop()
+
+
+async def _new_event() -> asyncio.Event:
+    return asyncio.Event()
+
+
+def test_dispatch_queue_holds_the_prefill_leg_for_its_pool(pd):
+    """With policy.queue on (one prefill at a time per worker), a split request's prefill leg waits
+    in the gateway while the prefill worker is busy with another's, as a whole request would, and
+    goes once that one's answer came; its decode leg then goes straight to the decode worker."""
+    p0 = pd["p0"]
+    got = admin(pd, "GET", "/admin/policy").json()
+    queue = {**got["queue"], "enabled": True, "worker_prefills": 1, "holder_prefills": 1, "settle_ms": 0,
+             "worker_queue_ms": 0}
+    assert admin(pd, "PUT", "/admin/policy", {**got, "queue": queue}).status_code == 200, got
+    p0.gate = pd.stand.call(_new_event())
+    p0.mode = "gate"
+    results: dict[str, httpx.Response] = {}
+    threads = []
+    try:
+        before = counts(pd)
+        first, second = new_id(), new_id()
+
+        def post(rid: str, seed: str) -> None:
+            results[rid] = httpx.post(pd.base + "/v1/chat/completions", json=long_chat(seed),
+                                      headers={"x-request-id": rid}, timeout=30)
+
+        threads.append(threading.Thread(target=post, args=(first, "queue-a")))
+        threads[-1].start()
+        wait_until(lambda: p0.of(first), what="the first prefill leg on p0")
+        threads.append(threading.Thread(target=post, args=(second, "queue-b")))
+        threads[-1].start()
+        wait_until(lambda: metric_value(pd, "kvroute_dispatch_queue_queued") == 1, what="the second leg queued")
+        assert p0.of(second) == [] and len(p0.of(first)) == 1
+        pd.stand.loop.call_soon_threadsafe(p0.gate.set)
+        for t in threads:
+            t.join(30)
+        for rid in (first, second):
+            r = results[rid]
+            assert r.status_code == 200 and r.headers["x-kvroute-prefill-worker"] == "p0", r.text
+            p, d, dworker = prefill_and_decode(pd, rid)
+            assert r.headers["x-kvroute-worker"] == dworker
+            assert d[2]["kv_transfer_params"] == p0.answered[f"{rid}-prefill"]
+        assert counts(pd) == {**before, "split": before["split"] + 2}
+        assert metric_value(pd, "kvroute_dispatch_queue_queued") == 0
+        entry = next(e for e in admin(pd, "GET", "/admin/decisions").json()["decisions"] if e["request_id"] == second)
+        assert entry["pd"]["prefill_worker"] == "p0" and entry["queue_wait_ms"] > 0
+        idle(pd)
+    finally:
+        if p0.gate is not None:
+            pd.stand.loop.call_soon_threadsafe(p0.gate.set)
+        for t in threads:
+            t.join(30)
+        assert admin(pd, "PUT", "/admin/policy", got).status_code == 200
