@@ -197,6 +197,22 @@ class SmgRouter(_SglangFamily):
                             ready_path="/readiness", metrics_url=f"http://127.0.0.1:{metrics_port}/metrics")
 
 
+def vllm_router_service_flags(metrics_port: int) -> list[str]:
+    """vllm-router's flags shared by its rig launches (unified and P/D): no retries, no circuit
+    breaker, the rig's health and timeout settings, /metrics on loopback at ``metrics_port``."""
+    return [
+        "--disable-retries",           # a retry would prefill the prompt a second time
+        "--disable-circuit-breaker",   # keep slow CPU workers in the pool
+        "--health-check-timeout-secs", str(HEALTH_TIMEOUT_S),
+        "--health-failure-threshold", str(HEALTH_FAILURES),
+        "--worker-startup-check-interval", str(STARTUP_CHECK_INTERVAL_S),
+        "--request-timeout-secs", str(REQUEST_TIMEOUT_S),
+        # /metrics tells whether the event path engaged (event_path reads it).
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+        "--log-level", "warning",
+    ]
+
+
 class VllmRouterKvAware(PeerRouter):
     module = "vllm_router.launch_router"
     name = "vllm-router kv_aware"
@@ -218,15 +234,7 @@ class VllmRouterKvAware(PeerRouter):
             "--kv-event-model", served_model_name,
             # Temperature 0: always the lowest-cost worker (the documented default, stated here).
             "--router-temperature", "0",
-            "--disable-retries",           # a retry would prefill the prompt a second time
-            "--disable-circuit-breaker",   # keep slow CPU workers in the pool
-            "--health-check-timeout-secs", str(HEALTH_TIMEOUT_S),
-            "--health-failure-threshold", str(HEALTH_FAILURES),
-            "--worker-startup-check-interval", str(STARTUP_CHECK_INTERVAL_S),
-            "--request-timeout-secs", str(REQUEST_TIMEOUT_S),
-            # /metrics tells whether the event path engaged (event_path reads it).
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
-            "--log-level", "warning",
+            *vllm_router_service_flags(metrics_port),
         ]
         # kv_aware tokenizes each prompt (through the worker's /tokenize) and loads the model's
         # tokenizer and config from this directory.

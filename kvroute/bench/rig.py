@@ -12,7 +12,9 @@ Routers are named ``kvroute:<policy>`` (a gateway started with ``kvroute serve``
 fed by the workers' KV events; ``<policy>`` a policy name or a label given by ``--policy-config``),
 ``kvroute-pd:<policy>`` (the same gateway with the workers' roles from ``RigSpec.roles`` and
 ``policy.pd`` on: prefill-decode disaggregation, vLLM's ``kv_transfer_params`` protocol)
-or a key of :data:`kvroute.bench.peers.PEERS` (peers that are not installed are skipped, and said so).
+or a key of :data:`kvroute.bench.peers.PEERS` (peers that are not installed are skipped, and said so),
+or with roles a key of :data:`kvroute.bench.peers_pd.PD_PEERS` (a peer's own P/D mode). A P/D run
+also reports what the workers' counters say of it (:func:`kvroute.bench.peers_pd.engine_split`).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from kvroute.bench import workers as worker_http
 from kvroute.bench.client import send
 from kvroute.bench.cpu import CpuMeter, cpu_report
 from kvroute.bench.peers import PEERS, RigWorker, RouterLaunch
+from kvroute.bench.peers_pd import PD_PEERS, engine_counters, engine_split
 from kvroute.bench.runner import RunSettings, Target, run_target
 from kvroute.bench.ttft_split import describe, ttft_split
 from kvroute.bench.workload import Workload
@@ -109,7 +112,8 @@ def start_workers(spec: RigSpec, cluster: Cluster) -> list[RigWorker]:
     out = []
     for i in range(spec.workers):
         port, ev, replay = ports[3 * i:3 * i + 3]
-        events_cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
+        # topic "": vLLM's default; vllm-router's P/D KV index drops events on any other topic
+        events_cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "",
                       "endpoint": f"tcp://*:{ev}", "replay_endpoint": f"tcp://*:{replay}"}
         argv, env = spec.worker_argv(i, port, events_cfg)
         url = f"http://127.0.0.1:{port}"
@@ -243,6 +247,11 @@ def launch_router(name: str, spec: RigSpec, workers: list[RigWorker], port: int)
             policy = {**policy, "pd": {**spec.pd_policy, "enabled": True}}
             return kvroute_launch(spec, policy, port, workers, name, spec.roles)
         return kvroute_launch(spec, policy, port, workers, name)
+    if name in PD_PEERS:
+        if not spec.roles:
+            raise ValueError(f"{name} needs worker roles (bench rig --pd P:D)")
+        return PD_PEERS[name].launch_pd(port, workers, spec.roles, spec.model_dir, spec.served_model_name,
+                                        spec.block_size, spec.log_dir)
     return PEERS[name].launch(port, workers, spec.model_dir, spec.served_model_name, spec.block_size)
 
 
@@ -265,10 +274,14 @@ def run_router(name: str, spec: RigSpec, workers: list[RigWorker], workload: Wor
             _wait_until(lambda: _index_empty(launch.base_url), INDEX_CLEAR_TIMEOUT_S, f"{name}'s index emptied")
         worker_ids = {w.id for w in workers}
         worker_pids = [c.popen.pid for c in cluster.children if c.name in worker_ids]
+        pd_run = name.startswith("kvroute-pd:") or name in PD_PEERS
+        counters_before = _engine_counters(workers) if pd_run else {}
         meter = CpuMeter({"router": [child.popen.pid], "workers": worker_pids})
         meter.start()
         result = run_target(Target(name, launch.base_url), workload, settings)
         result["cpu"] = cpu_report(meter.stop(), result["requests"], result["duration_s"])
+        if pd_run:
+            engine = _engine_split(workers, spec.roles or [], counters_before, result["requests"] - result["errors"])
         if is_kvroute(name):
             ok = result["requests"] - result["errors"]
             # the gateway books a request's usage as its stream ends: wait until all are booked
@@ -293,18 +306,40 @@ def run_router(name: str, spec: RigSpec, workers: list[RigWorker], workload: Wor
             if split is not None:
                 result["note"] += f"; {describe(split)}"
             if name.startswith("kvroute-pd:"):
-                result["pd"] = pd_share(gw["pd_requests_by_outcome"])
-                result["note"] += "; P/D: " + result["pd"]["describe"]
+                result["pd"] = {**pd_share(gw["pd_requests_by_outcome"]), "engine": engine}
+                result["note"] += "; P/D: " + result["pd"]["describe"] + "; " + engine["describe"]
         elif launch.metrics_url:
+            peer = PD_PEERS.get(name) or PEERS[name]
             try:
-                note = PEERS[name].event_path(httpx.get(launch.metrics_url, timeout=10).text)
+                note = peer.event_path(httpx.get(launch.metrics_url, timeout=10).text)
             except httpx.HTTPError as exc:
                 note = f"metrics unreadable: {exc}"
+            if name in PD_PEERS:  # the peer has no split counter of kvroute's kind: the workers' counters
+                result["pd"] = {"split_share": engine["split_share"], "describe": engine["describe"], "engine": engine}
+                note = "; ".join(x for x in ("P/D: " + engine["describe"], note) if x)
             if note:
                 result["note"] = note
         return result
     finally:
         _stop_child(cluster, child)
+
+
+def _engine_counters(workers: list[RigWorker]) -> dict[str, dict[str, float]]:
+    """Every worker's :func:`kvroute.bench.peers_pd.engine_counters` now."""
+    return {w.id: engine_counters(worker_http.metric_samples(w.url)) for w in workers}
+
+
+def _engine_split(workers: list[RigWorker], roles: list[str], before: dict, answered: int) -> dict[str, Any]:
+    """:func:`kvroute.bench.peers_pd.engine_split` of a P/D run, once the decode workers have
+    counted ``answered`` requests (they count one a moment after its stream ends) or after
+    :data:`GATEWAY_SETTLE_S`."""
+    by_id = {w.id: r for w, r in zip(workers, roles)}
+
+    def decoded(now: dict) -> bool:
+        return sum(now[w]["requests"] - before[w]["requests"] for w in now if by_id.get(w) == "decode") >= answered
+
+    after, _ = worker_http.poll_until(lambda: _engine_counters(workers), decoded, GATEWAY_SETTLE_S)
+    return engine_split(before, after, by_id, answered)
 
 
 def _stop_child(cluster: Cluster, child) -> None:

@@ -12,7 +12,8 @@ import tempfile
 from pathlib import Path
 
 DEFAULT_KVROUTE_ROUTERS = ("kvroute:ttft", "kvroute:kv_aware", "kvroute:round_robin")
-DEFAULT_PD_ROUTERS = ("kvroute:ttft", "kvroute-pd:ttft")  # with --pd: unified against P/D on the same workers
+DEFAULT_PD_ROUTERS = ("kvroute:ttft", "kvroute-pd:ttft")  # with --pd: unified against P/D on the same workers,
+# then every installed peer's P/D mode (kvroute.bench.peers_pd.PD_PEERS)
 
 
 def pd_split(text: str) -> tuple[int, int]:
@@ -48,8 +49,10 @@ def add_rig_parser(sub: argparse._SubParsersAction) -> None:
                    help="number of workers (default 2, or P+D with --pd)")
     r.add_argument("--pd", type=pd_split, default=None, metavar="P:D",
                    help="prefill-decode disaggregation: workers 0..P-1 get role prefill, the next D decode, and "
-                        "kvroute-pd:<policy> routers run kvroute with those roles and policy.pd on; default routers "
-                        "become kvroute:ttft (unified, the same workers) and kvroute-pd:ttft")
+                        "kvroute-pd:<policy> routers run kvroute with those roles and policy.pd on, vllm-router-pd:<policy> "
+                        "and smg-pd:cache_aware the peers' own P/D modes (vLLM's kv_transfer_params; sglang-router has "
+                        "none); default routers become kvroute:ttft (unified, the same workers), kvroute-pd:ttft and "
+                        "every installed peer's P/D mode")
     r.add_argument("--pd-min-prefill-tokens", type=int, default=None, metavar="N",
                    help="with --pd: policy.pd.min_prefill_tokens (below it the decode worker serves the request "
                         "whole; default: the gateway's)")
@@ -59,7 +62,8 @@ def add_rig_parser(sub: argparse._SubParsersAction) -> None:
                    help="run each kvroute gateway as kvroute serve --processes N (default 1)")
     r.add_argument("--routers", default=None, metavar="LIST",
                    help="comma-separated routers: kvroute:<policy> (ttft, kv_aware, round_robin, least_load, session, "
-                        "or a --policy-config label), kvroute-pd:<policy> (with --pd) and peers sglang:cache_aware, sglang:round_robin, "
+                        "or a --policy-config label), kvroute-pd:<policy>, vllm-router-pd:cache_aware, vllm-router-pd:kv_aware "
+                        "(--block-size 16), smg-pd:cache_aware (with --pd) and peers sglang:cache_aware, sglang:round_robin, "
                         "smg:cache_aware, vllm-router:kv_aware; default: kvroute:ttft, kvroute:kv_aware, "
                         "kvroute:round_robin and every installed peer")
     r.add_argument("--policy-config", action="append", default=[], metavar="LABEL=JSON",
@@ -96,21 +100,37 @@ def _router_list(args: argparse.Namespace, labels: dict) -> tuple[list[str], lis
     """(routers to run, lines about peers left out); ``labels``: the --policy-config variants.
     Raises ValueError for an unknown router or kvroute policy."""
     from kvroute.bench.peers import PEERS
+    from kvroute.bench.peers_pd import PD_PEERS, PD_REFUSED
     from router.policies.factory import make_policy
 
-    default = list(DEFAULT_PD_ROUTERS) if args.pd else list(DEFAULT_KVROUTE_ROUTERS) + list(PEERS)
+    default = list(DEFAULT_PD_ROUTERS) + list(PD_PEERS) if args.pd else list(DEFAULT_KVROUTE_ROUTERS) + list(PEERS)
     wanted = [n.strip() for n in args.routers.split(",") if n.strip()] if args.routers else default
     run, skipped = [], []
     for name in dict.fromkeys(wanted):  # each once, in order
-        if name.startswith("kvroute-pd:") and not args.pd:
+        family = name.split(":", 1)[0]
+        if family in PD_REFUSED:
+            raise ValueError(f"{name}: {PD_REFUSED[family]}")
+        if (name.startswith("kvroute-pd:") or name in PD_PEERS) and not args.pd:
             raise ValueError(f"{name} needs --pd P:D (the workers' roles)")
+        if name in PD_PEERS:
+            why = PD_PEERS[name].refusal(getattr(args, "block_size", 0))
+            if why and args.routers:  # asked for by name: an error; in the default list: left out, said so
+                raise ValueError(why)
+            if why:
+                skipped.append(f"{name}: {why}")
+            elif PD_PEERS[name].installed():
+                run.append(name)
+            else:
+                skipped.append(f"{name}: not installed (make install-peers)")
+            continue
         if name.startswith(("kvroute:", "kvroute-pd:")):
             label = name.split(":", 1)[1]
             if label not in labels:
                 make_policy({"name": label})  # ValueError now, not after the workers started
             run.append(name)
         elif name not in PEERS:
-            raise ValueError(f"unknown router {name!r}; peers are {', '.join(PEERS)}")
+            raise ValueError(f"unknown router {name!r}; peers are {', '.join(PEERS)}"
+                             + (f", P/D peers {', '.join(PD_PEERS)}" if args.pd else ""))
         elif not PEERS[name].installed():
             skipped.append(f"{name}: not installed (make install-peers)")
         else:
