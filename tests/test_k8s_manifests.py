@@ -264,3 +264,63 @@ def test_vllm_accepts_the_worker_command(docs):
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen == {"block_size": 16, "served": ["qwen2.5-1.5b-instruct"], "events_enabled": True,
                     "connector": CONNECTOR_CLASS, "prefix_caching": True}
+
+
+# --- the P/D variant: deploy/k8s-pd, an overlay of the base (beside it: kustomize refuses an
+# overlay inside its base's folder). It uses patches, so it is rendered by kustomize itself.
+PD = REPO / "deploy" / "k8s-pd"
+
+
+@pytest.fixture(scope="module")
+def pd_docs() -> list[dict]:
+    kubectl = shutil.which("kubectl")
+    if not kubectl:
+        pytest.skip("kubectl (kustomize) is not installed: the P/D overlay uses patches")
+    done = subprocess.run([kubectl, "kustomize", str(PD)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
+
+
+def test_pd_overlay_replaces_the_worker_set(pd_docs, docs):
+    kinds = sorted((d["kind"], d["metadata"]["name"]) for d in pd_docs)
+    base = sorted((d["kind"], d["metadata"]["name"]) for d in docs if d["metadata"]["name"] != "kvroute-vllm")
+    assert kinds == sorted(base + [("Deployment", "kvroute-vllm-prefill"), ("Deployment", "kvroute-vllm-decode")])
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_pd_every_document_validates(pd_docs, version):
+    for doc in pd_docs:
+        kubernetes_validate.validate(doc, version, strict=True)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_pd_worker_sets_carry_role_and_connector(pd_docs, docs, role):
+    cfg = gateway_config(pd_docs)
+    assert cfg.policy["pd"]["enabled"] is True
+    k8s = cfg.discovery.kubernetes
+    assert k8s.role_label == "kvroute.io/role" and cfg.workers == []
+    dep = find(pd_docs, "Deployment", f"kvroute-vllm-{role}")
+    pod = dep["spec"]["template"]
+    assert pod["metadata"]["labels"]["kvroute.io/role"] == role
+    assert dep["spec"]["selector"]["matchLabels"]["kvroute.io/role"] == role
+    assert selector_matches(k8s.label_selector, pod["metadata"]["labels"])
+    server = container(pod["spec"], "vllm")
+    base_server = container(find(docs, "Deployment", "kvroute-vllm")["spec"]["template"]["spec"], "vllm")
+    assert server["args"] == base_server["args"] and server["env"] == base_server["env"]
+    transfer = json.loads(_flags(server["args"])["--kv-transfer-config"])
+    assert (transfer["kv_connector"], transfer["kv_connector_module_path"], transfer["kv_role"]) == \
+        (CONNECTOR_CLASS, CONNECTOR_MODULE, "kv_both")
+    agent = build_parser().parse_args(container(pod["spec"], "kvroute-agent")["args"])
+    assert agent.serve_peers == "0.0.0.0:7601"
+    assert agent.cpu_tier_bytes == TierSettings.from_extra(transfer["kv_connector_extra_config"]).cpu_tier_bytes
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_pd_vllm_accepts_the_worker_command(pd_docs, role):
+    server = container(find(pd_docs, "Deployment", f"kvroute-vllm-{role}")["spec"]["template"]["spec"], "vllm")
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([vllm_python(), "-c", _VLLM_CHECK, json.dumps(server["args"])], capture_output=True,
+                          text=True, timeout=240, env=env, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["connector"] == CONNECTOR_CLASS and seen["block_size"] == 16
