@@ -62,6 +62,9 @@ def test_split_share_comes_from_the_gateways_pd_counter():
     assert (share["split"], share["whole"], share["prefill_failed"], share["split_share"]) == (30, 9, 1, 0.75)
     assert share["describe"] == "30 split, 9 whole, 1 prefill failed (75% split)"
     assert kvroute_note("")["pd_requests_by_outcome"] == {} and pd_share({})["split_share"] is None
+    rejected = pd_share({"split": 6, "whole": 1, "prefill_rejected": 1})  # a 4xx from the prefill worker
+    assert (rejected["prefill_rejected"], rejected["split_share"]) == (1, 0.75)
+    assert rejected["describe"] == "6 split, 1 whole, 0 prefill failed, 1 prefill rejected (4xx) (75% split)"
 
 
 def test_bad_pd_flags_exit_2_before_any_worker_starts(tiny_model):

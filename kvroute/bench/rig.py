@@ -180,7 +180,8 @@ def kvroute_note(metrics_text: str) -> dict[str, Any]:
     absolute error per request from ``kvroute_cached_tokens_error_tokens``), decisions that went
     past the longest prefix holder by reason (``kvroute_route_off_longest_prefix_total``), and
     the mean observed / predicted TTFT (``kvroute_ttft_prediction_ratio``), and P/D requests by
-    outcome (``kvroute_pd_requests_total``: split, whole, prefill_failed; empty without P/D)."""
+    outcome (``kvroute_pd_requests_total``: split, whole, prefill_failed, prefill_rejected; empty
+    without P/D)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     reasons: dict[str, float] = {}
@@ -215,12 +216,13 @@ def kvroute_note(metrics_text: str) -> dict[str, Any]:
 
 def pd_share(by_outcome: dict[str, int]) -> dict[str, Any]:
     """The split of a P/D run's requests from the gateway's ``kvroute_pd_requests_total`` counts
-    by outcome: ``{"split", "whole", "prefill_failed", "split_share", "describe"}`` (share of
-    split requests among all counted, None when none was counted)."""
-    counts = {k: int(by_outcome.get(k, 0)) for k in ("split", "whole", "prefill_failed")}
+    by outcome: ``{"split", "whole", "prefill_failed", "prefill_rejected", "split_share",
+    "describe"}`` (share of split requests among all counted, None when none was counted)."""
+    counts = {k: int(by_outcome.get(k, 0)) for k in ("split", "whole", "prefill_failed", "prefill_rejected")}
     total = sum(counts.values())
     share = counts["split"] / total if total else None
     text = (f"{counts['split']} split, {counts['whole']} whole, {counts['prefill_failed']} prefill failed"
+            + (f", {counts['prefill_rejected']} prefill rejected (4xx)" if counts["prefill_rejected"] else "")
             + (f" ({share:.0%} split)" if share is not None else " (no P/D counter: the gateway has no P/D path?)"))
     return {**counts, "split_share": share, "describe": text}
 
