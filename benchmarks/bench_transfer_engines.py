@@ -29,12 +29,13 @@ before any timing):
   each block straight from its buffer, the client ``recv_into``s its buffer: what plain Python
   sockets move on this machine, the reference of the ratios.
 - ``kvroute-peer``: :class:`offload_agent.peer.server.PeerServer` (its defaults, one per block
-  size, over a slab source that, like the agent's CPU tier, lends each block in place with its
-  xxh3_64 taken then, ``block_view``, and can copy it out, ``read_block``) and
-  :class:`offload_agent.peer.client.PeerClient` whose ``on_block`` copies each verified block into
-  the destination buffer. Framing, checksums, key and fingerprint checks included.
-  ``kvroute-peer-copy`` (only when named): the same source without ``block_view``, so every block
-  is copied out by the server's reading thread (the path of SSD-held blocks).
+  size, over a slab source that, like the agent's CPU tier, lends each block in place,
+  ``lend_block``, checksummed after the send, and can copy it out, ``read_block``) and
+  :class:`offload_agent.peer.client.PeerClient` pulling straight into the destination buffer
+  (``into``, as the agent pulls into its pull area). Framing, checksums, key and fingerprint
+  checks included. ``kvroute-peer-copy`` (only when named): the same source without
+  ``lend_block``, so every block is copied out by the server's reading thread (the path of
+  SSD-held blocks).
 - ``mooncake-tcp``: ``mooncake.engine.TransferEngine`` on both sides, ``initialize("127.0.0.1",
   "P2PHANDSHAKE", "tcp", "")`` (no metadata server), both buffers registered, the client does
   ``batch_transfer_sync_read`` of the blocks (one descriptor per block).
@@ -225,26 +226,23 @@ def serve_raw_tcp(slab: bytearray) -> None:
 
 class SlabSource:
     """A BlockSource over a slab: block i of ``block_bytes`` at offset i x block_bytes, key
-    :func:`block_key` (i). Like the agent's CPU tier: ``block_view`` lends the block in place with
-    its xxh3_64 taken then (servers that know it send it without a copy), ``read_block`` copies it
-    out (older servers, or ``copy=True``)."""
+    :func:`block_key` (i). Like the agent's CPU tier: ``lend_block`` lends the block in place
+    (the slab never changes here, so its check always holds), ``read_block`` copies it out
+    (clients that take no lent blocks, or ``copy=True``)."""
 
     def __init__(self, slab: bytearray, block_bytes: int, copy: bool = False) -> None:
-        from offload_agent.peer.protocol import payload_checksum
-        self.checksum = payload_checksum
         self.view = memoryview(slab)
         self.block_bytes = block_bytes
         self.fingerprint_digest = fingerprint(block_bytes)
         self.index = {block_key(i): i for i in range(len(slab) // block_bytes)}
         if copy:
-            self.block_view = None
+            self.lend_block = None
 
-    def block_view(self, key: bytes, look_again: bool = True) -> tuple[memoryview, int] | None:
+    def lend_block(self, key: bytes):
         i = self.index.get(key)
         if i is None:
             return None
-        data = self.view[i * self.block_bytes:(i + 1) * self.block_bytes]
-        return data, self.checksum(data)
+        return self.view[i * self.block_bytes:(i + 1) * self.block_bytes], lambda: True
 
     def read_block(self, key: bytes, out: memoryview) -> bool:
         i = self.index.get(key)
@@ -318,14 +316,11 @@ class Client:
         self.keys = [block_key(i) for i in range(len(self.dest) // min(int(b) for b in self.info["addrs"]))]
 
     def _transfer_kvroute(self, block_bytes: int, blocks: int) -> float:
-        view = self.view
-
-        def on_block(i: int, payload: memoryview) -> None:
-            view[i * block_bytes:(i + 1) * block_bytes] = payload
+        into = self.view[:blocks * block_bytes]
 
         async def pull():
             return await self.peer.pull(self.info["addrs"][str(block_bytes)], fingerprint(block_bytes), block_bytes,
-                                        self.keys[:blocks], 60.0, on_block)
+                                        self.keys[:blocks], 60.0, lambda i, payload: None, into=into)
 
         t0 = time.perf_counter()
         res = self.loop.run_until_complete(pull())

@@ -43,6 +43,7 @@ import os
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,6 @@ from kvcore.index.errors import IndexUnavailable
 from offload_agent.agent_link import (AgentLinkError, create_pull_area, decode_header, encode_frame, header_length,
                                       pull_area_path)
 from offload_agent.peer.client import PeerClient
-from offload_agent.peer.protocol import payload_checksum
 from offload_agent.peer.server import BlockSource, PeerServer
 from offload_agent.tiers.keys import KEY_BYTES
 from offload_agent.tiers.shm_slab import ROW_BYTES, ShmSlab
@@ -81,15 +81,11 @@ class SlabSource:
     read again (a vectorised diff of the seq column; the first look reads every row), so the cost
     follows the writes, not the tier's size (262,144 slots: ~80 ms for a full read).
 
-    ``lend_in_place``: offer :meth:`block_view` to the server, which then checksums a slot and
-    sends it from the shared memory without a copy. Off by default: the slot is read twice (for
-    the checksum, then by the kernel) without the seqlock around both, so a slot rewritten in
-    between fails the pull at the client (never served wrong); the copy path reads each block
-    once, under the seqlock, and checksums that copy."""
+    The CPU tier's blocks are also lent in place (:meth:`lend_block`): the server sends them from
+    the shared memory without a copy and checks afterwards that the slot did not change
+    (:mod:`offload_agent.peer.protocol`, lent blocks); SSD blocks are copied (:meth:`read_block`)."""
 
-    def __init__(self, shm: ShmSlab, ssd_fp_dir: Path | None, lend_in_place: bool = False) -> None:
-        if not lend_in_place:
-            self.block_view = None  # the server sees no in-place lending: every block is copied
+    def __init__(self, shm: ShmSlab, ssd_fp_dir: Path | None) -> None:
         self.shm = shm
         self.fingerprint_digest = shm.fingerprint_digest
         self.block_bytes = shm.block_bytes
@@ -120,21 +116,23 @@ class SlabSource:
             self._seqs = seqs
             self._seen_version = version
 
-    def block_view(self, key: bytes, look_again: bool = True) -> tuple[memoryview, int] | None:
-        """``key``'s block in its CPU tier slot and its xxh3_64, when the slot held ``key``
-        before and after the checksum (the peer server sends the view without a copy); None
-        when the CPU tier does not hold it (the server then asks :meth:`read_block`).
-        ``look_again`` False: from the key -> slot map as it is (no rescan of the slot table)."""
-        for attempt in range(2 if look_again else 1):
-            slot = self._slots.get(key)
-            if slot is not None and self.shm.key_of(slot) == key:
-                data = self.shm.slot_view(slot)
-                checksum = payload_checksum(data)
-                if self.shm.key_of(slot) == key:
-                    return data, checksum
-            if attempt == 0 and look_again:
-                self._rescan()
-        return None
+    def refresh(self) -> None:
+        """Bring the key -> slot map up to date with the slot table (cost: the rows written since
+        the last look)."""
+        self._rescan()
+
+    def lend_block(self, key: bytes) -> tuple[memoryview, Callable[[], bool]] | None:
+        """``key``'s block in its CPU tier slot, in place, and a check that is True while the slot
+        has not changed since this call (the server calls it after its checksum of the sent bytes);
+        None when the map (as it is: no rescan, so it never blocks) has no stable slot for it."""
+        slot = self._slots.get(key)
+        if slot is None:
+            return None
+        seq = self.shm.stable_seq(slot, key)
+        if seq is None:
+            return None
+        shm = self.shm
+        return shm.slot_view(slot), lambda: shm.unchanged(slot, key, seq)
 
     def read_block(self, key: bytes, out: memoryview) -> bool:
         """Copy ``key``'s block into ``out`` (``block_bytes``); False when neither tier holds it

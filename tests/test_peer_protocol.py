@@ -15,7 +15,7 @@ import pytest
 from kv_replay_publisher import until
 
 from offload_agent.peer import protocol as p
-from offload_agent.peer.client import PeerClient
+from offload_agent.peer.client import MAX_TORN_RETRIES, PeerClient
 from offload_agent.peer.server import BlockSource, PeerServer
 from offload_agent.peer.sockio import SockIO
 from offload_agent.tiers.keys import TierFingerprint, tier_block_keys, tier_root
@@ -162,11 +162,15 @@ class Rig:
         await self.server.close()
 
     async def pull(self, keys: list[bytes] | None = None, deadline_s: float = 10.0, client: PeerClient | None = None,
-                   addr: str | None = None, fingerprint: bytes = FPD, block_bytes: int | None = None):
+                   addr: str | None = None, fingerprint: bytes = FPD, block_bytes: int | None = None,
+                   into: bool = False):
+        """Pull ``keys`` (default: all the source's); ``into``: into a buffer (the client then
+        takes lent blocks)."""
         keys = self.source.keys if keys is None else keys
         bb = self.source.block_bytes if block_bytes is None else block_bytes
         col = Collect(bb)
-        res = await (client or self.client).pull(addr or self.addr, fingerprint, bb, keys, deadline_s, col)
+        buf = bytearray(len(keys) * bb) if into else None
+        res = await (client or self.client).pull(addr or self.addr, fingerprint, bb, keys, deadline_s, col, into=buf)
         return res, col
 
 
@@ -189,6 +193,15 @@ def test_frame_layouts_match_the_documented_bytes():
     assert struct.unpack_from("<IIQ", req, 8) == (7, 0, 4096) and req[24:40] == FPD
     assert struct.unpack_from("<II", req, 40) == (3, 0) and req[48:] == b"".join(keys)
     assert p.decode_request(req[8:]) == p.Request(7, FPD, 4096, keys)
+    lent_req = p.encode_request(7, FPD, 4096, keys, p.REQUEST_LENT_OK)
+    assert struct.unpack_from("<II", lent_req, 8) == (7, 1) and p.decode_request(lent_req[8:]).flags == 1
+    checks = p.encode_checks(7, 2, [5, 1 << 63])
+    assert checks[:8] == bytes([9, 0, 0, 0, 32, 0, 0, 0]) and struct.unpack_from("<IIIIQQ", checks, 8) == (7, 2, 2, 0, 5, 1 << 63)
+    assert p.decode_checks(checks[8:]) == (7, 2, (5, 1 << 63))
+    lent_prefix = bytearray(56)
+    p.pack_block_prefix_into(lent_prefix, 0, 7, 2, FPD, keys[0], 0, 100, p.FrameType.LENT_BLOCK)
+    assert lent_prefix[:8] == bytes([8, 0, 0, 0]) + struct.pack("<I", 148) and lent_prefix[48:] == bytes(8)
+    assert p.encode_end(p.Status.TORN, 7, 2)[:2] == bytes([7, 8]) and p.Status.TORN in p.KEEPALIVE_STATUSES
     payload = block_bytes_of(keys[0], 100)
     blk = p.encode_block(7, 2, FPD, keys[0], payload)
     assert len(blk) == 56 + 100 and blk[:8] == bytes([6, 0, 0, 0]) + struct.pack("<I", 148)
@@ -212,6 +225,11 @@ def test_frame_length_limits_and_bad_fields_are_refused():
         p.decode_frame_header(hdr(5, 0, 0, 0xFFFFFFFF))
     with pytest.raises(p.FrameError, match="END"):
         p.decode_frame_header(hdr(7, 0, 0, 8 + 1025))
+    with pytest.raises(p.FrameError, match="CHECKS"):
+        p.decode_frame_header(hdr(9, 0, 0, 16))                         # no checksum
+    assert p.decode_frame_header(hdr(8, 0, 0, 48 + 4096), block_bytes=4096).type is p.FrameType.LENT_BLOCK
+    with pytest.raises(p.FrameError, match="checksums"):
+        p.decode_checks(p.encode_checks(1, 0, [1, 2])[8:-8])
     with pytest.raises(p.FrameError, match="HELLO"):
         p.decode_frame_header(hdr(1, 0, 0, 25))
     with pytest.raises(p.FrameError, match="unknown"):
@@ -334,37 +352,96 @@ async def test_several_sources_each_serve_their_own_fingerprint():
             await server.close()
 
 
-class InPlaceSource(MemSource):
-    """A MemSource that lends blocks in place (``block_view``) except those of ``copied``, which
-    only ``read_block`` gives (as the agent's SSD files); ``views`` counts the loop's and the
-    thread's asks."""
+class LendingSource(MemSource):
+    """A MemSource that lends blocks in place (``lend_block``) except those of ``copied``, which
+    only ``read_block`` gives (as the agent's SSD files). ``tear``: key index -> how many more
+    times a lend of it is torn: the view then holds other bytes (the block rewritten while sent)
+    and its check says changed. ``lends`` counts the lends, ``refreshes`` the refreshes."""
 
-    def __init__(self, keys: list[bytes], copied: set[int], **kw) -> None:
+    def __init__(self, keys: list[bytes], copied: set[int] = frozenset(), tear: dict[int, int] | None = None,
+                 **kw) -> None:
         super().__init__(keys, **kw)
         self.copied = copied
-        self.views = {True: 0, False: 0}
+        self.tear = dict(tear or {})
+        self.lends = 0
+        self.refreshes = 0
 
-    def block_view(self, key: bytes, look_again: bool = True):
-        self.views[look_again] += 1
+    def refresh(self) -> None:
+        self.refreshes += 1
+
+    def lend_block(self, key: bytes):
         i = self.index[key]
         if i in self.copied or key not in self.blocks:
             return None
-        data = memoryview(self.blocks[key])
-        return data, p.payload_checksum(data)
+        self.lends += 1
+        if self.tear.get(i, 0) > 0:
+            self.tear[i] -= 1
+            return memoryview(bytes(b ^ 0x5A for b in self.blocks[key])), lambda: False
+        return memoryview(self.blocks[key]), lambda: True
 
 
 @pytest.mark.parametrize("block_bytes", [4096, 600 << 10])
-async def test_blocks_lent_in_place_and_read_blocks_mix_in_order(block_bytes):
+async def test_blocks_lent_in_place_then_read_blocks_in_order(block_bytes):
     async with asyncio.timeout(TEST_TIMEOUT_S):
-        source = InPlaceSource(make_keys(40), copied={5, 6, 30}, block_bytes=block_bytes, missing={38})
+        source = LendingSource(make_keys(40), copied={5, 6, 30}, block_bytes=block_bytes, missing={38})
         async with Rig(source) as rig:
-            res, col = await rig.pull()
+            res, col = await rig.pull(into=True)
             assert res.blocks == 38 and res.kind == "miss" and col.got == expected(source, 38)
-            # 0-4 went from the event loop; from 5 on the reading thread asks (then read_block for 5, 6, 30, 38)
-            assert source.views[False] == 6 and source.reads == 4
-            assert rig.server.stats()["blocks_served"] == 38 and rig.server.stats()["misses"] == 1
-            res, col = await rig.pull(source.keys[:5])      # all in place: no thread at all
-            assert res.error is None and col.got == expected(source, 5) and source.reads == 4
+            # 0-4 lent from the event loop; from 5 on the reading thread copies (5..38: 34 reads)
+            st = rig.server.stats()
+            assert st["blocks_lent"] == 5 and source.reads == 34 and st["blocks_served"] == 38
+            assert st["misses"] == 1 and st["torn"] == 0
+            res, col = await rig.pull(source.keys[:5], into=True)      # all lent: no thread at all
+            assert res.error is None and col.got == expected(source, 5) and source.reads == 34
+            assert rig.server.stats()["blocks_lent"] == 10
+            await until(lambda: rig.server.stats()["active"] == 0, what="slots released")
+
+
+async def test_a_client_that_takes_no_lent_blocks_gets_copies():
+    async with asyncio.timeout(TEST_TIMEOUT_S):
+        source = LendingSource(make_keys(8))
+        async with Rig(source) as rig:
+            res, col = await rig.pull()                                 # no buffer: no REQUEST_LENT_OK
+            assert res.error is None and col.got == expected(source, 8)
+            assert source.lends == 0 and source.reads == 8 and rig.server.stats()["blocks_lent"] == 0
+
+
+async def test_the_first_key_not_lent_refreshes_the_source_once_per_request():
+    async with asyncio.timeout(TEST_TIMEOUT_S):
+        source = LendingSource(make_keys(4), copied={0})
+        async with Rig(source) as rig:
+            res, col = await rig.pull(into=True)
+            assert res.error is None and col.got == expected(source, 4)
+            assert source.refreshes == 1 and source.lends == 0 and source.reads == 4
+
+
+@pytest.mark.parametrize("block_bytes", [4096, 600 << 10])     # torn inside one sendmsg batch, and alone
+async def test_a_lent_block_torn_while_sent_is_asked_again_never_handed_on(block_bytes):
+    async with asyncio.timeout(TEST_TIMEOUT_S):
+        source = LendingSource(make_keys(10), tear={3: 1}, block_bytes=block_bytes)
+        async with Rig(source) as rig:
+            res, col = await rig.pull(into=True)
+            # each block handed on once, in order, with its own bytes: the torn bytes never were
+            assert res.error is None and col.got == expected(source, 10)
+            st = rig.server.stats()
+            assert st["torn"] == 1 and st["requests"] == 2 and st["connections"] == 1
+            assert st["blocks_lent"] == 10 and st["blocks_served"] == 10
+            assert rig.client.link_stats(rig.addr)["failures"] == 0
+
+
+async def test_a_block_torn_every_time_ends_the_pull_after_the_retries():
+    async with asyncio.timeout(TEST_TIMEOUT_S):
+        source = LendingSource(make_keys(6), tear={2: 100})
+        async with Rig(source) as rig:
+            res, col = await rig.pull(into=True)
+            assert res.blocks == 2 and res.kind == "source" and "changed while sent" in res.error
+            assert col.got == expected(source, 2)
+            st = rig.server.stats()
+            assert st["torn"] == 1 + MAX_TORN_RETRIES and st["requests"] == 1 + MAX_TORN_RETRIES
+            source.tear.clear()
+            res, col = await rig.pull(into=True)                        # the connection is still good
+            assert res.error is None and col.got == expected(source, 6)
+            assert rig.server.stats()["connections"] == 1
 
 
 async def test_requests_longer_than_max_keys_go_in_several_requests():
@@ -492,26 +569,32 @@ async def test_a_request_without_auth_is_refused_by_a_server_with_a_secret():
 
 
 # ---- corruption ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("lent", [False, True])
 @pytest.mark.parametrize("field,offset_in_frame,kind", [("payload", 56 + 17, "checksum"), ("key", 32 + 5, "protocol"),
                                                         ("fingerprint", 16 + 3, "protocol")])
-async def test_a_corrupted_byte_stops_the_pull_before_the_bad_block(field, offset_in_frame, kind):
+async def test_a_corrupted_byte_stops_the_pull_before_the_bad_block(field, offset_in_frame, kind, lent):
     async with asyncio.timeout(TEST_TIMEOUT_S):
         bb = 4096
-        source = MemSource(make_keys(6), block_bytes=bb)
+        source = LendingSource(make_keys(6), block_bytes=bb) if lent else MemSource(make_keys(6), block_bytes=bb)
         async with Rig(source) as rig:
-            flip_at = 40 + 3 * (56 + bb) + offset_in_frame               # hello reply, then blocks 0..2
+            # hello reply, then blocks 0..2 (lent: the six blocks go in one batch, the CHECKS after)
+            flip_at = 40 + 3 * (56 + bb) + offset_in_frame
             proxy = Proxy(rig.port, flip_at=flip_at)
             via = await proxy.start()
             try:
-                res, col = await rig.pull(addr=via)
-                assert res.blocks == 3 and res.kind == kind, res
-                assert col.got == expected(source, 3)                        # blocks 0..2 only, exact
+                res, col = await rig.pull(addr=via, into=lent)
+                # blocks 0..2 only, exact; lent ones wait for their CHECKS, which a bad frame
+                # before them cuts off: none handed on
+                good = 0 if lent and field != "payload" else 3
+                assert res.blocks == good and res.kind == kind, res
+                assert col.got == expected(source, good)
                 if field == "payload":
                     assert "block 3" in res.error and "checksum mismatch" in res.error
                 if field == "key":
                     assert "key" in res.error
-                res, col = await rig.pull(addr=via)                           # a new, clean connection
+                res, col = await rig.pull(addr=via, into=lent)                # a new, clean connection
                 assert res.error is None and col.got == expected(source, 6)
+                assert rig.server.stats()["blocks_lent"] == (12 if lent else 0)
                 assert proxy.connections == 2
                 assert rig.client.link_stats(via)["failures"] == 1
             finally:

@@ -24,7 +24,6 @@ from offload_agent import tier_service
 from offload_agent.peer.server import PeerServer
 from offload_agent.tier_service import TierService
 from offload_agent.tiers import TierFingerprint, TierStore, tier_block_keys, tier_root
-from offload_agent.peer.protocol import payload_checksum
 from offload_agent.tiers.shm_slab import ShmSlab
 
 BS = 4
@@ -122,7 +121,9 @@ def test_b_locates_and_pulls_a_prefix_that_a_holds(tmp_path: Path, redis_url: st
         st = svc["b"].state()["peer"]
         assert st["pulls"] == 2 and st["pulled_blocks"] == 14 and st["failed_pulls"] == 1
         assert st["link_bytes_per_s"] is None and st["pull_overhead_ms"] > 0   # too small to measure a rate
-        assert svc["a"].state()["peer"]["served"]["blocks_served"] == 14
+        served = svc["a"].state()["peer"]["served"]
+        assert served["blocks_served"] == served["blocks_lent"] == 14   # sent from the CPU tier in place
+        assert served["torn"] == 0
     asyncio.run(run(tmp_path, redis_url, body))
 
 
@@ -225,12 +226,17 @@ def test_the_served_map_follows_slot_rewrites(tmp_path: Path) -> None:
     writer.end_write(7, k[3])
     assert source.read_block(k[3], out) and bytes(out) == payload(3)
     assert source._slots == {k[2]: 2, k[3]: 7}
-    assert source.block_view is None             # the server copies every block (the default)
-    lender = SlabSource(owner, None, lend_in_place=True)
-    view, checksum = lender.block_view(k[2])
-    assert bytes(view) == payload(2) and checksum == payload_checksum(payload(2))
-    assert lender.block_view(k[0]) is None
-    del view
+    # lent in place: the check says whether the slot changed since the lend
+    view, unchanged = source.lend_block(k[2])
+    assert bytes(view) == payload(2) and unchanged()
+    assert source.lend_block(k[0]) is None       # not held
+    writer.begin_write(2)                        # the owner starts rewriting the lent slot
+    assert not unchanged() and source.lend_block(k[2]) is None
+    writer.end_write(2, k[2])                    # same key again, but a new write: still changed
+    assert not unchanged()
+    again, unchanged_again = source.lend_block(k[2])
+    assert unchanged_again()
+    del view, again
     writer.close()
     owner.close()
 
@@ -369,7 +375,8 @@ def test_each_tp_rank_pulls_its_own_shard_from_the_peer(tmp_path: Path, redis_ur
         assert unknown["ok"] is False and shard_digest(0, 5).hex() in unknown["error"]
         other = await asyncio.to_thread(links[0].pull, "a", tier_keys, shard_digest(0, 1), 5000)  # not its shard
         assert other == (0, "fingerprint_digest is not this link's shard (its hello's)", None)
-        assert svc["a"].state()["peer"]["served"]["blocks_served"] == 12
+        served = svc["a"].state()["peer"]["served"]
+        assert served["blocks_served"] == served["blocks_lent"] == 12
     asyncio.run(run(tmp_path, redis_url, body))
 
 

@@ -22,6 +22,11 @@ Behaviour:
 - Authentication: with a ``secret`` the client answers the server's challenge and requires the
   server's proof, so it only talks to servers that know the same secret (a server without one
   fails with ``auth``); without a secret it only talks to servers that require none.
+- Lent blocks: a pull into a buffer (``into``) tells the server it takes blocks sent from the
+  server's memory in place (REQUEST_LENT_OK); such a block is handed to ``on_block`` once the
+  CHECKS frame that covers it has come and its checksum matched. When the server reports a lent
+  block TORN (its owner rewrote it while it was sent), the pull asks again from that block on the
+  same connection, at most ``MAX_TORN_RETRIES`` times (then ``source``).
 - Connections: kept per address for the next pull (keep-alive, at most ``max_idle_per_peer``
   idle ones); one that broke, timed out mid-stream or carried a bad frame is closed. A pull on a
   kept connection that the server had closed meanwhile is retried once on a new one. Requests
@@ -60,12 +65,14 @@ _STATUS_KIND = {p.Status.MISS: ERR_MISS, p.Status.MISMATCH: ERR_REFUSED, p.Statu
                 p.Status.SOURCE_ERROR: ERR_SOURCE}
 
 _BLOCK_OK = p.FrameHeader(p.FrameType.BLOCK, p.Status.OK, 0)  # a BLOCK frame header as expected (fast path)
+_LENT_OK = p.FrameHeader(p.FrameType.LENT_BLOCK, p.Status.OK, 0)
 OnBlock = Callable[[int, memoryview], Awaitable[None] | None]
 
 BANDWIDTH_MIN_SAMPLE_BYTES = 256 << 10  # smaller pulls say too little about bandwidth
 BANDWIDTH_FULL_WEIGHT_BYTES = 4 << 20    # a pull this large counts fully in the average
 EWMA_ALPHA = 0.3
 DIRECT_READ_MIN_BYTES = 256 << 10  # blocks this large are received straight into ``into`` (smaller: staged)
+MAX_TORN_RETRIES = 3  # a pull asks again from a torn lent block at most this often
 
 
 @dataclass
@@ -95,6 +102,14 @@ class _PullError(Exception):
 
 class _Stale(Exception):
     """A kept connection the server had closed before our request."""
+
+
+class _Torn(Exception):
+    """The server reported a lent block torn (END TORN); ``blocks`` of the request came good."""
+
+    def __init__(self, blocks: int) -> None:
+        super().__init__(f"torn after {blocks} blocks")
+        self.blocks = blocks
 
 
 class _CallbackFailed(Exception):
@@ -379,18 +394,27 @@ class PeerClient:
         if conn is None:
             conn = await self._connect(st, *host_port, link)
         keep = False
+        torn = 0
         try:
             pos = 0
             while pos < len(st.keys):
                 chunk = st.keys[pos:pos + conn.max_keys]
                 try:
-                    await self._request(conn, st, pos, chunk, first_on_conn=reused and pos == 0)
-                except _Stale:
-                    conn.io.close()
-                    reused = False
-                    st.request_sent_at = None
-                    conn = await self._connect(st, *host_port, link)
-                    await self._request(conn, st, pos, chunk, first_on_conn=False)
+                    try:
+                        await self._request(conn, st, pos, chunk, first_on_conn=reused and pos == 0)
+                    except _Stale:
+                        conn.io.close()
+                        reused = False
+                        st.request_sent_at = None
+                        conn = await self._connect(st, *host_port, link)
+                        await self._request(conn, st, pos, chunk, first_on_conn=False)
+                except _Torn as exc:
+                    torn += 1
+                    if torn > MAX_TORN_RETRIES:
+                        raise _PullError(ERR_SOURCE, f"block {pos + exc.blocks} from {st.addr} changed while sent, "
+                                                     f"{torn} times", keep_conn=True) from None
+                    pos += exc.blocks
+                    continue
                 pos += len(chunk)
             keep = True
         except _PullError as exc:
@@ -410,11 +434,31 @@ class PeerClient:
             else:
                 conn.io.close()
 
+    @staticmethod
+    async def _accept(st: _Pull, index: int, payload: memoryview, checksum: int) -> None:
+        """Verify block ``index`` of the pull against ``checksum``, give it to ``on_block`` and
+        count it. Raises _PullError (checksum), _CallbackFailed, TimeoutError (the deadline passed
+        with blocks still to come)."""
+        if p.payload_checksum(payload) != checksum:
+            raise _PullError(ERR_CHECKSUM, f"block {index} from {st.addr}: checksum mismatch")
+        try:
+            r = st.on_block(index, payload)
+            if r is not None and inspect.isawaitable(r):
+                await r
+        except BaseException as exc:
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            st.callback_exc = exc
+            raise _CallbackFailed() from None
+        st.blocks += 1
+        st.last_block_at = time.perf_counter()
+        if st.blocks < len(st.keys) and asyncio.get_running_loop().time() >= st.deadline:
+            raise TimeoutError
+
     async def _request(self, conn: _Conn, st: _Pull, offset: int, chunk: list[bytes], first_on_conn: bool) -> None:
         """One REQUEST for ``chunk`` (keys ``offset..``) and its response. Raises _PullError,
-        _Stale (only when ``first_on_conn`` and nothing came), TimeoutError (deadline), PeerClosed,
-        OSError, FrameError."""
-        loop = asyncio.get_running_loop()
+        _Stale (only when ``first_on_conn`` and nothing came), _Torn (END TORN: the connection stays
+        usable), TimeoutError (deadline), PeerClosed, OSError, FrameError."""
         io = conn.io
         io.deadline = st.deadline
         # with a destination, large payloads go straight into it: read no further than asked
@@ -422,8 +466,9 @@ class PeerClient:
         rid = conn.next_request_id
         conn.next_request_id = (rid + 1) & 0xFFFFFFFF
         bb = st.block_bytes
+        flags = p.REQUEST_LENT_OK if st.into is not None else 0  # lent blocks wait in ``into`` for their checks
         try:
-            await io.send(p.encode_request(rid, st.fingerprint, bb, chunk))
+            await io.send(p.encode_request(rid, st.fingerprint, bb, chunk, flags))
             if st.request_sent_at is None:
                 st.request_sent_at = time.perf_counter()
             raw = await io.read_exact(p.FRAME_HEADER_BYTES)
@@ -433,15 +478,26 @@ class PeerClient:
             raise
         if st.first_frame_at is None:
             st.first_frame_at = time.perf_counter()
-        i = 0
+        i = 0        # blocks of this request verified and handed on
+        landed = 0   # blocks of this request received (lent ones may wait for their checks)
         block_frame = p.encode_frame_header(p.FrameType.BLOCK, p.Status.OK, p.BLOCK_HEAD_BYTES + bb)
+        lent_frame = p.encode_frame_header(p.FrameType.LENT_BLOCK, p.Status.OK, p.BLOCK_HEAD_BYTES + bb)
         while True:
-            head = _BLOCK_OK if raw == block_frame else p.decode_frame_header(raw, block_bytes=bb)
+            if raw == block_frame:
+                head = _BLOCK_OK
+            elif raw == lent_frame:
+                head = _LENT_OK
+            else:
+                head = p.decode_frame_header(raw, block_bytes=bb)
             if head.type is p.FrameType.END:
                 end = p.decode_end(await io.read_exact(head.body_bytes))
                 if end.request_id != rid or end.blocks != i:
                     raise p.FrameError(f"END for request {end.request_id} with {end.blocks} blocks, "
                                        f"expected request {rid} with {i}")
+                if head.status is p.Status.TORN:
+                    raise _Torn(i)
+                if landed != i:
+                    raise p.FrameError(f"END {head.status.name} before the checks of blocks {i}..{landed - 1}")
                 if head.status is p.Status.OK:
                     if i != len(chunk):
                         raise p.FrameError(f"END OK after {i} of {len(chunk)} blocks")
@@ -453,37 +509,42 @@ class PeerClient:
                 else:
                     detail = f"{head.status.name} from {st.addr} at block {offset + i}"
                 raise _PullError(kind, f"{detail}: {end.reason}" if end.reason else detail, keep_conn=keep)
-            if head.type is not p.FrameType.BLOCK:
+            if head.type is p.FrameType.CHECKS:
+                if st.into is None:
+                    raise p.FrameError("CHECKS in answer to a request that took no lent blocks")
+                c_rid, c_first, sums = p.decode_checks(await io.read_exact(head.body_bytes))
+                if c_rid != rid or c_first != i or i + len(sums) > landed:
+                    raise p.FrameError(f"CHECKS of request {c_rid} for blocks {c_first}.. (+{len(sums)}), "
+                                       f"expected request {rid} from block {i}, {landed - i} waiting")
+                for checksum in sums:
+                    await self._accept(st, offset + i, st.into[(offset + i) * bb:(offset + i + 1) * bb], checksum)
+                    i += 1
+                raw = await io.read_exact(p.FRAME_HEADER_BYTES)
+                continue
+            lent = head.type is p.FrameType.LENT_BLOCK
+            if not lent and head.type is not p.FrameType.BLOCK:
                 raise p.FrameError(f"unexpected {head.type.name} frame in a response")
+            if lent and st.into is None:
+                raise p.FrameError("LENT_BLOCK in answer to a request that took no lent blocks")
+            if not lent and landed != i:
+                raise p.FrameError(f"BLOCK {landed} before the checks of blocks {i}..{landed - 1}")
             b_rid, b_index, b_fp, b_key, b_checksum = p.BLOCK_HEAD.unpack(await io.read_exact(p.BLOCK_HEAD_BYTES))
-            if b_rid != rid or b_index != i or i >= len(chunk):
-                raise p.FrameError(f"BLOCK {b_index} of request {b_rid}, expected {i} of {rid}")
-            if b_key != chunk[i]:
-                raise _PullError(ERR_PROTOCOL, f"block {offset + i}: the peer sent key {b_key.hex()}, "
-                                               f"not {chunk[i].hex()}")
+            if b_rid != rid or b_index != landed or landed >= len(chunk):
+                raise p.FrameError(f"BLOCK {b_index} of request {b_rid}, expected {landed} of {rid}")
+            if b_key != chunk[landed]:
+                raise _PullError(ERR_PROTOCOL, f"block {offset + landed}: the peer sent key {b_key.hex()}, "
+                                               f"not {chunk[landed].hex()}")
             if b_fp != st.fingerprint:
-                raise _PullError(ERR_PROTOCOL, f"block {offset + i}: another fingerprint")
+                raise _PullError(ERR_PROTOCOL, f"block {offset + landed}: another fingerprint")
             if st.into is not None:
-                payload = st.into[(offset + i) * bb:(offset + i + 1) * bb]
+                payload = st.into[(offset + landed) * bb:(offset + landed + 1) * bb]
                 await io.read_into(payload)
             else:
                 if st.fallback is None:
                     st.fallback = memoryview(bytearray(bb))
                 payload = await io.read_payload(bb, st.fallback)
-            if p.payload_checksum(payload) != b_checksum:
-                raise _PullError(ERR_CHECKSUM, f"block {offset + i} from {st.addr}: checksum mismatch")
-            try:
-                r = st.on_block(offset + i, payload)
-                if r is not None and inspect.isawaitable(r):
-                    await r
-            except BaseException as exc:
-                if isinstance(exc, asyncio.CancelledError):
-                    raise
-                st.callback_exc = exc
-                raise _CallbackFailed() from None
-            i += 1
-            st.blocks += 1
-            st.last_block_at = time.perf_counter()
-            if st.blocks < len(st.keys) and loop.time() >= st.deadline:
-                raise TimeoutError
+            landed += 1
+            if not lent:
+                await self._accept(st, offset + i, payload, b_checksum)
+                i += 1
             raw = await io.read_exact(p.FRAME_HEADER_BYTES)

@@ -21,7 +21,7 @@ Frame types and bodies::
                                 | server nonce (16) | max keys per request u32 | reserved u32 (0)
     3 AUTH           c->s  32 B: client proof (HMAC-SHA256, below)
     4 AUTH_REPLY     s->c  32 B server proof when status is OK; 0 B otherwise
-    5 REQUEST        c->s  40 + 16 n B: request id u32 | flags u32 (0) | block bytes u64
+    5 REQUEST        c->s  40 + 16 n B: request id u32 | flags u32 (below) | block bytes u64
                                 | fingerprint digest (16) | n keys u32 | reserved u32 (0)
                                 | n tier keys (16 each)
     6 BLOCK          s->c  48 + block bytes: request id u32 | index of the key in the request u32
@@ -29,13 +29,32 @@ Frame types and bodies::
                                 | payload (block bytes)
     7 END            s->c  8 + r B: request id u32 | blocks sent for this request u32
                                 | reason, UTF-8 (r <= 1024 bytes; for people, may be empty)
+    8 LENT_BLOCK     s->c  as BLOCK, the checksum field 0: the payload was sent from the server's
+                                memory in place; its checksum comes later, in a CHECKS frame
+    9 CHECKS         s->c  16 + 8 n B: request id u32 | index of the first block u32 | n u32
+                                | reserved u32 (0) | n xxh3_64 u64, of the lent blocks first..first+n-1
 
-A BLOCK frame is thus a fixed 56-byte prefix (header + block head) then the payload.
+A BLOCK or LENT_BLOCK frame is thus a fixed 56-byte prefix (header + block head) then the payload.
+
+REQUEST flags: bit 0 (``REQUEST_LENT_OK``): the client takes LENT_BLOCK and CHECKS frames. A server
+sends them only to a client that set it (others get BLOCK frames only); a server that does not know
+the flag ignores it.
+
+Blocks lent in place (why: the server sends a block straight from the memory that holds it,
+without copying it first, and that memory may be rewritten meanwhile): the server notes the slot's
+version when it lends the block, sends the payload, then computes the checksum over the slot and
+checks that the version has not moved. The checksum therefore covers the bytes the kernel took only
+when the slot stayed unchanged from before the send to after the checksum; a slot that changed is
+reported as TORN, never checksummed. Order: a CHECKS frame comes after the payloads of the lent
+blocks it covers and before any BLOCK frame or END; its ``first`` is the oldest lent block not yet
+covered, and it covers them in order. The client holds a lent block (and every block after it)
+until its checksum comes.
 
 Body length limits (a frame outside them is a protocol error; the reader closes the connection
 without reading the body): HELLO 24, HELLO_REPLY 32, AUTH 32, AUTH_REPLY 0 or 32,
-REQUEST 40 + 16 n with n <= the server's max keys (<= 65536), BLOCK exactly 48 + the requested
-block bytes (block bytes 1 .. 256 MiB), END 8 .. 8 + 1024. Unknown frame types are errors.
+REQUEST 40 + 16 n with n <= the server's max keys (<= 65536), BLOCK and LENT_BLOCK exactly 48 + the
+requested block bytes (block bytes 1 .. 256 MiB), END 8 .. 8 + 1024, CHECKS 16 + 8 n with
+1 <= n <= 65536. Unknown frame types are errors.
 
 Statuses (frame header byte 1)::
 
@@ -47,6 +66,9 @@ Statuses (frame header byte 1)::
     5 AUTH          AUTH_REPLY: wrong proof; END: a request before authentication (connection closed)
     6 VERSION       HELLO_REPLY: unknown magic or version (connection closed)
     7 SOURCE_ERROR  END: the server failed reading key number ``blocks`` (not a plain miss)
+    8 TORN          END: lent block number ``blocks`` changed in the server's memory while it was
+                    sent (rewritten by its owner); it and the lent blocks sent after it are not
+                    valid; the blocks before it were covered by CHECKS. Ask again from it.
 
 Conversation::
 
@@ -55,10 +77,12 @@ Conversation::
     [auth required: client AUTH, server AUTH_REPLY; status not OK: the server closes]
     then, any number of times, one at a time (keep-alive):
     client: REQUEST
-    server: BLOCK x m, END              (m consecutive blocks from key 0; END.blocks == m)
+    server: BLOCK x m, END              (m consecutive blocks from key 0; END.blocks == m; with
+                                         REQUEST_LENT_OK any of them may be LENT_BLOCKs, each
+                                         followed in time by the CHECKS covering it)
 
-After END with status OK, MISS, MISMATCH, BUSY or SOURCE_ERROR the connection stays usable for the
-next REQUEST; after any other status the server closes it. A client that stops reading mid-stream
+After END with status OK, MISS, MISMATCH, BUSY, SOURCE_ERROR or TORN the connection stays usable
+for the next REQUEST; after any other status the server closes it. A client that stops reading mid-stream
 (its deadline) closes the connection; so does either side on any protocol error.
 
 Authentication (only when the server has a shared secret; the secret never crosses the wire)::
@@ -93,6 +117,7 @@ MAX_BLOCK_BYTES = 256 << 20
 MAX_KEYS_LIMIT = 1 << 16
 MAX_REASON_BYTES = 1024
 FLAG_AUTH_REQUIRED = 1
+REQUEST_LENT_OK = 1  # REQUEST flags bit 0: the client takes LENT_BLOCK and CHECKS frames
 
 FRAME_HEADER = struct.Struct("<BBHI")
 HELLO_BODY = struct.Struct("<4sHH16s")
@@ -100,6 +125,8 @@ HELLO_REPLY_BODY = struct.Struct("<4sHH16sII")
 REQUEST_HEAD = struct.Struct("<IIQ16sII")
 BLOCK_HEAD = struct.Struct("<II16s16sQ")
 END_HEAD = struct.Struct("<II")
+CHECKS_HEAD = struct.Struct("<IIII")
+_CHECK = struct.Struct("<Q")
 _BLOCK_PREFIX = struct.Struct("<BBHIII16s16sQ")  # frame header + block head, packed at once
 
 FRAME_HEADER_BYTES = FRAME_HEADER.size          # 8
@@ -116,6 +143,8 @@ class FrameType(IntEnum):
     REQUEST = 5
     BLOCK = 6
     END = 7
+    LENT_BLOCK = 8
+    CHECKS = 9
 
 
 class Status(IntEnum):
@@ -127,10 +156,12 @@ class Status(IntEnum):
     AUTH = 5
     VERSION = 6
     SOURCE_ERROR = 7
+    TORN = 8
 
 
 # END statuses after which the server keeps the connection for the next request
-KEEPALIVE_STATUSES = frozenset({Status.OK, Status.MISS, Status.MISMATCH, Status.BUSY, Status.SOURCE_ERROR})
+KEEPALIVE_STATUSES = frozenset({Status.OK, Status.MISS, Status.MISMATCH, Status.BUSY, Status.SOURCE_ERROR,
+                                Status.TORN})
 
 
 class FrameError(ValueError):
@@ -163,12 +194,14 @@ class HelloReply:
 
 @dataclass(frozen=True)
 class Request:
-    """A decoded REQUEST: ``request_id``, ``fingerprint`` (16 B), ``block_bytes``, ``keys`` (16 B each)."""
+    """A decoded REQUEST: ``request_id``, ``fingerprint`` (16 B), ``block_bytes``, ``keys`` (16 B
+    each), ``flags`` (bit field: :data:`REQUEST_LENT_OK`; unknown bits are kept and ignored)."""
 
     request_id: int
     fingerprint: bytes
     block_bytes: int
     keys: list[bytes]
+    flags: int = 0
 
 
 @dataclass(frozen=True)
@@ -210,8 +243,10 @@ def body_limits(frame_type: FrameType, *, block_bytes: int = 0, max_keys: int = 
         return 0, MAC_BYTES
     if frame_type is FrameType.REQUEST:
         return REQUEST_HEAD_BYTES, REQUEST_HEAD_BYTES + KEY_BYTES * min(max_keys, MAX_KEYS_LIMIT)
-    if frame_type is FrameType.BLOCK:
+    if frame_type in (FrameType.BLOCK, FrameType.LENT_BLOCK):
         return BLOCK_HEAD_BYTES + block_bytes, BLOCK_HEAD_BYTES + block_bytes
+    if frame_type is FrameType.CHECKS:
+        return CHECKS_HEAD.size + _CHECK.size, CHECKS_HEAD.size + _CHECK.size * MAX_KEYS_LIMIT
     return END_HEAD.size, END_HEAD.size + MAX_REASON_BYTES
 
 
@@ -295,8 +330,9 @@ def encode_auth_reply(status: Status, proof: bytes = b"") -> bytes:
     return _frame(FrameType.AUTH_REPLY, status, proof if status is Status.OK else b"")
 
 
-def encode_request(request_id: int, fingerprint: bytes, block_bytes: int, keys: Sequence[bytes]) -> bytes:
-    """A whole REQUEST frame. ValueError for a fingerprint or key that is not 16 bytes, block
+def encode_request(request_id: int, fingerprint: bytes, block_bytes: int, keys: Sequence[bytes],
+                   flags: int = 0) -> bytes:
+    """A whole REQUEST frame (``flags``: :data:`REQUEST_LENT_OK` or 0). ValueError for a fingerprint or key that is not 16 bytes, block
     bytes outside 1..MAX_BLOCK_BYTES, or more than MAX_KEYS_LIMIT keys."""
     _check_len("fingerprint digest", fingerprint, DIGEST_BYTES)
     if not 1 <= block_bytes <= MAX_BLOCK_BYTES:
@@ -306,7 +342,7 @@ def encode_request(request_id: int, fingerprint: bytes, block_bytes: int, keys: 
     joined = b"".join(keys)
     if len(joined) != KEY_BYTES * len(keys) or any(len(k) != KEY_BYTES for k in keys):
         raise ValueError(f"tier keys must be {KEY_BYTES} bytes each")
-    head = REQUEST_HEAD.pack(request_id, 0, block_bytes, fingerprint, len(keys), 0)
+    head = REQUEST_HEAD.pack(request_id, flags, block_bytes, fingerprint, len(keys), 0)
     return encode_frame_header(FrameType.REQUEST, Status.OK, len(head) + len(joined)) + head + joined
 
 
@@ -314,21 +350,21 @@ def decode_request(body) -> Request:
     """Decode a REQUEST body (already length-checked by :func:`decode_frame_header`); FrameError
     when its key count disagrees with its length or its block bytes are out of range."""
     mv = memoryview(body)
-    request_id, _flags, block_bytes, fingerprint, n, _ = REQUEST_HEAD.unpack(mv[:REQUEST_HEAD_BYTES])
+    request_id, flags, block_bytes, fingerprint, n, _ = REQUEST_HEAD.unpack(mv[:REQUEST_HEAD_BYTES])
     if len(mv) != REQUEST_HEAD_BYTES + KEY_BYTES * n:
         raise FrameError(f"request says {n} keys in {len(mv) - REQUEST_HEAD_BYTES} key bytes")
     if not 1 <= block_bytes <= MAX_BLOCK_BYTES:
         raise FrameError(f"request for blocks of {block_bytes} bytes")
     raw = bytes(mv[REQUEST_HEAD_BYTES:])
     keys = [raw[i:i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES)]
-    return Request(request_id, fingerprint, block_bytes, keys)
+    return Request(request_id, fingerprint, block_bytes, keys, flags)
 
 
 def pack_block_prefix_into(buf, offset: int, request_id: int, index: int, fingerprint: bytes, key: bytes,
-                           checksum: int, block_bytes: int) -> None:
-    """Write a BLOCK frame's 56-byte prefix (frame header + block head) at ``buf[offset:]``; the
-    payload goes right after it."""
-    _BLOCK_PREFIX.pack_into(buf, offset, FrameType.BLOCK, Status.OK, 0, BLOCK_HEAD_BYTES + block_bytes,
+                           checksum: int, block_bytes: int, frame_type: FrameType = FrameType.BLOCK) -> None:
+    """Write a BLOCK (or LENT_BLOCK, ``checksum`` 0) frame's 56-byte prefix (frame header + block
+    head) at ``buf[offset:]``; the payload goes right after it."""
+    _BLOCK_PREFIX.pack_into(buf, offset, frame_type, Status.OK, 0, BLOCK_HEAD_BYTES + block_bytes,
                             request_id, index, fingerprint, key, checksum)
 
 
@@ -345,6 +381,25 @@ def decode_block_head(data) -> BlockHead:
     """Decode the 48 bytes after a BLOCK frame's header."""
     request_id, index, fingerprint, key, checksum = BLOCK_HEAD.unpack(data)
     return BlockHead(request_id, index, fingerprint, key, checksum)
+
+
+def encode_checks(request_id: int, first: int, checksums: Sequence[int]) -> bytes:
+    """A whole CHECKS frame covering the lent blocks ``first .. first + len(checksums) - 1``.
+    ValueError for no checksum or more than MAX_KEYS_LIMIT."""
+    if not 1 <= len(checksums) <= MAX_KEYS_LIMIT:
+        raise ValueError(f"a CHECKS frame covers 1..{MAX_KEYS_LIMIT} blocks, got {len(checksums)}")
+    body = CHECKS_HEAD.pack(request_id, first, len(checksums), 0) + struct.pack(f"<{len(checksums)}Q", *checksums)
+    return _frame(FrameType.CHECKS, Status.OK, body)
+
+
+def decode_checks(body) -> tuple[int, int, tuple[int, ...]]:
+    """``(request_id, first, checksums)`` of a CHECKS body (already length-checked); FrameError when
+    its count disagrees with its length."""
+    mv = memoryview(body)
+    request_id, first, n, _ = CHECKS_HEAD.unpack(mv[:CHECKS_HEAD.size])
+    if len(mv) != CHECKS_HEAD.size + _CHECK.size * n:
+        raise FrameError(f"CHECKS says {n} checksums in {len(mv) - CHECKS_HEAD.size} bytes")
+    return request_id, first, struct.unpack_from(f"<{n}Q", mv, CHECKS_HEAD.size)
 
 
 def encode_end(status: Status, request_id: int, blocks: int, reason: str = "") -> bytes:

@@ -16,11 +16,15 @@ Behaviour:
   most ``queue_wait_s`` (FIFO; with ``max_waiting`` requests already waiting, or after the wait,
   it gets END BUSY; a client that closed the connection meanwhile is dropped without reading
   anything for it).
-  With a slot, a worker thread reads the blocks in order (``BlockSource.read_block``) into a ring
-  of preallocated frames (``ring_bytes``) and checksums them, or takes them in place
-  (``block_view``, when the source has it: sent from the source's memory without a copy), while
-  the event loop sends the ready frames with one ``sendmsg`` (woken by the thread every
-  ``WAKE_BYTES``, at the end, or before a read that may block). The
+  With a slot, when the client takes lent blocks (REQUEST flag ``REQUEST_LENT_OK``) and the
+  source lends them (``lend_block``), the event loop sends blocks from the first straight from the
+  source's memory as LENT_BLOCK frames, in ``sendmsg`` batches of about ``SEND_BATCH_BYTES``, then
+  checksums each one and checks that the source did not change it meanwhile: a CHECKS frame for
+  the good ones (it goes out with the next batch), END TORN at the first changed one. From the
+  first block the source does not lend (or for every block, otherwise), a worker thread reads the
+  blocks in order (``BlockSource.read_block``) into a ring of preallocated frames (``ring_bytes``)
+  and checksums them, while the event loop sends the ready frames with one ``sendmsg`` (woken by
+  the thread every ``WAKE_BYTES``, at the end, or before a read that may block). The
   first key the source lacks ends the request with END MISS (``blocks`` = the keys served); a
   source exception ends it with END SOURCE_ERROR. The slot is held until the reading thread ends,
   so at most ``max_concurrent`` threads ever read the source.
@@ -70,12 +74,11 @@ class BlockSource(Protocol):
         worker thread, from several threads at once (up to ``max_concurrent``)."""
         ...
 
-    # Optional: ``block_view(key, look_again=True) -> (view, checksum) | None``, the block's bytes
-    # in place (a view that stays mapped) and the xxh3_64 of them, taken while they were stable;
-    # None: not held in place (``read_block`` is then asked). Called on the event loop with
-    # ``look_again`` False: it must then answer from what it knows, without blocking. The server
-    # sends the view without copying it; bytes that change before they are sent fail their
-    # checksum at the client, never pass as the block.
+    # Optional: ``lend_block(key) -> (view, unchanged) | None``, the block's bytes in place (a
+    # view that stays mapped) and a callable that is True while those bytes have not changed since
+    # the call; None: not lent (``read_block`` is then asked). Called on the event loop: it must
+    # answer from what it knows, without blocking. And ``refresh()``, called in a worker thread
+    # when the first key of a request is not lent, to bring what it knows up to date.
 
 
 @runtime_checkable
@@ -160,8 +163,7 @@ def _resolve(fut: asyncio.Future[None]) -> None:
 
 class _Producer:
     """One request's blocks: a worker thread (:meth:`run`) reads and checksums them into a ring
-    of ``slots`` whole BLOCK frames (or only the frame's prefix, when the source lends the
-    payload in place); the event loop (:meth:`stream`) sends the ready ones."""
+    of ``slots`` whole BLOCK frames; the event loop (:meth:`stream`) sends the ready ones."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, source: BlockSource, req: p.Request,
                  ring: bytearray, slots: int, first: int = 0) -> None:
@@ -173,7 +175,6 @@ class _Producer:
         self.slots = slots
         self.frame_bytes = p.BLOCK_PREFIX_BYTES + req.block_bytes
         self.first = first  # blocks before it were sent already
-        self.payloads: list[memoryview | None] = [None] * slots  # a frame's payload in place, else None
         self.cond = threading.Condition()
         self.produced = 0  # frames ready (written by the thread)
         self.sent = 0      # frames handed to the kernel (written by the loop)
@@ -186,7 +187,6 @@ class _Producer:
     # ---- worker thread ----
     def run(self) -> None:
         req, fb = self.req, self.frame_bytes
-        in_place = getattr(self.source, "block_view", None)
         i = 0
         try:
             for i in range(self.first, len(req.keys)):
@@ -198,19 +198,14 @@ class _Producer:
                         return
                     slot = self.produced % self.slots
                 base = slot * fb
-                found = in_place(key) if in_place is not None else None
-                if found is not None:
-                    self.payloads[slot], checksum = found
-                else:
-                    self.payloads[slot] = None
-                    with self.cond:  # the read may take long (a file): let the loop send what is ready
-                        if self.produced > self.sent:
-                            self._wake_locked()
-                    payload = self.view[base + p.BLOCK_PREFIX_BYTES:base + fb]
-                    if not self.source.read_block(key, payload):
-                        self.status, self.reason = p.Status.MISS, f"block {i} ({key.hex()}) not held"
-                        return
-                    checksum = p.payload_checksum(payload)
+                with self.cond:  # the read may take long (a file): let the loop send what is ready
+                    if self.produced > self.sent:
+                        self._wake_locked()
+                payload = self.view[base + p.BLOCK_PREFIX_BYTES:base + fb]
+                if not self.source.read_block(key, payload):
+                    self.status, self.reason = p.Status.MISS, f"block {i} ({key.hex()}) not held"
+                    return
+                checksum = p.payload_checksum(payload)
                 p.pack_block_prefix_into(self.ring, base, req.request_id, i, req.fingerprint, key, checksum,
                                          req.block_bytes)
                 with self.cond:
@@ -247,13 +242,7 @@ class _Producer:
                     fut = self.loop.create_future()
                     self._waiter = fut
             if avail:
-                parts = []
-                for j in (k % slots for k in range(self.sent, self.sent + avail)):
-                    data = self.payloads[j]
-                    if data is None:
-                        parts.append(self.view[j * fb:(j + 1) * fb])
-                    else:
-                        parts += (self.view[j * fb:j * fb + p.BLOCK_PREFIX_BYTES], data)
+                parts = [self.view[j * fb:(j + 1) * fb] for j in (k % slots for k in range(self.sent, self.sent + avail))]
                 io.deadline = self.loop.time() + io_timeout_s
                 await io.send_parts(parts)
                 with self.cond:
@@ -308,7 +297,8 @@ class PeerServer:
         self._slots = _Slots(max_concurrent, 4 * max_concurrent if max_waiting is None else max_waiting)
         self._counts = {"connections": 0, "connections_open": 0, "connections_refused": 0, "requests": 0,
                         "blocks_served": 0, "bytes_served": 0, "misses": 0, "mismatches": 0, "busy": 0,
-                        "bad_requests": 0, "auth_failures": 0, "source_errors": 0, "disconnects": 0}
+                        "bad_requests": 0, "auth_failures": 0, "source_errors": 0, "disconnects": 0,
+                        "blocks_lent": 0, "torn": 0}
         self._free_rings: list[bytearray] = []
         self._lsock: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
@@ -469,13 +459,13 @@ class PeerServer:
             self._counts["bytes_served"] += n * block_bytes
 
         try:
-            first = await self._send_in_place(io, req, source, on_sent)
+            first, ended = await self._send_lent(io, req, source, on_sent)
         except BaseException as exc:
             self._slots.release()
             if isinstance(exc, (OSError, PeerClosed)):
                 self._counts["disconnects"] += 1
             raise
-        if first == len(req.keys):  # all sent in place, the END with them
+        if ended:  # all lent, or one torn: the END went out
             self._slots.release()
             return
         loop = asyncio.get_running_loop()
@@ -515,43 +505,64 @@ class PeerServer:
             self._counts["source_errors"] += 1
         await self._send_end(io, producer.status, req.request_id, first + producer.sent, producer.reason)
 
-    async def _send_in_place(self, io: SockIO, req: p.Request, source: BlockSource, on_sent) -> int:
-        """Send blocks from the first, on the event loop, while the source lends them in place
-        without looking further (``block_view(key, False)``); returns how many were sent (the
-        rest go through the reading thread; all of them: the END OK was sent after them). Raises
+    async def _send_lent(self, io: SockIO, req: p.Request, source: BlockSource, on_sent) -> tuple[int, bool]:
+        """Send blocks from the first as LENT_BLOCK frames while the source lends them, each batch's
+        CHECKS with the next batch (see the module docstring). Returns ``(sent, ended)``: the blocks
+        sent and checked, and whether the END went out (all of them: END OK; a changed one: END
+        TORN); otherwise the CHECKS went out and the reading thread goes on from ``sent``. Raises
         OSError/PeerClosed/TimeoutError."""
-        block_view = getattr(source, "block_view", None)
-        if block_view is None:
-            return 0
-        pb, keys = p.BLOCK_PREFIX_BYTES, req.keys
+        lend = getattr(source, "lend_block", None)
+        if lend is None or not req.flags & p.REQUEST_LENT_OK:
+            return 0, False
+        loop = asyncio.get_running_loop()
+        pb, keys, rid = p.BLOCK_PREFIX_BYTES, req.keys, req.request_id
+        found = lend(keys[0])
+        refresh = getattr(source, "refresh", None)
+        if found is None and refresh is not None:
+            assert self._executor is not None, "server not started"
+            await loop.run_in_executor(self._executor, refresh)
+            found = lend(keys[0])
         batch = max(1, SEND_BATCH_BYTES // (pb + req.block_bytes))
         prefixes = memoryview(bytearray(pb * min(batch, len(keys))))
         sent = 0
-        while sent < len(keys):
-            full = end = min(sent + batch, len(keys))
-            parts: list[memoryview] = []
-            for i in range(sent, full):
-                try:
-                    found = block_view(keys[i], False)
-                except Exception:  # the reading thread asks again and reports it
-                    found = None
-                if found is None:
-                    end = i
-                    break
+        checks: bytes = b""  # the last batch's CHECKS, to go out with the next one
+        while found is not None:
+            lent = []
+            parts: list[memoryview] = [memoryview(checks)] if checks else []
+            for i in range(sent, min(sent + batch, len(keys))):
+                if i > sent:
+                    found = lend(keys[i])
+                    if found is None:
+                        break
                 at = (i - sent) * pb
-                p.pack_block_prefix_into(prefixes, at, req.request_id, i, req.fingerprint, keys[i], found[1],
-                                         req.block_bytes)
+                p.pack_block_prefix_into(prefixes, at, rid, i, req.fingerprint, keys[i], 0, req.block_bytes,
+                                         p.FrameType.LENT_BLOCK)
                 parts += (prefixes[at:at + pb], found[0])
-            if end > sent:
-                if end == len(keys):  # all of them: the END goes out in the same sendmsg
-                    parts.append(memoryview(p.encode_end(p.Status.OK, req.request_id, end, "")))
-                io.deadline = asyncio.get_running_loop().time() + self.io_timeout_s
-                await io.send_parts(parts)
-                on_sent(end - sent)
-            if end < full:
-                return end
-            sent = end
-        return sent
+                lent.append(found)
+            io.deadline = loop.time() + self.io_timeout_s
+            await io.send_parts(parts)
+            sums = []
+            for view, unchanged in lent:  # after the kernel took the bytes: checksum, then the seqlock
+                checksum = p.payload_checksum(view)
+                if not unchanged():
+                    break
+                sums.append(checksum)
+            checks = p.encode_checks(rid, sent, sums) if sums else b""
+            sent += len(sums)
+            self._counts["blocks_lent"] += len(sums)
+            on_sent(len(sums))
+            if len(sums) < len(lent):
+                self._counts["torn"] += 1
+                await io.send(checks + p.encode_end(p.Status.TORN, rid, sent, f"block {sent} changed while sent"))
+                return sent, True
+            if sent == len(keys):
+                await io.send(checks + p.encode_end(p.Status.OK, rid, sent, ""))
+                return sent, True
+            if found is not None:
+                found = lend(keys[sent])
+        if checks:
+            await io.send(checks)
+        return sent, False
 
     def _take_ring(self, nbytes: int) -> bytearray:
         while self._free_rings:

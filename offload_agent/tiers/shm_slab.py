@@ -37,8 +37,9 @@ Ownership rules (one file per vLLM worker):
   :meth:`end_write` (key, seq even, table_version + 1).
 - **The agent only reads**, to serve blocks to peers: :meth:`read_consistent` copies a slot
   and returns it only when the row held the expected key with the same even seq before and after
-  the copy (a torn copy is refused, never served). The checksum sent to a peer is computed over that
-  consistent copy.
+  the copy (a torn copy is refused, never served); the checksum sent to a peer is computed over that
+  consistent copy. Or it lends the slot in place: :meth:`stable_seq` before the kernel reads it and
+  :meth:`unchanged` after its checksum is taken bracket the send the same way.
 - After a vLLM restart the connector finds the file again through the agent and rebuilds its
   planner from the stable rows (:meth:`stable_slots`): the CPU tier survives a worker restart.
 
@@ -251,6 +252,22 @@ class ShmSlab:
         """A copy of the whole slot table (``num_slots x 32`` bytes, rows as in the module
         docstring), for a reader that diffs it against its last copy."""
         return bytes(self._mm[self._table_at:self._table_at + self.num_slots * ROW_BYTES])
+
+    def stable_seq(self, slot: int, key: bytes) -> int | None:
+        """The seq of ``slot`` when its row is stable and holds ``key``, else None: the start of a
+        seqlock-checked read that :meth:`unchanged` ends."""
+        row = self._row(slot)
+        seq = _SEQ.unpack_from(self._mm, row + KEY_BYTES)[0]
+        if seq & 1 or self._mm[row:row + KEY_BYTES] != key:
+            return None
+        return seq
+
+    def unchanged(self, slot: int, key: bytes, seq: int) -> bool:
+        """True when ``slot`` still holds ``key`` with seq ``seq`` (from :meth:`stable_seq`): no
+        write began since, so every read of its bytes in between saw the block whole."""
+        row = self._row(slot)
+        return (_SEQ.unpack_from(self._mm, row + KEY_BYTES)[0] == seq
+                and self._mm[row:row + KEY_BYTES] == key)
 
     def read_consistent(self, slot: int, key: bytes, out) -> bool:
         """Copy ``slot`` into ``out`` (``block_bytes``, writable) if it holds ``key`` and was not
