@@ -20,8 +20,15 @@ Per engine step (vLLM calls, in this order: ``start_load_kv``, the forward pass,
 - :meth:`TierWorker.finished_loads`: asynchronous loads whose bytes have arrived are copied into
   their GPU blocks (enqueued; the forward pass that uses them waits on the GPU) and reported.
 
-Hazards the asynchronous copies bring, and the rule for each: a host operation on a slot (spill to
-SSD, promote or put from SSD) first waits for every copy touching that slot; a CPU-tier load from
+SSD writes leave the step too: a spill copies its slot's bytes to host memory (the slot is reused
+at once, often by the same step's save) and a writer thread writes the file; a file's deletion
+goes through the same thread, so a key's operations keep their order. What reads a file waits for
+that key's write in flight: an asynchronous load in its background thread, the in-step paths
+(``load_ssd``, ``promote``) in the step. At most ``MAX_SSD_WRITE_BYTES`` of spilled bytes wait for
+the disk; beyond that a spill waits for the oldest writes (a disk slower than the evictions).
+
+Hazards the asynchronous copies bring, and the rule for each: a host operation on a slot (the copy
+out of a spill, promote or put from SSD) first waits for every copy touching that slot; a CPU-tier load from
 a slot whose save is still in flight is ordered after it by the stream; a staging buffer stays
 referenced until its copy's event completes; blocks of a step in which a load failed are not saved
 (their KV may depend on the failed block).
@@ -33,6 +40,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from pathlib import Path
 
 import torch
@@ -45,6 +53,8 @@ from offload_agent.tiers.shm_slab import ShmSlab
 from offload_agent.tiers.store import TierStore
 
 log = logging.getLogger("vllm.kvroute_tiers.worker")
+MAX_SSD_WRITE_BYTES = 256 << 20  # spilled bytes waiting for the disk before a spill waits
+SSD_FREE_BUFFERS = 64  # spill buffers kept for reuse (fresh ones fault their pages in on the copy)
 
 ShortPull = tuple[str, bytes]
 """A pull that fell short: ``(peer, key of the first block that did not come)``."""
@@ -60,7 +70,7 @@ class _AsyncLoad:
     """One request's asynchronous load: ``ops`` (``load_ssd``/``load_peer``/``fail_block``) read
     in the background into ``staging`` rows, then copied into ``blocks``."""
 
-    __slots__ = ("req_id", "ops", "staging", "rows", "blocks", "failed", "future", "event")
+    __slots__ = ("req_id", "ops", "staging", "rows", "blocks", "failed", "future", "event", "after")
 
     def __init__(self, req_id: str, ops: list) -> None:
         self.req_id = req_id
@@ -71,6 +81,7 @@ class _AsyncLoad:
         self.failed: list[int] = []    # GPU blocks that did not arrive
         self.future: Future | None = None
         self.event = None              # the copy into the GPU blocks (CUDA)
+        self.after: list[Future] = []  # SSD writes of its keys to wait for before reading
 
 
 class TierWorker:
@@ -116,6 +127,12 @@ class TierWorker:
         self._pool: ThreadPoolExecutor | None = None
         self._pull_buf: torch.Tensor | None = None
         self._short_pulls: list[ShortPull] = []
+        # SSD writes and deletions in flight, in order: (future, key, spilled bytes or None)
+        self._ssd_writer: ThreadPoolExecutor | None = None
+        self._ssd_ops: deque[tuple[Future, bytes, bytearray | None]] = deque()
+        self._ssd_free: list[bytearray] = []  # spill buffers whose write is done, to reuse
+        self._ssd_last: dict[bytes, Future] = {}  # key -> its newest SSD operation in flight
+        self._ssd_held_bytes = 0
 
     @property
     def pinned(self) -> bool:
@@ -137,6 +154,41 @@ class TierWorker:
             for slot in slots:
                 if self._slot_event.get(slot) is event:
                     del self._slot_event[slot]
+        while self._ssd_ops and self._ssd_ops[0][0].done():
+            self._reap_ssd_op()
+
+    # ---- SSD writes ------------------------------------------------------------------------------
+    def _reap_ssd_op(self) -> None:
+        """Forget the oldest SSD operation (waiting for it if it is still running)."""
+        fut, key, data = self._ssd_ops.popleft()
+        error = fut.exception()
+        if error is not None:
+            log.warning("kvroute tiers: SSD operation on block %s failed: %r", key.hex(), error)
+            self.store.fail(key, "ssd")
+        if data is not None:
+            self._ssd_held_bytes -= len(data)
+            if len(self._ssd_free) < SSD_FREE_BUFFERS:
+                self._ssd_free.append(data)
+        if self._ssd_last.get(key) is fut:
+            del self._ssd_last[key]
+
+    def _queue_ssd(self, key: bytes, data: bytearray | None, fn, *args) -> None:
+        """Run ``fn(*args)`` (an SSD write or deletion of ``key``) on the writer thread, after the
+        ones queued before it; ``data``: the spilled bytes it holds until done (then reused)."""
+        if self._ssd_writer is None:
+            self._ssd_writer = ThreadPoolExecutor(1, thread_name_prefix="kvroute-ssd-write")
+        fut = self._ssd_writer.submit(fn, *args)
+        self._ssd_ops.append((fut, key, data))
+        self._ssd_last[key] = fut
+        self._ssd_held_bytes += len(data) if data is not None else 0
+        while self._ssd_held_bytes > MAX_SSD_WRITE_BYTES and self._ssd_ops:
+            self._reap_ssd_op()
+
+    def _wait_ssd(self, key: bytes) -> None:
+        """Wait until ``key``'s SSD operations in flight are done (before a read of its file)."""
+        fut = self._ssd_last.get(key)
+        if fut is not None:
+            wait_futures([fut])
 
     def _settle(self, slot: int) -> None:
         """Wait until no copy touches ``slot`` (before the host reads or writes it)."""
@@ -153,9 +205,11 @@ class TierWorker:
         self.poll()
 
     def flush(self) -> None:
-        """Wait for every copy in flight and mark its slots (shutdown, tests)."""
+        """Wait for every copy and SSD write in flight and mark its slots (shutdown, tests)."""
         for event, _ in list(self._saving) + list(self._touching):
             event.synchronize()
+        while self._ssd_ops:
+            self._reap_ssd_op()
         self.poll()
         for job in list(self._copying):
             job.event.synchronize()
@@ -188,6 +242,7 @@ class TierWorker:
                 continue
             flush_loads()
             if kind == "load_ssd":
+                self._wait_ssd(op[1])
                 row = self._sync_staging
                 if self.store.read_ssd(op[1], row[0].numpy()):
                     event = self.copier.load([0], [op[2]], row)
@@ -216,10 +271,13 @@ class TierWorker:
         kind = op[0]
         if kind == "spill":
             self._settle(op[1])
-            self.store.spill(op[1], op[2])
+            data = self.store.spill_bytes(op[1], op[2], self._ssd_free.pop() if self._ssd_free else None)
+            if data is not None:
+                self._queue_ssd(op[2], data, self.store.write_ssd, op[2], data)
         elif kind == "drop_ssd":
-            self.store.drop_ssd(op[1])
+            self._queue_ssd(op[1], None, self.store.drop_ssd, op[1])
         elif kind == "promote":
+            self._wait_ssd(op[1])
             self._settle(op[2])
             self.store.promote(op[1], op[2])
         elif kind == "fail_block":
@@ -292,13 +350,16 @@ class TierWorker:
         """Start reading one request's ``load_ssd``/``load_peer``/``fail_block`` operations in the
         background; :meth:`finished_loads` reports it."""
         job = _AsyncLoad(req_id, ops)
+        job.after = [self._ssd_last[op[1]] for op in ops if op[0] == "load_ssd" and op[1] in self._ssd_last]
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvroute-tier-load")
         job.future = self._pool.submit(self._read_job, job)
         self._loads[req_id] = job
 
     def _read_job(self, job: _AsyncLoad) -> None:
-        """Background thread: read the job's blocks into its staging rows (host memory only)."""
+        """Background thread: read the job's blocks into its staging rows (host memory only),
+        once the SSD writes of its keys that were in flight when it started are done."""
+        wait_futures(job.after)
         n = sum(1 if op[0] == "load_ssd" else len(op[2]) for op in job.ops if op[0] in ("load_ssd", "load_peer"))
         job.staging = torch.empty((max(1, n), self.kv.block_bytes), dtype=torch.uint8, pin_memory=self.cuda)
         ssd = [op for op in job.ops if op[0] == "load_ssd"]
@@ -374,12 +435,14 @@ class TierWorker:
         return done
 
     def close(self) -> None:
-        """Wait for copies and background reads; unregister host memory."""
+        """Wait for copies, background reads and SSD writes; unregister host memory."""
         if self._pool is not None:
             self._pool.shutdown(wait=True)
         if self.cuda:
             torch.cuda.synchronize(self.kv.device)
         self.flush()
+        if self._ssd_writer is not None:
+            self._ssd_writer.shutdown(wait=True)
         if self.registration is not None:
             self.registration.release()
 

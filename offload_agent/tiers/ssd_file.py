@@ -19,7 +19,7 @@ header (magic, version, fingerprint, key, size) and the payload's checksum are t
 readers announce the next files to the kernel first (:func:`prefetch_block_files`), so that the disk
 serves many of them at once.
 
-A file is written to ``.<key hex>.<pid>.tmp`` beside its final name and renamed into place
+A file is written to ``.<key hex>.<pid>.<thread>.tmp`` beside its final name and renamed into place
 (``os.replace``), so a reader never sees a half-written block under a final name. There is no
 fsync: after a power cut a renamed file may hold stale bytes, which the checksum catches (the block
 is then recomputed, never served). Each fingerprint has its own folder with a ``fingerprint.json``
@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -115,7 +116,7 @@ def write_block_file(fp_dir: Path, key: bytes, fingerprint_digest: bytes, payloa
     header = _HEADER.pack(MAGIC, VERSION, algo, fingerprint_digest, key, mv.nbytes, checksum(algo, mv))
     final = block_path(fp_dir, key)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".{final.stem}.{os.getpid()}.tmp"
+    tmp = final.parent / f".{final.stem}.{os.getpid()}.{threading.get_ident()}.tmp"  # one writer per name
     try:
         with open(tmp, "wb") as f:
             f.write(header)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -36,7 +37,7 @@ class TierStore:
     write into a slot comes between :meth:`begin` and :meth:`mark`.
 
     ``failures``: ``(key, tier, slot or None)`` of every failed read or write since the last
-    :meth:`take_failures`. ``io_threads``: parallel file reads in :meth:`read_ssd_many` (the
+    :meth:`take_failures` (recorded from any thread). ``io_threads``: parallel file reads in :meth:`read_ssd_many` (the
     reads and the checksum release the GIL). Raises ValueError when the slab's size does not match.
     """
 
@@ -52,6 +53,7 @@ class TierStore:
         self._fp = fingerprint.digest()
         self._slot_keys: list[bytes | None] = [None] * num_slots
         self.failures: list[tuple[bytes, str, int | None]] = []
+        self._failures_lock = threading.Lock()
         self.fp_dir: Path | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._io_threads = max(1, io_threads)
@@ -88,10 +90,12 @@ class TierStore:
             self._slot_keys[slot] = key
 
     def fail(self, key: bytes, tier: str, slot: int | None = None) -> None:
-        self.failures.append((key, tier, slot))
+        with self._failures_lock:
+            self.failures.append((key, tier, slot))
 
     def take_failures(self) -> list[tuple[bytes, str, int | None]]:
-        out, self.failures = self.failures, []
+        with self._failures_lock:
+            out, self.failures = self.failures, []
         return out
 
     # ---- SSD ---------------------------------------------------------------------------------------
@@ -101,8 +105,29 @@ class TierStore:
         if self.fp_dir is None or not self.holds(slot, key):
             self.fail(key, "ssd")
             return False
+        return self.write_ssd(key, self.slot(slot))
+
+    def spill_bytes(self, slot: int, key: bytes, out: bytearray | None = None) -> bytearray | None:
+        """A copy of ``slot``'s bytes (into ``out``, ``block_bytes``, when given), to be written as
+        ``key``'s file by :meth:`write_ssd` later (the slot may be reused meanwhile); None (and a
+        recorded SSD failure) when the slot does not hold ``key`` or there is no SSD tier."""
+        if self.fp_dir is None or not self.holds(slot, key):
+            self.fail(key, "ssd")
+            return None
+        if out is None:
+            return bytearray(self.slot(slot))
+        out[:] = self.slot(slot)
+        return out
+
+    def write_ssd(self, key: bytes, data) -> bool:
+        """Write ``data`` (``block_bytes``) as ``key``'s file (atomically: readers see the old
+        file, none, or the whole new one); False (and a recorded SSD failure) when there is no SSD
+        tier or the disk refuses. Thread-safe."""
+        if self.fp_dir is None:
+            self.fail(key, "ssd")
+            return False
         try:
-            write_block_file(self.fp_dir, key, self._fp, self.slot(slot))
+            write_block_file(self.fp_dir, key, self._fp, data)
         except OSError as exc:
             log.warning("SSD tier: cannot write block %s: %s", key.hex(), exc)
             self.fail(key, "ssd")

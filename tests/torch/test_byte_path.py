@@ -20,6 +20,7 @@ import gpu_check_connector as gc
 import kv_views
 from offload_agent.connector import host_memory
 from offload_agent.connector.kv_copy import BlockCopier, LayoutError, PagedKV
+from offload_agent.connector import worker_ops
 from offload_agent.connector.worker_ops import TierWorker
 from offload_agent.tiers.planner import TierPlanner
 from offload_agent.tiers.shm_slab import ShmSlab
@@ -551,7 +552,7 @@ def _deferred_worker(views, slots, ssd=None, shm=None):
             return real(*args)
         setattr(store, name, wrapped)
 
-    guard("spill", lambda a: a[0])
+    guard("spill_bytes", lambda a: a[0])
     guard("promote", lambda a: a[1])
     guard("put", lambda a: a[0])
     guard("mark", lambda a: a[0] if a[1] is not None else None)
@@ -590,24 +591,92 @@ def test_resaved_slot_is_marked_with_the_newer_key_only(gen):
     assert violations == []
 
 
-def test_spill_waits_for_the_pending_save(tmp_path, gen):
-    views = gc.build_kv(SHAPE, "LBNHC", torch.bfloat16)
-    w, stream, violations = _deferred_worker(views, slots=1, ssd=tmp_path)
+def _evicting_save(w: TierWorker, views, gen, seed: int):
+    """Blocks 1 and 2 filled, block 1 saved as A into ``w``'s one CPU slot; returns ``(a, b, ka,
+    kb, ops)``: their contents, keys, and the operations saving block 2 as B (A's spill, B's save)."""
     planner = TierPlanner(1, 4)
     a = gc.fill(views, "LBNHC", SHAPE.blocks, [1], gen)
-    gc.fill(views, "LBNHC", SHAPE.blocks, [2], gen)
-    ka = gc.chain_keys(w.store.fingerprint, 1, SHAPE.block_size, 13)
-    kb = gc.chain_keys(w.store.fingerprint, 1, SHAPE.block_size, 14)
+    b = gc.fill(views, "LBNHC", SHAPE.blocks, [2], gen)
+    ka = gc.chain_keys(w.store.fingerprint, 1, SHAPE.block_size, seed)
+    kb = gc.chain_keys(w.store.fingerprint, 1, SHAPE.block_size, seed + 1)
     w.run_saves(gc.plan_saves(planner, ka, [1]))
     ops = gc.plan_saves(planner, kb, [2])
     assert [op[0] for op in ops] == ["spill", "save"]
+    return a, b, ka, kb, ops
+
+
+def test_spill_waits_for_the_pending_save(tmp_path, gen):
+    views = gc.build_kv(SHAPE, "LBNHC", torch.bfloat16)
+    w, stream, violations = _deferred_worker(views, slots=1, ssd=tmp_path)
+    a, _, ka, kb, ops = _evicting_save(w, views, gen, 13)
     w.run_saves(ops)
     assert violations == []
+    w.flush()                                       # the file is written off the step
     out = bytearray(w.kv.block_bytes)
     read_block_file(w.store.fp_dir, ka[0], w.store.fingerprint.digest(), out)
     assert bytes(out) == gc.reference_rows(a)[0].numpy().tobytes()
-    w.flush()
     assert w.store.holds(0, kb[0])
+
+
+def _gated_ssd_writes(w: TierWorker) -> threading.Event:
+    """Hold every SSD write and deletion of ``w``'s writer thread until the returned event is set."""
+    gate = threading.Event()
+    store = w.store
+    for name in ("write_ssd", "drop_ssd"):
+        real = getattr(store, name)
+        setattr(store, name, lambda *a, real=real: (gate.wait(30), real(*a))[1])
+    return gate
+
+
+def test_a_spill_leaves_the_step_and_a_load_of_its_block_waits_for_the_file(tmp_path, gen):
+    """The disk holds the spill's write: the step still returns with the slot already reused by
+    the save after it, and an asynchronous load of the spilled block, started meanwhile, reads the
+    file once it is written: the right bytes."""
+    views = gc.build_kv(SHAPE, "LBNHC", torch.bfloat16)
+    w = _worker(views, torch.bfloat16, slots=1, ssd=tmp_path)
+    a, b, ka, kb, ops = _evicting_save(w, views, gen, 21)
+    gate = _gated_ssd_writes(w)
+    w.run_saves(ops)                                 # returns with the write held
+    assert not block_path(w.store.fp_dir, ka[0]).exists()
+    assert w.store.holds(0, kb[0]) and torch.equal(w.slab[0], gc.reference_rows(b)[0])
+    gc.zero_blocks(views, "LBNHC", SHAPE.blocks, [30])
+    w.start_async("r1", [("load_ssd", ka[0], 30)])
+    assert w.finished_loads() == set()               # its read waits for the write
+    gate.set()
+    _, invalid = _wait_finished(w, "r1")
+    w.flush()
+    assert invalid == set() and w.take_failures() == []
+    assert torch.equal(gc.read_blocks(views, "LBNHC", SHAPE.blocks, [30]), a)
+    w.close()
+
+
+def test_a_deletion_after_a_spill_of_the_same_block_runs_after_its_write(tmp_path, gen):
+    views = gc.build_kv(SHAPE, "LBNHC", torch.bfloat16)
+    w = _worker(views, torch.bfloat16, slots=1, ssd=tmp_path)
+    planner = TierPlanner(1, 4)
+    gc.fill(views, "LBNHC", SHAPE.blocks, [1], gen)
+    ka = gc.chain_keys(w.store.fingerprint, 1, SHAPE.block_size, 23)
+    w.run_saves(gc.plan_saves(planner, ka, [1]))
+    gate = _gated_ssd_writes(w)
+    w.run_saves([("spill", 0, ka[0]), ("drop_ssd", ka[0])])
+    gate.set()
+    w.flush()
+    assert not block_path(w.store.fp_dir, ka[0]).exists()   # deleted after it was written, not before
+    assert w.take_failures() == []
+    w.close()
+
+
+def test_spilled_bytes_waiting_for_the_disk_are_bounded(tmp_path, gen, monkeypatch):
+    """Beyond ``MAX_SSD_WRITE_BYTES`` held, a spill waits for the oldest writes."""
+    monkeypatch.setattr(worker_ops, "MAX_SSD_WRITE_BYTES", 0)
+    views = gc.build_kv(SHAPE, "LBNHC", torch.bfloat16)
+    w = _worker(views, torch.bfloat16, slots=1, ssd=tmp_path)
+    a, _, ka, _, ops = _evicting_save(w, views, gen, 24)
+    w.run_saves(ops)
+    out = bytearray(w.kv.block_bytes)                # written within the step, no flush
+    read_block_file(w.store.fp_dir, ka[0], w.store.fingerprint.digest(), out)
+    assert bytes(out) == gc.reference_rows(a)[0].numpy().tobytes()
+    w.close()
 
 
 def test_promote_and_loads_wait_for_pending_copies(tmp_path, gen):
