@@ -196,7 +196,8 @@ def test_frame_layouts_match_the_documented_bytes():
     lent_req = p.encode_request(7, FPD, 4096, keys, p.REQUEST_LENT_OK)
     assert struct.unpack_from("<II", lent_req, 8) == (7, 1) and p.decode_request(lent_req[8:]).flags == 1
     checks = p.encode_checks(7, 2, [5, 1 << 63])
-    assert checks[:8] == bytes([9, 0, 0, 0, 32, 0, 0, 0]) and struct.unpack_from("<IIIIQQ", checks, 8) == (7, 2, 2, 0, 5, 1 << 63)
+    assert checks[:8] == bytes([9, 0, 0, 0, 32, 0, 0, 0])
+    assert struct.unpack_from("<IIIIQQ", checks, 8) == (7, 2, 2, 0, 5, 1 << 63)
     assert p.decode_checks(checks[8:]) == (7, 2, (5, 1 << 63))
     lent_prefix = bytearray(56)
     p.pack_block_prefix_into(lent_prefix, 0, 7, 2, FPD, keys[0], 0, 100, p.FrameType.LENT_BLOCK)

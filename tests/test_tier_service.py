@@ -241,6 +241,62 @@ def test_the_served_map_follows_slot_rewrites(tmp_path: Path) -> None:
     owner.close()
 
 
+def test_blocks_rewritten_while_lent_are_never_handed_on_torn(tmp_path: Path) -> None:
+    """A writer thread rewrites the CPU tier's slots (same keys; each write fills a whole block with
+    one byte value) while a real peer server lends them to a real client: every block handed on is
+    one whole write, never a mix of two, and no pull fails its checksum (a slot that changed while
+    sent is reported torn and asked for again; one that keeps changing ends the pull short)."""
+    from offload_agent.peer.client import PeerClient
+    from offload_agent.tier_service import SlabSource
+
+    block_bytes, n = 256 << 10, 8
+    owner = ShmSlab.create(tmp_path / "t.shm", FP.digest(), block_bytes, n)
+    writer = ShmSlab.attach(tmp_path / "t.shm")
+    keys = [bytes([i + 1]) * 16 for i in range(n)]
+    fills = [bytes([v]) * block_bytes for v in range(1, 5)]
+
+    def put(slot: int, version: int) -> None:
+        writer.begin_write(slot)
+        writer.slot_view(slot)[:] = fills[version % len(fills)]
+        writer.end_write(slot, keys[slot])
+
+    for slot in range(n):
+        put(slot, 0)
+    stop = threading.Event()
+    rewrites = itertools.count()
+
+    def rewrite() -> None:
+        while not stop.is_set():
+            i = next(rewrites)
+            put(i % n, i)
+
+    async def body() -> None:
+        server, client = PeerServer(SlabSource(owner, None)), PeerClient()
+        host, port = await server.start()
+        handed: list[bool] = []  # per block handed on: whether it is one whole write
+        kinds: list[str | None] = []
+        thread = threading.Thread(target=rewrite, daemon=True)
+        thread.start()
+        try:
+            for _ in range(20):
+                res = await client.pull(f"{host}:{port}", FP.digest(), block_bytes, keys, 10.0,
+                                        lambda i, data: handed.append(bytes(data).count(data[0]) == block_bytes),
+                                        into=bytearray(n * block_bytes))
+                kinds.append(res.kind)
+        finally:
+            stop.set()
+            thread.join(10)
+            await client.close()
+            await server.close()
+        assert handed and all(handed)                                       # one byte value per block
+        assert "checksum" not in kinds and set(kinds) <= {None, "source", "miss"}, kinds
+        assert server.stats()["blocks_served"] > 0 and next(rewrites) > 0
+
+    asyncio.run(body())
+    writer.close()
+    owner.close()
+
+
 # ---- one CPU tier file per KV shard (tensor and pipeline parallel) ---------------------------------
 ENGINE = hashlib.blake2b(b"engine", digest_size=16).digest()
 

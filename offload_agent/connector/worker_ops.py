@@ -28,10 +28,10 @@ that key's write in flight: an asynchronous load in its background thread, the i
 the disk; beyond that a spill waits for the oldest writes (a disk slower than the evictions).
 
 Hazards the asynchronous copies bring, and the rule for each: a host operation on a slot (the copy
-out of a spill, promote or put from SSD) first waits for every copy touching that slot; a CPU-tier load from
-a slot whose save is still in flight is ordered after it by the stream; a staging buffer stays
-referenced until its copy's event completes; blocks of a step in which a load failed are not saved
-(their KV may depend on the failed block).
+out of a spill, promote or put from SSD) first waits for every copy touching that slot; a CPU-tier
+load from a slot whose save is still in flight is ordered after it by the stream; a staging buffer
+stays referenced until its copy's event completes; blocks of a step in which a load failed are not
+saved (their KV may depend on the failed block).
 """
 from __future__ import annotations
 

@@ -332,7 +332,8 @@ def encode_auth_reply(status: Status, proof: bytes = b"") -> bytes:
 
 def encode_request(request_id: int, fingerprint: bytes, block_bytes: int, keys: Sequence[bytes],
                    flags: int = 0) -> bytes:
-    """A whole REQUEST frame (``flags``: :data:`REQUEST_LENT_OK` or 0). ValueError for a fingerprint or key that is not 16 bytes, block
+    """A whole REQUEST frame (``flags``: :data:`REQUEST_LENT_OK` or 0). ValueError for a
+    fingerprint or key that is not 16 bytes, block
     bytes outside 1..MAX_BLOCK_BYTES, or more than MAX_KEYS_LIMIT keys."""
     _check_len("fingerprint digest", fingerprint, DIGEST_BYTES)
     if not 1 <= block_bytes <= MAX_BLOCK_BYTES:

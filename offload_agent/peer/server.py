@@ -242,7 +242,8 @@ class _Producer:
                     fut = self.loop.create_future()
                     self._waiter = fut
             if avail:
-                parts = [self.view[j * fb:(j + 1) * fb] for j in (k % slots for k in range(self.sent, self.sent + avail))]
+                ready = (k % slots for k in range(self.sent, self.sent + avail))
+                parts = [self.view[j * fb:(j + 1) * fb] for j in ready]
                 io.deadline = self.loop.time() + io_timeout_s
                 await io.send_parts(parts)
                 with self.cond:

@@ -37,8 +37,9 @@ class TierStore:
     write into a slot comes between :meth:`begin` and :meth:`mark`.
 
     ``failures``: ``(key, tier, slot or None)`` of every failed read or write since the last
-    :meth:`take_failures` (recorded from any thread). ``io_threads``: parallel file reads in :meth:`read_ssd_many` (the
-    reads and the checksum release the GIL). Raises ValueError when the slab's size does not match.
+    :meth:`take_failures` (recorded from any thread). ``io_threads``: parallel file reads in
+    :meth:`read_ssd_many` (the reads and the checksum release the GIL). Raises ValueError when the
+    slab's size does not match.
     """
 
     def __init__(self, slab, num_slots: int, block_bytes: int, fingerprint: TierFingerprint,
