@@ -93,7 +93,11 @@ class Forwarder:
             except OSError:
                 continue
             self.connections += 1
-            server = socket.create_connection(("127.0.0.1", self.target_port), timeout=30)
+            try:
+                server = socket.create_connection(("127.0.0.1", self.target_port), timeout=30)
+            except OSError:  # the peer server is gone (a test killed it): the client sees a close
+                client.close()
+                continue
             pos = [0]  # bytes of the current answer forwarded so far
             threading.Thread(target=self._pump, args=(client, server, pos, False), daemon=True).start()
             threading.Thread(target=self._pump, args=(server, client, pos, True), daemon=True).start()
