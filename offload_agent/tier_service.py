@@ -96,7 +96,9 @@ class SlabSource:
         self._seen_version = -1
         self._lock = threading.Lock()
 
-    def _rescan(self) -> None:
+    def refresh(self) -> None:
+        """Bring the key -> slot map up to date with the slot table (cost: the rows written since
+        the last look)."""
         with self._lock:
             version = self.shm.table_version()
             if version == self._seen_version:
@@ -115,11 +117,6 @@ class SlabSource:
                     self._slot_keys[slot] = key
             self._seqs = seqs
             self._seen_version = version
-
-    def refresh(self) -> None:
-        """Bring the key -> slot map up to date with the slot table (cost: the rows written since
-        the last look)."""
-        self._rescan()
 
     def lend_block(self, key: bytes) -> tuple[memoryview, Callable[[], bool]] | None:
         """``key``'s block in its CPU tier slot, in place, and a check that is True while the slot
@@ -142,7 +139,7 @@ class SlabSource:
             if slot is not None and self.shm.read_consistent(slot, key, out):
                 return True
             if attempt == 0:
-                self._rescan()
+                self.refresh()
         if self._ssd_fp_dir is None:
             return False
         try:

@@ -140,7 +140,7 @@ def test_store_over_shm_writes_rows_and_the_planner_rebuilds_from_them(shm_path:
     store = TierStore(None, 4, 256, FP, tmp_path / "ssd", shm=conn)
     store.put(3, key(9), b"z" * 256)
     assert store.holds(3, key(9)) and owner.key_of(3) == key(9)
-    assert store.spill(3, key(9))                              # slot -> SSD file still works
+    assert store.write_ssd(key(9), store.spill_bytes(3, key(9)))  # slot -> SSD file still works
     store.begin(3)
     assert not store.holds(3, key(9)) and owner.key_of(3) is None
     store.mark(3, key(9))

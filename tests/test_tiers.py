@@ -332,8 +332,8 @@ def test_store_spill_promote_and_corruption_never_served(tmp_path):
     k0, k1 = keys_of(range(8))
     st.slot(0)[:] = payload(5)
     st.mark(0, k0)
-    assert st.spill(0, k0)
-    assert not st.spill(1, k1)                   # slot 1 does not hold k1
+    assert st.write_ssd(k0, st.spill_bytes(0, k0))
+    assert st.spill_bytes(1, k1) is None         # slot 1 does not hold k1
     assert st.take_failures() == [(k1, "ssd", None)]
     assert st.promote(k0, 1) and bytes(st.slot(1)) == payload(5) and st.holds(1, k0)
     path = block_path(tmp_path / FP.dir_name(), k0)

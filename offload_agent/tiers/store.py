@@ -100,14 +100,6 @@ class TierStore:
         return out
 
     # ---- SSD ---------------------------------------------------------------------------------------
-    def spill(self, slot: int, key: bytes) -> bool:
-        """Write ``slot`` to ``key``'s file; False (and a recorded SSD failure) when the slot does
-        not hold ``key``, there is no SSD tier or the disk refuses."""
-        if self.fp_dir is None or not self.holds(slot, key):
-            self.fail(key, "ssd")
-            return False
-        return self.write_ssd(key, self.slot(slot))
-
     def spill_bytes(self, slot: int, key: bytes, out: bytearray | None = None) -> bytearray | None:
         """A copy of ``slot``'s bytes (into ``out``, ``block_bytes``, when given), to be written as
         ``key``'s file by :meth:`write_ssd` later (the slot may be reused meanwhile); None (and a
