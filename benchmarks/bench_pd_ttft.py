@@ -20,7 +20,9 @@ accident): ``pd`` as above, and ``whole``, a prompt sent straight to the decode 
 computed there (the unified worker's recompute). TTFT = seconds to the first SSE chunk of a
 streaming completion (max_tokens 2, temperature 0), read to its end before the next request; a
 pause of ``--settle-s`` between requests lets the previous one's after-work finish. The script
-prints each case's median and the ratio pd / whole per set-up and round.
+prints each case's median and the ratio pd / whole per set-up and round, and for each ``pd``
+request where the decode worker's prompt tokens came from (``vllm:prompt_tokens_by_source_total``
+deltas: ``external_kv_transfer`` when the KV was loaded, ``local_compute`` when computed).
 """
 from __future__ import annotations
 
@@ -105,6 +107,29 @@ def ttft_s(url: str, body: dict, headers: dict | None = None) -> tuple[float, di
     return first, dict(r.headers)
 
 
+def sources(url: str) -> dict[str, float]:
+    """The worker's ``vllm:prompt_tokens_by_source_total`` by source (local_compute,
+    local_cache_hit, external_kv_transfer, ...): where its prompt tokens came from, summed."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name == "vllm:prompt_tokens_by_source_total":
+                source = sample.labels.get("source", "")
+                out[source] = out.get(source, 0.0) + sample.value
+    return out
+
+
+def loaded(url: str, send):
+    """``send()``'s result and what the worker at ``url`` says of its prompt tokens meanwhile
+    (``{source: tokens}``): proof that a decode leg loaded the KV rather than computing it."""
+    before = sources(url)
+    out = send()
+    after = sources(url)
+    return out, {k: int(after[k] - before.get(k, 0.0)) for k in after if after[k] != before.get(k, 0.0)}
+
+
 def body_of(tokens: list[int]) -> dict:
     return {"model": "small", "prompt": tokens, "max_tokens": 2, "temperature": 0}
 
@@ -125,7 +150,8 @@ def run_kvroute(args, model: Path, logs: Path) -> list[dict]:
         d_url = next(w["url"] for w in workers if w["id"] == "d0")
 
         def pd(tokens):
-            t, h = ttft_s(gw, body_of(tokens))
+            (t, h), where = loaded(d_url, lambda: ttft_s(gw, body_of(tokens)))
+            print(f"    kvroute decode leg: prompt tokens by source {where}", flush=True)
             if (h.get("x-kvroute-prefill-worker"), h.get("x-kvroute-worker")) != ("p0", "d0"):
                 raise RuntimeError(f"not split: {h.get('x-kvroute-prefill-worker')} -> {h.get('x-kvroute-worker')}")
             return t
@@ -160,7 +186,8 @@ def run_nixl(args, model: Path, logs: Path) -> list[dict]:
             if not isinstance(params, dict):
                 raise RuntimeError(f"the prefill leg answered no kv_transfer_params: {str(pre)[:300]}")
             prefill_s = time.perf_counter() - t0
-            t, _ = ttft_s(urls["d"], {**body_of(tokens), "kv_transfer_params": params})
+            (t, _), where = loaded(urls["d"], lambda: ttft_s(urls["d"], {**body_of(tokens), "kv_transfer_params": params}))
+            print(f"    nixl decode leg: prompt tokens by source {where}", flush=True)
             return prefill_s + t
         return rounds(args, pd, lambda tokens: ttft_s(urls["d"], body_of(tokens))[0])
     finally:

@@ -46,7 +46,10 @@ a model with no routable worker fail with 503.
 The prefill leg of a split request (:mod:`router.pd`) waits here as a whole request does, by the
 same rules, limited to its prefill pool (``pool``: the prefill plan's workers) and re-chosen by
 the prefill leg's policy (:func:`router.pd.prefill_policy`); its decode leg then goes to the
-decode worker without waiting (the decode worker computes no prompt).
+decode worker without waiting (the decode worker computes no prompt). A request the decode pool
+serves whole (P/D outcome ``whole``, or a failed prefill leg's fallback) computes its prompt there,
+so it waits as a whole request does, limited to the decode pool and re-chosen by the decode leg's
+cost (:class:`router.pd.DecodePolicy`).
 
 Pure asyncio in one event loop; no I/O.
 """

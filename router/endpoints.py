@@ -17,8 +17,8 @@ import orjson
 
 from router.client_auth import ClientAuth
 from router.decision_log import DecisionEntry, DecisionLog
-from router.errors import GatewayError, bad_request, body_too_large, error_body, upstream_failed
-from router.pd import decode_body, prefill_policy
+from router.errors import GatewayError, bad_request, body_too_large, upstream_failed
+from router.pd import DECODE_POLICY, decode_body, prefill_policy
 from router.pd_relay import PrefillResult, prefill_leg
 from router.proxy import ClientState, upstream_headers
 from router.registry import InFlight
@@ -194,6 +194,8 @@ class ProxyEndpoint:
             reservation = None
             if plan.pd.split:  # the prefill leg waits for its pool as a whole request would
                 reservation = await self._prefill_turn(plan)
+            if not plan.pd.split:  # served whole by a decode-pool worker, which computes the prompt
+                plan, reservation = await self._decode_turn(plan)
         else:
             plan, reservation = await gw.dispatch_queue.take_turn(plan)
         if plan.pd is not None and not plan.pd.split:
@@ -227,12 +229,24 @@ class ProxyEndpoint:
         legs.prefill = prefill
         return reservation
 
+    async def _decode_turn(self, plan: RoutePlan) -> tuple[RoutePlan, Reservation | None]:
+        """A request the decode pool serves whole (P/D outcome ``whole``, or its prefill leg
+        failed) through the dispatch queue, as any whole request: it waits until a decode-pool
+        worker is open and is re-chosen there by the decode leg's cost
+        (:class:`router.pd.DecodePolicy`). Returns the plan to send it by and the reservation (None
+        with the queue off). Raises GatewayError 503 when the decode pool has no routable worker."""
+        legs = plan.pd
+        plan, reservation = await self.gw.dispatch_queue.take_turn(plan, frozenset(plan.workers), DECODE_POLICY)
+        legs.dispatched_to(plan.decision.worker_id)
+        return plan, reservation
+
     async def _relay(self, send, state: ClientState, scope, raw: bytes, body: dict[str, Any],
                      headers: list[tuple[bytes, bytes]], request_id: str, t0: float, plan: RoutePlan | None,
                      ranked: list[WorkerRegistration], strip: bool, reservation: Reservation | None,
                      logged: DecisionEntry | None = None) -> None:
         gw = self.gw
         split = plan is not None and plan.pd is not None and plan.pd.split
+        fallback = False
         t0_sent = t0
         response_headers = None
         if split:  # the prefill leg first (router.pd_relay); then the decode leg below
@@ -256,10 +270,11 @@ class ProxyEndpoint:
             gw.metrics.pd_requests.labels(plan.model.name, outcome).inc()
             if result.answered:
                 return
-            t0_sent = t0 + leg_s  # the decision log's gateway_ms leaves the prefill leg out
             if split:
                 raw = decode_body(raw, result.params)
                 response_headers = [(b"x-kvroute-prefill-worker", plan.pd.prefill_worker.encode("latin-1"))]
+            fallback = not split  # the decode pool computes the prompt: a turn as a whole request
+            t0_sent = t0 + leg_s  # the decision log's gateway_ms leaves the prefill leg out
 
         async def on_attempt(reg: WorkerRegistration) -> None:
             DecisionLog.sent(logged, reg.id, t0_sent)
@@ -268,6 +283,9 @@ class ProxyEndpoint:
                 reservation.release()
 
         try:
+            if fallback:
+                plan, reservation = await self._decode_turn(plan)
+                ranked = plan.ranked()
             # split: the decode worker received the prompt's KV and computed none of it; it reports
             # the transferred tokens as cached and its first token comes after the transfer, so
             # its answer teaches neither its evidence trust nor its prefill rate, and its cached
@@ -313,6 +331,9 @@ class ProxyEndpoint:
                 err = GatewayError(500, f"internal gateway error: {exc}", "internal_error")
             gw.metrics.requests.labels(ranked[0].id, str(err.status)).inc()
             await send_json(send, err.status, err.body(), request_id, ranked[0].id)
+        finally:
+            if reservation is not None:  # a fallback's turn that no attempt began
+                reservation.release()
 
 
 def record_first_token(gw: Gateway, plan: RoutePlan, handle: InFlight, logged: DecisionEntry | None = None) -> None:

@@ -108,6 +108,11 @@ class PDLegs:
     def prefill_worker(self) -> str | None:
         return self.prefill.decision.worker_id if self.prefill is not None else None
 
+    def dispatched_to(self, worker_id: str) -> None:
+        """The dispatch queue re-chose ``worker_id`` (a decode-pool candidate) for a request the
+        decode pool serves whole: its figures go first, so :attr:`decode_worker` names it."""
+        self.decode.sort(key=lambda d: d.worker_id != worker_id)
+
     @property
     def uncached_tokens(self) -> int | None:
         """The decode worker's uncached prompt tokens (None: unknown or not pooled)."""
@@ -168,6 +173,20 @@ def choose_decode(request: RouteRequest, candidates: list[Candidate]) -> tuple[D
         reason = "load"
     ranked = chosen_first(scored, best, lambda d: (d.cost, -d.held_tokens, d.worker_id))
     return Decision(best.worker_id, reason, [d.score for d in ranked]), ranked
+
+
+class DecodePolicy(Policy):
+    """The decode leg's choice as a :class:`Policy` (step 1), for the dispatch queue to re-choose
+    a whole request's decode worker among the decode pool's open workers."""
+
+    name = "pd_decode"
+    uses_index = True
+
+    def choose(self, request: RouteRequest, candidates: list[Candidate]) -> Decision:
+        return choose_decode(request, candidates)[0]
+
+
+DECODE_POLICY = DecodePolicy()
 
 
 def split_or_whole(decode: DecodeScore, min_prefill_tokens: int) -> tuple[Outcome, str]:

@@ -109,7 +109,7 @@ class SimServer:
         self.pool = BlockPool(cfg.num_gpu_blocks, cfg.block_size, enable_events=cfg.kv_events.active)
         self.publisher = None
         self.engine = Engine(self.pool, cfg.timing, cfg.max_num_seqs, cfg.seed, publish=self._publish,
-                             max_num_batched_tokens=cfg.max_num_batched_tokens)
+                             max_num_batched_tokens=cfg.max_num_batched_tokens, kv_load=cfg.kv_load)
         self.registry = make_registry(self)
         self.created = int(time.time())  # one value per process, so identical requests give identical bytes
         self.engine_id = f"kvroute-sim-{cfg.port}-{cfg.seed}-{self.created}"

@@ -62,6 +62,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-link-gbps", type=float, default=None, metavar="GBPS",
                    help=f"P/D: the link a decode worker loads remote KV over, Gb/s; one load at a time "
                         f"(default {DEFAULT_KV_LINK_GBPS:g})")
+    p.add_argument("--kv-load", choices=("prompt", "full-blocks"), default="prompt",
+                   help="P/D: what a decode worker loads instead of computing: 'prompt' (vLLM's NixlConnector and "
+                        "MooncakeConnector: every prompt token but the last, which it computes) or 'full-blocks' "
+                        "(kvroute's tiers connector: full blocks only, the partial last block computed) "
+                        "(default prompt)")
     p.add_argument("--speedup", type=float, default=1.0, help="divide all simulated times by this (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the engine hashes and output text (default 0)")
     p.set_defaults(func=_run)

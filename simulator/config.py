@@ -33,6 +33,7 @@ class SimConfig:
     kv_events: KVEventsConfig = field(default_factory=KVEventsConfig)
     enable_prompt_tokens_details: bool = False
     timing: TimingModel = field(default_factory=TimingModel)
+    kv_load: str = "prompt"  # P/D: what a decode leg loads (simulator.engine.KV_LOAD_MODES)
     seed: int = 0
     recorded_requests: int = RECORDED_REQUESTS
 

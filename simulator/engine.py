@@ -25,11 +25,20 @@ P/D disaggregation (vLLM's protocol, ``kv_transfer_params``):
   blocks are freed as usual and stay cached (vLLM's prefill side holds them until the decode side
   has read them; the simulated decode side reads nothing, so nothing is held).
 - ``remote_prefill`` (a decode worker's leg): admitted like any request, but the prompt's uncached
-  full blocks (at most ``(len - 1) // block_size``, so a token is left to compute) are loaded over
-  the worker's link instead of computed: the request waits in ``receiving``, outside the steps, for
-  :meth:`TimingModel.transfer_s` of those tokens (transfers queue on the one link), then joins the
-  running requests with the loaded blocks cached (``BlockStored``) and computes only the rest.
-  ``num_cached_tokens`` counts local hits plus loaded tokens, as vLLM's does.
+  tokens are loaded over the worker's link instead of computed. ``kv_load`` says which: ``"prompt"``
+  (vLLM's own connectors, NixlConnector and MooncakeConnector: every prompt token but the last,
+  the partial block included; ``nixl/base_scheduler.py``'s ``_get_remote_prefill_token_count``
+  and the scheduler's ``_update_waiting_for_remote_kv``) or ``"full_blocks"`` (kvroute's tiers
+  connector, whose agents hold only full blocks: at most ``(len - 1) // block_size`` blocks). The
+  request waits in ``receiving``, outside the steps, for :meth:`TimingModel.transfer_s` of those
+  tokens (transfers queue on the one link), then joins the running requests with the loaded full
+  blocks cached (``BlockStored``) and computes only the rest. ``num_cached_tokens`` counts local
+  hits plus loaded tokens, as vLLM's does.
+
+A request scheduled for exactly one new token is decode-shaped work whatever its phase (the last
+prompt token after a full load, a prompt one token past its cached blocks): vLLM V1 batches
+it in the same forward pass as the decodes, so the step prices it as one more decoding sequence,
+not as a prefill with its fixed cost.
 """
 from __future__ import annotations
 
@@ -44,6 +53,7 @@ from simulator.block_pool import Block, BlockPool, engine_block_hashes
 from simulator.timing import TimingModel
 
 MAX_LAG_S = 0.05  # a late engine catches up on at most this much lost time
+KV_LOAD_MODES = ("prompt", "full_blocks")
 
 
 @dataclass(eq=False)
@@ -62,7 +72,7 @@ class SimRequest:
     finish_reason: str
     extra_keys: list[Any] | None = None
     report_full: bool = False
-    remote_prefill: bool = False  # load the uncached full prompt blocks instead of computing them
+    remote_prefill: bool = False  # load the uncached prompt KV (Engine.kv_load says which) instead of computing it
     remote_decode: bool = False  # a prefill leg: keep the prompt's block ids at the end
     index: int = 0
     sink: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -127,10 +137,15 @@ class Engine:
     ``publish(events)``: called with each step's KV events (skipped when a step has none).
     ``max_num_batched_tokens``: the token budget of one step (None: unlimited).
     ``clock``: the time source of KV loads (seconds); :meth:`run` sets it to its event loop's clock.
+    ``kv_load``: what a ``remote_prefill`` request loads, one of :data:`KV_LOAD_MODES` (module doc).
     """
 
     def __init__(self, pool: BlockPool, timing: TimingModel, max_num_seqs: int, seed: int,
-                 publish: Callable[[list], Any] | None = None, max_num_batched_tokens: int | None = None) -> None:
+                 publish: Callable[[list], Any] | None = None, max_num_batched_tokens: int | None = None,
+                 kv_load: str = "prompt") -> None:
+        if kv_load not in KV_LOAD_MODES:
+            raise ValueError(f"kv_load must be one of {', '.join(KV_LOAD_MODES)}, not {kv_load!r}")
+        self.kv_load = kv_load
         self.pool = pool
         self.max_num_batched_tokens = max_num_batched_tokens
         self.timing = timing
@@ -215,10 +230,10 @@ class Engine:
     def schedule(self) -> "Step":
         """Start a step: pick the requests, take their blocks, cache newly full blocks."""
         self._take_received(self.clock())
-        scheduled, prefill_tokens, num_prefills, attention = self._schedule()
-        num_decodes = sum(1 for r in scheduled if r.num_computed_tokens > r.prefill_target)
+        scheduled, prefill_tokens, num_prefills, attention, one_token = self._schedule()
+        num_decodes = sum(1 for r in scheduled if r.num_computed_tokens > r.prefill_target) + one_token
         return Step(scheduled, self.timing.step_s(prefill_tokens, num_prefills, num_decodes, attention),
-                    worked=bool(scheduled) or num_prefills > 0)
+                    worked=bool(scheduled) or num_prefills > 0 or one_token > 0)
 
     def complete(self, step: "Step") -> None:
         """End a step: publish its KV events as one batch, hand out one token per request."""
@@ -228,15 +243,27 @@ class Engine:
             self.publish(events)
         self._advance(step.scheduled)
 
-    def _schedule(self) -> tuple[list[SimRequest], int, int, int]:
-        """Pick this step's requests; returns (scheduled, uncached prefill tokens, prefills, and
-        the prefills' attention work: sum over them of uncached x prompt tokens)."""
+    def _schedule(self) -> tuple[list[SimRequest], int, int, int, int]:
+        """Pick this step's requests; returns (scheduled, uncached prefill tokens, prefills, the
+        prefills' attention work: sum over them of uncached x prompt tokens, and the prompt chunks
+        of exactly one token, which are priced as decodes and left out of the prefill terms)."""
         scheduled: list[SimRequest] = []
         bs = self.pool.block_size
         budget = self.max_num_batched_tokens or (1 << 62)
         prefill_tokens = 0
         num_prefills = 0
         attention = 0
+        one_token = 0
+
+        def add_chunk(req: SimRequest, chunk: int) -> None:
+            nonlocal prefill_tokens, attention, num_prefills, one_token
+            if chunk == 1:
+                one_token += 1
+                return
+            prefill_tokens += chunk
+            attention += chunk * req.num_computed_tokens
+            num_prefills += 1
+
         for req in list(self.running):
             if req not in self.running:  # preempted by an earlier request this step
                 continue
@@ -247,9 +274,7 @@ class Engine:
                 budget -= chunk
                 req.num_computed_tokens += chunk
                 self._cache_blocks(req)
-                prefill_tokens += chunk
-                attention += chunk * req.num_computed_tokens
-                num_prefills += 1
+                add_chunk(req, chunk)
                 if req.num_computed_tokens == req.prefill_target:
                     scheduled.append(req)
                 continue
@@ -296,20 +321,19 @@ class Engine:
             req.prefill_target = len(tokens)
             req.num_computed_tokens = hit_tokens + chunk
             self._cache_blocks(req)
-            prefill_tokens += chunk
-            attention += chunk * req.num_computed_tokens
-            num_prefills += 1
+            add_chunk(req, chunk)
             self.running.append(req)
             if req.num_computed_tokens == req.prefill_target:
                 scheduled.append(req)
-        return scheduled, prefill_tokens, num_prefills, attention
+        return scheduled, prefill_tokens, num_prefills, attention, one_token
 
     def _start_load(self, req: SimRequest, hit_tokens: int) -> bool:
-        """Queue the link transfer of ``req``'s uncached full prompt blocks (its blocks are taken);
-        False when there is nothing to load (the request is then computed as any other)."""
+        """Queue the link transfer of ``req``'s uncached prompt tokens (per ``kv_load``; its blocks
+        are taken); False when there is nothing to load (it is then computed as any other)."""
         bs = self.pool.block_size
         n = len(req.prompt_token_ids)
-        tokens = max(0, (n - 1) // bs * bs - hit_tokens)
+        loadable = n - 1 if self.kv_load == "prompt" else (n - 1) // bs * bs
+        tokens = max(0, loadable - hit_tokens)
         self.stats.external_queries_tokens += n - hit_tokens
         if tokens == 0:
             return False

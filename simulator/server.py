@@ -44,6 +44,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         kv_events=KVEventsConfig.from_json(args.kv_events_config),
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         timing=timing_from_args(args),
+        kv_load=args.kv_load.replace("-", "_"),
         seed=args.seed)
 
 

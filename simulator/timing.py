@@ -7,7 +7,9 @@ like vLLM's continuous batching with chunked prefill:
                + prefill_ms_per_token_sq * sum(uncached x prompt tokens)]            (if any prefill)
             + [decode_ms_per_token + decode_ms_per_seq * (decodes in the step - 1)]   (if any decode)
 
-and the wall time is ``step_ms / speedup / 1000``. The ``_sq`` term is attention: each new token
+and the wall time is ``step_ms / speedup / 1000``. A request scheduled for exactly one new token
+counts as a decode whatever its phase (:mod:`simulator.engine`): the prefill fit's fixed cost is
+what a forward pass of many new tokens adds, not what one more token in the batch costs. The ``_sq`` term is attention: each new token
 attends to the whole prompt so far, so a prefill costs more than linearly in its length and a
 cached prefix still costs its share (0 by default). Defaults are roughly an 8B model on one H100;
 :data:`PRESETS` holds named sets (``kvroute sim --timing-preset``), each with its source.

@@ -108,7 +108,8 @@ class StandIn:
     """One vLLM stand-in: ``seen``: (path, headers, body) of each completion request; ``mode``
     for prefill legs: ok | 500 | no_params | 400 | hang | gate (answers as ok once ``gate`` is
     set); ``answered``: params answered, by x-request-id; ``cancelled``: x-request-ids whose
-    handler was cancelled (client gone)."""
+    handler was cancelled (client gone); ``answer_gate``: when set, a whole or decode request's
+    answer waits for it (the request is before its first byte there meanwhile)."""
 
     id: str
     port: int
@@ -118,6 +119,7 @@ class StandIn:
     cancelled: list[str] = field(default_factory=list)
     runner: web.AppRunner | None = None
     gate: asyncio.Event | None = None
+    answer_gate: asyncio.Event | None = None
 
     @property
     def url(self) -> str:
@@ -162,6 +164,8 @@ class StandIn:
         return web.json_response(out)
 
     async def _answer(self, request: web.Request, body: dict[str, Any], remote: bool) -> web.StreamResponse:
+        if self.answer_gate is not None:
+            await self.answer_gate.wait()
         chat = request.path.endswith("/chat/completions")
         cached = PROMPT_TOKENS - 1 if remote else 0
         usage = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": 2, "total_tokens": PROMPT_TOKENS + 2,
@@ -278,6 +282,7 @@ def _modes(request):
     if "pd" in request.fixturenames:
         for w in request.getfixturevalue("pd").stand.workers.values():
             w.mode = "ok"
+            w.answer_gate = None
 
 
 def admin(pd: PD, method: str, path: str, body=None) -> httpx.Response:
@@ -607,11 +612,11 @@ def test_split_then_follow_up_whole_over_sims(tmp_path, tiny_model):
             chunks = list(r.parse())
         usage = chunks[-1].usage
         assert usage.prompt_tokens == 300 and usage.completion_tokens == 4
-        assert usage.prompt_tokens_details.cached_tokens == 288  # the 9 full blocks came over the link
+        assert usage.prompt_tokens_details.cached_tokens == 299  # all but the last token came over the link
         p_after, d_after = _sim_metrics(sims["p0"]), _sim_metrics(sims["d0"])
         assert p_after.get("local_compute", 0) - p_before.get("local_compute", 0) == 300
-        assert d_after.get("external_kv_transfer", 0) - d_before.get("external_kv_transfer", 0) == 288
-        assert d_after.get("local_compute", 0) - d_before.get("local_compute", 0) == 12
+        assert d_after.get("external_kv_transfer", 0) - d_before.get("external_kv_transfer", 0) == 299
+        assert d_after.get("local_compute", 0) - d_before.get("local_compute", 0) == 1
         # the next turn: d0 holds 288 of its 320 tokens, 32 uncached < 64: served whole by d0
         follow = prompt + list(range(60, 80))
         r = client.completions.with_raw_response.create(model="tiny", prompt=follow, max_tokens=2)
@@ -683,6 +688,69 @@ def test_dispatch_queue_holds_the_prefill_leg_for_its_pool(pd):
     finally:
         if p0.gate is not None:
             pd.stand.loop.call_soon_threadsafe(p0.gate.set)
+        for t in threads:
+            t.join(30)
+        assert admin(pd, "PUT", "/admin/policy", got).status_code == 200
+
+
+def test_dispatch_queue_holds_whole_requests_and_fallbacks_for_the_decode_pool(pd):
+    """With policy.queue on, a request the decode pool serves whole (a short prompt), and the
+    fallback of a split request whose prefill leg failed, wait in the gateway while every decode
+    worker is before the first byte of another request, as any whole request does, and go once
+    one answers."""
+    got = admin(pd, "GET", "/admin/policy").json()
+    queue = {**got["queue"], "enabled": True, "worker_prefills": 1, "holder_prefills": 1, "settle_ms": 0,
+             "worker_queue_ms": 0}
+    assert admin(pd, "PUT", "/admin/policy", {**got, "queue": queue}).status_code == 200, got
+    gate = pd.stand.call(_new_event())
+    for w in ("d0", "d1"):
+        pd[w].answer_gate = gate
+    pd["p0"].mode = "500"
+    results: dict[str, httpx.Response] = {}
+    threads: list[threading.Thread] = []
+
+    def post(rid: str, body: dict) -> None:
+        results[rid] = httpx.post(pd.base + "/v1/chat/completions", json=body, headers={"x-request-id": rid},
+                                  timeout=30)
+
+    def start(rid: str, body: dict) -> None:
+        threads.append(threading.Thread(target=post, args=(rid, body)))
+        threads[-1].start()
+
+    def seen(rid: str) -> list[str]:
+        return [w for w in ("d0", "d1") if pd[w].of(rid)]
+
+    short = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    try:
+        before = counts(pd)
+        a, b, c, f = (new_id() for _ in range(4))
+        start(a, short)
+        wait_until(lambda: seen(a), what="the first whole request on a decode worker")
+        start(b, short)
+        wait_until(lambda: seen(b), what="the second whole request on the other decode worker")
+        assert sorted(seen(a) + seen(b)) == ["d0", "d1"]
+        start(c, short)
+        wait_until(lambda: metric_value(pd, "kvroute_dispatch_queue_queued") == 1, what="the third one queued")
+        start(f, long_chat("queue-fallback"))  # split; its prefill leg fails, its fallback queues
+        wait_until(lambda: pd["p0"].of(f) and metric_value(pd, "kvroute_dispatch_queue_queued") == 2,
+                   what="the fallback queued")
+        assert seen(c) == [] and seen(f) == []
+        pd.stand.loop.call_soon_threadsafe(gate.set)
+        for t in threads:
+            t.join(30)
+        for rid in (a, b, c, f):
+            r = results[rid]
+            assert r.status_code == 200, r.text
+            assert r.headers["x-kvroute-worker"] == seen(rid)[0] and "x-kvroute-prefill-worker" not in r.headers
+        assert pd["p0"].of(c) == [] and len(pd["p0"].of(f)) == 1
+        after = counts(pd)
+        assert after["whole"] == before["whole"] + 3 and after["prefill_failed"] == before["prefill_failed"] + 1
+        assert metric_value(pd, "kvroute_dispatch_queue_queued") == 0
+        log = {e["request_id"]: e for e in admin(pd, "GET", "/admin/decisions").json()["decisions"]}
+        assert log[c]["queue_wait_ms"] > 0 and log[c]["pd"]["decode_worker"] == seen(c)[0]
+        idle(pd)
+    finally:
+        pd.stand.loop.call_soon_threadsafe(gate.set)
         for t in threads:
             t.join(30)
         assert admin(pd, "PUT", "/admin/policy", got).status_code == 200

@@ -1,6 +1,7 @@
 """The simulator's P/D disaggregation (vLLM's ``kv_transfer_params`` protocol): a prefill leg
-answers the params, a decode leg loads the prompt's uncached full blocks over the simulated link
-instead of computing them, caches them (KV events) and reports them as cached tokens.
+answers the params, a decode leg loads the prompt's uncached tokens over the simulated link instead
+of computing them (all but the last, as vLLM's NixlConnector, or full blocks only, as kvroute's
+tiers connector), caches the full blocks (KV events) and reports the loaded tokens as cached.
 
 Engine tests drive the steps by hand with a hand-set clock, so the transfer time is checked in the
 sim's own clock; the HTTP tests run two real sims (prefill and decode) with the openai SDK."""
@@ -34,9 +35,9 @@ class Clock:
         return self.t
 
 
-def make_engine(num_blocks: int = 64):
+def make_engine(num_blocks: int = 64, kv_load: str = "full_blocks"):
     published: list[list] = []
-    engine = Engine(BlockPool(num_blocks, BS), TIMING, 8, SEED, publish=published.append)
+    engine = Engine(BlockPool(num_blocks, BS), TIMING, 8, SEED, publish=published.append, kv_load=kv_load)
     engine.clock = Clock()
     return engine, published
 
@@ -91,6 +92,47 @@ def test_decode_leg_waits_for_the_load_then_computes_only_the_last_partial_block
     engine.add(again)
     engine.complete(engine.schedule())
     assert again.num_cached_tokens == 40 and again.finished
+
+
+def test_vllm_connectors_load_all_but_the_last_token_which_the_step_prices_as_a_decode():
+    engine, published = make_engine(kv_load="prompt")
+    running = request(list(range(900, 906)), [1, 2, 3, 4], "running")  # a decode already in the batch
+    engine.add(running)
+    engine.complete(engine.schedule())
+    prompt = list(range(100, 142))  # 42 tokens: 10 full blocks + 2
+    req = request(prompt, [7, 8], "d", remote_prefill=True)
+    engine.add(req)
+    engine.complete(engine.schedule())
+    # 41 tokens cross the link, the partial block's first token included
+    assert (req.transferred_tokens, req.num_cached_tokens, req.kv_ready_s) == (41, 41, pytest.approx(100.041))
+    engine.clock.t = req.kv_ready_s
+    s = engine.schedule()
+    assert s.scheduled == [running, req]
+    # the last prompt token rides with the decode as a second sequence: no prefill fixed cost
+    assert s.duration_s == pytest.approx(TIMING.step_s(0, 0, 2))
+    assert s.duration_s < TIMING.step_s(1, 1, 1, 42)
+    engine.complete(s)
+    assert req.sink.get_nowait() == (0, 7)
+    assert set(engine_block_hashes(prompt, BS, SEED)[:10]) <= set(stored(published))
+    assert (engine.stats.external_hits_tokens, engine.stats.kv_transfer_bytes) == (41, 41_000)
+    with pytest.raises(ValueError, match="kv_load"):
+        Engine(BlockPool(8, BS), TIMING, 8, SEED, kv_load="all")
+
+
+def test_a_plain_prompt_one_token_past_its_cached_blocks_costs_a_decode_slot():
+    engine, _ = make_engine(kv_load="prompt")
+    prompt = list(range(300, 308))  # 2 full blocks
+    engine.add(request(prompt, [1], "warm"))
+    engine.complete(engine.schedule())
+    again = request(prompt + [5], [1], "again")  # 2 cached blocks + 1 token to compute
+    engine.add(again)
+    s = engine.schedule()
+    assert s.scheduled == [again] and again.num_cached_tokens == 8
+    assert s.duration_s == pytest.approx(TIMING.step_s(0, 0, 1))
+    two = request(prompt + [5, 6], [1], "two")  # 2 tokens to compute: a prefill, fixed cost included
+    engine.complete(s)
+    engine.add(two)
+    assert engine.schedule().duration_s == pytest.approx(TIMING.step_s(2, 1, 0, 2 * 10))
 
 
 def test_only_the_uncached_blocks_cross_the_link_and_loads_queue_on_it():
@@ -153,7 +195,7 @@ def start(procs, tiny_model, name: str, seed: int, extra: tuple[str, ...] = ()):
     argv = kvroute_argv("sim", "--model", str(tiny_model), "--served-model-name", "tiny", "--host", "127.0.0.1",
                         "--port", str(port), "--block-size", "32", "--num-gpu-blocks-override", "256",
                         "--max-model-len", "2048", "--enable-prompt-tokens-details", "--seed", str(seed),
-                        "--kv-events-config", json.dumps(cfg), *extra)
+                        "--kv-events-config", json.dumps(cfg), "--kv-load", "full-blocks", *extra)
     proc = procs(name, argv)
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/health", proc)
