@@ -281,7 +281,7 @@ def start_cluster(procs: Procs, link: ShapedLink, model: Path, args: argparse.Na
         if inside:
             agent += ["--serve-peers", f"{link.ns_ip}:{serve_port}"]
         procs.start(f"agent-{wid}", agent, link=link if inside else None)
-        events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "",
                   "endpoint": f"tcp://*:{ev}", "replay_endpoint": f"tcp://*:{rp}"}
         extra = {"peer_pull_deadline_ms": deadline_ms}
         if args.locate_timeout_ms is not None:

@@ -456,7 +456,7 @@ class IndexCluster:
 
     def start_sim(self, name: str) -> None:
         s = self.sims[name]
-        events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "",
                   "endpoint": f"tcp://*:{s['ev']}", "replay_endpoint": f"tcp://*:{s['rp']}"}
         p = self.start(name, sim_argv(s["port"], 50, 0, "--num-gpu-blocks-override", "256",
                                       "--kv-events-config", json.dumps(events)))

@@ -370,7 +370,7 @@ def run(args: argparse.Namespace) -> int:
         for w in plan:
             wid, i = w.id, w.index
             port, ev_port, replay_port = ports[3 * i:3 * i + 3]
-            events_cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
+            events_cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "",
                           "endpoint": f"tcp://*:{ev_port}",
                           "replay_endpoint": f"tcp://*:{replay_port}"}
             events, replay = f"tcp://127.0.0.1:{ev_port}", f"tcp://127.0.0.1:{replay_port}"
