@@ -23,6 +23,7 @@ the new messages.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import re
@@ -30,17 +31,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvcore.anthropic_messages import messages_to_chat
+from kvcore.prompt_errors import BadPrompt, UnsupportedPrompt
 from kvcore.token_cache import DEFAULT_MAX_TOKENS, PrefixTokenCache, TokenCacheStats, UnsupportedTokenizer
 
 log = logging.getLogger("kvroute.tokenization")
-
-
-class UnsupportedPrompt(Exception):
-    """The request's token ids cannot be made exactly (e.g. it carries an image)."""
-
-
-class BadPrompt(ValueError):
-    """The request body is malformed (missing or ill-typed prompt/messages): a client error."""
 
 
 _TEXT_PART_TYPES = {"text", "input_text"}
@@ -116,6 +111,48 @@ class PromptTokenizer:
         """Prompt token ids of a chat-completions body. Raises BadPrompt / UnsupportedPrompt."""
         text = self.render_chat(body)
         return self.encode_text(text, bool(body.get("add_special_tokens", False)))
+
+    # ---- Anthropic messages -------------------------------------------------------------------
+    def encode_messages(self, body: dict[str, Any]) -> list[int]:
+        """Prompt token ids of an Anthropic Messages body (``POST /v1/messages``): converted as
+        vLLM converts it (:mod:`kvcore.anthropic_messages`), then rendered and encoded as chat.
+        Raises BadPrompt / UnsupportedPrompt."""
+        return self.encode_chat(messages_to_chat(body, self.merge_inline_system, self.disabled_thinking_effort))
+
+    @functools.cached_property
+    def merge_inline_system(self) -> bool:
+        """Whether the chat template rejects a system message after the first turn, so vLLM merges
+        a Messages request's inline system messages into the leading one (vLLM's
+        ``_detect_merge_inline_system``: it renders ``[system, user, system, user]``)."""
+        if not self._template:
+            return True
+        import jinja2
+        import jinja2.ext
+        import jinja2.sandbox
+
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                          extensions=[jinja2.ext.loopcontrols])
+        probe = [{"role": r, "content": "t"} for r in ("system", "user", "system", "user")]
+        try:
+            env.from_string(self._template).render(messages=probe, add_generation_prompt=False)
+        except jinja2.TemplateError:
+            return True
+        return False
+
+    @functools.cached_property
+    def disabled_thinking_effort(self) -> str:
+        """The ``reasoning_effort`` a Messages request's ``thinking: {type: disabled}`` becomes:
+        ``none``, or ``low`` when the template fails on ``none`` or renders it as one of the
+        efforts (vLLM's ``_probe_disabled_thinking_effort``, which compares the prompts)."""
+        def render(effort: str) -> str | None:
+            try:
+                return self.render_chat({"messages": [{"role": "user", "content": "Hi"}], "reasoning_effort": effort})
+            except (BadPrompt, UnsupportedPrompt):
+                return None
+        none = render("none")
+        if none is None or any(render(e) == none for e in ("low", "medium", "high", "xhigh", "max")):
+            return "low"
+        return "none"
 
     def _parse_message(self, msg: Any, index: int) -> dict[str, Any]:
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
@@ -216,20 +253,30 @@ class PromptTokenizer:
 
 def _normalize_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
     """Tools as vLLM hands them to the template: each ``ChatCompletionToolsParam.model_dump()``,
-    i.e. ``{"type": "function", "function": {"name", "description", "parameters", ...}}`` with
-    absent optional fields present as None."""
+    i.e. ``{"type": "function", "function": {"name", "description", "parameters"}}`` with absent
+    ``description`` and ``parameters`` present as None, ``strict`` and ``defer_loading`` only when
+    set (a tool's own ``defer_loading`` moves into its function), other keys dropped."""
     if tools is None:
         return None
     out = []
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or not isinstance(tool.get("function"), dict):
             raise BadPrompt(f"tools[{i}] must be an object with a 'function' object")
-        fn = dict(tool["function"])
-        if not isinstance(fn.get("name"), str):
+        given = tool["function"]
+        if not isinstance(given.get("name"), str):
             raise BadPrompt(f"tools[{i}].function.name must be a string")
-        fn.setdefault("description", None)
-        fn.setdefault("parameters", None)
-        out.append({"type": tool.get("type", "function"), "function": fn})
+        fn = {"name": given["name"], "description": given.get("description"), "parameters": given.get("parameters")}
+        if given.get("strict") is not None:
+            fn["strict"] = given["strict"]
+        defer = given.get("defer_loading")
+        if defer is None:
+            defer = tool.get("defer_loading")
+        if defer is not None:
+            fn["defer_loading"] = defer
+        entry: dict[str, Any] = {"type": tool.get("type", "function"), "function": fn}
+        if tool.get("defer_loading") is not None:
+            entry["defer_loading"] = tool["defer_loading"]
+        out.append(entry)
     return out
 
 

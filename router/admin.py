@@ -4,13 +4,13 @@
 |---|---|
 | GET /admin/workers | ``{"workers": [worker entry + {"blocks": {gpu, cpu, ssd}, "speculative_blocks", "peer"}], "models": {model: {"prefill_rate"}}}`` (``models``: each base model's TTFT line learned from all of its workers, the entry's ``prefill_rate`` shape; a worker's ``prefill_rate.speed_factor``: its TTFTs over that line's, the median, which ``ttft`` scales the line by, null until known; ``peer``: the worker's peer-pull state as routing uses it, :class:`router.peer_pull.PeerInfo`: ``serve``, ``pull``, ``block_bytes``, ``block_size``, ``link_bytes_per_s``, ``pull_overhead_ms``, ``pulls``, ``pulled_blocks``, ``failed_pulls``; null when its agent publishes none) |
 | POST /admin/workers | body: a config worker ``{id?, url, model, events?, replay?, role?}`` -> 201 the entry; 400 bad, 409 id taken |
-| PUT /admin/workers/{id}/role | body ``{"role": "both" \| "prefill" \| "decode"}`` -> 200 the entry with its new ``role`` (requests in flight keep their leg); 400 bad role, 404 unknown |
+| PUT /admin/workers/{id}/role | body ``{"role": R}`` (R: "both", "prefill" or "decode") -> 200 the entry with its new ``role`` (requests in flight keep their leg); 400 bad role, 404 unknown |
 | DELETE /admin/workers/{id} | 200 ``{"removed": id}``; index entries purged, in-flight requests finish; 404 unknown |
 | POST /admin/workers/{id}/drain[?wait_s=S] | 200 the entry (``draining: true``; ``drained: true`` once its in-flight count is 0; with ``wait_s`` the answer waits up to S s for that); 404 unknown |
 | GET /admin/policy | the live policy mapping (the config's ``policy`` section) |
 | PUT /admin/policy | body: a policy mapping; validated and swapped atomically; 200 the new mapping, 400 bad |
 | GET /admin/index | ``{"backend", "workers": {id: {"blocks", "speculative_blocks", "kv_events"}}}`` (``kv_events``: the embedded ingestor's, or with Redis the worker's agent's, seq, event age, gaps, replays, resyncs; null without one) |
-| POST /admin/explain | a chat or completions body -> ``{"prompt_tokens", "blocks", "candidates", "chosen", "reason", ...}``; nothing is sent. A candidate a peer can supply blocks to also has ``peer_blocks``, ``peer_worker``, ``peer_credit`` (the weight per block) and ``peer_credit_source`` (``config``, ``measured``, ``prior``, ``unknown_block_bytes``) |
+| POST /admin/explain[?path] | a chat or completions body (or the body of routed ``path``, e.g. ``/v1/messages``) -> ``{"prompt_tokens", "blocks", "candidates", "chosen", "reason", ...}``; nothing is sent. A candidate a peer can supply blocks to also has ``peer_blocks``, ``peer_worker``, ``peer_credit`` (the weight per block) and ``peer_credit_source`` (``config``, ``measured``, ``prior``, ``unknown_block_bytes``) |
 | GET /admin/decisions[?limit=N&worker=ID&since_unix_s=T] | ``{"decisions": [...], "kept", "recorded"}``: recent decisions of real traffic, newest first (:mod:`router.decision_log`); 400 bad limit |
 | GET /admin/summary[?window_s=W&bucket_s=B] | the decisions of the last W s (default 300) in counts and B-second buckets (default 10): ``{"totals", "hit_rate", "predicted_hit_rate", "by_reason", "by_worker", "series": [...], ...}`` (:meth:`router.decision_log.DecisionLog.summary`; drawn by ``GET /dashboard``); 400 bad window or bucket |
 
@@ -43,6 +43,7 @@ from router.endpoints import parse_json_object
 from router.errors import GatewayError, bad_request
 from router.gateway import Gateway, WorkerExists
 from router.siblings import is_from_sibling
+from router.tokenize import ROUTED_PATHS
 
 log = logging.getLogger("kvroute.admin")
 
@@ -268,7 +269,13 @@ def make_admin_router(gateway: Gateway) -> APIRouter:
     async def explain(request: Request) -> Response:
         raw = await request.body()
         body = parse_json_object(raw)
-        kind = "chat" if "messages" in body else "completion"
+        path = request.query_params.get("path")
+        if path is None:
+            kind = "chat" if "messages" in body else "completion"
+        elif path in ROUTED_PATHS:
+            kind = ROUTED_PATHS[path]
+        else:
+            raise bad_request(f"path must be one of {', '.join(ROUTED_PATHS)}", "path")
         plan = await gateway.router.plan(kind, body, request.scope["headers"], raw, explain=True)
         return _json(plan.explain())
 

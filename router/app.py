@@ -1,8 +1,10 @@
 """The gateway's FastAPI app (DESIGN.md "Gateway HTTP").
 
-Routed by the policy: ``POST /v1/chat/completions``, ``POST /v1/completions``. Forwarded to the
-least-loaded healthy worker of the body's model: vLLM's other client POST paths (:data:`FORWARDED`:
-responses, embeddings, tokenize, detokenize, Anthropic messages, render). Also ``GET /v1/models``
+Routed by the policy: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST
+/v1/messages`` (Anthropic's Messages API, tokenized as vLLM converts it:
+:mod:`kvcore.anthropic_messages`). Forwarded to the least-loaded healthy worker of the body's
+model: vLLM's other client POST paths (:data:`FORWARDED`: responses, embeddings, tokenize,
+detokenize, Anthropic token counting, render). Also ``GET /v1/models``
 (union over healthy workers), ``GET /version`` (the first healthy worker's), ``GET /health`` and
 ``GET /ping`` (the gateway's liveness), ``GET /health/ready`` (readiness: a worker is routable), ``GET /metrics``, ``/admin/*`` (:mod:`router.admin`) and ``GET /dashboard`` (:mod:`router.dashboard`).
 Not served: ``GET /v1/responses/{id}`` (a stored response lives on the one worker that made it).
@@ -38,16 +40,16 @@ from router.errors import GatewayError, bad_request
 from router.gateway import Gateway
 from router.openapi import serve_openapi
 from router.siblings import is_from_sibling, merge_metrics
+from router.tokenize import ROUTED_PATHS
 from router import tracing
 from router.worker_probes import worker_get, worker_models
 
 log = logging.getLogger("kvroute.app")
 
-ROUTED = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+ROUTED = ROUTED_PATHS
 # vLLM 0.32's other client-facing POST paths: each goes to one worker of the body's model
-FORWARDED = ("/v1/responses", "/v1/embeddings", "/tokenize", "/detokenize", "/v1/messages",
-             "/v1/messages/count_tokens", "/v1/chat/completions/render", "/v1/completions/render",
-             "/v1/responses/render")
+FORWARDED = ("/v1/responses", "/v1/embeddings", "/tokenize", "/detokenize", "/v1/messages/count_tokens",
+             "/v1/chat/completions/render", "/v1/completions/render", "/v1/responses/render")
 
 
 class HotPathDispatch:

@@ -203,7 +203,7 @@ class ProxyEndpoint:
         gw.router.record_decision(plan)
         logged = gw.decisions.record(plan, request_id, (time.monotonic() - queued_s) * 1000.0)
         strip = False
-        if body.get("stream") is True and gw.cfg.routing.measure_stream_usage:
+        if body.get("stream") is True and gw.cfg.routing.measure_stream_usage and self.kind != "messages":
             raw, strip = request_stream_usage(raw, body)
         return plan, plan.ranked(), raw, strip, reservation, logged
 

@@ -161,7 +161,7 @@ _PROXY_ERRORS = {
     "504": {"description": "no first byte from the worker within timeouts.first_byte_s", **_ERROR},
 }
 
-# proxied path -> (request schema, summary); chat and completions are routed by the policy; a
+# proxied path -> (request schema, summary); chat, completions and messages are routed by the policy; a
 # proxied path missing here gets ForwardedRequest
 PROXIED: dict[str, tuple[str, str]] = {
     "/v1/chat/completions": ("ChatCompletionRequest", "Chat completion, routed by the policy"),
@@ -170,7 +170,7 @@ PROXIED: dict[str, tuple[str, str]] = {
     "/v1/embeddings": ("EmbeddingRequest", "Forwarded to the least-loaded worker of the model"),
     "/tokenize": ("TokenizeRequest", "Forwarded to the least-loaded worker of the model"),
     "/detokenize": ("DetokenizeRequest", "Forwarded to the least-loaded worker of the model"),
-    "/v1/messages": ("AnthropicMessagesRequest", "Anthropic messages, forwarded"),
+    "/v1/messages": ("AnthropicMessagesRequest", "Anthropic messages, routed by the policy"),
     "/v1/messages/count_tokens": ("AnthropicMessagesRequest", "Anthropic count_tokens, forwarded"),
     "/v1/chat/completions/render": ("ChatCompletionRequest", "Rendered chat prompt, forwarded"),
     "/v1/completions/render": ("CompletionRequest", "Rendered completions prompt, forwarded"),

@@ -258,7 +258,7 @@ class Router:
         if not regs:
             raise no_healthy_worker(model.name)
         policy = self.policy.policy
-        pd_on = policy.pd.applies_to(model.name)
+        pd_on = policy.pd.applies_to(model.name) and kind != "messages"  # vLLM's P/D legs are OpenAI bodies
         uses_index = policy.uses_index or pd_on
         blocks: PromptBlocks | None = None
         if uses_index or explain:
@@ -273,7 +273,7 @@ class Router:
                         blocks = await self.tokenizers.prompt_blocks(
                             model, kind, body, lora_name, inline=len(raw) <= self.routing.inline_tokenize_max_bytes)
                 except BadPrompt as exc:
-                    raise bad_request(str(exc), "messages" if kind == "chat" else "prompt") from None
+                    raise bad_request(str(exc), "prompt" if kind == "completion" else "messages") from None
                 tracing.set_attributes(span, {"prompt_tokens": blocks.prompt_tokens, "blocks": len(blocks.first_keys),
                                               "tokenization_fallback": blocks.fallback})
             self.metrics.tokenize_s.observe(time.perf_counter() - t0)

@@ -76,9 +76,13 @@ def request_stream_usage(raw: bytes, body: dict[str, Any]) -> tuple[bytes, bool]
 
 
 def cached_tokens_of_usage(usage: Any) -> int | None:
-    """``usage.prompt_tokens_details.cached_tokens`` (OpenAI / vLLM usage object), else None."""
+    """``usage.prompt_tokens_details.cached_tokens`` (OpenAI / vLLM usage object), or
+    ``usage.cache_read_input_tokens`` (Anthropic's, which vLLM fills from the same figure), else
+    None."""
     if not isinstance(usage, dict):
         return None
+    if isinstance(usage.get("cache_read_input_tokens"), int):
+        return usage["cache_read_input_tokens"]
     details = usage.get("prompt_tokens_details")
     if not isinstance(details, dict):
         return None

@@ -18,7 +18,10 @@ from kvcore.token_cache import DEFAULT_MAX_TOKENS
 from kvcore.tokenization import BadPrompt, PromptTokenizer, UnsupportedPrompt
 from router.config import ModelConfig
 
-PromptKind = Literal["chat", "completion"]
+PromptKind = Literal["chat", "completion", "messages"]
+# the paths the policy routes, and the kind of body each takes
+ROUTED_PATHS: dict[str, PromptKind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion",
+                                       "/v1/messages": "messages"}
 
 
 @dataclass
@@ -123,11 +126,20 @@ def request_extras(body: dict[str, Any], lora_name: str | None) -> BlockExtras:
 def _prompt_blocks(tok: PromptTokenizer, model: ModelConfig, kind: PromptKind, body: dict[str, Any],
                    lora_name: str | None) -> PromptBlocks:
     """Runs in a pool thread: render, encode and key the prompt(s)."""
-    extras = request_extras(body, lora_name)
     try:
-        prompts = [tok.encode_chat(body)] if kind == "chat" else tok.encode_completion(body)
+        extras = request_extras(body, lora_name)
+        if kind == "chat":
+            prompts = [tok.encode_chat(body)]
+        elif kind == "messages":
+            prompts = [tok.encode_messages(body)]
+        else:
+            prompts = tok.encode_completion(body)
     except UnsupportedPrompt:
         return PromptBlocks(None, fallback="unsupported_prompt")
+    except BadPrompt:
+        if kind == "messages":  # the worker answers it, in the Anthropic error shape vLLM gives
+            return PromptBlocks(None, fallback="bad_prompt")
+        raise
     except RecursionError:  # e.g. tool-call arguments nested ~1000 deep: json.loads gives up
         raise BadPrompt("the prompt is nested too deeply to parse") from None
     try:
@@ -137,4 +149,4 @@ def _prompt_blocks(tok: PromptTokenizer, model: ModelConfig, kind: PromptKind, b
     return PromptBlocks(prompts, keys)
 
 
-__all__ = ["BadPrompt", "PromptBlocks", "PromptKind", "TokenizerPool", "request_extras"]
+__all__ = ["BadPrompt", "PromptBlocks", "PromptKind", "ROUTED_PATHS", "TokenizerPool", "request_extras"]

@@ -4,11 +4,14 @@
   ``max_completion_tokens``, ``stream_options.include_usage``, ``cache_salt``, ``seed``,
   ``ignore_eos``, ``vllm_xargs.kv_cache_report_mode``, ``kv_transfer_params`` (P/D, below);
   unknown fields are accepted and ignored.
+- ``POST /v1/messages`` (Anthropic's Messages API): converted to chat as vLLM converts it
+  (:mod:`kvcore.anthropic_messages`), one choice, stream or not, answered in Anthropic's shape
+  (:mod:`simulator.anthropic_format`).
 - ``GET /v1/models``, ``POST /tokenize`` (``{count, max_model_len, tokens, token_strs}``),
   ``POST /detokenize`` (``{prompt}``), ``GET /health``, ``POST /reset_prefix_cache``,
   ``GET /metrics`` (vLLM's metric names, see :mod:`simulator.metrics`).
 - Simulator only (no vLLM counterpart): ``GET /sim/requests`` returns the last bodies and headers
-  received on the POST routes that take a body (completions, chat, tokenize, detokenize), oldest
+  received on the POST routes that take a body (completions, chat, messages, tokenize, detokenize), oldest
   first, as ``{"requests": [{"method", "path", "headers",
   "body"}]}`` (``body`` is the parsed JSON, or the raw text when it was not JSON);
   ``DELETE /sim/requests`` clears that record.
@@ -50,6 +53,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from kvcore.tokenization import BadPrompt, PromptTokenizer, UnsupportedPrompt
+from simulator import anthropic_format as afmt
 from simulator import openai_format as fmt
 from simulator.block_pool import BlockPool
 from simulator.config import SimConfig
@@ -143,6 +147,7 @@ class SimServer:
                       openapi_url=None)
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_api_route("/v1/messages", self.messages, methods=["POST"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
         app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
@@ -187,10 +192,14 @@ class SimServer:
         self._counter += 1
         return f"{prefix}-{xxhash.xxh3_64_hexdigest(self._counter.to_bytes(8, 'big'), seed=self.cfg.seed)}"
 
-    def _parse(self, body: dict[str, Any], chat: bool) -> _Parsed:
+    def _parse(self, body: dict[str, Any], chat: bool, messages: bool = False) -> _Parsed:
+        """``messages``: an Anthropic Messages body (``chat`` True), converted as vLLM converts it."""
         self._check_model(body)
         try:
-            prompts = [self.tokenizer.encode_chat(body)] if chat else self.tokenizer.encode_completion(body)
+            if messages:
+                prompts = [self.tokenizer.encode_messages(body)]
+            else:
+                prompts = [self.tokenizer.encode_chat(body)] if chat else self.tokenizer.encode_completion(body)
         except (BadPrompt, UnsupportedPrompt) as exc:
             raise ApiError(400, str(exc), "messages" if chat else "prompt") from None
         n = _int_field(body, "n", 1, minimum=1)
@@ -302,6 +311,54 @@ class SimServer:
         build = fmt.chat_completion if chat else fmt.completion
         kvt = self._prefill_params(request, reqs[0]) if parsed.remote_decode and not reqs[0].aborted else None
         return _json(build(rid, self.created, self.model, texts, reasons, self._usage(parsed, reqs), kvt))
+
+    async def messages(self, request: Request) -> Response:
+        """Anthropic's Messages API (vLLM's ``/v1/messages``): the body converted to chat as vLLM
+        converts it, one choice, answered in Anthropic's shape (:mod:`simulator.anthropic_format`)."""
+        try:
+            body = await self._body(request, record=True)
+            if _int_field(body, "max_tokens", None, minimum=1) is None:
+                raise ApiError(400, "'max_tokens' is required", "max_tokens")
+            parsed = self._parse({k: v for k, v in body.items() if k not in ("n", "stream_options")}, chat=True,
+                                 messages=True)
+            rid = self._request_id(request, "msg")
+            reqs, sink = self._submit(parsed, rid)
+        except ApiError as exc:
+            return _error(exc)
+        watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(request, reqs))
+        if parsed.stream:
+            return StreamingResponse(self._stream_messages(parsed, rid, reqs, sink, watcher),
+                                     media_type="text/event-stream")
+        try:
+            await _drain(sink, 1)
+        finally:
+            watcher.cancel()
+        req = reqs[0]
+        text = self.sampler.text(req.output_token_ids[:req.num_output])
+        return _json(afmt.message(rid, self.model, text, req.finish_reason, self._messages_usage(parsed, req)))
+
+    def _messages_usage(self, parsed: _Parsed, req: SimRequest) -> dict[str, Any]:
+        cached = (req.num_cached_tokens or 0) if self.cfg.enable_prompt_tokens_details else None
+        return afmt.usage(len(parsed.prompts[0]), req.num_output, cached)
+
+    async def _stream_messages(self, parsed: _Parsed, rid: str, reqs: list[SimRequest], sink: asyncio.Queue,
+                               watcher: asyncio.Task):
+        req = reqs[0]
+        try:
+            started = False
+            while True:
+                _, token = await sink.get()
+                if not started:  # with the first engine output, after the prefill, as vLLM
+                    started = True
+                    yield afmt.stream_start(rid, self.model, self._messages_usage(parsed, req))
+                if token is None:
+                    break
+                yield afmt.text_delta(self.sampler.pieces[token])
+            if not req.aborted:
+                yield afmt.stream_end(req.finish_reason, self._messages_usage(parsed, req))
+        finally:
+            watcher.cancel()
+            self.engine.abort(req)
 
     def _prefill_params(self, request: Request, req: SimRequest) -> dict[str, Any]:
         """The ``kv_transfer_params`` of a prefill leg's answer (module docstring)."""

@@ -96,8 +96,9 @@ class VllmCluster:
         return httpx.request(method, self.base + path, json=json, timeout=60,
                              headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
 
-    def explain(self, body: dict) -> dict:
-        r = self.admin("POST", "/admin/explain", body)
+    def explain(self, body: dict, path: str | None = None) -> dict:
+        """``POST /admin/explain`` of ``body`` (the body of routed ``path``, when given)."""
+        r = self.admin("POST", "/admin/explain" + (f"?path={path}" if path else ""), body)
         assert r.status_code == 200, r.text
         return r.json()
 

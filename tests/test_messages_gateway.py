@@ -1,0 +1,84 @@
+"""Anthropic's Messages API through the gateway (``POST /v1/messages``), over two real ``kvroute
+sim`` workers with the ``anthropic`` SDK: an agent's first call and its next turn (system prompt,
+tools, tool use and result), streamed and not; the second goes to the worker holding the first's
+prefix, the worker reports the credited tokens as cached, and the gateway learns that report from
+Anthropic's usage (the decision log's ``actual_cached_tokens``)."""
+from __future__ import annotations
+
+import json
+
+import anthropic
+import httpx
+import pytest
+
+from conftest import ADMIN_TOKEN, wait_until
+from kvcore.tokenization import PromptTokenizer
+from test_gateway_e2e import BLOCK, running_two_sim_gateway, system_prompt
+
+AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+TOOLS = [{"name": "read_file", "description": "Read a file.",
+          "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}]
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory, tiny_model):
+    with running_two_sim_gateway(tmp_path_factory, tiny_model, "messages", policy={"name": "ttft"}) as (base, _, _):
+        yield base
+
+
+def explain(base: str, body: dict) -> dict:
+    r = httpx.post(base + "/admin/explain?path=/v1/messages", json=body, headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_an_agent_turn_and_the_next_go_to_the_prefix_holder(gateway, tiny_model):
+    tok = PromptTokenizer(tiny_model)
+    client = anthropic.Anthropic(base_url=gateway, api_key="x", max_retries=0)
+    first = {"model": "tiny", "max_tokens": 3, "system": system_prompt("agent", 300), "tools": TOOLS,
+             "messages": [{"role": "user", "content": "What is in README.md?"},
+                          {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "read_file",
+                                                             "input": {"path": "README.md"}}]},
+                          {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                                        "content": "# demo"}]}]}
+    first_ids = tok.encode_messages(first)
+    planned = explain(gateway, first)
+    assert (planned["prompt_tokens"], planned["predicted_cached_tokens"]) == (len(first_ids), 0)
+    raw = client.messages.with_raw_response.create(**first)
+    worker = raw.headers["x-kvroute-worker"]
+    answer = raw.parse()
+    assert worker == planned["chosen"] and answer.type == "message" and answer.content[0].type == "text"
+    assert (answer.usage.input_tokens, answer.usage.cache_read_input_tokens) == (len(first_ids), 0)
+
+    follow = {**first, "messages": first["messages"] + [{"role": "assistant", "content": "A demo."},
+                                                        {"role": "user", "content": "Thanks, and the tests?"}]}
+    follow_ids = tok.encode_messages(follow)
+    common = next((i for i, (a, b) in enumerate(zip(first_ids, follow_ids)) if a != b), len(first_ids))
+    shared = common // BLOCK * BLOCK
+    assert shared >= 8 * BLOCK
+    planned = explain(gateway, follow)
+    assert (planned["chosen"], planned["predicted_cached_tokens"]) == (worker, shared)
+    with client.messages.with_streaming_response.create(**follow, stream=True,
+                                                        extra_headers={"x-request-id": "agent-turn-2"}) as r:
+        assert r.headers["x-kvroute-worker"] == worker
+        events = [json.loads(line[5:]) for line in r.iter_lines() if line.startswith("data:")]
+    kinds = [e["type"] for e in events]
+    assert kinds[:2] == ["message_start", "content_block_start"] and kinds[-3:] == [
+        "content_block_stop", "message_delta", "message_stop"]
+    assert all(k == "content_block_delta" for k in kinds[2:-3]) and len(kinds) == 5 + 3  # 3 tokens
+    usage = events[-2]["usage"]
+    assert (usage["input_tokens"], usage["cache_read_input_tokens"]) == (len(follow_ids) - shared, shared)
+
+    def logged() -> dict | None:
+        entries = httpx.get(gateway + "/admin/decisions", headers=AUTH, timeout=30).json()["decisions"]
+        entry = next((e for e in entries if e["request_id"] == "agent-turn-2"), None)
+        return entry if entry is not None and entry["actual_cached_tokens"] is not None else None
+    entry = wait_until(logged, 20, "the streamed turn's usage in the decision log")
+    assert (entry["worker"], entry["predicted_cached_tokens"], entry["actual_cached_tokens"]) == (worker, shared, shared)
+
+
+def test_a_bad_messages_body_gets_the_workers_answer(gateway):
+    r = httpx.post(gateway + "/v1/messages", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]},
+                   timeout=30)  # no max_tokens: the worker refuses it
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    assert r.headers["x-kvroute-worker"] in ("w0", "w1")
