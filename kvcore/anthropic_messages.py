@@ -34,7 +34,7 @@ import json
 import time
 from typing import Any
 
-from kvcore.prompt_errors import BadPrompt, UnsupportedPrompt
+from kvcore.prompt_errors import BadPrompt, UnsupportedPrompt, object_list
 
 BILLING_HEADER = "x-anthropic-billing-header"
 _ROLES = ("user", "assistant", "system")
@@ -184,14 +184,11 @@ def _reasoning_effort(body: dict[str, Any], disabled_thinking_effort: str) -> st
 
 
 def _tools(tools: Any) -> list[dict[str, Any]] | None:
-    if tools is None:
+    if object_list(tools, "tools") is None:
         return None
-    if not isinstance(tools, list):
-        raise BadPrompt("'tools' must be a list")
     out = []
     for i, tool in enumerate(tools):
-        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) \
-                or not isinstance(tool.get("input_schema"), dict):
+        if not isinstance(tool.get("name"), str) or not isinstance(tool.get("input_schema"), dict):
             raise BadPrompt(f"tools[{i}] must be an object with a string 'name' and an 'input_schema' object")
         fn: dict[str, Any] = {"name": tool["name"], "description": tool.get("description"),
                               "parameters": tool["input_schema"]}

@@ -33,6 +33,7 @@ from typing import Any
 
 from kvcore.anthropic_messages import messages_to_chat
 from kvcore.prompt_errors import BadPrompt, UnsupportedPrompt
+from kvcore.responses_input import responses_to_chat
 from kvcore.token_cache import DEFAULT_MAX_TOKENS, PrefixTokenCache, TokenCacheStats, UnsupportedTokenizer
 
 log = logging.getLogger("kvroute.tokenization")
@@ -112,12 +113,18 @@ class PromptTokenizer:
         text = self.render_chat(body)
         return self.encode_text(text, bool(body.get("add_special_tokens", False)))
 
-    # ---- Anthropic messages -------------------------------------------------------------------
+    # ---- Anthropic messages and OpenAI responses -------------------------------------------------------------------
     def encode_messages(self, body: dict[str, Any]) -> list[int]:
         """Prompt token ids of an Anthropic Messages body (``POST /v1/messages``): converted as
         vLLM converts it (:mod:`kvcore.anthropic_messages`), then rendered and encoded as chat.
         Raises BadPrompt / UnsupportedPrompt."""
         return self.encode_chat(messages_to_chat(body, self.merge_inline_system, self.disabled_thinking_effort))
+
+    def encode_responses(self, body: dict[str, Any]) -> list[int]:
+        """Prompt token ids of an OpenAI Responses body (``POST /v1/responses``): converted as
+        vLLM converts it (:mod:`kvcore.responses_input`), then rendered and encoded as chat.
+        Raises BadPrompt / UnsupportedPrompt."""
+        return self.encode_chat(responses_to_chat(body))
 
     @functools.cached_property
     def merge_inline_system(self) -> bool:

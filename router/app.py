@@ -1,10 +1,10 @@
 """The gateway's FastAPI app (DESIGN.md "Gateway HTTP").
 
 Routed by the policy: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST
-/v1/messages`` (Anthropic's Messages API, tokenized as vLLM converts it:
-:mod:`kvcore.anthropic_messages`). Forwarded to the least-loaded healthy worker of the body's
-model: vLLM's other client POST paths (:data:`FORWARDED`: responses, embeddings, tokenize,
-detokenize, Anthropic token counting, render). Also ``GET /v1/models``
+/v1/messages`` (Anthropic's Messages API) and ``POST /v1/responses``, the last two tokenized as
+vLLM converts them to chat (:mod:`kvcore.anthropic_messages`, :mod:`kvcore.responses_input`).
+Forwarded to the least-loaded healthy worker of the body's model: vLLM's other client POST paths
+(:data:`FORWARDED`: embeddings, tokenize, detokenize, Anthropic token counting, render). Also ``GET /v1/models``
 (union over healthy workers), ``GET /version`` (the first healthy worker's), ``GET /health`` and
 ``GET /ping`` (the gateway's liveness), ``GET /health/ready`` (readiness: a worker is routable), ``GET /metrics``, ``/admin/*`` (:mod:`router.admin`) and ``GET /dashboard`` (:mod:`router.dashboard`).
 Not served: ``GET /v1/responses/{id}`` (a stored response lives on the one worker that made it).
@@ -48,7 +48,7 @@ log = logging.getLogger("kvroute.app")
 
 ROUTED = ROUTED_PATHS
 # vLLM 0.32's other client-facing POST paths: each goes to one worker of the body's model
-FORWARDED = ("/v1/responses", "/v1/embeddings", "/tokenize", "/detokenize", "/v1/messages/count_tokens",
+FORWARDED = ("/v1/embeddings", "/tokenize", "/detokenize", "/v1/messages/count_tokens",
              "/v1/chat/completions/render", "/v1/completions/render", "/v1/responses/render")
 
 

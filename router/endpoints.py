@@ -23,6 +23,7 @@ from router.pd_relay import PrefillResult, prefill_leg
 from router.proxy import ClientState, upstream_headers
 from router.registry import InFlight
 from router.stream_usage import request_stream_usage
+from router.tokenize import AGENT_KINDS
 from router.tracing import span as trace_span  # OpenTelemetry (router/tracing.py)
 from router.ttft_model import work_tokens
 
@@ -203,7 +204,7 @@ class ProxyEndpoint:
         gw.router.record_decision(plan)
         logged = gw.decisions.record(plan, request_id, (time.monotonic() - queued_s) * 1000.0)
         strip = False
-        if body.get("stream") is True and gw.cfg.routing.measure_stream_usage and self.kind != "messages":
+        if body.get("stream") is True and gw.cfg.routing.measure_stream_usage and self.kind not in AGENT_KINDS:
             raw, strip = request_stream_usage(raw, body)
         return plan, plan.ranked(), raw, strip, reservation, logged
 

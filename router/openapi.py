@@ -161,12 +161,12 @@ _PROXY_ERRORS = {
     "504": {"description": "no first byte from the worker within timeouts.first_byte_s", **_ERROR},
 }
 
-# proxied path -> (request schema, summary); chat, completions and messages are routed by the policy; a
+# proxied path -> (request schema, summary); chat, completions, messages and responses are routed by the policy; a
 # proxied path missing here gets ForwardedRequest
 PROXIED: dict[str, tuple[str, str]] = {
     "/v1/chat/completions": ("ChatCompletionRequest", "Chat completion, routed by the policy"),
     "/v1/completions": ("CompletionRequest", "Completion, routed by the policy"),
-    "/v1/responses": ("ResponsesRequest", "Forwarded to the least-loaded worker of the model"),
+    "/v1/responses": ("ResponsesRequest", "OpenAI responses, routed by the policy"),
     "/v1/embeddings": ("EmbeddingRequest", "Forwarded to the least-loaded worker of the model"),
     "/tokenize": ("TokenizeRequest", "Forwarded to the least-loaded worker of the model"),
     "/detokenize": ("DetokenizeRequest", "Forwarded to the least-loaded worker of the model"),

@@ -25,7 +25,7 @@ from router.policies.base import Candidate, CandidateScore, Decision, Policy, Ro
 from router.policies.factory import describe, make_policy
 from router.prefix_uses import PrefixUses
 from router.registry import WorkerRegistration, WorkerRegistry
-from router.tokenize import PromptBlocks, PromptKind, TokenizerPool
+from router.tokenize import AGENT_KINDS, PromptBlocks, PromptKind, TokenizerPool
 from router import tracing
 
 
@@ -258,7 +258,7 @@ class Router:
         if not regs:
             raise no_healthy_worker(model.name)
         policy = self.policy.policy
-        pd_on = policy.pd.applies_to(model.name) and kind != "messages"  # vLLM's P/D legs are OpenAI bodies
+        pd_on = policy.pd.applies_to(model.name) and kind not in AGENT_KINDS  # P/D legs are chat/completions
         uses_index = policy.uses_index or pd_on
         blocks: PromptBlocks | None = None
         if uses_index or explain:

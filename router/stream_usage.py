@@ -76,14 +76,14 @@ def request_stream_usage(raw: bytes, body: dict[str, Any]) -> tuple[bytes, bool]
 
 
 def cached_tokens_of_usage(usage: Any) -> int | None:
-    """``usage.prompt_tokens_details.cached_tokens`` (OpenAI / vLLM usage object), or
-    ``usage.cache_read_input_tokens`` (Anthropic's, which vLLM fills from the same figure), else
-    None."""
+    """``usage.prompt_tokens_details.cached_tokens`` (OpenAI chat / completions usage),
+    ``usage.input_tokens_details.cached_tokens`` (Responses) or ``usage.cache_read_input_tokens``
+    (Anthropic's, which vLLM fills from the same figure), else None."""
     if not isinstance(usage, dict):
         return None
     if isinstance(usage.get("cache_read_input_tokens"), int):
         return usage["cache_read_input_tokens"]
-    details = usage.get("prompt_tokens_details")
+    details = usage.get("prompt_tokens_details", usage.get("input_tokens_details"))  # chat / responses
     if not isinstance(details, dict):
         return None
     cached = details.get("cached_tokens")

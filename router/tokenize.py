@@ -18,10 +18,12 @@ from kvcore.token_cache import DEFAULT_MAX_TOKENS
 from kvcore.tokenization import BadPrompt, PromptTokenizer, UnsupportedPrompt
 from router.config import ModelConfig
 
-PromptKind = Literal["chat", "completion", "messages"]
+PromptKind = Literal["chat", "completion", "messages", "responses"]
 # the paths the policy routes, and the kind of body each takes
 ROUTED_PATHS: dict[str, PromptKind] = {"/v1/chat/completions": "chat", "/v1/completions": "completion",
-                                       "/v1/messages": "messages"}
+                                       "/v1/messages": "messages", "/v1/responses": "responses"}
+# kinds whose body is not OpenAI chat or completions: no P/D legs, no usage option added
+AGENT_KINDS = frozenset({"messages", "responses"})
 
 
 @dataclass
@@ -132,12 +134,14 @@ def _prompt_blocks(tok: PromptTokenizer, model: ModelConfig, kind: PromptKind, b
             prompts = [tok.encode_chat(body)]
         elif kind == "messages":
             prompts = [tok.encode_messages(body)]
+        elif kind == "responses":
+            prompts = [tok.encode_responses(body)]
         else:
             prompts = tok.encode_completion(body)
     except UnsupportedPrompt:
         return PromptBlocks(None, fallback="unsupported_prompt")
     except BadPrompt:
-        if kind == "messages":  # the worker answers it, in the Anthropic error shape vLLM gives
+        if kind in AGENT_KINDS:  # the worker answers it, with the error vLLM gives in that API's shape
             return PromptBlocks(None, fallback="bad_prompt")
         raise
     except RecursionError:  # e.g. tool-call arguments nested ~1000 deep: json.loads gives up
@@ -149,4 +153,4 @@ def _prompt_blocks(tok: PromptTokenizer, model: ModelConfig, kind: PromptKind, b
     return PromptBlocks(prompts, keys)
 
 
-__all__ = ["BadPrompt", "PromptBlocks", "PromptKind", "ROUTED_PATHS", "TokenizerPool", "request_extras"]
+__all__ = ["AGENT_KINDS", "BadPrompt", "PromptBlocks", "PromptKind", "ROUTED_PATHS", "TokenizerPool", "request_extras"]

@@ -21,7 +21,7 @@ import pytest
 from conftest import wait_until
 from kvcore.tokenization import PromptTokenizer
 
-from .anthropic_bodies import messages_bodies
+from .anthropic_bodies import messages_bodies, shared_full_blocks
 from .conftest import BLOCK_SIZE, vllm_python
 
 BODIES = messages_bodies()
@@ -106,9 +106,8 @@ def test_a_repeated_agent_turn_goes_to_the_worker_holding_its_prefix(cluster, pr
         {"role": "assistant", "content": "It is a demo repository."},
         {"role": "user", "content": "Which files does it have?"}]}
     first_ids, follow_ids = prompt_tokenizer.encode_messages(body), prompt_tokenizer.encode_messages(follow)
-    common = next((i for i, (a, b) in enumerate(zip(first_ids, follow_ids)) if a != b), len(first_ids))
-    shared = common // BLOCK_SIZE * BLOCK_SIZE  # the first turn's full blocks the follow-up starts with
-    assert shared >= 4 * BLOCK_SIZE, (common, len(first_ids))
+    shared = shared_full_blocks(first_ids, follow_ids, BLOCK_SIZE)
+    assert shared >= 4 * BLOCK_SIZE, (shared, len(first_ids))
 
     def credited() -> dict | None:
         out = cluster.explain(follow, "/v1/messages")
