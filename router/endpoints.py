@@ -191,7 +191,10 @@ class ProxyEndpoint:
             return None, gw.router.ranked_by_load(body), raw, False, None, None
         plan = await gw.router.plan(self.kind, body, headers, raw)
         queued_s = time.monotonic()
-        if plan.pd is not None and plan.pd.pooled:  # legs chosen from the role pools (router.pd)
+        holder = self._stored_response_holder(body, plan)
+        if holder is not None:  # it continues a response only that worker holds: no queue, no choice
+            plan, reservation = gw.router.pin(plan, holder, "stored_response"), None
+        elif plan.pd is not None and plan.pd.pooled:  # legs chosen from the role pools (router.pd)
             reservation = None
             if plan.pd.split:  # the prefill leg waits for its pool as a whole request would
                 reservation = await self._prefill_turn(plan)
@@ -207,6 +210,15 @@ class ProxyEndpoint:
         if body.get("stream") is True and gw.cfg.routing.measure_stream_usage and self.kind not in AGENT_KINDS:
             raw, strip = request_stream_usage(raw, body)
         return plan, plan.ranked(), raw, strip, reservation, logged
+
+    def _stored_response_holder(self, body: dict[str, Any], plan: RoutePlan) -> str | None:
+        """For a Responses request continuing a stored response (``previous_response_id``), the
+        routable worker that made it (:mod:`router.stored_responses`), else None."""
+        previous = body.get("previous_response_id") if self.kind == "responses" else None
+        if not isinstance(previous, str):
+            return None
+        worker = self.gw.stored_responses.worker_of(previous)
+        return worker if worker in plan.workers else None
 
     async def _prefill_turn(self, plan: RoutePlan) -> Reservation | None:
         """The split ``plan``'s prefill leg through the dispatch queue (on when the policy has
@@ -310,7 +322,9 @@ class ProxyEndpoint:
                 presumed_ttft_ms=(plan.predicted_ttft_ms if plan is not None and body.get("stream") is not True
                                   else None),
                 predicted_ttft_ms=plan.predicted_ttft_ms if plan is not None else None,
-                strip_usage=strip)
+                strip_usage=strip,
+                on_answer=(lambda reg, first: gw.stored_responses.learn(reg.id, first))
+                if self.kind == "responses" else None)
         except GatewayError as exc:
             worker = ranked[0].id if ranked else "none"
             gw.metrics.requests.labels(worker, str(exc.status)).inc()

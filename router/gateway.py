@@ -32,6 +32,7 @@ from router.proxy import Upstream
 from router.registry import TaskFactory, WorkerRegistration, WorkerRegistry
 from router.routing import PolicyHolder, Router
 from router.siblings import ProcessGroup
+from router.stored_responses import StoredResponses
 from router.tokenize import TokenizerPool
 from router.worker_probes import health_probe_task, load_scrape_task
 
@@ -80,6 +81,7 @@ class Gateway:
                                             lambda: self.policy.policy.queue)
         self.metrics.watch_dispatch_queue(lambda: self.dispatch_queue.queued)
         self.decisions = DecisionLog(cfg.routing.decisions_kept)
+        self.stored_responses = StoredResponses()  # Responses API: which worker holds a stored response
         self._extra_factories = list(task_factories or [])
         self._lock = asyncio.Lock()
         self._heartbeat: asyncio.Task | None = None

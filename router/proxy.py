@@ -138,7 +138,8 @@ class Upstream:
                     presumed_ttft_ms: Callable[[str], float | None] | None = None,
                     predicted_ttft_ms: Callable[[str], float | None] | None = None,
                     strip_usage: bool = False,
-                    response_headers: list[tuple[bytes, bytes]] | None = None) -> None:
+                    response_headers: list[tuple[bytes, bytes]] | None = None,
+                    on_answer: Callable[[WorkerRegistration, bytes], None] | None = None) -> None:
         """Send the request to ``ranked[0]`` (``ranked[1]`` after a connect failure) and relay
         the answer through ASGI ``send``. ``t0``: perf_counter at request receipt (TTFT).
         ``uncached_tokens(worker_id)``: prefill tokens to count as that worker's load;
@@ -151,7 +152,8 @@ class Upstream:
         its prefill as done (its first byte comes only with the whole answer);
         ``predicted_ttft_ms(worker_id)``: the policy's TTFT prediction there, which tells the
         dispatch queue when the worker's prefill should end; ``response_headers``: added to the
-        worker's for the client (:func:`client_headers` ``extra``). Raises GatewayError
+        worker's for the client (:func:`client_headers` ``extra``); ``on_answer(reg, first)``: a
+        200 answer's first bytes (the whole body when not streamed) from ``reg``. Raises GatewayError
         (502/504) when nothing reached the client. With tracing on (:mod:`router.tracing`) each
         attempt is a CLIENT span ``kvroute.upstream`` whose context goes to the worker as
         ``traceparent`` (in place of the client's), with children ``kvroute.ttfb`` and
@@ -176,7 +178,7 @@ class Upstream:
                                                       "http.request.method": method, "url.full": reg.url + path})
                     await self._relay_one(send, state, reg, handle, method, path, body, attempt_headers, request_id,
                                           t0, on_cached_tokens, on_first_token, strip_usage, span, trace_cached,
-                                          response_headers)
+                                          response_headers, on_answer)
                 return
             except _Retryable as exc:
                 if exc.connect_failed:
@@ -195,7 +197,8 @@ class Upstream:
                          body: bytes, headers, request_id: str, t0: float, on_cached_tokens,
                          on_first_token, strip_usage: bool, span=tracing.INVALID_SPAN,
                          trace_cached: Callable[[int], None] | None = None,
-                         response_headers: list[tuple[bytes, bytes]] | None = None) -> None:
+                         response_headers: list[tuple[bytes, bytes]] | None = None,
+                         on_answer: Callable[[WorkerRegistration, bytes], None] | None = None) -> None:
         """One attempt on ``reg`` (see :meth:`relay`); ``span``: the attempt's span (its HTTP
         status goes on it); ``trace_cached(n)``: puts the worker's cached tokens on the spans,
         called before the last byte reaches the client (the ASGI server span ends there)."""
@@ -225,6 +228,8 @@ class Upstream:
             tracing.set_http_status(span, status)
             handle.streamed = stream and status == 200
             handle.first_byte()
+            if on_answer is not None and status == 200:
+                on_answer(reg, first)
             self.metrics.record_response(reg.id, status, time.perf_counter() - t0)
             with tracing.span("kvroute.stream"):
                 if stream:

@@ -361,6 +361,13 @@ class Router:
         return RoutePlan(plan.model, plan.lora_name, plan.blocks, plan.matches, plan.request, decision,
                          policy.name or "", {r.id: r for r in regs}, plan.pd)
 
+    def pin(self, plan: RoutePlan, worker_id: str, reason: str) -> RoutePlan:
+        """``plan`` sent to ``worker_id`` (one of its candidates) whatever the policy chose, for
+        ``reason`` (e.g. ``stored_response``: the worker holds state the request needs); the
+        other candidates follow in the policy's order."""
+        scores = sorted(plan.decision.scores, key=lambda s: s.worker_id != worker_id)
+        return replace(plan, decision=Decision(worker_id, reason, scores))
+
     def record_decision(self, plan: RoutePlan) -> None:
         """Count a real (not explained) decision, and whether it went past the longest holder;
         with tracing on, put it on the current (the request's) span."""

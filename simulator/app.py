@@ -7,6 +7,8 @@
 - ``POST /v1/messages`` (Anthropic's Messages API): converted to chat as vLLM converts it
   (:mod:`kvcore.anthropic_messages`), one choice, stream or not, answered in Anthropic's shape
   (:mod:`simulator.anthropic_format`).
+- ``POST /v1/responses`` (OpenAI's Responses API, not streamed): converted as vLLM converts it
+  (:mod:`kvcore.responses_input`), answers stored for ``previous_response_id`` on this server.
 - ``GET /v1/models``, ``POST /tokenize`` (``{count, max_model_len, tokens, token_strs}``),
   ``POST /detokenize`` (``{prompt}``), ``GET /health``, ``POST /reset_prefix_cache``,
   ``GET /metrics`` (vLLM's metric names, see :mod:`simulator.metrics`).
@@ -43,7 +45,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import deque
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +55,7 @@ import xxhash
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
+from kvcore.responses_input import responses_to_chat
 from kvcore.tokenization import BadPrompt, PromptTokenizer, UnsupportedPrompt
 from simulator import anthropic_format as afmt
 from simulator import openai_format as fmt
@@ -63,6 +67,7 @@ from simulator.metrics import make_registry
 from simulator.outputs import OutputSampler, text_pieces
 
 JSON = "application/json"
+STORED_RESPONSES = 1000  # Responses API answers kept for previous_response_id
 
 
 class ApiError(Exception):
@@ -118,6 +123,7 @@ class SimServer:
         self.created = int(time.time())  # one value per process, so identical requests give identical bytes
         self.engine_id = f"kvroute-sim-{cfg.port}-{cfg.seed}-{self.created}"
         self.recorded: deque[dict[str, Any]] = deque(maxlen=cfg.recorded_requests)
+        self._stored: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()  # response id -> its messages
         self._counter = 0
         self._engine_task: asyncio.Task | None = None
         self.app = self._build_app()
@@ -148,6 +154,7 @@ class SimServer:
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         app.add_api_route("/v1/messages", self.messages, methods=["POST"])
+        app.add_api_route("/v1/responses", self.responses, methods=["POST"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
         app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
@@ -192,12 +199,13 @@ class SimServer:
         self._counter += 1
         return f"{prefix}-{xxhash.xxh3_64_hexdigest(self._counter.to_bytes(8, 'big'), seed=self.cfg.seed)}"
 
-    def _parse(self, body: dict[str, Any], chat: bool, messages: bool = False) -> _Parsed:
-        """``messages``: an Anthropic Messages body (``chat`` True), converted as vLLM converts it."""
+    def _parse(self, body: dict[str, Any], chat: bool, encode: Callable[[], list[int]] | None = None) -> _Parsed:
+        """``encode``: makes the prompt of a body that is neither chat nor completions (Anthropic
+        messages, responses; ``chat`` True)."""
         self._check_model(body)
         try:
-            if messages:
-                prompts = [self.tokenizer.encode_messages(body)]
+            if encode is not None:
+                prompts = [encode()]
             else:
                 prompts = [self.tokenizer.encode_chat(body)] if chat else self.tokenizer.encode_completion(body)
         except (BadPrompt, UnsupportedPrompt) as exc:
@@ -320,7 +328,7 @@ class SimServer:
             if _int_field(body, "max_tokens", None, minimum=1) is None:
                 raise ApiError(400, "'max_tokens' is required", "max_tokens")
             parsed = self._parse({k: v for k, v in body.items() if k not in ("n", "stream_options")}, chat=True,
-                                 messages=True)
+                                 encode=lambda: self.tokenizer.encode_messages(body))
             rid = self._request_id(request, "msg")
             reqs, sink = self._submit(parsed, rid)
         except ApiError as exc:
@@ -329,13 +337,64 @@ class SimServer:
         if parsed.stream:
             return StreamingResponse(self._stream_messages(parsed, rid, reqs, sink, watcher),
                                      media_type="text/event-stream")
+        req, text = await self._one_answer(reqs, sink, watcher)
+        return _json(afmt.message(rid, self.model, text, req.finish_reason, self._messages_usage(parsed, req)))
+
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API as vLLM serves it without a Harmony model, not streamed: the input
+        converted to chat (:mod:`kvcore.responses_input`) after the stored history of
+        ``previous_response_id`` (its messages without system ones, then its answer; 404 when this
+        server made no such response), as vLLM's ``construct_input_messages``; the answer stored
+        unless ``store`` is false (the latest :data:`STORED_RESPONSES`)."""
+        try:
+            body = await self._body(request, record=True)
+            if body.get("stream"):
+                raise ApiError(400, "the simulator answers responses only unstreamed", "stream")
+            previous = body.get("previous_response_id")
+            history = self._stored.get(previous) if previous is not None else []
+            if history is None:
+                raise ApiError(404, f"Response with id '{previous}' not found.", "previous_response_id")
+            try:
+                chat = responses_to_chat({k: v for k, v in body.items() if k != "previous_response_id"})
+            except (BadPrompt, UnsupportedPrompt) as exc:
+                raise ApiError(400, str(exc), "input") from None
+            lead = 1 if body.get("instructions") else 0
+            chat["messages"] = chat["messages"][:lead] + history + chat["messages"][lead:]
+            max_tokens = _int_field(body, "max_output_tokens", None, minimum=1)
+            parsed = self._parse({"model": body.get("model"), "max_tokens": max_tokens,
+                                  "cache_salt": body.get("cache_salt")}, chat=True,
+                                 encode=lambda: self.tokenizer.encode_chat(chat))
+            self._counter += 1
+            rid = f"resp_{xxhash.xxh3_128_hexdigest(self._counter.to_bytes(8, 'big'), seed=self.cfg.seed)}"
+            reqs, sink = self._submit(parsed, rid)
+        except ApiError as exc:
+            return _error(exc)
+        watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(request, reqs))
+        req, text = await self._one_answer(reqs, sink, watcher)
+        if body.get("store", True) is not False:
+            self._stored[rid] = [m for m in chat["messages"] if m.get("role") != "system"] + [
+                {"role": "assistant", "content": text}]
+            while len(self._stored) > STORED_RESPONSES:
+                self._stored.popitem(last=False)
+        cached = (req.num_cached_tokens or 0) if self.cfg.enable_prompt_tokens_details else 0
+        prompt = len(parsed.prompts[0])
+        return _json({"id": rid, "object": "response", "created_at": self.created, "model": self.model,
+                      "status": "completed", "output": [{
+                          "type": "message", "id": f"msg_{rid[5:]}", "role": "assistant", "status": "completed",
+                          "content": [{"type": "output_text", "text": text, "annotations": []}]}],
+                      "usage": {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
+                                "output_tokens": req.num_output, "output_tokens_details": {"reasoning_tokens": 0},
+                                "total_tokens": prompt + req.num_output}})
+
+    async def _one_answer(self, reqs: list[SimRequest], sink: asyncio.Queue, watcher: asyncio.Task
+                          ) -> tuple[SimRequest, str]:
+        """The one choice of an unstreamed request once it has ended, and its text."""
         try:
             await _drain(sink, 1)
         finally:
             watcher.cancel()
         req = reqs[0]
-        text = self.sampler.text(req.output_token_ids[:req.num_output])
-        return _json(afmt.message(rid, self.model, text, req.finish_reason, self._messages_usage(parsed, req)))
+        return req, self.sampler.text(req.output_token_ids[:req.num_output])
 
     def _messages_usage(self, parsed: _Parsed, req: SimRequest) -> dict[str, Any]:
         cached = (req.num_cached_tokens or 0) if self.cfg.enable_prompt_tokens_details else None

@@ -1,13 +1,15 @@
-"""Anthropic's Messages API through the gateway (``POST /v1/messages``), over two real ``kvroute
-sim`` workers with the ``anthropic`` SDK: an agent's first call and its next turn (system prompt,
-tools, tool use and result), streamed and not; the second goes to the worker holding the first's
-prefix, the worker reports the credited tokens as cached, and the gateway learns that report from
-Anthropic's usage (the decision log's ``actual_cached_tokens``)."""
+"""Agent APIs through the gateway over two real ``kvroute sim`` workers: Anthropic's Messages API
+(``POST /v1/messages``, the ``anthropic`` SDK) and OpenAI's Responses API (the ``openai`` SDK).
+An agent's first call and its next turn (system prompt, tools, tool use and result), streamed and
+not: the second goes to the worker holding the first's prefix, the worker reports the credited
+tokens as cached, and the gateway learns that report from Anthropic's usage (the decision log's
+``actual_cached_tokens``). A stored response is continued on the worker that made it."""
 from __future__ import annotations
 
 import json
 
 import anthropic
+import openai
 import httpx
 import pytest
 
@@ -82,3 +84,32 @@ def test_a_bad_messages_body_gets_the_workers_answer(gateway):
                    timeout=30)  # no max_tokens: the worker refuses it
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
     assert r.headers["x-kvroute-worker"] in ("w0", "w1")
+
+
+def test_a_stored_response_is_continued_on_the_worker_that_made_it(gateway, tiny_model):
+    """A Responses request with ``previous_response_id`` goes to the worker holding that response
+    (any other answers 404), whatever the policy would choose; the id is learnt from the answer."""
+    client = openai.OpenAI(base_url=gateway + "/v1", api_key="x", max_retries=0)
+    first = client.responses.with_raw_response.create(model="tiny", input="Name three colours.", max_output_tokens=3,
+                                                      instructions=system_prompt("responses", 200))
+    holder, response_id = first.headers["x-kvroute-worker"], first.parse().id
+    assert response_id.startswith("resp_")
+    other = "w1" if holder == "w0" else "w0"
+    # the other worker has never seen it: straight there, it is not found
+    sims = {w["id"]: w["url"] for w in httpx.get(gateway + "/admin/workers", headers=AUTH).json()["workers"]}
+    lost = httpx.post(sims[other] + "/v1/responses", json={"model": "tiny", "input": "More.",
+                                                           "previous_response_id": response_id}, timeout=30)
+    assert lost.status_code == 404
+    ids = []
+    for i in range(4):  # each continuation goes to the holder, which knows the history
+        rid = f"continue-{i}"
+        r = client.responses.with_raw_response.create(model="tiny", input=f"And {i} more?", max_output_tokens=2,
+                                                      previous_response_id=response_id,
+                                                      extra_headers={"x-request-id": rid})
+        assert r.headers["x-kvroute-worker"] == holder
+        ids.append(rid)
+    entries = httpx.get(gateway + "/admin/decisions", headers=AUTH, timeout=30).json()["decisions"]
+    assert {e["request_id"]: e["reason"] for e in entries if e["request_id"] in ids} == dict.fromkeys(ids, "stored_response")
+    # an id no worker made: routed as any request, and the worker's 404 reaches the client
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="tiny", input="x", previous_response_id="resp_unknown")
