@@ -258,7 +258,8 @@ class Router:
         if not regs:
             raise no_healthy_worker(model.name)
         policy = self.policy.policy
-        pd_on = policy.pd.applies_to(model.name) and kind not in AGENT_KINDS  # P/D legs are chat/completions
+        pd_applies = policy.pd.applies_to(model.name)
+        pd_on = pd_applies and kind not in AGENT_KINDS  # P/D legs are chat/completions bodies
         uses_index = policy.uses_index or pd_on
         blocks: PromptBlocks | None = None
         if uses_index or explain:
@@ -300,6 +301,9 @@ class Router:
                                session_key=self.session_key(policy, body, headers),
                                rand=self._draw(consume=not explain))
         regs = [r for r in regs if r.routable]  # a probe may have run during tokenization
+        if pd_applies and not pd_on:  # an agent API's request: served whole by the decode pool
+            _, decode_ids = pools({r.id: r.role for r in regs})
+            regs = [r for r in regs if r.id in decode_ids] or regs
         if not regs:
             raise no_healthy_worker(model.name)
         with tracing.span("kvroute.choose") as span:

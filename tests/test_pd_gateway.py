@@ -754,3 +754,15 @@ def test_dispatch_queue_holds_whole_requests_and_fallbacks_for_the_decode_pool(p
         for t in threads:
             t.join(30)
         assert admin(pd, "PUT", "/admin/policy", got).status_code == 200
+
+
+def test_agent_api_requests_are_served_whole_by_the_decode_pool(pd):
+    """Anthropic Messages and OpenAI Responses bodies are not split (vLLM's P/D legs are chat and
+    completions bodies): the live policy chooses among the decode pool only, never p0."""
+    messages = {"model": "tiny", "max_tokens": 4, "system": system_prompt("agent-pd", 300),
+                "messages": [{"role": "user", "content": "hi"}]}
+    responses = {"model": "tiny", "input": "hi", "instructions": system_prompt("agent-pd", 300)}
+    for path, body in (("/v1/messages", messages), ("/v1/responses", responses)):
+        out = admin(pd, "POST", f"/admin/explain?path={path}", body).json()
+        assert out["chosen"] in ("d0", "d1") and out.get("pd") is None, out
+        assert sorted(c["worker"] for c in out["candidates"]) == ["d0", "d1"]
