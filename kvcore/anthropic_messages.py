@@ -17,7 +17,8 @@ Messages request exactly as the worker will:
   (text items joined with ``\\n``) placed before the user message itself, an assistant's becomes a
   text part ``Tool result: ...``; ``redacted_thinking`` and ``tool_reference`` add nothing. A user
   message left with no content is dropped.
-- ``tools`` become function tools (``input_schema`` as ``parameters``; ``strict`` and
+- ``tools`` become function tools (``input_schema`` as ``parameters``, with ``"type": "object"``
+  added last when it has no type; ``strict`` and
   ``defer_loading`` kept when set), ``tool_choice`` maps ``any`` to ``required`` and ``tool`` to a
   named function; ``thinking: {type: disabled}`` sets ``reasoning_effort`` to
   ``disabled_thinking_effort`` (``none``, or ``low`` for a template that ignores ``none``; vLLM
@@ -190,8 +191,9 @@ def _tools(tools: Any) -> list[dict[str, Any]] | None:
     for i, tool in enumerate(tools):
         if not isinstance(tool.get("name"), str) or not isinstance(tool.get("input_schema"), dict):
             raise BadPrompt(f"tools[{i}] must be an object with a string 'name' and an 'input_schema' object")
-        fn: dict[str, Any] = {"name": tool["name"], "description": tool.get("description"),
-                              "parameters": tool["input_schema"]}
+        schema = dict(tool["input_schema"])
+        schema.setdefault("type", "object")  # vLLM's AnthropicTool.validate_input_schema, at the end
+        fn: dict[str, Any] = {"name": tool["name"], "description": tool.get("description"), "parameters": schema}
         for key in ("strict", "defer_loading"):
             if tool.get(key) is not None:
                 fn[key] = tool[key]

@@ -67,10 +67,7 @@ def responses_to_chat(body: dict[str, Any]) -> dict[str, Any]:
     reasoning = body.get("reasoning")
     effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
     if effort is not None:
-        if kwargs and "enable_thinking" in kwargs:  # the request's own switch stays
-            kwargs = {**kwargs, "reasoning_effort": effort}
-        else:
-            chat["reasoning_effort"] = effort
+        chat["reasoning_effort"] = effort
     if kwargs is not None:
         chat["chat_template_kwargs"] = kwargs
     tools = _tools(body.get("tools"))

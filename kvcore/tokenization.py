@@ -92,7 +92,8 @@ class PromptTokenizer:
             raise BadPrompt("'add_generation_prompt' and 'continue_final_message' are exclusive")
         if body.get("reasoning_effort") is not None:
             kwargs["reasoning_effort"] = body["reasoning_effort"]
-            kwargs["enable_thinking"] = body["reasoning_effort"] != "none"
+            if "enable_thinking" not in (extra or {}):  # the request's own switch stays (build_chat_params)
+                kwargs["enable_thinking"] = body["reasoning_effort"] != "none"
         tools = body.get("tools")
         if tools is not None and not isinstance(tools, list):
             raise BadPrompt("'tools' must be a list")

@@ -200,8 +200,9 @@ class ProxyEndpoint:
                 reservation = await self._prefill_turn(plan)
             if not plan.pd.split:  # served whole by a decode-pool worker, which computes the prompt
                 plan, reservation = await self._decode_turn(plan)
-        else:
-            plan, reservation = await gw.dispatch_queue.take_turn(plan)
+        else:  # a P/D model's agent-API request stays in the decode pool the router chose it from
+            pool = frozenset(plan.workers) if gw.router.policy.policy.pd.applies_to(plan.model.name) else None
+            plan, reservation = await gw.dispatch_queue.take_turn(plan, pool)
         if plan.pd is not None and not plan.pd.split:
             gw.metrics.pd_requests.labels(plan.model.name, "whole").inc()
         gw.router.record_decision(plan)

@@ -108,7 +108,11 @@ def _usage_of_event(event: bytes) -> dict[str, Any] | None:
                 obj = orjson.loads(line[5:].strip())
             except orjson.JSONDecodeError:
                 return None
-            usage = obj.get("usage") if isinstance(obj, dict) else None
+            if not isinstance(obj, dict):
+                return None
+            usage = obj.get("usage")
+            if usage is None and isinstance(obj.get("response"), dict):  # Responses: response.completed
+                usage = obj["response"].get("usage")
             return usage if isinstance(usage, dict) else None
     return None
 

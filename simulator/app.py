@@ -351,6 +351,8 @@ class SimServer:
             if body.get("stream"):
                 raise ApiError(400, "the simulator answers responses only unstreamed", "stream")
             previous = body.get("previous_response_id")
+            if previous is not None and not isinstance(previous, str):
+                raise ApiError(400, "'previous_response_id' must be a string", "previous_response_id")
             history = self._stored.get(previous) if previous is not None else []
             if history is None:
                 raise ApiError(404, f"Response with id '{previous}' not found.", "previous_response_id")

@@ -64,7 +64,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         f"(default {DEFAULT_KV_LINK_GBPS:g})")
     p.add_argument("--kv-load", choices=("prompt", "full-blocks"), default="prompt",
                    help="P/D: what a decode worker loads instead of computing: 'prompt' (vLLM's NixlConnector and "
-                        "MooncakeConnector: every prompt token but the last, which it computes) or 'full-blocks' "
+                        "MooncakeConnector: the whole prompt; its last token is computed again) or 'full-blocks' "
                         "(kvroute's tiers connector: full blocks only, the partial last block computed) "
                         "(default prompt)")
     p.add_argument("--speedup", type=float, default=1.0, help="divide all simulated times by this (default 1)")

@@ -26,9 +26,10 @@ P/D disaggregation (vLLM's protocol, ``kv_transfer_params``):
   has read them; the simulated decode side reads nothing, so nothing is held).
 - ``remote_prefill`` (a decode worker's leg): admitted like any request, but the prompt's uncached
   tokens are loaded over the worker's link instead of computed. ``kv_load`` says which: ``"prompt"``
-  (vLLM's own connectors, NixlConnector and MooncakeConnector: every prompt token but the last,
-  the partial block included; ``nixl/base_scheduler.py``'s ``_get_remote_prefill_token_count``
-  and the scheduler's ``_update_waiting_for_remote_kv``) or ``"full_blocks"`` (kvroute's tiers
+  (vLLM's own connectors, NixlConnector and MooncakeConnector: every prompt token, the partial
+  block included, all counted as cached; the last one is then computed again for its logits;
+  ``nixl/base_scheduler.py``'s ``_get_remote_prefill_token_count`` and the scheduler's
+  ``_update_waiting_for_remote_kv``) or ``"full_blocks"`` (kvroute's tiers
   connector, whose agents hold only full blocks: at most ``(len - 1) // block_size`` blocks). The
   request waits in ``receiving``, outside the steps, for :meth:`TimingModel.transfer_s` of those
   tokens (transfers queue on the one link), then joins the running requests with the loaded full
@@ -332,7 +333,7 @@ class Engine:
         are taken); False when there is nothing to load (it is then computed as any other)."""
         bs = self.pool.block_size
         n = len(req.prompt_token_ids)
-        loadable = n - 1 if self.kv_load == "prompt" else (n - 1) // bs * bs
+        loadable = n if self.kv_load == "prompt" else (n - 1) // bs * bs
         tokens = max(0, loadable - hit_tokens)
         self.stats.external_queries_tokens += n - hit_tokens
         if tokens == 0:
@@ -358,7 +359,9 @@ class Engine:
             if len(self.running) >= self.max_num_seqs:
                 return
             self.receiving.remove(req)
-            req.num_computed_tokens = req.local_hit_tokens + req.transferred_tokens
+            # a prompt loaded whole still computes its last token (the scheduler's
+            # _update_waiting_for_remote_kv), for the logits of the first output token
+            req.num_computed_tokens = min(req.local_hit_tokens + req.transferred_tokens, len(req.prompt_token_ids) - 1)
             self._cache_blocks(req)
             self.running.append(req)
 

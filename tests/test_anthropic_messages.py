@@ -41,7 +41,8 @@ def test_tool_use_and_results_become_tool_calls_and_tool_messages_before_the_use
                                      {"type": "text", "text": "go on"}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "tu1", "content": "only"}]},
         {"role": "assistant", "content": [{"type": "tool_result", "content": "x"}, {"type": "text", "text": "y"}]}],
-        "tools": [{"name": "ls", "input_schema": {"type": "object"}, "strict": True}]}
+        "tools": [{"name": "ls", "input_schema": {"type": "object"}, "strict": True},
+                  {"name": "now", "input_schema": {"properties": {}}}]}
     chat = messages_to_chat(body)
     assert chat["messages"] == [
         USER,
@@ -51,8 +52,12 @@ def test_tool_use_and_results_become_tool_calls_and_tool_messages_before_the_use
         {"role": "user", "content": "go on"},
         {"role": "tool", "tool_call_id": "tu1", "content": "only"},  # the user message left empty is dropped
         {"role": "assistant", "content": [{"type": "text", "text": "Tool result: x"}, {"type": "text", "text": "y"}]}]
-    assert chat["tools"] == [{"type": "function", "function": {
-        "name": "ls", "description": None, "parameters": {"type": "object"}, "strict": True}}]
+    assert chat["tools"] == [
+        {"type": "function", "function": {"name": "ls", "description": None, "parameters": {"type": "object"},
+                                          "strict": True}},
+        {"type": "function", "function": {"name": "now", "description": None,
+                                          "parameters": {"properties": {}, "type": "object"}}}]
+    assert list(chat["tools"][1]["function"]["parameters"]) == ["properties", "type"]  # added last, as vLLM
 
 
 def test_thinking_disabled_and_output_effort_set_the_reasoning_effort():

@@ -612,11 +612,11 @@ def test_split_then_follow_up_whole_over_sims(tmp_path, tiny_model):
             chunks = list(r.parse())
         usage = chunks[-1].usage
         assert usage.prompt_tokens == 300 and usage.completion_tokens == 4
-        assert usage.prompt_tokens_details.cached_tokens == 299  # all but the last token came over the link
+        assert usage.prompt_tokens_details.cached_tokens == 300  # the whole prompt came over the link
         p_after, d_after = _sim_metrics(sims["p0"]), _sim_metrics(sims["d0"])
         assert p_after.get("local_compute", 0) - p_before.get("local_compute", 0) == 300
-        assert d_after.get("external_kv_transfer", 0) - d_before.get("external_kv_transfer", 0) == 299
-        assert d_after.get("local_compute", 0) - d_before.get("local_compute", 0) == 1
+        assert d_after.get("external_kv_transfer", 0) - d_before.get("external_kv_transfer", 0) == 300
+        assert d_after.get("local_compute", 0) - d_before.get("local_compute", 0) == 0
         # the next turn: d0 holds 288 of its 320 tokens, 32 uncached < 64: served whole by d0
         follow = prompt + list(range(60, 80))
         r = client.completions.with_raw_response.create(model="tiny", prompt=follow, max_tokens=2)
@@ -766,3 +766,43 @@ def test_agent_api_requests_are_served_whole_by_the_decode_pool(pd):
         out = admin(pd, "POST", f"/admin/explain?path={path}", body).json()
         assert out["chosen"] in ("d0", "d1") and out.get("pd") is None, out
         assert sorted(c["worker"] for c in out["candidates"]) == ["d0", "d1"]
+
+
+def test_an_agent_api_request_waits_for_the_decode_pool_not_an_idle_prefill_worker(pd):
+    """With policy.queue on and both decode workers before a first byte, a Messages request waits
+    in the gateway rather than going to the idle prefill worker."""
+    got = admin(pd, "GET", "/admin/policy").json()
+    queue = {**got["queue"], "enabled": True, "worker_prefills": 1, "holder_prefills": 1, "settle_ms": 0,
+             "worker_queue_ms": 0}
+    assert admin(pd, "PUT", "/admin/policy", {**got, "queue": queue}).status_code == 200, got
+    gate = pd.stand.call(_new_event())
+    for w in ("d0", "d1"):
+        pd[w].answer_gate = gate
+    short = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    results: dict[str, httpx.Response] = {}
+    threads: list[threading.Thread] = []
+
+    def post(key: str, path: str, body: dict) -> None:
+        results[key] = httpx.post(pd.base + path, json=body, timeout=30)
+
+    try:
+        for key in ("a", "b"):
+            threads.append(threading.Thread(target=post, args=(key, "/v1/chat/completions", short)))
+            threads[-1].start()
+            wait_until(lambda: metric_value(pd, "kvroute_dispatch_queue_queued") == 0
+                       and sum(len(pd[w].seen) for w in ("d0", "d1")) >= len(threads), what=f"request {key} sent")
+        seen_p0 = len(pd["p0"].seen)
+        threads.append(threading.Thread(target=post, args=("agent", "/v1/messages", {
+            "model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "hello"}]})))
+        threads[-1].start()
+        wait_until(lambda: metric_value(pd, "kvroute_dispatch_queue_queued") == 1, what="the Messages request queued")
+        pd.stand.loop.call_soon_threadsafe(gate.set)
+        for t in threads:
+            t.join(30)
+        assert results["agent"].headers["x-kvroute-worker"] in ("d0", "d1")  # the stand-ins have no such route
+        assert len(pd["p0"].seen) == seen_p0
+    finally:
+        pd.stand.loop.call_soon_threadsafe(gate.set)
+        for t in threads:
+            t.join(30)
+        assert admin(pd, "PUT", "/admin/policy", got).status_code == 200

@@ -1,6 +1,6 @@
 """The simulator's P/D disaggregation (vLLM's ``kv_transfer_params`` protocol): a prefill leg
 answers the params, a decode leg loads the prompt's uncached tokens over the simulated link instead
-of computing them (all but the last, as vLLM's NixlConnector, or full blocks only, as kvroute's
+of computing them (the whole prompt, as vLLM's NixlConnector, or full blocks only, as kvroute's
 tiers connector), caches the full blocks (KV events) and reports the loaded tokens as cached.
 
 Engine tests drive the steps by hand with a hand-set clock, so the transfer time is checked in the
@@ -94,7 +94,7 @@ def test_decode_leg_waits_for_the_load_then_computes_only_the_last_partial_block
     assert again.num_cached_tokens == 40 and again.finished
 
 
-def test_vllm_connectors_load_all_but_the_last_token_which_the_step_prices_as_a_decode():
+def test_vllm_connectors_load_the_whole_prompt_and_its_last_token_is_priced_as_a_decode():
     engine, published = make_engine(kv_load="prompt")
     running = request(list(range(900, 906)), [1, 2, 3, 4], "running")  # a decode already in the batch
     engine.add(running)
@@ -103,18 +103,19 @@ def test_vllm_connectors_load_all_but_the_last_token_which_the_step_prices_as_a_
     req = request(prompt, [7, 8], "d", remote_prefill=True)
     engine.add(req)
     engine.complete(engine.schedule())
-    # 41 tokens cross the link, the partial block's first token included
-    assert (req.transferred_tokens, req.num_cached_tokens, req.kv_ready_s) == (41, 41, pytest.approx(100.041))
+    # all 42 tokens cross the link, the partial block included, and count as cached
+    assert (req.transferred_tokens, req.num_cached_tokens, req.kv_ready_s) == (42, 42, pytest.approx(100.042))
     engine.clock.t = req.kv_ready_s
     s = engine.schedule()
     assert s.scheduled == [running, req]
-    # the last prompt token rides with the decode as a second sequence: no prefill fixed cost
+    # the last prompt token, computed again for its logits, rides with the decode as a second
+    # sequence: no prefill fixed cost
     assert s.duration_s == pytest.approx(TIMING.step_s(0, 0, 2))
     assert s.duration_s < TIMING.step_s(1, 1, 1, 42)
     engine.complete(s)
     assert req.sink.get_nowait() == (0, 7)
     assert set(engine_block_hashes(prompt, BS, SEED)[:10]) <= set(stored(published))
-    assert (engine.stats.external_hits_tokens, engine.stats.kv_transfer_bytes) == (41, 41_000)
+    assert (engine.stats.external_hits_tokens, engine.stats.kv_transfer_bytes) == (42, 42_000)
     with pytest.raises(ValueError, match="kv_load"):
         Engine(BlockPool(8, BS), TIMING, 8, SEED, kv_load="all")
 

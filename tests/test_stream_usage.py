@@ -10,7 +10,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from router.stream_usage import UsageStrip, request_stream_usage
+from router.stream_usage import UsageStrip, UsageTap, request_stream_usage
 
 STREAMS = Path(__file__).parent / "fixtures" / "vllm_streams"
 _VOLATILE = re.compile(rb'"(id|created)":("[^"]*"|\d+)')
@@ -143,3 +143,20 @@ def test_strip_forwards_each_event_as_it_ends_for_any_sse_line_end(eol):
     assert masked(b"".join(out)) == masked(b"".join(plain))
     assert out[0] == framed[0] and out[1] == framed[1]  # content events: at once, unchanged
     assert strip.cached_tokens == 0
+
+
+@pytest.mark.parametrize("events,cached", [
+    # Anthropic (vLLM's /v1/messages): message_delta carries the final usage
+    ([b'event: message_start\ndata: {"type":"message_start","message":{"usage":{"input_tokens":9}}}\n\n',
+      b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"end_turn"},'
+      b'"usage":{"input_tokens":4,"output_tokens":2,"cache_read_input_tokens":64}}\n\n',
+      b'event: message_stop\ndata: {"type":"message_stop"}\n\n'], 64),
+    # OpenAI Responses: response.completed carries the response, its usage inside
+    ([b'event: response.created\ndata: {"type":"response.created","response":{"id":"resp_1","usage":null}}\n\n',
+      b'event: response.completed\ndata: {"type":"response.completed","response":{"id":"resp_1",'
+      b'"usage":{"input_tokens":80,"input_tokens_details":{"cached_tokens":32},"output_tokens":2}}}\n\n'], 32),
+])
+def test_the_tap_reads_the_agent_apis_stream_usage(events, cached):
+    tap = UsageTap()
+    out = b"".join(tap.feed(e) for e in events) + tap.finish()
+    assert out == b"".join(events) and tap.cached_tokens == cached

@@ -17,6 +17,7 @@ TOOLS = [
     {"name": "read_file", "description": "Read a file of the repository.",
      "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}},
     {"name": "run", "input_schema": {"type": "object", "properties": {"cmd": {"type": "string"}}}, "strict": True},
+    {"name": "now", "description": "The time.", "input_schema": {}},  # no "type": vLLM adds "object"
 ]
 SYSTEM = "You are a coding agent working in a small repository. Keep answers short."
 
