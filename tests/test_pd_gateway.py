@@ -693,18 +693,31 @@ def test_dispatch_queue_holds_the_prefill_leg_for_its_pool(pd):
         assert admin(pd, "PUT", "/admin/policy", got).status_code == 200
 
 
+def queue_on(pd: PD) -> dict:
+    """Turn policy.queue on, one request before its first byte per worker, no settle or queue
+    margin; returns the policy to put back."""
+    got = admin(pd, "GET", "/admin/policy").json()
+    queue = {**got["queue"], "enabled": True, "worker_prefills": 1, "holder_prefills": 1, "settle_ms": 0,
+             "worker_queue_ms": 0}
+    assert admin(pd, "PUT", "/admin/policy", {**got, "queue": queue}).status_code == 200, got
+    return got
+
+
+def hold_decode_answers(pd: PD) -> asyncio.Event:
+    """d0 and d1 answer whole and decode requests only once the returned event is set."""
+    gate = pd.stand.call(_new_event())
+    for w in ("d0", "d1"):
+        pd[w].answer_gate = gate
+    return gate
+
+
 def test_dispatch_queue_holds_whole_requests_and_fallbacks_for_the_decode_pool(pd):
     """With policy.queue on, a request the decode pool serves whole (a short prompt), and the
     fallback of a split request whose prefill leg failed, wait in the gateway while every decode
     worker is before the first byte of another request, as any whole request does, and go once
     one answers."""
-    got = admin(pd, "GET", "/admin/policy").json()
-    queue = {**got["queue"], "enabled": True, "worker_prefills": 1, "holder_prefills": 1, "settle_ms": 0,
-             "worker_queue_ms": 0}
-    assert admin(pd, "PUT", "/admin/policy", {**got, "queue": queue}).status_code == 200, got
-    gate = pd.stand.call(_new_event())
-    for w in ("d0", "d1"):
-        pd[w].answer_gate = gate
+    got = queue_on(pd)
+    gate = hold_decode_answers(pd)
     pd["p0"].mode = "500"
     results: dict[str, httpx.Response] = {}
     threads: list[threading.Thread] = []
@@ -771,13 +784,8 @@ def test_agent_api_requests_are_served_whole_by_the_decode_pool(pd):
 def test_an_agent_api_request_waits_for_the_decode_pool_not_an_idle_prefill_worker(pd):
     """With policy.queue on and both decode workers before a first byte, a Messages request waits
     in the gateway rather than going to the idle prefill worker."""
-    got = admin(pd, "GET", "/admin/policy").json()
-    queue = {**got["queue"], "enabled": True, "worker_prefills": 1, "holder_prefills": 1, "settle_ms": 0,
-             "worker_queue_ms": 0}
-    assert admin(pd, "PUT", "/admin/policy", {**got, "queue": queue}).status_code == 200, got
-    gate = pd.stand.call(_new_event())
-    for w in ("d0", "d1"):
-        pd[w].answer_gate = gate
+    got = queue_on(pd)
+    gate = hold_decode_answers(pd)
     short = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
     results: dict[str, httpx.Response] = {}
     threads: list[threading.Thread] = []
