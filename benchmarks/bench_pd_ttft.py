@@ -44,6 +44,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 from model_cache import ensure_model  # noqa: E402
+from kvroute.bench.workers import samples_by_source  # noqa: E402
 
 BLOCK = 32
 TOKEN = "bench-pd-ttft"
@@ -110,15 +111,7 @@ def ttft_s(url: str, body: dict, headers: dict | None = None) -> tuple[float, di
 def sources(url: str) -> dict[str, float]:
     """The worker's ``vllm:prompt_tokens_by_source_total`` by source (local_compute,
     local_cache_hit, external_kv_transfer, ...): where its prompt tokens came from, summed."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
-        for sample in family.samples:
-            if sample.name == "vllm:prompt_tokens_by_source_total":
-                source = sample.labels.get("source", "")
-                out[source] = out.get(source, 0.0) + sample.value
-    return out
+    return samples_by_source(url, "vllm:prompt_tokens_by_source_total", timeout_s=10)
 
 
 def loaded(url: str, send):

@@ -24,6 +24,7 @@ from openai import OpenAI
 
 from conftest import ADMIN_TOKEN, Proc, free_ports, serve_gateway, wait_http, wait_until
 from kvcore.index.base import TierMatch
+from kvroute.bench.workers import samples_by_source
 from router.pd import PREFILL_KV_TRANSFER_PARAMS, choose_decode, decode_body, prefill_body, prefill_policy, \
     split_or_whole
 from router.policies import Candidate, RouteRequest, WorkerLoad, describe, make_policy
@@ -579,13 +580,7 @@ def test_split_request_teaches_the_prefill_worker_only(pd):
 # ---- over real `kvroute sim` workers that speak the protocol ------------------------------------
 
 def _sim_metrics(url: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("vllm:prompt_tokens_by_source_total"):
-            name, value = line.rsplit(" ", 1)
-            source = name.split('source="', 1)[1].split('"', 1)[0]
-            out[source] = out.get(source, 0.0) + float(value)
-    return out
+    return samples_by_source(url, "vllm:prompt_tokens_by_source_total", timeout_s=10)
 
 
 def test_split_then_follow_up_whole_over_sims(tmp_path, tiny_model):

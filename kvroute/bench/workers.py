@@ -27,6 +27,20 @@ def metric_samples(url: str, timeout_s: float = 30) -> dict[str, float]:
     return out
 
 
+def samples_by_source(url: str, metric: str, timeout_s: float = 30) -> dict[str, float]:
+    """``GET url/metrics``: the samples of ``metric`` per ``source`` label, summed over the other
+    labels (``vllm:prompt_tokens_by_source_total``: local_compute, local_cache_hit,
+    external_kv_transfer; ``vllm:prompt_tokens_cached_by_source_total``: device, host, p2p, ...)."""
+    text = httpx.get(url.rstrip("/") + "/metrics", timeout=timeout_s).text
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == metric:
+                source = s.labels.get("source", "")
+                out[source] = out.get(source, 0.0) + s.value
+    return out
+
+
 def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 120,
                interval_s: float = 0.3) -> None:
     """Poll ``url`` every ``interval_s`` until it answers below 500. Raises RuntimeError (with

@@ -25,8 +25,9 @@ import httpx
 import pytest
 
 from e2e.conftest import vllm_python
-from e2e.tier_checks import per_source, random_tokens, same_output
+from e2e.tier_checks import random_tokens, same_output
 from conftest import ADMIN_TOKEN, Proc, free_ports, kvroute_argv, wait_http, wait_until
+from kvroute.bench.workers import samples_by_source
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
@@ -42,7 +43,7 @@ AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 def _by_source(url: str) -> dict[str, float]:
     """Where the worker's prompt tokens came from (local_compute, local_cache_hit,
     external_kv_transfer)."""
-    return per_source(url, "vllm:prompt_tokens_by_source_total")
+    return samples_by_source(url, "vllm:prompt_tokens_by_source_total")
 
 
 def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, int]:

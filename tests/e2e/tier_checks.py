@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import random
 
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
+from kvroute.bench.workers import samples_by_source
 
 # one KV block of the generated "tiny" model served in bfloat16, block size 32:
 # 2 layers x (K, V) x 32 tokens x 1 KV head x 64 dims x 2 bytes
@@ -25,19 +24,7 @@ def same_output(a: dict, b: dict) -> None:
 def cached_by_source(vllm_url: str) -> dict[str, float]:
     """vLLM's ``vllm:prompt_tokens_cached_by_source_total`` per ``source`` label (device, host,
     p2p, disk, ...), summed over its other labels."""
-    return per_source(vllm_url, "vllm:prompt_tokens_cached_by_source_total")
-
-
-def per_source(vllm_url: str, metric: str) -> dict[str, float]:
-    """The samples of ``metric`` on the vLLM server at ``vllm_url`` per ``source`` label, summed
-    over the other labels (``vllm:prompt_tokens_by_source_total``: local_compute,
-    local_cache_hit, external_kv_transfer)."""
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(httpx.get(vllm_url + "/metrics", timeout=30).text):
-        for s in fam.samples:
-            if s.name == metric:
-                out[s.labels["source"]] = out.get(s.labels["source"], 0.0) + s.value
-    return out
+    return samples_by_source(vllm_url, "vllm:prompt_tokens_cached_by_source_total")
 
 
 def random_tokens(seed: int, n: int) -> list[int]:
