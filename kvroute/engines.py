@@ -34,6 +34,9 @@ def sim_argv(args: argparse.Namespace, i: int, port: int, events_cfg: dict) -> l
         argv += ["--max-model-len", str(args.max_model_len)]
     if args.speedup != 1.0:
         argv += ["--speedup", str(args.speedup)]
+    lora = getattr(args, "lora", None)
+    if lora:
+        argv += ["--lora-modules", *(f"{name}={path}" for name, path in lora.items())]
     return argv
 
 
@@ -50,7 +53,29 @@ def vllm_argv(args: argparse.Namespace, port: int, events_cfg: dict) -> list[str
         argv += ["--num-gpu-blocks-override", str(args.num_gpu_blocks_override)]
     if args.max_model_len:
         argv += ["--max-model-len", str(args.max_model_len)]
+    lora = getattr(args, "lora", None)
+    if lora:
+        argv += lora_argv(lora)
     return argv + shlex.split(args.vllm_args or "")
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py MaxLoRARanks
+
+
+def lora_argv(lora: dict[str, Path]) -> list[str]:
+    """vLLM flags serving the adapters ``lora`` (name -> PEFT directory): ``--enable-lora``,
+    ``--max-loras`` (all of them in one batch), ``--max-lora-rank`` (the smallest value vLLM allows
+    at or above the largest adapter's ``r``; vLLM refuses an adapter above it) and ``--lora-modules``.
+    Flags in ``--vllm-args`` come later and win."""
+    ranks = []
+    for path in lora.values():
+        try:
+            ranks.append(int(json.loads((Path(path) / "adapter_config.json").read_text()).get("r", 0)))
+        except (OSError, ValueError, TypeError):
+            ranks.append(0)
+    rank = next((r for r in VLLM_LORA_RANKS if r >= max(ranks)), VLLM_LORA_RANKS[-1])
+    return ["--enable-lora", "--max-loras", str(len(lora)), "--max-lora-rank", str(max(rank, 16)),
+            "--lora-modules", *(f"{name}={path}" for name, path in lora.items())]
 
 
 def tier_argv_env(args: argparse.Namespace, i: int, agent_socket: str | None = None,

@@ -38,6 +38,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvcore.lora_modules import parse_lora_modules
 from kvroute.engines import agent_argv, kvroute_argv, sim_argv, tier_argv_env, vllm_argv, vllm_env
 
 STOP_GRACE_S = 10.0
@@ -333,13 +334,27 @@ def gateway_config(args: argparse.Namespace, workers: list[dict], port: int) -> 
         "listen": {"host": args.host, "port": port},
         "admin": {"token_env": "KVROUTE_ADMIN_TOKEN"},
         "models": [{"name": args.served_model_name, "tokenizer": str(Path(args.model).resolve()),
-                    "block_size": args.block_size}],
+                    "block_size": args.block_size,
+                    **({"lora_adapters": list(args.lora)} if getattr(args, "lora", None) else {})}],
         "index": index,
         "workers": workers,
         "policy": policy,
         # stopped first on the way down: its requests in flight finish while the workers still run
         "timeouts": {"shutdown_grace_s": GATEWAY_GRACE_S},
     }
+
+
+def lora_adapters(items: list[str], check_files: bool) -> dict[str, Path]:
+    """``--lora-modules`` items (vLLM's ``NAME=PATH`` or JSON ``{"name", "path"}`` forms) as name ->
+    absolute path. ``check_files``: each path must be a PEFT adapter directory (with
+    ``adapter_config.json``), as vLLM loads it at start. Raises ValueError naming the bad item."""
+    out: dict[str, Path] = {}
+    for name, path in parse_lora_modules(items).items():
+        resolved = Path(path).expanduser().resolve()
+        if check_files and not (resolved / "adapter_config.json").is_file():
+            raise ValueError(f"--lora-modules: {path} has no adapter_config.json (a PEFT LoRA adapter directory)")
+        out[name] = resolved
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -469,6 +484,10 @@ def register(subparsers) -> None:
     p.add_argument("--tier-option", action="append", default=[], metavar="KEY=VALUE",
                    help="vllm engine with tiers: a KV connector setting, repeatable: peer_locate_timeout_ms "
                         "(default 100), peer_pull_deadline_ms (1000), peer_pull_min_blocks (4), agent_wait_s (10)")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters every worker serves beside the model (vLLM's flag and forms: NAME=PATH or "
+                        "JSON with name and path); vLLM workers get --enable-lora and --max-loras, the gateway "
+                        "routes each adapter on its own cached blocks")
     p.add_argument("--policy", default="ttft",
                    help="routing policy (default ttft: lowest predicted TTFT, dispatch queue on; kv_aware, "
                         "round_robin, least_load, session)")
@@ -513,6 +532,13 @@ def register(subparsers) -> None:
                 p.error("--cpu-tier-bytes must be > 0 when tiers are used")
             if (args.ssd_tier_dir is None) != (args.ssd_tier_bytes is None) or (args.ssd_tier_bytes or 1) <= 0:
                 p.error("--ssd-tier-dir and --ssd-tier-bytes (> 0) go together")
+        try:
+            args.lora = lora_adapters(args.lora_modules, args.engine == "vllm")
+        except ValueError as exc:
+            p.error(str(exc))
+        if args.lora and is_pd(args):
+            p.error("--lora-modules with --prefill-workers/--decode-workers is not supported: kvroute's KV "
+                    "connector moves no LoRA request's KV, so a decode worker would compute every prompt again")
         if args.tier_option:
             if not args.cpu_tier_bytes:
                 p.error("--tier-option needs the tiers (--engine vllm --cpu-tier-bytes N)")

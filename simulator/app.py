@@ -103,6 +103,8 @@ class _Parsed:
     ignore_eos: bool
     remote_prefill: bool = False  # kv_transfer_params.do_remote_prefill
     remote_decode: bool = False  # kv_transfer_params.do_remote_decode
+    model: str = ""  # the name answers carry: the served model's, or the LoRA adapter's the body named
+    lora_name: str | None = None  # the LoRA adapter the body named (SimConfig.lora_modules)
 
 
 class SimServer:
@@ -184,12 +186,17 @@ class SimServer:
         self.recorded.append({"method": request.method, "path": request.url.path,
                               "headers": dict(request.headers), "body": body})
 
-    def _check_model(self, body: dict[str, Any]) -> None:
-        """vLLM 0.32's check: no model (absent, null or "") means the served one; another name is
-        a 404 (``_is_model_supported``, vllm/entrypoints/serve/engine/serving.py)."""
+    def _check_model(self, body: dict[str, Any]) -> str | None:
+        """vLLM 0.32's check: no model (absent, null or "") means the served one; a LoRA adapter's
+        name (``--lora-modules``) serves that adapter, whose name is returned; another name is a
+        404 (``_is_model_supported``, vllm/entrypoints/serve/engine/serving.py)."""
         model = body.get("model")
+        if model and model in self.cfg.lora_modules:
+            return model
         if model and model != self.model:
-            raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {self.model}.", "model")
+            names = ", ".join([self.model, *self.cfg.lora_modules])
+            raise ApiError(404, f"The model `{model}` does not exist. Valid aliases: {names}.", "model")
+        return None
 
     def _request_id(self, request: Request, prefix: str) -> str:
         """vLLM's id: the ``X-Request-Id`` header when given, else (here) a seeded counter hash."""
@@ -202,7 +209,7 @@ class SimServer:
     def _parse(self, body: dict[str, Any], chat: bool, encode: Callable[[], list[int]] | None = None) -> _Parsed:
         """``encode``: makes the prompt of a body that is neither chat nor completions (Anthropic
         messages, responses; ``chat`` True)."""
-        self._check_model(body)
+        lora_name = self._check_model(body)
         try:
             if encode is not None:
                 prompts = [encode()]
@@ -245,7 +252,8 @@ class SimServer:
             extra_keys=[[salt]] if salt else None,
             report_full=isinstance(xargs, dict) and xargs.get("kv_cache_report_mode") == "full",
             seed=seed, ignore_eos=bool(body.get("ignore_eos", False)),
-            remote_prefill=bool(kvt.get("do_remote_prefill")), remote_decode=bool(kvt.get("do_remote_decode")))
+            remote_prefill=bool(kvt.get("do_remote_prefill")), remote_decode=bool(kvt.get("do_remote_decode")),
+            model=lora_name or self.model, lora_name=lora_name)
 
     def _submit(self, parsed: _Parsed, rid: str) -> tuple[list[SimRequest], asyncio.Queue]:
         """One engine request per (prompt, choice), sharing one sink; 400 if one can never fit."""
@@ -260,7 +268,8 @@ class SimServer:
                     out, reason = out[:max(1, cap)], "length"
                 reqs.append(SimRequest(request_id=f"{rid}-{index}", prompt_token_ids=prompt,
                                        output_token_ids=out, finish_reason=reason,
-                                       extra_keys=parsed.extra_keys, report_full=parsed.report_full,
+                                       extra_keys=parsed.extra_keys, lora_name=parsed.lora_name,
+                                       report_full=parsed.report_full,
                                        remote_prefill=parsed.remote_prefill, remote_decode=parsed.remote_decode,
                                        index=index, sink=sink))
         added = []
@@ -318,7 +327,7 @@ class SimServer:
         reasons = [r.finish_reason for r in reqs]
         build = fmt.chat_completion if chat else fmt.completion
         kvt = self._prefill_params(request, reqs[0]) if parsed.remote_decode and not reqs[0].aborted else None
-        return _json(build(rid, self.created, self.model, texts, reasons, self._usage(parsed, reqs), kvt))
+        return _json(build(rid, self.created, parsed.model, texts, reasons, self._usage(parsed, reqs), kvt))
 
     async def messages(self, request: Request) -> Response:
         """Anthropic's Messages API (vLLM's ``/v1/messages``): the body converted to chat as vLLM
@@ -338,7 +347,7 @@ class SimServer:
             return StreamingResponse(self._stream_messages(parsed, rid, reqs, sink, watcher),
                                      media_type="text/event-stream")
         req, text = await self._one_answer(reqs, sink, watcher)
-        return _json(afmt.message(rid, self.model, text, req.finish_reason, self._messages_usage(parsed, req)))
+        return _json(afmt.message(rid, parsed.model, text, req.finish_reason, self._messages_usage(parsed, req)))
 
     async def responses(self, request: Request) -> Response:
         """OpenAI's Responses API as vLLM serves it without a Harmony model, not streamed: the input
@@ -380,7 +389,7 @@ class SimServer:
                 self._stored.popitem(last=False)
         cached = (req.num_cached_tokens or 0) if self.cfg.enable_prompt_tokens_details else 0
         prompt = len(parsed.prompts[0])
-        return _json({"id": rid, "object": "response", "created_at": self.created, "model": self.model,
+        return _json({"id": rid, "object": "response", "created_at": self.created, "model": parsed.model,
                       "status": "completed", "output": [{
                           "type": "message", "id": f"msg_{rid[5:]}", "role": "assistant", "status": "completed",
                           "content": [{"type": "output_text", "text": text, "annotations": []}]}],
@@ -411,7 +420,7 @@ class SimServer:
                 _, token = await sink.get()
                 if not started:  # with the first engine output, after the prefill, as vLLM
                     started = True
-                    yield afmt.stream_start(rid, self.model, self._messages_usage(parsed, req))
+                    yield afmt.stream_start(rid, parsed.model, self._messages_usage(parsed, req))
                 if token is None:
                     break
                 yield afmt.text_delta(self.sampler.pieces[token])
@@ -430,7 +439,7 @@ class SimServer:
 
     async def _stream(self, parsed: _Parsed, rid: str, chat: bool, reqs: list[SimRequest],
                       sink: asyncio.Queue, watcher: asyncio.Task):
-        model, created = self.model, self.created
+        model, created = parsed.model, self.created
         try:
             received = [0] * len(reqs)
             open_choices = len(reqs)
@@ -473,9 +482,13 @@ class SimServer:
 
     # ---- other routes -------------------------------------------------------------------------
     async def models(self) -> Response:
+        """vLLM's listing: the served model, then each LoRA adapter with ``parent`` the served model
+        and ``root`` its path (``OpenAIServingModels.show_available_models``)."""
         return _json({"object": "list", "data": [{
             "id": self.model, "object": "model", "created": self.created, "owned_by": "vllm",
-            "root": self.cfg.model_dir, "parent": None, "max_model_len": self.max_model_len}]})
+            "root": self.cfg.model_dir, "parent": None, "max_model_len": self.max_model_len}] + [{
+            "id": name, "object": "model", "created": self.created, "owned_by": "vllm", "root": path,
+            "parent": self.model, "max_model_len": None} for name, path in self.cfg.lora_modules.items()]})
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's ``/tokenize``: ``{"prompt": str}`` (add_special_tokens default true) or

@@ -43,24 +43,36 @@ class Block:
 
 def engine_block_hashes(token_ids: Sequence[int], block_size: int, seed: int,
                         extra_keys: Sequence[Any] | None = None, start: int = 0,
-                        parent: int | None = None) -> list[int]:
+                        parent: int | None = None, lora_name: str | None = None) -> list[int]:
     """Engine hashes (uint64) of the full blocks of ``token_ids`` from block ``start`` on.
 
     ``parent`` is the hash of block ``start - 1`` (None from block 0); ``extra_keys[i]`` is block
-    i's extra key list or None. Encoding: xxh3_64(seed) over parent as 8 bytes big-endian (all
-    zero for block 0), the block's token ids as 4-byte little-endian, then ``repr`` of its extra keys.
+    i's extra key list or None; ``lora_name`` (a LoRA adapter's name) goes first in every block's
+    extra keys, as vLLM's ``generate_block_hash_extra_keys`` puts the adapter first. Encoding:
+    xxh3_64(seed) over parent as 8 bytes big-endian (all zero for block 0), the block's token ids
+    as 4-byte little-endian, then ``repr`` of its extra key list (:func:`block_extra_keys`).
     """
     out: list[int] = []
     for i in range(start, len(token_ids) // block_size):
         h = xxhash.xxh3_64(seed=seed)
         h.update((parent or 0).to_bytes(8, "big"))
         h.update(b"".join(t.to_bytes(4, "little") for t in token_ids[i * block_size:(i + 1) * block_size]))
-        extra = extra_keys[i] if extra_keys is not None and i < len(extra_keys) else None
+        extra = block_extra_keys(extra_keys, i, lora_name)
         if extra is not None:
             h.update(repr(extra).encode())
         parent = h.intdigest()
         out.append(parent)
     return out
+
+
+def block_extra_keys(extra_keys: Sequence[Any] | None, i: int, lora_name: str | None) -> list[Any] | None:
+    """Block ``i``'s extra keys as vLLM's KV events publish them (``to_event_extra_keys``, untagged):
+    the LoRA name first, then the request's own keys for the block (a cache salt on block 0);
+    None when there are none."""
+    own = extra_keys[i] if extra_keys is not None and i < len(extra_keys) else None
+    if lora_name is None:
+        return own
+    return [lora_name, *(own or [])]
 
 
 class BlockPool:
@@ -157,9 +169,10 @@ class BlockPool:
 
     def cache_full_blocks(self, blocks: Sequence[Block], block_hashes: Sequence[int],
                           token_ids: Sequence[int], start: int, end: int,
-                          extra_keys: Sequence[Any] | None = None) -> None:
+                          extra_keys: Sequence[Any] | None = None, lora_name: str | None = None) -> None:
         """Give blocks ``start..end-1`` of a request their engine hashes and announce them in one
-        ``BlockStored`` (vLLM's ``cache_full_blocks``). ``token_ids``: the request's tokens."""
+        ``BlockStored`` (vLLM's ``cache_full_blocks``). ``token_ids``: the request's tokens;
+        ``lora_name``: its LoRA adapter, if any."""
         if end <= start:
             return
         for i in range(start, end):
@@ -167,25 +180,24 @@ class BlockPool:
             b.engine_hash = block_hashes[i]
             self._cached.setdefault(b.engine_hash, {})[b.block_id] = b
         if self.enable_events:
-            self._events.append(self._stored(block_hashes, token_ids, start, end, extra_keys))
+            self._events.append(self._stored(block_hashes, token_ids, start, end, extra_keys, lora_name))
 
     def announce(self, block_hashes: Sequence[int], token_ids: Sequence[int], end: int,
-                 extra_keys: Sequence[Any] | None = None) -> None:
+                 extra_keys: Sequence[Any] | None = None, lora_name: str | None = None) -> None:
         """Re-announce a hit prefix (blocks ``0..end-1``) in one ``BlockStored`` with no parent,
         as vLLM does for ``vllm_xargs.kv_cache_report_mode == "full"``."""
         if self.enable_events and end > 0:
-            self._events.append(self._stored(block_hashes, token_ids, 0, end, extra_keys))
+            self._events.append(self._stored(block_hashes, token_ids, 0, end, extra_keys, lora_name))
 
     def _stored(self, block_hashes: Sequence[int], token_ids: Sequence[int], start: int, end: int,
-                extra_keys: Sequence[Any] | None) -> BlockStored:
+                extra_keys: Sequence[Any] | None, lora_name: str | None) -> BlockStored:
         bs = self.block_size
-        extras = [extra_keys[i] if extra_keys is not None and i < len(extra_keys) else None
-                  for i in range(start, end)]
+        extras = [block_extra_keys(extra_keys, i, lora_name) for i in range(start, end)]
         return BlockStored(
             block_hashes=list(block_hashes[start:end]),
             parent_block_hash=block_hashes[start - 1] if start > 0 else None,
             token_ids=list(token_ids[start * bs:end * bs]), block_size=bs, lora_id=None,
-            medium=MEDIUM_GPU, lora_name=None, extra_keys=extras, group_idx=0,
+            medium=MEDIUM_GPU, lora_name=lora_name, extra_keys=extras, group_idx=0,
             kv_cache_spec_kind=KV_CACHE_SPEC_KIND)
 
     def reset(self) -> bool:

@@ -67,6 +67,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "MooncakeConnector: the whole prompt; its last token is computed again) or 'full-blocks' "
                         "(kvroute's tiers connector: full blocks only, the partial last block computed) "
                         "(default prompt)")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters served beside the model, as vLLM's flag (NAME=PATH or vLLM's JSON form "
+                        "'{\"name\": ..., \"path\": ...}'): a request naming one is served with its name mixed into "
+                        "every block's engine hash and KV event, as vLLM does (no weights are read)")
     p.add_argument("--speedup", type=float, default=1.0, help="divide all simulated times by this (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the engine hashes and output text (default 0)")
     p.set_defaults(func=_run)

@@ -64,7 +64,8 @@ class SimRequest:
     ``output_token_ids`` is fixed up front; the engine reveals them one per step by putting
     ``(index, token id)`` on ``sink`` (an asyncio.Queue the choices of one HTTP request share),
     then ``(index, None)`` when the sequence ends (finished or aborted).
-    ``extra_keys``: per-block extra keys for the engine hash, e.g. ``[[salt]]`` for a cache salt.
+    ``extra_keys``: per-block extra keys for the engine hash, e.g. ``[[salt]]`` for a cache salt;
+    ``lora_name``: the LoRA adapter the request names (mixed into every block's hash), or None.
     """
 
     request_id: str
@@ -72,6 +73,7 @@ class SimRequest:
     output_token_ids: list[int]
     finish_reason: str
     extra_keys: list[Any] | None = None
+    lora_name: str | None = None
     report_full: bool = False
     remote_prefill: bool = False  # load the uncached prompt KV (Engine.kv_load says which) instead of computing it
     remote_decode: bool = False  # a prefill leg: keep the prompt's block ids at the end
@@ -313,7 +315,7 @@ class Engine:
                 self.stats.prefix_cache_queries_tokens += len(tokens)
                 self.stats.prefix_cache_hits_tokens += hit_tokens
             if req.report_full and hit:
-                self.pool.announce(req.block_hashes, tokens, len(hit), req.extra_keys)
+                self.pool.announce(req.block_hashes, tokens, len(hit), req.extra_keys, req.lora_name)
             req.num_hashed_blocks = len(hit)
             if first and req.remote_prefill and self._start_load(req, hit_tokens):
                 continue
@@ -370,7 +372,7 @@ class Engine:
         if len(tokens) // self.pool.block_size > have:
             req.block_hashes += engine_block_hashes(
                 tokens, self.pool.block_size, self.seed, req.extra_keys, start=have,
-                parent=req.block_hashes[-1] if have else None)
+                parent=req.block_hashes[-1] if have else None, lora_name=req.lora_name)
 
     def _cache_blocks(self, req: SimRequest) -> None:
         full = req.num_computed_tokens // self.pool.block_size
@@ -378,7 +380,7 @@ class Engine:
             tokens = req.all_token_ids()
             self._extend_hashes(req, tokens)
             self.pool.cache_full_blocks(req.blocks, req.block_hashes, tokens, req.num_hashed_blocks,
-                                        full, req.extra_keys)
+                                        full, req.extra_keys, req.lora_name)
             req.num_hashed_blocks = full
 
     def _preempt(self, req: SimRequest) -> None:

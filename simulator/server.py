@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvcore.lora_modules import parse_lora_modules
 from simulator.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, SimConfig
 from simulator.events import KVEventsConfig
 from simulator.timing import PRESETS, TimingModel, preset_timing
@@ -45,7 +46,9 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         timing=timing_from_args(args),
         kv_load=args.kv_load.replace("-", "_"),
+        lora_modules=parse_lora_modules(args.lora_modules),
         seed=args.seed)
+
 
 
 def serve(cfg: SimConfig) -> None:

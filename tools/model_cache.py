@@ -71,3 +71,39 @@ def ensure_model(size: str = "tiny", vllm_python: str | None = None, seed: int =
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+LORA_GENERATOR = Path(__file__).resolve().parent / "make_lora.py"
+
+
+def ensure_lora(base: Path, seed: int, vllm_python: str | None = None, rank: int = 8) -> Path:
+    """A LoRA adapter for the generated model at ``base`` (:mod:`tools.make_lora`), made once under
+    ``<base>-lora<seed>-r<rank>`` beside it and remade when missing or written for another base.
+    Raises RuntimeError as :func:`ensure_model` does."""
+    base = Path(base).resolve()
+    target = base.parent / f"{base.name}-lora{seed}-r{rank}"
+    want = {"seed": seed, "rank": rank, "base": str(base)}
+    try:
+        if json.loads((target / "kvroute_lora.json").read_text()) == want:
+            return target
+    except (OSError, ValueError):
+        pass
+    python = vllm_python or os.environ.get("KVR_VLLM_PYTHON")
+    if not python or shutil.which(python) is None:
+        raise RuntimeError(f"need an interpreter with torch to generate a LoRA adapter (got {python!r}; "
+                           "set KVR_VLLM_PYTHON)")
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=base.parent))
+    try:
+        done = subprocess.run([python, str(LORA_GENERATOR), str(base), str(tmp), "--seed", str(seed),
+                               "--rank", str(rank)], capture_output=True, text=True, timeout=GENERATE_TIMEOUT_S)
+        if done.returncode != 0:
+            raise RuntimeError(f"make_lora.py failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+        shutil.rmtree(target, ignore_errors=True)
+        try:
+            tmp.rename(target)
+        except OSError:  # another caller renamed its copy first
+            if not (target / "kvroute_lora.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,6 +1,6 @@
 """The e2e cluster, started once for the package: ``kvroute up --engine vllm`` with two real vLLM
-servers (the generated "tiny" model, prefix caching, KV events + replay, ``/reset_prefix_cache``
-and ``/v1/chat/completions/render`` enabled), the gateway with its embedded index, and one
+servers (the generated "tiny" model and two generated LoRA adapters, prefix caching, KV events +
+replay, ``/reset_prefix_cache`` and ``/v1/chat/completions/render`` enabled), the gateway with its embedded index, and one
 ``kvroute agent`` per worker writing the workers' real KV events into a real Redis.
 
 vLLM is found through ``$KVR_VLLM_PYTHON`` (``make test`` sets it; ``make install-vllm`` installs
@@ -32,7 +32,7 @@ from conftest import ADMIN_TOKEN, Proc, free_port, kvroute_argv
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
-from model_cache import ensure_model  # noqa: E402
+from model_cache import ensure_lora, ensure_model  # noqa: E402
 from kvroute.bench.workers import metric_samples, reset_prefix_cache  # noqa: E402
 
 from kvcore.index.base import TierMatch  # noqa: E402
@@ -49,6 +49,7 @@ UP_DEADLINE_S = 1200       # hard limit on the whole cluster's life
 READY_TIMEOUT_S = 600      # two vLLM servers load in 1-3 min on 2 shared cores
 REDIS_TIMEOUT_S = 10.0     # reads of the agents' index; the default 0.5 s is too short on a busy machine
 VLLM_ARGS = "--enforce-eager --enable-scale-out --dtype bfloat16"  # eager: no 1-min torch.compile warm-up
+LORA_ADAPTERS = {"sql": 1, "chat": 2}  # adapter name -> make_lora.py seed; every worker serves both
 
 
 @functools.cache
@@ -83,6 +84,7 @@ class VllmCluster:
     base: str
     workers: dict[str, Worker]
     model_dir: Path
+    lora_dirs: dict[str, Path]
     redis_url: str
     log_dir: Path
     procs: list[Proc] = field(default_factory=list)
@@ -206,6 +208,7 @@ def e2e_model() -> Path:
 def cluster(e2e_model, redis_url, tmp_path_factory) -> VllmCluster:
     """The running cluster; stopped after the last e2e test."""
     py = vllm_python()
+    lora_dirs = {name: ensure_lora(e2e_model, seed, py) for name, seed in LORA_ADAPTERS.items()}
     log_dir = tmp_path_factory.mktemp("e2e-logs")
     up_logs = log_dir / "up"
     port = free_port()
@@ -214,7 +217,8 @@ def cluster(e2e_model, redis_url, tmp_path_factory) -> VllmCluster:
         "up", "--engine", "vllm", "--vllm-python", py, "--workers", "2", "--model", str(e2e_model),
         "--served-model-name", MODEL_NAME, "--port", str(port), "--block-size", str(BLOCK_SIZE),
         "--num-gpu-blocks-override", str(GPU_BLOCKS), "--max-model-len", str(MAX_MODEL_LEN),
-        "--vllm-args", VLLM_ARGS, "--log-dir", str(up_logs), "--ready-timeout-s", str(READY_TIMEOUT_S)),
+        "--vllm-args", VLLM_ARGS, "--log-dir", str(up_logs), "--ready-timeout-s", str(READY_TIMEOUT_S),
+        "--lora-modules", *(f"{name}={path}" for name, path in lora_dirs.items())),
         log_dir, env={"VLLM_SERVER_DEV_MODE": "1", "KVROUTE_ADMIN_TOKEN": ADMIN_TOKEN},
         deadline_s=UP_DEADLINE_S)
     procs = [up]
@@ -234,7 +238,7 @@ def cluster(e2e_model, redis_url, tmp_path_factory) -> VllmCluster:
                 "--index", redis_url, "--model", MODEL_NAME, "--block-size", str(BLOCK_SIZE),
                 "--heartbeat-ttl-s", "60"), log_dir, deadline_s=UP_DEADLINE_S))
         _wait_for("agent heartbeats in Redis", lambda: _redis_live(redis_url) >= set(workers), 60, procs, log_dir)
-        c = VllmCluster(base, workers, e2e_model, redis_url, log_dir, procs)
+        c = VllmCluster(base, workers, e2e_model, lora_dirs, redis_url, log_dir, procs)
         # Everything `kvroute up` started (vLLM API servers, their engine processes, the gateway).
         started = psutil.Process(up.popen.pid).children(recursive=True)
         yield c
