@@ -58,6 +58,7 @@ from fastapi.responses import Response, StreamingResponse
 from kvcore.responses_input import responses_to_chat
 from kvcore.tokenization import BadPrompt, PromptTokenizer, UnsupportedPrompt
 from simulator import anthropic_format as afmt
+from simulator import responses_format as rfmt
 from simulator import openai_format as fmt
 from simulator.block_pool import BlockPool
 from simulator.config import SimConfig
@@ -350,15 +351,14 @@ class SimServer:
         return _json(afmt.message(rid, parsed.model, text, req.finish_reason, self._messages_usage(parsed, req)))
 
     async def responses(self, request: Request) -> Response:
-        """OpenAI's Responses API as vLLM serves it without a Harmony model, not streamed: the input
-        converted to chat (:mod:`kvcore.responses_input`) after the stored history of
-        ``previous_response_id`` (its messages without system ones, then its answer; 404 when this
-        server made no such response), as vLLM's ``construct_input_messages``; the answer stored
-        unless ``store`` is false (the latest :data:`STORED_RESPONSES`)."""
+        """OpenAI's Responses API as vLLM serves it without a Harmony model, streamed or not
+        (:mod:`simulator.responses_format`): the input converted to chat
+        (:mod:`kvcore.responses_input`) after the stored history of ``previous_response_id`` (its
+        messages without system ones, then its answer; 404 when this server made no such
+        response), as vLLM's ``construct_input_messages``; the answer stored unless ``store`` is
+        false (the latest :data:`STORED_RESPONSES`)."""
         try:
             body = await self._body(request, record=True)
-            if body.get("stream"):
-                raise ApiError(400, "the simulator answers responses only unstreamed", "stream")
             previous = body.get("previous_response_id")
             if previous is not None and not isinstance(previous, str):
                 raise ApiError(400, "'previous_response_id' must be a string", "previous_response_id")
@@ -373,29 +373,56 @@ class SimServer:
             chat["messages"] = chat["messages"][:lead] + history + chat["messages"][lead:]
             max_tokens = _int_field(body, "max_output_tokens", None, minimum=1)
             parsed = self._parse({"model": body.get("model"), "max_tokens": max_tokens,
-                                  "cache_salt": body.get("cache_salt")}, chat=True,
-                                 encode=lambda: self.tokenizer.encode_chat(chat))
+                                  "cache_salt": body.get("cache_salt"), "ignore_eos": body.get("ignore_eos")},
+                                 chat=True, encode=lambda: self.tokenizer.encode_chat(chat))
             self._counter += 1
             rid = f"resp_{xxhash.xxh3_128_hexdigest(self._counter.to_bytes(8, 'big'), seed=self.cfg.seed)}"
             reqs, sink = self._submit(parsed, rid)
         except ApiError as exc:
             return _error(exc)
         watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(request, reqs))
+        store = body.get("store", True) is not False
+        if body.get("stream"):
+            return StreamingResponse(self._stream_response(parsed, rid, reqs, sink, watcher, chat, store),
+                                     media_type="text/event-stream")
         req, text = await self._one_answer(reqs, sink, watcher)
-        if body.get("store", True) is not False:
-            self._stored[rid] = [m for m in chat["messages"] if m.get("role") != "system"] + [
-                {"role": "assistant", "content": text}]
-            while len(self._stored) > STORED_RESPONSES:
-                self._stored.popitem(last=False)
+        if store:
+            self._store_response(rid, chat, text)
+        return _json(rfmt.response(rid, self.created, parsed.model, "completed", [
+            rfmt.message_item(rid, text, "completed")], self._responses_usage(parsed, req)))
+
+    def _store_response(self, rid: str, chat: dict[str, Any], text: str) -> None:
+        self._stored[rid] = [m for m in chat["messages"] if m.get("role") != "system"] + [
+            {"role": "assistant", "content": text}]
+        while len(self._stored) > STORED_RESPONSES:
+            self._stored.popitem(last=False)
+
+    def _responses_usage(self, parsed: _Parsed, req: SimRequest) -> dict[str, Any]:
         cached = (req.num_cached_tokens or 0) if self.cfg.enable_prompt_tokens_details else 0
-        prompt = len(parsed.prompts[0])
-        return _json({"id": rid, "object": "response", "created_at": self.created, "model": parsed.model,
-                      "status": "completed", "output": [{
-                          "type": "message", "id": f"msg_{rid[5:]}", "role": "assistant", "status": "completed",
-                          "content": [{"type": "output_text", "text": text, "annotations": []}]}],
-                      "usage": {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached},
-                                "output_tokens": req.num_output, "output_tokens_details": {"reasoning_tokens": 0},
-                                "total_tokens": prompt + req.num_output}})
+        return rfmt.usage(len(parsed.prompts[0]), req.num_output, cached)
+
+    async def _stream_response(self, parsed: _Parsed, rid: str, reqs: list[SimRequest], sink: asyncio.Queue,
+                               watcher: asyncio.Task, chat: dict[str, Any], store: bool):
+        req = reqs[0]
+        stream = rfmt.ResponseStream(rid, self.created, parsed.model)
+        try:
+            yield stream.start()
+            started = False
+            while True:
+                _, token = await sink.get()
+                if token is None:
+                    break
+                if not started:
+                    started = True
+                    yield stream.first_token()
+                yield stream.delta(self.sampler.pieces[token])
+            if not req.aborted:
+                if store:
+                    self._store_response(rid, chat, stream.text)
+                yield stream.end(self._responses_usage(parsed, req))
+        finally:
+            watcher.cancel()
+            self.engine.abort(req)
 
     async def _one_answer(self, reqs: list[SimRequest], sink: asyncio.Queue, watcher: asyncio.Task
                           ) -> tuple[SimRequest, str]:

@@ -113,3 +113,42 @@ def test_a_stored_response_is_continued_on_the_worker_that_made_it(gateway, tiny
     # an id no worker made: routed as any request, and the worker's 404 reaches the client
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="tiny", input="x", previous_response_id="resp_unknown")
+
+
+def test_a_streamed_response_and_its_streamed_continuation(gateway, tiny_model):
+    """Responses streamed through the gateway (the ``openai`` SDK's event parser): the sim's event
+    sequence, the usage's cached tokens equal to the gateway's prediction, and a streamed answer's
+    id (read from ``response.created``) pins its continuation to the worker that made it."""
+    tok = PromptTokenizer(tiny_model)
+    client = openai.OpenAI(base_url=gateway + "/v1", api_key="x", max_retries=0)
+    body = {"model": "tiny", "instructions": system_prompt("streamed-responses", 300), "max_output_tokens": 3,
+            "input": [{"role": "user", "content": "List the files."},
+                      {"type": "function_call", "call_id": "c1", "name": "ls", "arguments": "{}"},
+                      {"type": "function_call_output", "call_id": "c1", "output": "a.py b.py"}]}
+    ids = tok.encode_responses(body)
+    r = httpx.post(gateway + "/admin/explain?path=/v1/responses", json=body, headers=AUTH, timeout=30)
+    planned = r.json()
+    with client.responses.with_streaming_response.create(**body, stream=True) as raw:
+        worker = raw.headers["x-kvroute-worker"]
+        events = [e for e in raw.parse()]
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[4:7] == ["response.output_text.delta"] * 3 and kinds[7:] == [
+        "response.output_text.done", "response.content_part.done", "response.output_item.done", "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    done = events[-1].response
+    assert worker == planned["chosen"] and done.usage.input_tokens == len(ids) == planned["prompt_tokens"]
+    assert done.usage.input_tokens_details.cached_tokens == planned["predicted_cached_tokens"]
+    assert done.output[0].content[0].text == "".join(e.delta for e in events if e.type == "response.output_text.delta")
+
+    # the id was read from the stream's first bytes as they passed through
+    with client.responses.with_streaming_response.create(model="tiny", input="And?", max_output_tokens=2,
+                                                          previous_response_id=done.id, stream=True,
+                                                          extra_headers={"x-request-id": "streamed-next"}) as raw:
+        assert raw.headers["x-kvroute-worker"] == worker
+        last = [e for e in raw.parse()][-1]
+    alone = len(tok.encode_responses({"model": "tiny", "input": "And?"}))
+    assert last.type == "response.completed" and last.response.usage.input_tokens > alone + 10  # the stored history
+    entries = httpx.get(gateway + "/admin/decisions", headers=AUTH, timeout=30).json()["decisions"]
+    assert [e["reason"] for e in entries if e["request_id"] == "streamed-next"] == ["stored_response"]

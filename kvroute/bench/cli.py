@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-WORKLOADS = ("trace", "shared-prefix", "multiturn")
+WORKLOADS = ("trace", "shared-prefix", "multiturn", "agent")
 
 
 def _positive(kind: type):
@@ -45,7 +45,8 @@ def add_workload_flags(p: argparse.ArgumentParser, default_block_size: int) -> N
     w.add_argument("--workload", choices=WORKLOADS, required=True,
                    help="trace: a Mooncake-format trace expanded into prompts; shared-prefix: groups of "
                         "prompts sharing a prefix (SGLang's generated-shared-prefix); multiturn: chats "
-                        "re-sending their history each turn")
+                        "re-sending their history each turn; agent: coding-agent sessions (one shared system "
+                        "prompt and tool set, tool calls and results) through --api messages or responses")
     w.add_argument("--model", required=True, help="model name sent in each request (the served model name)")
     w.add_argument("--tokenizer", required=True, metavar="DIR",
                    help="model directory whose tokenizer the workers use (prompts are built from its "
@@ -84,6 +85,12 @@ def add_workload_flags(p: argparse.ArgumentParser, default_block_size: int) -> N
     m.add_argument("--user-tokens", type=_positive_int, default=60, help="tokens of a user turn (default 60)")
     m.add_argument("--reply-tokens", type=int, default=40,
                    help="tokens of the fixed assistant reply added to the history after a turn (default 40)")
+    ag = p.add_argument_group("agent workload (--conversations sessions of --turns turns; --system-tokens, "
+                              "--user-tokens for the task, --reply-tokens for the agent's note before each call)")
+    ag.add_argument("--api", choices=("messages", "responses"), default="messages",
+                    help="Anthropic's /v1/messages (default) or OpenAI's /v1/responses, both streamed")
+    ag.add_argument("--result-tokens", type=_positive_int, default=120,
+                    help="tokens of each tool result added to the history (default 120)")
     k = p.add_argument_group("KV pressure (generated workloads)")
     k.add_argument("--kv-pressure", type=_positive_float, default=None, metavar="RATIO",
                    help="make the workload's distinct KV blocks RATIO times what the cluster holds: more "
@@ -181,6 +188,13 @@ def workload_from_args(args: argparse.Namespace, cluster_kv_blocks: int | None =
             return synthetic.shared_prefix(words, bs, groups, args.prompts_per_group, args.shared_tokens,
                                            args.own_tokens, out, args.seed)
         base = args.groups
+    elif args.workload == "agent":
+        from kvroute.bench.agent import agent
+
+        def make(sessions: int):
+            return agent(words, bs, sessions, args.turns, args.system_tokens, args.user_tokens, args.reply_tokens,
+                         args.result_tokens, out, args.api, args.seed)
+        base = args.conversations
     else:
         def make(conversations: int):
             return synthetic.multiturn(words, bs, conversations, args.turns, args.system_prompts or conversations,

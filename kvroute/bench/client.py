@@ -11,6 +11,13 @@ What is measured, per request (times from a monotonic clock, in ms):
   usage chunk (``stream_options.include_usage``);
 - the worker that served it: the ``x-kvroute-worker`` response header when the router sets one.
 
+The agent APIs stream their own events: ``/v1/messages`` (Anthropic: text in ``content_block_delta``;
+``prompt_tokens`` = ``input_tokens`` + ``cache_read_input_tokens``, the cached part being the
+latter, from ``message_start`` and ``message_delta``; ends with ``message_stop``) and
+``/v1/responses`` (text in ``response.output_text.delta``; usage's ``input_tokens``,
+``input_tokens_details.cached_tokens`` and ``output_tokens`` from ``response.completed``, which
+ends it).
+
 An HTTP status other than 200, an error event in the stream, a stream without ``[DONE]`` or a
 transport error makes an error record (``error`` set), never an exception.
 """
@@ -60,11 +67,53 @@ class RequestRecord:
         return d
 
 
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "messages": "/v1/messages",
+         "responses": "/v1/responses"}
+
+
 def request_body(req: BenchRequest, model: str) -> dict[str, Any]:
     """The JSON body sent for ``req``: its body plus model, streaming with usage, and exactly
-    ``output_tokens`` tokens (``max_tokens`` with vLLM's ``ignore_eos``)."""
+    ``output_tokens`` tokens (``max_tokens`` with vLLM's ``ignore_eos``; Responses'
+    ``max_output_tokens``; vLLM's Messages API has no ``ignore_eos`` and ignores it)."""
+    if req.endpoint == "messages":
+        return {"model": model, **req.body, "max_tokens": req.output_tokens, "ignore_eos": True, "stream": True}
+    if req.endpoint == "responses":
+        return {"model": model, **req.body, "max_output_tokens": req.output_tokens, "ignore_eos": True,
+                "stream": True}
     return {"model": model, **req.body, "max_tokens": req.output_tokens, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
+
+
+def _agent_event(rec: RequestRecord, event: dict) -> tuple[bool, bool]:
+    """Read one Messages or Responses stream event into ``rec``: ``(carries text, ends the
+    stream)``. An ``error`` event sets ``rec.error``."""
+    kind = event.get("type")
+    if kind == "error" or kind == "response.failed":
+        rec.error = f"stream error: {str(event.get('error') or event.get('response'))[:300]}"
+        return False, True
+    if kind in ("message_start", "message_delta"):
+        usage = (event.get("message") or {}).get("usage") if kind == "message_start" else event.get("usage")
+        if isinstance(usage, dict):
+            cached = usage.get("cache_read_input_tokens")
+            if usage.get("input_tokens") is not None:
+                rec.prompt_tokens = int(usage["input_tokens"]) + int(cached or 0)
+            if cached is not None:
+                rec.cached_tokens, rec.cached_reported = int(cached), True
+            rec.completion_tokens = int(usage.get("output_tokens") or rec.completion_tokens)
+        return False, False
+    if kind == "response.completed":
+        usage = (event.get("response") or {}).get("usage") or {}
+        rec.prompt_tokens = int(usage.get("input_tokens") or 0)
+        rec.completion_tokens = int(usage.get("output_tokens") or 0)
+        details = usage.get("input_tokens_details")
+        if isinstance(details, dict) and details.get("cached_tokens") is not None:
+            rec.cached_tokens, rec.cached_reported = int(details["cached_tokens"]), True
+        return False, True
+    if kind == "content_block_delta":
+        return bool((event.get("delta") or {}).get("text")), False
+    if kind == "response.output_text.delta":
+        return bool(event.get("delta")), False
+    return False, kind == "message_stop"
 
 
 def _has_text(choices: list[dict]) -> bool:
@@ -82,7 +131,8 @@ async def send(session: aiohttp.ClientSession, base_url: str, req: BenchRequest,
     stream to its end, return the record. The request carries ``x-request-id:
     bench-<workload index>-<random>``, so a kvroute gateway's decision log
     (``GET /admin/decisions``) names it. Never raises on HTTP or transport failures."""
-    path = "/v1/chat/completions" if req.endpoint == "chat" else "/v1/completions"
+    path = PATHS[req.endpoint]
+    agent_api = req.endpoint in ("messages", "responses")
     rec = RequestRecord(index=req.index, group=req.group, start_s=start_s)
     request_id = f"{REQUEST_ID_PREFIX}{req.index}-{uuid.uuid4().hex[:12]}"
     t0 = time.monotonic()
@@ -109,6 +159,18 @@ async def send(session: aiohttp.ClientSession, base_url: str, req: BenchRequest,
                 if not isinstance(event, dict):
                     rec.error = f"stream event is not a JSON object: {payload[:100]!r}"
                     break
+                if agent_api:
+                    text, done = _agent_event(rec, event)
+                    now = time.monotonic()
+                    if text:
+                        if last_text_at is None:
+                            rec.ttft_ms = 1000 * (now - t0)
+                        else:
+                            rec.itl_ms.append(1000 * (now - last_text_at))
+                        last_text_at = now
+                    if done or rec.error:
+                        break
+                    continue
                 if "error" in event:
                     rec.error = f"stream error: {str(event['error'])[:300]}"
                     break
@@ -131,5 +193,5 @@ async def send(session: aiohttp.ClientSession, base_url: str, req: BenchRequest,
         rec.error = f"{type(exc).__name__}: {exc}"[:300]
     rec.e2e_ms = 1000 * (time.monotonic() - t0)
     if rec.error is None and not done:
-        rec.error = "stream ended without [DONE]"
+        rec.error = "stream ended without " + ("its last event" if agent_api else "[DONE]")
     return rec

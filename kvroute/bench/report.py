@@ -58,6 +58,8 @@ def table(report: dict[str, Any]) -> str:
         lines.append(t["name"].ljust(name_w) + "".join(f"  {c:>{wd}}" for c, wd in zip(cells, widths)))
         if t.get("note"):
             lines.append(" " * name_w + f"  note: {t['note']}")
+        if t.get("errors") and t.get("error_sample"):
+            lines.append(" " * name_w + f"  errors: {t['error_sample']}")
         spread = per_run(t)
         if spread:
             lines.append(" " * name_w + f"  {spread}")

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from typing import Any
 
 from kvroute.bench.client import RequestRecord
@@ -91,8 +92,19 @@ def summarize(name: str, records: list[RequestRecord], duration_s: float, ideal_
         "per_worker": workers,
         "requests_max_over_mean": _max_over_mean([w["requests"] for w in workers.values()]),
         "prefill_max_over_mean": _max_over_mean([w["prefill_tokens"] for w in workers.values()]),
+        "error_sample": _error_sample(records),
         "records": [r.to_json() for r in records],
     }
+
+
+def _error_sample(records: list[RequestRecord]) -> str | None:
+    """The most frequent error with its count (``"24 x HTTP 404: ..."``, 120 characters of it),
+    None without errors: why a target failed, on the table."""
+    counts = Counter(r.error[:120] for r in records if r.error is not None)
+    if not counts:
+        return None
+    text, n = counts.most_common(1)[0]
+    return f"{n} x {text}"
 
 
 def _median_tree(values: list[Any]) -> Any:
