@@ -37,6 +37,8 @@ def sim_argv(args: argparse.Namespace, i: int, port: int, events_cfg: dict) -> l
     lora = getattr(args, "lora", None)
     if lora:
         argv += ["--lora-modules", *(f"{name}={path}" for name, path in lora.items())]
+    if getattr(args, "data_parallel_size", 1) > 1:
+        argv += ["--data-parallel-size", str(args.data_parallel_size)]
     return argv
 
 
@@ -56,6 +58,8 @@ def vllm_argv(args: argparse.Namespace, port: int, events_cfg: dict) -> list[str
     lora = getattr(args, "lora", None)
     if lora:
         argv += lora_argv(lora)
+    if getattr(args, "data_parallel_size", 1) > 1:
+        argv += ["--data-parallel-size", str(args.data_parallel_size)]
     return argv + shlex.split(args.vllm_args or "")
 
 

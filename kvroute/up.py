@@ -61,6 +61,37 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
             sock.close()
 
 
+def free_port_runs(n: int, length: int, avoid: set[int], host: str = "127.0.0.1", tries: int = 200) -> list[int]:
+    """The first ports of ``n`` runs of ``length`` consecutive TCP ports free on ``host`` now, no two
+    runs overlapping and none in ``avoid`` (a data parallel worker's ranks publish on its event
+    port + rank). Raises RuntimeError when ``tries`` candidate runs were not enough."""
+    starts: list[int] = []
+    taken: set[int] = set(avoid)
+    for _ in range(tries):
+        if len(starts) == n:
+            break
+        start = free_ports(1, host)[0]
+        run = range(start, start + length)
+        if run[-1] > 65535 or taken.intersection(run):
+            continue
+        socks = []
+        try:
+            for port in run:
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind((host, port))
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+        starts.append(start)
+        taken.update(run)
+    if len(starts) < n:
+        raise RuntimeError(f"no {n} runs of {length} free consecutive ports on {host}")
+    return starts
+
+
 @dataclass
 class Child:
     """One started process, its role and log file."""
@@ -381,10 +412,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         workers = []
         plan = plan_workers(args)
-        ports = free_ports(3 * len(plan))
+        ports = free_ports(len(plan))
+        event_ports = free_port_runs(2 * len(plan), getattr(args, "data_parallel_size", 1), set(ports))
         for w in plan:
             wid, i = w.id, w.index
-            port, ev_port, replay_port = ports[3 * i:3 * i + 3]
+            port, ev_port, replay_port = ports[i], event_ports[2 * i], event_ports[2 * i + 1]
             events_cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "",
                           "endpoint": f"tcp://*:{ev_port}",
                           "replay_endpoint": f"tcp://*:{replay_port}"}
@@ -406,7 +438,8 @@ def run(args: argparse.Namespace) -> int:
             url = f"http://127.0.0.1:{port}"
             cluster.start(wid, argv, log_dir, url + "/health", env)
             workers.append({"id": wid, "url": url, "model": args.served_model_name,
-                            "events": events, "replay": replay, **({"role": w.role} if is_pd(args) else {})})
+                            "events": events, "replay": replay, **({"role": w.role} if is_pd(args) else {}),
+                            **({"data_parallel_size": args.data_parallel_size} if args.data_parallel_size > 1 else {})})
         cfg_path = log_dir / "gateway.yaml"
         gw_workers = workers if args.index == "memory" else [
             {k: v for k, v in w.items() if k not in ("events", "replay")} for w in workers]
@@ -421,7 +454,8 @@ def run(args: argparse.Namespace) -> int:
         cluster.start("gateway", kvroute_argv("serve", "--config", str(cfg_path), "--processes", str(getattr(args, "processes", 1))),
                       log_dir, base + "/health")
         _wait_ready(cluster, args.ready_timeout_s, out)
-        while not _gateway_sees_workers(base, len(plan)):  # health hysteresis: a few seconds
+        targets = len(plan) * getattr(args, "data_parallel_size", 1)  # the gateway's workers: one per rank
+        while not _gateway_sees_workers(base, targets):  # health hysteresis: a few seconds
             dead = cluster.dead_child()
             if dead is not None:
                 raise RuntimeError(f"{dead.name} exited with {dead.popen.returncode}:\n{_tail(dead.log_path)}")
@@ -488,6 +522,9 @@ def register(subparsers) -> None:
                    help="LoRA adapters every worker serves beside the model (vLLM's flag and forms: NAME=PATH or "
                         "JSON with name and path); vLLM workers get --enable-lora and --max-loras, the gateway "
                         "routes each adapter on its own cached blocks")
+    p.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                   help="engines per worker (vLLM's flag: each its own KV cache behind the worker's one URL); the "
+                        "gateway routes to each rank as a worker of its own, <id>-dp<rank> (default 1)")
     p.add_argument("--policy", default="ttft",
                    help="routing policy (default ttft: lowest predicted TTFT, dispatch queue on; kv_aware, "
                         "round_robin, least_load, session)")
@@ -536,6 +573,11 @@ def register(subparsers) -> None:
             args.lora = lora_adapters(args.lora_modules, args.engine == "vllm")
         except ValueError as exc:
             p.error(str(exc))
+        if args.data_parallel_size < 1:
+            p.error("--data-parallel-size must be >= 1")
+        if args.data_parallel_size > 1 and (is_pd(args) or args.index != "memory" or args.cpu_tier_bytes):
+            p.error("--data-parallel-size > 1 works with the embedded index only (no P/D, no redis index, no "
+                    "tiers): the agents and kvroute's KV connector follow one engine per worker")
         if args.lora and is_pd(args):
             p.error("--lora-modules with --prefill-workers/--decode-workers is not supported: kvroute's KV "
                     "connector moves no LoRA request's KV, so a decode worker would compute every prompt again")

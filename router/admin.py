@@ -148,6 +148,9 @@ def make_admin_router(gateway: Gateway) -> APIRouter:
             wcfg = WorkerConfig.model_validate(body)
         except ValidationError as exc:
             raise bad_request(f"invalid worker: {validation_message(exc)}", _first_field(exc)) from None
+        if wcfg.data_parallel_size > 1:
+            raise bad_request("add one data parallel rank per request (data_parallel_rank), not data_parallel_size",
+                              "data_parallel_size")
         try:
             reg = await gateway.add_worker(wcfg)
         except WorkerExists as exc:

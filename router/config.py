@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from kvcore.data_parallel import rank_endpoint
 from router.discovery.config import DiscoveryConfig
 
 MIB = 1024 * 1024
@@ -91,7 +92,15 @@ class WorkerConfig(_Strict):
     """One worker (a vLLM server). ``id`` defaults to ``host:port`` of ``url``; ``events`` /
     ``replay``: the server's ZMQ KV-event PUB and replay endpoints (absent: approximate mode).
     ``role``: ``both`` (serves whole requests), ``prefill`` or ``decode`` (one leg of a
-    disaggregated request); roles matter only for a model whose ``policy.pd`` is on."""
+    disaggregated request); roles matter only for a model whose ``policy.pd`` is on.
+
+    Data parallelism (vLLM's ``--data-parallel-size``: engines behind one URL, each its own KV
+    cache, :mod:`kvcore.data_parallel`): ``data_parallel_rank`` makes this entry one rank, a
+    routing target of its own (the gateway names the rank in the ``X-data-parallel-rank`` header
+    and reads its load from the ``engine="<rank>"`` metrics; ``events`` / ``replay`` are that
+    rank's endpoints). ``data_parallel_size: N`` in the config file lists all N at once: the entry
+    becomes N workers ``<id>-dp<rank>`` with ``events`` / ``replay`` offset for each rank as vLLM
+    offsets them (:func:`expand_data_parallel`)."""
 
     id: str | None = Field(None, min_length=1)
     url: str
@@ -99,6 +108,8 @@ class WorkerConfig(_Strict):
     events: str | None = None
     replay: str | None = None
     role: WorkerRole = "both"
+    data_parallel_rank: int | None = Field(None, ge=0)
+    data_parallel_size: int = Field(1, ge=1)
 
     @field_validator("url")
     @classmethod
@@ -138,7 +149,40 @@ class WorkerConfig(_Strict):
             self.id = f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
         if "/" in self.id:
             raise ValueError(f"worker id must not contain '/': {self.id!r}")
+        if self.data_parallel_size > 1 and self.data_parallel_rank is not None:
+            raise ValueError("give data_parallel_size (every rank) or data_parallel_rank (one), not both")
+        if self.data_parallel_size > 1:
+            for endpoint in (self.events, self.replay):
+                if endpoint is not None:
+                    rank_endpoint(endpoint, 1)  # raises for an endpoint vLLM cannot offset
         return self
+
+
+def repeated_targets(workers: list[WorkerConfig]) -> list[str]:
+    """URLs listed more than once as the same target: twice without a data parallel rank, with
+    and without one, or twice with the same rank."""
+    ranks: dict[str, list[int | None]] = {}
+    for w in workers:
+        ranks.setdefault(w.url, []).append(w.data_parallel_rank)
+    return sorted(url for url, rs in ranks.items()
+                  if len(rs) > 1 and (None in rs or len(set(rs)) != len(rs)))
+
+
+def expand_data_parallel(workers: list[WorkerConfig]) -> list[WorkerConfig]:
+    """``workers`` with each ``data_parallel_size: N`` entry replaced by its N ranks: ids
+    ``<id>-dp<rank>``, ``data_parallel_rank`` set, ``events`` / ``replay`` offset per rank
+    (:func:`kvcore.data_parallel.rank_endpoint`)."""
+    out: list[WorkerConfig] = []
+    for w in workers:
+        if w.data_parallel_size == 1:
+            out.append(w)
+            continue
+        for rank in range(w.data_parallel_size):
+            out.append(w.model_copy(update={
+                "id": f"{w.id}-dp{rank}", "data_parallel_rank": rank, "data_parallel_size": 1,
+                "events": rank_endpoint(w.events, rank) if w.events else None,
+                "replay": rank_endpoint(w.replay, rank) if w.replay else None}))
+    return out
 
 
 class TimeoutsConfig(_Strict):
@@ -275,6 +319,7 @@ class GatewayConfig(_Strict):
 
     @model_validator(mode="after")
     def _cross_check(self) -> "GatewayConfig":
+        self.workers = expand_data_parallel(self.workers)
         names = [m.name for m in self.models]
         for m in self.models:
             names.extend(m.lora_adapters)
@@ -285,9 +330,9 @@ class GatewayConfig(_Strict):
         ids = [w.id for w in self.workers]
         if len(set(ids)) != len(ids):
             raise ValueError(f"worker ids repeated: {sorted({i for i in ids if ids.count(i) > 1})}")
-        urls = [w.url for w in self.workers]
-        if len(set(urls)) != len(urls):  # one server listed twice would count twice in routing
-            raise ValueError(f"worker urls repeated: {sorted({u for u in urls if urls.count(u) > 1})}")
+        repeated = repeated_targets(self.workers)
+        if repeated:  # one server (or rank) listed twice would count twice in routing
+            raise ValueError(f"worker urls repeated: {repeated}")
         for w in self.workers:
             if w.model not in bases:
                 raise ValueError(f"worker {w.id!r} serves unknown model {w.model!r}; models: {sorted(bases)}")

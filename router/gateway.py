@@ -194,9 +194,12 @@ class Gateway:
             raise ValueError(f"unknown model {wcfg.model!r}; models: {sorted(self.model_names)}")
         if wcfg.id in self.registry:
             raise WorkerExists(f"worker {wcfg.id!r} already exists")
-        same_url = [r.id for r in self.registry.all() if r.url == wcfg.url]
+        same_url = [r.id for r in self.registry.all() if r.url == wcfg.url and (
+            r.cfg.data_parallel_rank is None or wcfg.data_parallel_rank is None
+            or r.cfg.data_parallel_rank == wcfg.data_parallel_rank)]
         if same_url:
-            raise WorkerExists(f"worker {same_url[0]!r} already serves {wcfg.url}")
+            rank = "" if wcfg.data_parallel_rank is None else f" rank {wcfg.data_parallel_rank}"
+            raise WorkerExists(f"worker {same_url[0]!r} already serves {wcfg.url}{rank}")
         reg = self.registry.add(wcfg)
         await self._wait_first_probe([reg])
         return reg

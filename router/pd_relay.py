@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from router.pd import prefill_body, transfer_params
-from router.proxy import ClientState, client_headers, upstream_headers
+from router.proxy import ClientState, client_headers, for_rank, upstream_headers
 from router.registry import InFlight
 from router.stream_usage import cached_tokens_of_body
 
@@ -79,7 +79,7 @@ async def prefill_leg(gw: Gateway, send, state: ClientState, method: str, path: 
         try:
             async with asyncio.timeout(timeout_s):
                 resp = await gw.upstream.session.request(method, reg.url + path, data=payload,
-                                                         headers=upstream_headers(headers, f"{request_id}-prefill"))
+                                                         headers=for_rank(upstream_headers(headers, f"{request_id}-prefill"), reg))
                 answer = await resp.read()
         except aiohttp.ClientConnectorError as exc:
             health = gw.upstream.health

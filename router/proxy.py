@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import aiohttp
 
+from kvcore.data_parallel import DP_RANK_HEADER
 from router.config import HealthConfig, TimeoutsConfig
 from router.errors import GatewayError, upstream_failed, upstream_timeout
 from router.metrics import GatewayMetrics
@@ -34,6 +35,7 @@ log = logging.getLogger("kvroute.proxy")
 _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate",
                          b"proxy-authorization", b"te", b"trailer", b"trailers", b"transfer-encoding",
                          b"upgrade"})
+_DP_RANK = DP_RANK_HEADER.lower()
 _REQUEST_DROP = _HOP_BY_HOP | {b"host", b"content-length", b"accept-encoding", b"expect", b"x-request-id"}
 _RESPONSE_DROP = _HOP_BY_HOP | {b"content-length", b"x-request-id", b"x-kvroute-worker",
                                 b"x-kvroute-prefill-worker"}
@@ -68,6 +70,16 @@ def upstream_headers(client_headers: list[tuple[bytes, bytes]], request_id: str)
     out.append(("Accept-Encoding", "identity"))
     out.append(("x-request-id", request_id))
     return out
+
+
+def for_rank(headers: list[tuple[str, str]], reg: WorkerRegistration) -> list[tuple[str, str]]:
+    """``headers`` for ``reg``: a data parallel rank (``WorkerConfig.data_parallel_rank``) is named in
+    ``X-data-parallel-rank`` (vLLM's header, :mod:`kvcore.data_parallel`), replacing the client's;
+    a whole server gets them unchanged."""
+    rank = reg.cfg.data_parallel_rank
+    if rank is None:
+        return headers
+    return [(k, v) for k, v in headers if k.lower() != _DP_RANK] + [(DP_RANK_HEADER, str(rank))]
 
 
 def client_headers(raw: Iterable[tuple[bytes, bytes]], worker_id: str, request_id: str,
@@ -211,7 +223,7 @@ class Upstream:
                     async with asyncio.timeout(first_byte_s) as deadline:
                         try:
                             resp = await session.request(method, reg.url + path, data=body or None,
-                                                         headers=headers)
+                                                         headers=for_rank(headers, reg))
                         except aiohttp.ClientConnectorError as exc:
                             raise _Retryable(f"{type(exc).__name__}: {exc}", True) from None
                         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:

@@ -4,7 +4,8 @@ engine-load scrape) and the ``GET /v1/models`` listing. Every call is bounded by
 Both are registry task factories (``factory(registration) -> coroutine``) bound to the gateway's
 shared aiohttp session. The load comes from vLLM's Prometheus text at ``/metrics``:
 ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` (summed over label sets, e.g. DP
-engines) and ``vllm:kv_cache_usage_perc`` (0..1, the maximum over label sets).
+engines) and ``vllm:kv_cache_usage_perc`` (0..1, the maximum over label sets); a worker that is one
+data parallel rank reads only its own ``engine="<rank>"`` label sets.
 """
 from __future__ import annotations
 
@@ -28,18 +29,26 @@ _KV_USAGE = "vllm:kv_cache_usage_perc"
 _NAMES = (_RUNNING, _WAITING, _KV_USAGE)
 
 
-def parse_engine_load(text: str) -> tuple[int | None, int | None, float | None]:
+def parse_engine_load(text: str, rank: int | None = None) -> tuple[int | None, int | None, float | None]:
     """``(running, waiting, kv_usage)`` from Prometheus exposition text (vLLM's metric names);
-    a metric absent from ``text`` gives None. Lines of other metrics are skipped cheaply."""
+    a metric absent from ``text`` gives None. Lines of other metrics are skipped cheaply.
+    ``rank``: read only the label sets of that data parallel rank (``engine="<rank>"``, vLLM's
+    per-engine label); None: the whole server (every label set)."""
     running = waiting = None
     usage = None
+    engine = None if rank is None else f'engine="{rank}"'
     for line in text.splitlines():
         if not line.startswith(_NAMES):
             continue
         space = line.find(" ")
         brace = line.find("{")
         if brace != -1 and (space == -1 or brace < space):
-            name, rest = line[:brace], line[line.rfind("}") + 1:]
+            close = line.rfind("}")
+            if engine is not None and engine not in line[brace:close]:
+                continue
+            name, rest = line[:brace], line[close + 1:]
+        elif engine is not None:  # no labels: not a rank's line
+            continue
         else:
             name, rest = line[:space], line[space:]
         try:
@@ -81,7 +90,7 @@ async def scrape_once(session: aiohttp.ClientSession, reg: WorkerRegistration, c
     if isinstance(got, str) or got[0] != 200:
         reg.forget_scrape()
         return False
-    reg.record_scrape(*parse_engine_load(got[1].decode(errors="replace")))
+    reg.record_scrape(*parse_engine_load(got[1].decode(errors="replace"), reg.cfg.data_parallel_rank))
     return True
 
 

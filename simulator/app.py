@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -55,6 +56,7 @@ import xxhash
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
+from kvcore.data_parallel import DP_RANK_HEADER, rank_endpoint
 from kvcore.responses_input import responses_to_chat
 from kvcore.tokenization import BadPrompt, PromptTokenizer, UnsupportedPrompt
 from simulator import anthropic_format as afmt
@@ -108,6 +110,43 @@ class _Parsed:
     lora_name: str | None = None  # the LoRA adapter the body named (SimConfig.lora_modules)
 
 
+class SimRank:
+    """One data parallel rank: its block pool, engine and KV-event publisher (on the configured
+    endpoints offset for the rank as vLLM offsets them, :func:`kvcore.data_parallel.rank_endpoint`,
+    its batches tagged with the rank)."""
+
+    def __init__(self, rank: int, cfg: SimConfig) -> None:
+        self.rank = rank
+        ev = cfg.kv_events
+        self.events = dataclasses.replace(
+            ev, endpoint=rank_endpoint(ev.endpoint, rank),
+            replay_endpoint=rank_endpoint(ev.replay_endpoint, rank) if ev.replay_endpoint else None)
+        self.pool = BlockPool(cfg.num_gpu_blocks, cfg.block_size, enable_events=ev.active)
+        self.publisher = None
+        self.engine = Engine(self.pool, cfg.timing, cfg.max_num_seqs, cfg.seed, publish=self._publish,
+                             max_num_batched_tokens=cfg.max_num_batched_tokens, kv_load=cfg.kv_load)
+        self._task: asyncio.Task | None = None
+
+    def _publish(self, events: list) -> None:
+        if self.publisher is not None:
+            self.publisher.publish(events)
+
+    def start(self) -> None:
+        """Bind the publisher and run the engine (on the running loop)."""
+        self.publisher = make_publisher(self.events, self.rank)
+        if self.publisher is not None:
+            self.publisher.start()
+        self._task = asyncio.get_running_loop().create_task(self.engine.run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self.publisher is not None:
+            self.publisher.close()
+
+
 class SimServer:
     """State of one simulated server: tokenizer, block pool, engine, publisher, metrics, and the
     record of received requests. ``app`` is the FastAPI application."""
@@ -118,38 +157,35 @@ class SimServer:
         self.max_model_len = cfg.resolved_max_model_len()
         self.tokenizer = PromptTokenizer(cfg.model_dir)
         self.sampler = OutputSampler(text_pieces(self.tokenizer.decode, self.tokenizer.vocab_size), cfg.seed)
-        self.pool = BlockPool(cfg.num_gpu_blocks, cfg.block_size, enable_events=cfg.kv_events.active)
-        self.publisher = None
-        self.engine = Engine(self.pool, cfg.timing, cfg.max_num_seqs, cfg.seed, publish=self._publish,
-                             max_num_batched_tokens=cfg.max_num_batched_tokens, kv_load=cfg.kv_load)
+        self.ranks = [SimRank(rank, cfg) for rank in range(cfg.data_parallel_size)]
         self.registry = make_registry(self)
         self.created = int(time.time())  # one value per process, so identical requests give identical bytes
         self.engine_id = f"kvroute-sim-{cfg.port}-{cfg.seed}-{self.created}"
         self.recorded: deque[dict[str, Any]] = deque(maxlen=cfg.recorded_requests)
         self._stored: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()  # response id -> its messages
         self._counter = 0
-        self._engine_task: asyncio.Task | None = None
         self.app = self._build_app()
 
-    def _publish(self, events: list) -> None:
-        if self.publisher is not None:
-            self.publisher.publish(events)
+    @property
+    def engine(self) -> Engine:
+        """Data parallel rank 0's engine (the only one without ``--data-parallel-size``)."""
+        return self.ranks[0].engine
+
+    @property
+    def pool(self) -> BlockPool:
+        """Data parallel rank 0's block pool."""
+        return self.ranks[0].pool
 
     # ---- lifecycle ----------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI):
-        self.publisher = make_publisher(self.cfg.kv_events)
-        if self.publisher is not None:
-            self.publisher.start()
-        self._engine_task = asyncio.get_running_loop().create_task(self.engine.run())
+        for rank in self.ranks:
+            rank.start()
         try:
             yield
         finally:
-            self._engine_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._engine_task
-            if self.publisher is not None:
-                self.publisher.close()
+            for rank in self.ranks:
+                await rank.stop()
 
     def _build_app(self) -> FastAPI:
         app = FastAPI(title="kvroute sim", lifespan=self.lifespan, docs_url=None, redoc_url=None,
@@ -256,8 +292,29 @@ class SimServer:
             remote_prefill=bool(kvt.get("do_remote_prefill")), remote_decode=bool(kvt.get("do_remote_decode")),
             model=lora_name or self.model, lora_name=lora_name)
 
-    def _submit(self, parsed: _Parsed, rid: str) -> tuple[list[SimRequest], asyncio.Queue]:
-        """One engine request per (prompt, choice), sharing one sink; 400 if one can never fit."""
+    def _rank_for(self, request: Request | None) -> int:
+        """The data parallel rank serving a request: the ``X-data-parallel-rank`` header's when it
+        is an integer (vLLM ignores one that is not; 400 for a rank this server does not have),
+        else the least loaded (waiting x 4 + running, as vLLM's balancer scores engines), lowest
+        rank first."""
+        given = request.headers.get(DP_RANK_HEADER) if request is not None else None
+        if given is not None:
+            try:
+                rank = int(given)
+            except ValueError:
+                rank = None
+            if rank is not None:
+                if not 0 <= rank < len(self.ranks):
+                    raise ApiError(400, f"data parallel rank {rank} is out of range [0, {len(self.ranks)})")
+                return rank
+        return min(range(len(self.ranks)),
+                   key=lambda r: (4 * self.ranks[r].engine.num_waiting + self.ranks[r].engine.num_running, r))
+
+    def _submit(self, parsed: _Parsed, rid: str, request: Request | None = None
+                ) -> tuple[list[SimRequest], asyncio.Queue]:
+        """One engine request per (prompt, choice), sharing one sink, on one data parallel rank
+        (:meth:`_rank_for`); 400 if one can never fit."""
+        engine = self.ranks[self._rank_for(request)].engine
         sink: asyncio.Queue = asyncio.Queue()
         reqs = []
         for pi, prompt in enumerate(parsed.prompts):
@@ -276,11 +333,11 @@ class SimServer:
         added = []
         try:
             for r in reqs:
-                self.engine.add(r)
+                engine.add(r)
                 added.append(r)
         except RequestTooLong as exc:
             for r in added:
-                self.engine.abort(r)
+                engine.abort(r)
             raise ApiError(400, str(exc), "prompt") from None
         return reqs, sink
 
@@ -298,7 +355,7 @@ class SimServer:
             message = await request.receive()
             if message["type"] == "http.disconnect":
                 for r in reqs:
-                    self.engine.abort(r)
+                    r.engine.abort(r)
                 return
 
     # ---- generation routes --------------------------------------------------------------------
@@ -313,7 +370,7 @@ class SimServer:
             body = await self._body(request, record=True)
             parsed = self._parse(body, chat)
             rid = self._request_id(request, "chatcmpl" if chat else "cmpl")
-            reqs, sink = self._submit(parsed, rid)
+            reqs, sink = self._submit(parsed, rid, request)
         except ApiError as exc:
             return _error(exc)
         watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(request, reqs))
@@ -340,7 +397,7 @@ class SimServer:
             parsed = self._parse({k: v for k, v in body.items() if k not in ("n", "stream_options")}, chat=True,
                                  encode=lambda: self.tokenizer.encode_messages(body))
             rid = self._request_id(request, "msg")
-            reqs, sink = self._submit(parsed, rid)
+            reqs, sink = self._submit(parsed, rid, request)
         except ApiError as exc:
             return _error(exc)
         watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(request, reqs))
@@ -377,7 +434,7 @@ class SimServer:
                                  chat=True, encode=lambda: self.tokenizer.encode_chat(chat))
             self._counter += 1
             rid = f"resp_{xxhash.xxh3_128_hexdigest(self._counter.to_bytes(8, 'big'), seed=self.cfg.seed)}"
-            reqs, sink = self._submit(parsed, rid)
+            reqs, sink = self._submit(parsed, rid, request)
         except ApiError as exc:
             return _error(exc)
         watcher = asyncio.get_running_loop().create_task(self._watch_disconnect(request, reqs))
@@ -422,7 +479,7 @@ class SimServer:
                 yield stream.end(self._responses_usage(parsed, req))
         finally:
             watcher.cancel()
-            self.engine.abort(req)
+            req.engine.abort(req)
 
     async def _one_answer(self, reqs: list[SimRequest], sink: asyncio.Queue, watcher: asyncio.Task
                           ) -> tuple[SimRequest, str]:
@@ -455,7 +512,7 @@ class SimServer:
                 yield afmt.stream_end(req.finish_reason, self._messages_usage(parsed, req))
         finally:
             watcher.cancel()
-            self.engine.abort(req)
+            req.engine.abort(req)
 
     def _prefill_params(self, request: Request, req: SimRequest) -> dict[str, Any]:
         """The ``kv_transfer_params`` of a prefill leg's answer (module docstring)."""
@@ -505,7 +562,7 @@ class SimServer:
         finally:
             watcher.cancel()
             for r in reqs:
-                self.engine.abort(r)
+                r.engine.abort(r)
 
     # ---- other routes -------------------------------------------------------------------------
     async def models(self) -> Response:
@@ -556,7 +613,7 @@ class SimServer:
 
     async def reset_prefix_cache(self) -> Response:
         """200 ``{"success": true}``; 500 while requests still hold blocks (vLLM refuses then)."""
-        if self.engine.reset_prefix_cache():
+        if all([rank.engine.reset_prefix_cache() for rank in self.ranks]):
             return _json({"success": True})
         return _json(fmt.error_body(500, "Failed to reset prefix cache: requests still hold blocks"), 500)
 

@@ -71,6 +71,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="LoRA adapters served beside the model, as vLLM's flag (NAME=PATH or vLLM's JSON form "
                         "'{\"name\": ..., \"path\": ...}'): a request naming one is served with its name mixed into "
                         "every block's engine hash and KV event, as vLLM does (no weights are read)")
+    p.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                   help="engines behind this one server, as vLLM's flag: each its own block pool "
+                        "(--num-gpu-blocks-override each), KV events on the endpoints offset by its rank, metrics "
+                        "labelled engine=<rank>; a request goes to its X-data-parallel-rank header's rank, else "
+                        "the least loaded (default 1)")
     p.add_argument("--speedup", type=float, default=1.0, help="divide all simulated times by this (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the engine hashes and output text (default 0)")
     p.set_defaults(func=_run)

@@ -34,7 +34,8 @@ class SimConfig:
     enable_prompt_tokens_details: bool = False
     timing: TimingModel = field(default_factory=TimingModel)
     kv_load: str = "prompt"  # P/D: what a decode leg loads (simulator.engine.KV_LOAD_MODES)
-    lora_modules: dict[str, str] = field(default_factory=dict)  # LoRA adapter name -> path (--lora-modules)
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    data_parallel_size: int = 1  # engines behind the one server, each its own KV cache (--data-parallel-size)  # LoRA adapter name -> path (--lora-modules)
     seed: int = 0
     recorded_requests: int = RECORDED_REQUESTS
 

@@ -79,6 +79,7 @@ class SimRequest:
     remote_decode: bool = False  # a prefill leg: keep the prompt's block ids at the end
     index: int = 0
     sink: asyncio.Queue = field(default_factory=asyncio.Queue)
+    engine: Any = None  # the Engine (data parallel rank) it was added to
     arrival_s: float = field(default_factory=time.monotonic)
     # engine state
     num_output: int = 0
@@ -172,6 +173,7 @@ class Engine:
                 f"request needs {total} tokens of KV cache; only "
                 f"{self.pool.num_usable_blocks * self.pool.block_size} fit")
         self.stats.prompt_tokens += len(req.prompt_token_ids)
+        req.engine = self
         self.waiting.append(req)
         self._wake.set()
 

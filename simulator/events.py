@@ -146,6 +146,7 @@ class ZmqEventPublisher:
         self._ctx.term()
 
 
-def make_publisher(config: KVEventsConfig) -> ZmqEventPublisher | None:
-    """The publisher for ``config``, or None when events are off (vLLM's null publisher)."""
-    return ZmqEventPublisher(config) if config.active else None
+def make_publisher(config: KVEventsConfig, data_parallel_rank: int = 0) -> ZmqEventPublisher | None:
+    """The publisher for ``config`` (batches tagged ``data_parallel_rank``), or None when events
+    are off (vLLM's null publisher)."""
+    return ZmqEventPublisher(config, data_parallel_rank) if config.active else None

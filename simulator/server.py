@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvcore.data_parallel import rank_endpoint
 from kvcore.lora_modules import parse_lora_modules
 from simulator.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, SimConfig
 from simulator.events import KVEventsConfig
@@ -37,18 +38,25 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
                          "--num-gpu-blocks-override >= 2")
     if args.max_model_len is not None and args.max_model_len < 1:
         raise ValueError("--max-model-len must be >= 1")
+    if args.data_parallel_size < 1:
+        raise ValueError("--data-parallel-size must be >= 1")
+    events = KVEventsConfig.from_json(args.kv_events_config)
+    if events.active and args.data_parallel_size > 1:
+        for endpoint in (events.endpoint, events.replay_endpoint):
+            if endpoint:
+                rank_endpoint(endpoint, 1)  # every rank's endpoint must exist, as in vLLM
     return SimConfig(
         model_dir=args.model, served_model_name=args.served_model_name, host=args.host, port=args.port,
         block_size=args.block_size, num_gpu_blocks=args.num_gpu_blocks_override,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=budget,
-        kv_events=KVEventsConfig.from_json(args.kv_events_config),
+        kv_events=events,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         timing=timing_from_args(args),
         kv_load=args.kv_load.replace("-", "_"),
         lora_modules=parse_lora_modules(args.lora_modules),
+        data_parallel_size=args.data_parallel_size,
         seed=args.seed)
-
 
 
 def serve(cfg: SimConfig) -> None:
