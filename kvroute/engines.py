@@ -183,19 +183,22 @@ def _gpu_ids() -> list[str]:
     return [str(i) for i, ln in enumerate(listing.splitlines()) if ln.startswith("GPU ")]
 
 
-def vllm_env(i: int, n_workers: int) -> dict[str, str]:
+def vllm_env(i: int, n_workers: int, data_parallel_size: int = 1) -> dict[str, str]:
     """Environment for vLLM worker ``i`` of ``n_workers``, never overriding what the user set.
 
     CPU build: ``VLLM_CPU_KVCACHE_SPACE`` 1 (GiB) and ``VLLM_CPU_OMP_THREADS_BIND`` a slice of the
-    cores per worker. GPU hosts with at least one GPU per worker: ``CUDA_VISIBLE_DEVICES`` one GPU
-    per worker. (Variables of the other platform are ignored by vLLM.)
+    cores per engine: one per worker, or ``data_parallel_size`` of them joined by ``|`` (vLLM's
+    CPU worker takes its data parallel rank's list from that, ``vllm/utils/ompmultiprocessing.py``).
+    GPU hosts with a GPU per engine: ``CUDA_VISIBLE_DEVICES`` the worker's ``data_parallel_size``
+    GPUs. (Variables of the other platform are ignored by vLLM.)
     """
     env: dict[str, str] = {}
+    dp = data_parallel_size
     if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
         env["VLLM_CPU_KVCACHE_SPACE"] = "1"
     if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = _cpu_slices(n_workers)[i]
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(_cpu_slices(n_workers * dp)[i * dp:(i + 1) * dp])
     gpus = _gpu_ids()
-    if len(gpus) >= n_workers:
-        env["CUDA_VISIBLE_DEVICES"] = gpus[i]
+    if len(gpus) >= n_workers * dp:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus[i * dp:(i + 1) * dp])
     return env

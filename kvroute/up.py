@@ -430,7 +430,7 @@ def run(args: argparse.Namespace) -> int:
                     args, i, events, replay, base, agent_socket, f"/dev/shm/kvroute-tier-{os.getpid()}-{wid}",
                     wid), log_dir)
             if args.engine == "vllm":
-                argv, env = vllm_argv(args, port, events_cfg), vllm_env(i, len(plan))
+                argv, env = vllm_argv(args, port, events_cfg), vllm_env(i, len(plan), args.data_parallel_size)
                 tier_args, tier_env = tier_argv_env(args, i, agent_socket, wid)
                 argv, env = argv + tier_args, {**env, **tier_env}
             else:
