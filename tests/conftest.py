@@ -2,8 +2,10 @@
 on loopback that always stop (each has a hard deadline and is killed at teardown)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -130,6 +132,26 @@ def serve_gateway(cfg: dict, log_dir: Path, started: list[Proc], name: str = "ga
     base = f"http://127.0.0.1:{cfg['listen']['port']}"
     wait_http(base + "/health", proc, timeout_s=180)
     return base, path, proc
+
+
+@contextlib.contextmanager
+def running_up(name: str, up_args: list[str], log_dir: Path, env: dict[str, str], ready_s: float = 180):
+    """``kvroute up`` with ``up_args`` (``--log-dir`` added: ``log_dir/up``) until its gateway-ready
+    line, stopped on exit; yields the gateway's base URL. Fails the test with the logs when it exits
+    or is not ready within ``ready_s``."""
+    proc = Proc(name, kvroute_argv("up", *up_args, "--log-dir", str(log_dir / "up")), log_dir, env=env,
+                deadline_s=ready_s + 900)
+    try:
+        end = time.monotonic() + ready_s
+        while not (m := re.search(r"gateway ready: (http://\S+)/v1", proc.log_path.read_text(errors="replace"))):
+            if not proc.alive() or time.monotonic() > end:
+                logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
+                                 for p in sorted((log_dir / "up").glob("*.log")))
+                pytest.fail(f"kvroute up not ready:\n{proc.log_tail()}\n{logs}")
+            time.sleep(0.2)
+        yield m.group(1)
+    finally:
+        proc.stop(timeout_s=60)
 
 
 def metric(base: str, name: str, **labels) -> float:

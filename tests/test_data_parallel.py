@@ -6,15 +6,12 @@ what that rank reports cached; the other rank holds nothing of it. Also the pure
 endpoint offsets, the config's expansion and checks, the per-rank load scrape."""
 from __future__ import annotations
 
-import re
-import time
-
 import httpx
 import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import Proc, free_port, kvroute_argv, wait_until
+from conftest import free_port, running_up, wait_until
 from kvcore.data_parallel import rank_endpoint
 from router.config import GatewayConfig, repeated_targets
 from router.worker_probes import parse_engine_load
@@ -76,21 +73,11 @@ def test_the_load_scrape_reads_one_ranks_label_sets():
 
 @pytest.fixture(scope="module")
 def dp_up(tmp_path_factory, tiny_model):
-    log_dir = tmp_path_factory.mktemp("dp-up")
-    port = free_port()
-    proc = Proc("up", kvroute_argv(
-        "up", "--workers", "1", "--data-parallel-size", "2", "--model", str(tiny_model),
-        "--served-model-name", "tiny", "--port", str(port), "--speedup", "50", "--policy", "kv_aware",
-        "--log-dir", str(log_dir / "up")), log_dir, env={"KVROUTE_ADMIN_TOKEN": "dp-token"}, deadline_s=600)
-    try:
-        end = time.monotonic() + 180
-        while not (m := re.search(r"gateway ready: (http://\S+)/v1", proc.log_path.read_text(errors="replace"))):
-            if not proc.alive() or time.monotonic() > end:
-                pytest.fail(f"kvroute up not ready:\n{proc.log_tail()}")
-            time.sleep(0.2)
-        yield m.group(1)
-    finally:
-        proc.stop()
+    with running_up("up", ["--workers", "1", "--data-parallel-size", "2", "--model", str(tiny_model),
+                           "--served-model-name", "tiny", "--port", str(free_port()), "--speedup", "50",
+                           "--policy", "kv_aware"],
+                    tmp_path_factory.mktemp("dp-up"), {"KVROUTE_ADMIN_TOKEN": "dp-token"}) as base:
+        yield base
 
 
 def test_each_rank_is_routed_on_its_own_cache(dp_up):

@@ -5,14 +5,11 @@ it (vLLM mixes the adapter into every block's hash, so those blocks are no hit t
 explain's prediction equals the worker's report in every case. Also ``up``'s flag checks."""
 from __future__ import annotations
 
-import re
-import time
-
 import httpx
 import pytest
 from openai import OpenAI
 
-from conftest import Proc, free_port, kvroute_argv, wait_until
+from conftest import free_port, kvroute_argv, running_up, wait_until
 
 AUTH = {"Authorization": "Bearer lora-token"}
 BLOCK = 32
@@ -21,26 +18,11 @@ BLOCK = 32
 @pytest.fixture(scope="module")
 def lora_up(tmp_path_factory, tiny_model):
     log_dir = tmp_path_factory.mktemp("lora-up")
-    port = free_port()
-    proc = Proc("up", kvroute_argv(
-        "up", "--workers", "2", "--model", str(tiny_model), "--served-model-name", "tiny",
-        "--port", str(port), "--speedup", "50", "--log-dir", str(log_dir / "up"),
-        "--lora-modules", f"sql={log_dir / 'sql-adapter'}", '{"name": "chat", "path": "/adapters/chat"}'),
-        log_dir, env={"KVROUTE_ADMIN_TOKEN": "lora-token"}, deadline_s=600)
-    try:
-        end = time.monotonic() + 180
-        while time.monotonic() < end:
-            m = re.search(r"gateway ready: (http://\S+)/v1", proc.log_path.read_text(errors="replace"))
-            if m:
-                break
-            if not proc.alive():
-                pytest.fail(f"kvroute up exited:\n{proc.log_tail()}")
-            time.sleep(0.2)
-        else:
-            pytest.fail(f"kvroute up not ready:\n{proc.log_tail()}")
-        yield m.group(1)
-    finally:
-        proc.stop()
+    with running_up("up", ["--workers", "2", "--model", str(tiny_model), "--served-model-name", "tiny",
+                           "--port", str(free_port()), "--speedup", "50", "--lora-modules",
+                           f"sql={log_dir / 'sql-adapter'}", '{"name": "chat", "path": "/adapters/chat"}'],
+                    log_dir, {"KVROUTE_ADMIN_TOKEN": "lora-token"}) as base:
+        yield base
 
 
 def explain(base: str, body: dict) -> dict:

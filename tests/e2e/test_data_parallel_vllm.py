@@ -6,16 +6,13 @@ the predicted tokens as cached; the other rank holds none of it (its KV events s
 ``engine`` label of ``vllm:prefix_cache_hits_total`` stays 0)."""
 from __future__ import annotations
 
-import re
-import time
-
 import httpx
 import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from e2e.conftest import vllm_python
-from conftest import ADMIN_TOKEN, Proc, free_port, kvroute_argv, wait_until
+from conftest import ADMIN_TOKEN, free_port, running_up, wait_until
 
 from .bodies import words
 
@@ -26,25 +23,15 @@ READY_S = 600
 
 @pytest.fixture(scope="module")
 def dp_cluster(e2e_model, tmp_path_factory):
-    log_dir = tmp_path_factory.mktemp("dp-vllm")
-    port = free_port()
-    proc = Proc("up-dp", kvroute_argv(
-        "up", "--engine", "vllm", "--vllm-python", vllm_python(), "--workers", "1", "--data-parallel-size", "2",
-        "--model", str(e2e_model), "--served-model-name", "tiny", "--port", str(port), "--block-size", str(BLOCK),
-        "--num-gpu-blocks-override", "128", "--max-model-len", "1024", "--policy", "kv_aware",
-        "--vllm-args", "--enforce-eager --dtype bfloat16", "--log-dir", str(log_dir / "up"),
-        "--ready-timeout-s", str(READY_S)),
-        log_dir, env={"KVROUTE_ADMIN_TOKEN": ADMIN_TOKEN, "VLLM_SERVER_DEV_MODE": "1"}, deadline_s=READY_S + 600)
-    try:
-        end = time.monotonic() + READY_S + 60
-        while not (m := re.search(r"gateway ready: (http://\S+)/v1", proc.log_path.read_text(errors="replace"))):
-            if not proc.alive() or time.monotonic() > end:
-                logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in (log_dir / "up").glob("*.log"))
-                pytest.fail(f"kvroute up not ready:\n{proc.log_tail()}\n{logs}")
-            time.sleep(0.5)
-        yield m.group(1)
-    finally:
-        proc.stop(timeout_s=60)
+    with running_up("up-dp", [
+            "--engine", "vllm", "--vllm-python", vllm_python(), "--workers", "1", "--data-parallel-size", "2",
+            "--model", str(e2e_model), "--served-model-name", "tiny", "--port", str(free_port()),
+            "--block-size", str(BLOCK), "--num-gpu-blocks-override", "128", "--max-model-len", "1024",
+            "--policy", "kv_aware", "--vllm-args", "--enforce-eager --dtype bfloat16",
+            "--ready-timeout-s", str(READY_S)],
+            tmp_path_factory.mktemp("dp-vllm"), {"KVROUTE_ADMIN_TOKEN": ADMIN_TOKEN, "VLLM_SERVER_DEV_MODE": "1"},
+            READY_S + 60) as base:
+        yield base
 
 
 def _hits_per_engine(url: str) -> dict[str, float]:
