@@ -12,7 +12,9 @@ before turn t+1) and a turn waits for the session's previous one.
 
 ``api="messages"``: ``system``, ``tools`` (``input_schema``), ``tool_use`` and ``tool_result``
 blocks. ``api="responses"``: ``instructions``, function ``tools`` (``parameters``) and
-``function_call`` / ``function_call_output`` input items. The prompt token ids are the gateway's
+``function_call`` / ``function_call_output`` input items. ``tool_choice`` is none: the tools are
+still rendered into the prompt, and a vLLM server started without ``--enable-auto-tool-choice``
+and a tool parser accepts the body (it refuses "auto" then). The prompt token ids are the gateway's
 conversion of the body (:meth:`kvcore.tokenization.PromptTokenizer.encode_messages` /
 ``encode_responses``), which the e2e suite checks against vLLM's own.
 """
@@ -57,9 +59,11 @@ def agent(words: OneTokenWords, block_size: int, sessions: int, turns: int, syst
         turns_of_s = []
         for t in range(turns):
             if api == "messages":
-                turns_of_s.append({"system": system, "tools": tools, "messages": [dict(m) for m in history]})
+                turns_of_s.append({"system": system, "tools": tools, "tool_choice": {"type": "none"},
+                                   "messages": [dict(m) for m in history]})
             else:
-                turns_of_s.append({"instructions": system, "tools": tools, "input": [dict(m) for m in history]})
+                turns_of_s.append({"instructions": system, "tools": tools, "tool_choice": "none",
+                                   "input": [dict(m) for m in history]})
             history += _step(words, api, seed, s, t, reply_tokens, result_tokens)
         bodies.append(turns_of_s)
     requests: list[BenchRequest] = []
