@@ -12,8 +12,9 @@ What is measured, per request (times from a monotonic clock, in ms):
 - the worker that served it: the ``x-kvroute-worker`` response header when the router sets one.
 
 The agent APIs stream their own events: ``/v1/messages`` (Anthropic: text in ``content_block_delta``;
-``prompt_tokens`` = ``input_tokens`` + ``cache_read_input_tokens``, the cached part being the
-latter, from ``message_start`` and ``message_delta``; ends with ``message_stop``) and
+``prompt_tokens`` = ``input_tokens`` + ``cache_read_input_tokens`` + ``cache_creation_input_tokens``
+(vLLM's ``_build_anthropic_usage`` takes both out of ``input_tokens``), the cached part being
+``cache_read_input_tokens``, from ``message_start`` and ``message_delta``; ends with ``message_stop``) and
 ``/v1/responses`` (text in ``response.output_text.delta``; usage's ``input_tokens``,
 ``input_tokens_details.cached_tokens`` and ``output_tokens`` from ``response.completed``, which
 ends it).
@@ -96,7 +97,8 @@ def _agent_event(rec: RequestRecord, event: dict) -> tuple[bool, bool]:
         if isinstance(usage, dict):
             cached = usage.get("cache_read_input_tokens")
             if usage.get("input_tokens") is not None:
-                rec.prompt_tokens = int(usage["input_tokens"]) + int(cached or 0)
+                rec.prompt_tokens = (int(usage["input_tokens"]) + int(cached or 0)
+                                     + int(usage.get("cache_creation_input_tokens") or 0))
             if cached is not None:
                 rec.cached_tokens, rec.cached_reported = int(cached), True
             rec.completion_tokens = int(usage.get("output_tokens") or rec.completion_tokens)
