@@ -74,13 +74,13 @@ PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "mess
 
 def request_body(req: BenchRequest, model: str) -> dict[str, Any]:
     """The JSON body sent for ``req``: its body plus model, streaming with usage, and exactly
-    ``output_tokens`` tokens (``max_tokens`` with vLLM's ``ignore_eos``; Responses'
-    ``max_output_tokens``; vLLM's Messages API has no ``ignore_eos`` and ignores it)."""
+    ``output_tokens`` tokens (``max_tokens`` with vLLM's ``ignore_eos``). The agent APIs send no
+    ``ignore_eos``: vLLM's Messages API has none, and routers with OpenAI's strict Responses schema
+    (smg) refuse the field, so an answer may end early at EOS (Responses' ``max_output_tokens``)."""
     if req.endpoint == "messages":
-        return {"model": model, **req.body, "max_tokens": req.output_tokens, "ignore_eos": True, "stream": True}
+        return {"model": model, **req.body, "max_tokens": req.output_tokens, "stream": True}
     if req.endpoint == "responses":
-        return {"model": model, **req.body, "max_output_tokens": req.output_tokens, "ignore_eos": True,
-                "stream": True}
+        return {"model": model, **req.body, "max_output_tokens": req.output_tokens, "stream": True}
     return {"model": model, **req.body, "max_tokens": req.output_tokens, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
 
