@@ -72,6 +72,20 @@ def upstream_headers(client_headers: list[tuple[bytes, bytes]], request_id: str)
     return out
 
 
+_OPENING_EVENTS = (b"response.created", b"response.in_progress")
+
+
+def opening_only(chunk: bytes) -> bool:
+    """Whether an event-stream chunk holds only the opening events of a Responses API stream
+    (``response.created``, ``response.in_progress``), which vLLM sends as the request is accepted,
+    before its prefill (``responses_stream_generator``, vllm/entrypoints/openai/responses/serving.py,
+    0.32): the first token comes with a later event. Each vLLM event has an ``event:`` line."""
+    if b"response.created" not in chunk and b"response.in_progress" not in chunk:
+        return False
+    kinds = [line[6:].strip() for line in chunk.split(b"\n") if line.startswith(b"event:")]
+    return bool(kinds) and all(k in _OPENING_EVENTS for k in kinds)
+
+
 def for_rank(headers: list[tuple[str, str]], reg: WorkerRegistration) -> list[tuple[str, str]]:
     """``headers`` for ``reg``: a data parallel rank (``WorkerConfig.data_parallel_rank``) is named in
     ``X-data-parallel-rank`` (vLLM's header, :mod:`kvcore.data_parallel`), replacing the client's;
@@ -239,7 +253,9 @@ class Upstream:
             status = resp.status
             tracing.set_http_status(span, status)
             handle.streamed = stream and status == 200
-            handle.first_byte()
+            opening = handle.streamed and opening_only(first)  # no token yet: the prefill runs on
+            if not opening:
+                handle.first_byte()
             if on_answer is not None and status == 200:
                 on_answer(reg, first)
             self.metrics.record_response(reg.id, status, time.perf_counter() - t0)
@@ -250,7 +266,7 @@ class Upstream:
                     after_first = (lambda: on_first_token(handle)) if handle.streamed and on_first_token else None
                     await self._relay_stream(send, state, resp, reg, handle, first, request_id, on_cached_tokens,
                                              strip_usage and status == 200, trace_cached, after_first,
-                                             response_headers)
+                                             response_headers, opening)
                 else:
                     state.response_started = True
                     await send({"type": "http.response.start", "status": status,
@@ -277,7 +293,11 @@ class Upstream:
                             on_cached_tokens,
                             strip_usage: bool, trace_cached: Callable[[int], None] | None = None,
                             after_first: Callable[[], None] | None = None,
-                            response_headers: list[tuple[bytes, bytes]] | None = None) -> None:
+                            response_headers: list[tuple[bytes, bytes]] | None = None,
+                            opening: bool = False) -> None:
+        """Relay the event stream. ``opening``: the first chunk held only a Responses stream's
+        opening events (:func:`opening_only`), so the first token is the first chunk that holds
+        more: only then does the request count as past its prefill and ``after_first`` run."""
         watcher = (UsageStrip() if strip_usage else UsageTap()) if on_cached_tokens is not None else None
         state.response_started = True
         await send({"type": "http.response.start", "status": resp.status,
@@ -291,7 +311,10 @@ class Upstream:
                     out = watcher.feed(chunk) if watcher is not None else chunk
                     if out:
                         await send({"type": "http.response.body", "body": out, "more_body": True})
-                    if after_first is not None:
+                    if opening and not opening_only(chunk):
+                        opening = False
+                        handle.first_byte()
+                    if after_first is not None and not opening:
                         after_first()
                         after_first = None
                     async with asyncio.timeout(idle_s):
