@@ -5,6 +5,7 @@ server streams the events; the relay writes through a recording ASGI ``send``.""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 from aiohttp import web
@@ -29,9 +30,12 @@ async def _stream(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-async def test_first_chunk_reaches_the_client_before_the_first_token_bookkeeping():
+@contextlib.asynccontextmanager
+async def serving(path: str, handler):
+    """A real aiohttp worker answering ``path`` with ``handler``, and an :class:`Upstream` to it:
+    yields ``(upstream, registration)``."""
     app = web.Application()
-    app.router.add_post("/v1/chat/completions", _stream)
+    app.router.add_post(path, handler)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -40,23 +44,28 @@ async def test_first_chunk_reaches_the_client_before_the_first_token_bookkeeping
     reg = WorkerRegistration(WorkerConfig(id="w0", url=f"http://127.0.0.1:{port}", model="m"))
     upstream = Upstream(TimeoutsConfig(), HealthConfig(), GatewayMetrics(lambda: [reg]))
     await upstream.start()
+    try:
+        yield upstream, reg
+    finally:
+        await upstream.close()
+        await runner.cleanup()
+
+
+async def test_first_chunk_reaches_the_client_before_the_first_token_bookkeeping():
     seen: list[tuple[str, bytes | None]] = []
 
     async def send(message: dict) -> None:
         if message["type"] == "http.response.body":
             seen.append(("body", message["body"]))
 
-    def on_first_token(handle) -> None:
-        assert handle.reg is reg and handle.ttft_ms is not None and handle.ttft_ms > 0
-        seen.append(("first_token", None))
+    async with serving("/v1/chat/completions", _stream) as (upstream, reg):
+        def on_first_token(handle) -> None:
+            assert handle.reg is reg and handle.ttft_ms is not None and handle.ttft_ms > 0
+            seen.append(("first_token", None))
 
-    try:
         await asyncio.wait_for(upstream.relay(
             send, ClientState(), "POST", "/v1/chat/completions", b"{}", [], "r1", [reg],
             t0=time.perf_counter(), on_first_token=on_first_token), timeout=30)
-    finally:
-        await upstream.close()
-        await runner.cleanup()
     bodies = [b for kind, b in seen if kind == "body"]
     assert b"".join(bodies) == b"".join(EVENTS)  # the stream, whole and in order
     assert seen[0] == ("body", EVENTS[0]) and seen[1] == ("first_token", None)  # first bytes, then bookkeeping
@@ -95,29 +104,15 @@ def test_opening_only_tells_the_responses_preamble_from_a_token():
 async def test_a_responses_stream_counts_as_prefilled_at_its_first_token_not_its_opening():
     """vLLM sends ``response.created`` before the prefill: the request stays in prefill (the
     worker's load, the TTFT learnt) until the first token's event."""
-    app = web.Application()
-    app.router.add_post("/v1/responses", _responses_stream)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    reg = WorkerRegistration(WorkerConfig(id="w0", url=f"http://127.0.0.1:{port}", model="m"))
-    upstream = Upstream(TimeoutsConfig(), HealthConfig(), GatewayMetrics(lambda: [reg]))
-    await upstream.start()
     seen: list = []
+    async with serving("/v1/responses", _responses_stream) as (upstream, reg):
+        async def send(message: dict) -> None:
+            if message["type"] == "http.response.body" and message["body"]:
+                seen.append((message["body"], reg.decoding))
 
-    async def send(message: dict) -> None:
-        if message["type"] == "http.response.body" and message["body"]:
-            seen.append((message["body"], reg.decoding))
-
-    try:
         await asyncio.wait_for(upstream.relay(
             send, ClientState(), "POST", "/v1/responses", b"{}", [], "r1", [reg], t0=time.perf_counter(),
             on_first_token=lambda handle: seen.append(("ttft_ms", handle.ttft_ms))), timeout=30)
-    finally:
-        await upstream.close()
-        await runner.cleanup()
     assert seen[0] == (RESPONSES_EVENTS[0], 0)  # relayed at once, still in prefill
     assert seen[1][0] == RESPONSES_EVENTS[1] and seen[2][0] == "ttft_ms"
     assert seen[2][1] >= PREFILL_S * 1000 * 0.9  # the first token's time, not the opening's
