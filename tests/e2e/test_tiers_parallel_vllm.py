@@ -25,9 +25,9 @@ finds the peer holding a prefix. No gateway: prompts go to a server's own URL.
    files, each byte-identical to the same rank's file in A (rank 1 got rank 1's heads).
    Marked ``xfail`` (only) when the stall in :data:`PULL_STALLS` happens, in most runs here: a
    rank's pull, or the peer lookup before it (then no rank logs a pull), misses its deadline and
-   vLLM recomputes the prompt (the output is still A's: checked before). The cause is this 2-vCPU machine, not the pull: while B's request waits for
-   its blocks, B's engine core and both TP workers poll without pause, and every sleeping process
-   on the machine is then woken late. Measured: both agents' event loops slept 1-11 s past a
+   vLLM recomputes the prompt (the output is still A's: checked before). The cause is this
+   2-vCPU machine, not the pull: while B's request waits for its blocks, B's engine core and both
+   TP workers poll without pause, and every sleeping process on the machine is then woken late. Measured: both agents' event loops slept 1-11 s past a
    250 ms timer (one voluntary context switch, no CPU used, no request in progress), and a
    separate process sleeping 50 ms at a time, started beside the test, woke up to 2.1 s late in
    the same seconds.
