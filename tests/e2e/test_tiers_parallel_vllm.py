@@ -27,10 +27,10 @@ finds the peer holding a prefix. No gateway: prompts go to a server's own URL.
    rank's pull, or the peer lookup before it (then no rank logs a pull), misses its deadline and
    vLLM recomputes the prompt (the output is still A's: checked before). The cause is this
    2-vCPU machine, not the pull: while B's request waits for its blocks, B's engine core and both
-   TP workers poll without pause, and every sleeping process on the machine is then woken late. Measured: both agents' event loops slept 1-11 s past a
-   250 ms timer (one voluntary context switch, no CPU used, no request in progress), and a
-   separate process sleeping 50 ms at a time, started beside the test, woke up to 2.1 s late in
-   the same seconds.
+   TP workers poll without pause, and every sleeping process on the machine is then woken late.
+   Measured: both agents' event loops slept 1-11 s past a 250 ms timer (one voluntary context
+   switch, no CPU used, no request in progress), and a separate process sleeping 50 ms at a
+   time, started beside the test, woke up to 2.1 s late in the same seconds.
 
 ``TestPipelineParallel``: one server, ``--pipeline-parallel-size 2`` (two stages of 2 layers),
 with its agent: the reset round trip as in 1, and shard files ``<path>`` and ``<path>-pp1-tp0``
