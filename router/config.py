@@ -158,14 +158,20 @@ class WorkerConfig(_Strict):
         return self
 
 
+def same_target(a: WorkerConfig, b: WorkerConfig) -> bool:
+    """Whether two worker entries name the same engine: one URL, with a data parallel rank on
+    neither, on only one (the whole server against one of its ranks) or the same on both."""
+    return a.url == b.url and (a.data_parallel_rank is None or b.data_parallel_rank is None
+                               or a.data_parallel_rank == b.data_parallel_rank)
+
+
 def repeated_targets(workers: list[WorkerConfig]) -> list[str]:
-    """URLs listed more than once as the same target: twice without a data parallel rank, with
-    and without one, or twice with the same rank."""
-    ranks: dict[str, list[int | None]] = {}
+    """URLs listed more than once as the same target (:func:`same_target`)."""
+    by_url: dict[str, list[WorkerConfig]] = {}
     for w in workers:
-        ranks.setdefault(w.url, []).append(w.data_parallel_rank)
-    return sorted(url for url, rs in ranks.items()
-                  if len(rs) > 1 and (None in rs or len(set(rs)) != len(rs)))
+        by_url.setdefault(w.url, []).append(w)
+    return sorted(url for url, ws in by_url.items()
+                  if any(same_target(a, b) for i, a in enumerate(ws) for b in ws[i + 1:]))
 
 
 def expand_data_parallel(workers: list[WorkerConfig]) -> list[WorkerConfig]:

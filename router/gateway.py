@@ -22,7 +22,7 @@ from kvcore.index.base import SupportsWorkerStates
 from kvcore.index.errors import IndexEncodingMismatch, IndexUnavailable
 from router.admission import Admission
 from router.dispatch_queue import DispatchQueue
-from router.config import GatewayConfig, WorkerConfig, load_config
+from router.config import GatewayConfig, WorkerConfig, load_config, same_target
 from router.decision_log import DecisionLog
 from router.embedded_events import embedded_ingest_task
 from router.metrics import GatewayMetrics
@@ -194,9 +194,7 @@ class Gateway:
             raise ValueError(f"unknown model {wcfg.model!r}; models: {sorted(self.model_names)}")
         if wcfg.id in self.registry:
             raise WorkerExists(f"worker {wcfg.id!r} already exists")
-        same_url = [r.id for r in self.registry.all() if r.url == wcfg.url and (
-            r.cfg.data_parallel_rank is None or wcfg.data_parallel_rank is None
-            or r.cfg.data_parallel_rank == wcfg.data_parallel_rank)]
+        same_url = [r.id for r in self.registry.all() if same_target(r.cfg, wcfg)]
         if same_url:
             rank = "" if wcfg.data_parallel_rank is None else f" rank {wcfg.data_parallel_rank}"
             raise WorkerExists(f"worker {same_url[0]!r} already serves {wcfg.url}{rank}")
