@@ -78,8 +78,8 @@ async def prefill_leg(gw: Gateway, send, state: ClientState, method: str, path: 
     try:
         try:
             async with asyncio.timeout(timeout_s):
-                resp = await gw.upstream.session.request(method, reg.url + path, data=payload,
-                                                         headers=for_rank(upstream_headers(headers, f"{request_id}-prefill"), reg))
+                leg_headers = for_rank(upstream_headers(headers, f"{request_id}-prefill"), reg)
+                resp = await gw.upstream.session.request(method, reg.url + path, data=payload, headers=leg_headers)
                 answer = await resp.read()
         except aiohttp.ClientConnectorError as exc:
             health = gw.upstream.health
