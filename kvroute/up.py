@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvcore.lora_modules import parse_lora_modules
+from kvcore.sliding_window import declared_window_tokens
 from kvroute.engines import agent_argv, kvroute_argv, sim_argv, tier_argv_env, vllm_argv, vllm_env
 
 STOP_GRACE_S = 10.0
@@ -366,13 +367,24 @@ def gateway_config(args: argparse.Namespace, workers: list[dict], port: int) -> 
         "admin": {"token_env": "KVROUTE_ADMIN_TOKEN"},
         "models": [{"name": args.served_model_name, "tokenizer": str(Path(args.model).resolve()),
                     "block_size": args.block_size,
-                    **({"lora_adapters": list(args.lora)} if getattr(args, "lora", None) else {})}],
+                    **({"lora_adapters": list(args.lora)} if getattr(args, "lora", None) else {}),
+                    **({"sliding_window_tokens": window} if (window := model_window_tokens(args.model)) else {})}],
         "index": index,
         "workers": workers,
         "policy": policy,
         # stopped first on the way down: its requests in flight finish while the workers still run
         "timeouts": {"shutdown_grace_s": GATEWAY_GRACE_S},
     }
+
+
+def model_window_tokens(model: str) -> int | None:
+    """The sliding window a hybrid model's ``config.json`` declares
+    (:func:`kvcore.sliding_window.declared_window_tokens`), None without one or without the file."""
+    try:
+        hf_config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return declared_window_tokens(hf_config) if isinstance(hf_config, dict) else None
 
 
 def lora_adapters(items: list[str], check_files: bool) -> dict[str, Path]:
@@ -581,6 +593,9 @@ def register(subparsers) -> None:
         if args.lora and is_pd(args):
             p.error("--lora-modules with --prefill-workers/--decode-workers is not supported: kvroute's KV "
                     "connector moves no LoRA request's KV, so a decode worker would compute every prompt again")
+        if (is_pd(args) or args.cpu_tier_bytes) and model_window_tokens(args.model):
+            p.error(f"{args.model} is a hybrid model (sliding-window layers): kvroute's KV connector, which the "
+                    "CPU/SSD tiers and --prefill-workers/--decode-workers need, moves only single-group KV caches")
         if args.tier_option:
             if not args.cpu_tier_bytes:
                 p.error("--tier-option needs the tiers (--engine vllm --cpu-tier-bytes N)")

@@ -32,10 +32,13 @@ def run(args: argparse.Namespace) -> int:
     from router.config import load_config
     from router.gateway import Gateway
     from router.siblings import ProcessGroup, reuse_port_socket, socket_path, unix_socket
+    from router.tokenize import check_sliding_window
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         cfg = load_config(args.config)
+        for model in cfg.models:
+            check_sliding_window(model)
     except (OSError, ValueError) as exc:
         print(f"kvroute serve: {exc}", file=sys.stderr)
         return 2

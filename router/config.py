@@ -66,12 +66,16 @@ class AdminConfig(_Strict):
 class ModelConfig(_Strict):
     """A served model: ``tokenizer`` is a directory with the HF tokenizer and chat template (None:
     route by load only); ``block_size`` the workers' ``--block-size``; ``lora_adapters`` adapter
-    names a body's ``model`` may carry instead of ``name`` (keys then mix in the adapter name)."""
+    names a body's ``model`` may carry instead of ``name`` (keys then mix in the adapter name);
+    ``sliding_window_tokens``: for a hybrid model (full and sliding-window attention layers), the
+    window of its sliding-window layers (the model config's ``sliding_window``): a prefix hit is
+    then credited only where vLLM can reuse it (:mod:`kvcore.sliding_window`)."""
 
     name: str = Field(min_length=1)
     tokenizer: str | None = None
     block_size: int = Field(ge=1)
     lora_adapters: list[str] = Field(default_factory=list)
+    sliding_window_tokens: int | None = Field(None, ge=1)
 
 
 class IndexConfig(BaseModel):

@@ -15,6 +15,7 @@ from typing import Any
 
 from kvcore.index.base import KVIndex, TierMatch
 from kvcore.index.errors import IndexUnavailable
+from kvcore.sliding_window import window_blocks, window_hits, window_keys
 from kvcore.tokenization import BadPrompt
 from router.config import ModelConfig, RoutingConfig
 from router.errors import GatewayError, bad_request, no_healthy_worker, unknown_model
@@ -286,6 +287,8 @@ class Router:
             with tracing.span("kvroute.lookup") as span:
                 try:
                     matches = await self.index.match(blocks.first_keys)
+                    if model.sliding_window_tokens is not None and matches:
+                        matches = await self._window_limited(model, blocks, matches)
                 except IndexUnavailable:  # route on load alone for this request
                     self.metrics.index_unavailable.inc()
                     tracing.set_attributes(span, {"index_unavailable": True})
@@ -318,6 +321,21 @@ class Router:
             tracing.set_attributes(span, {"policy": policy.name or "", "candidates": len(decision.scores),
                                           "chosen": decision.worker_id, "reason": decision.reason})
         return plan
+
+    async def _window_limited(self, model: ModelConfig, blocks: PromptBlocks,
+                              matches: dict[str, TierMatch]) -> dict[str, TierMatch]:
+        """``matches`` of a hybrid model cut to what vLLM reuses (:mod:`kvcore.sliding_window`):
+        each worker's gpu run, capped at the blocks a hit may cover (``prompt_len - 1`` tokens),
+        down to the last end its window group holds. Such a model has no cpu or ssd tier (the
+        connector refuses it), so those are dropped. Raises IndexUnavailable."""
+        assert model.sliding_window_tokens is not None and blocks.token_ids is not None
+        n = len(blocks.token_ids[0])
+        cap = max(0, n - 1) // model.block_size
+        wkeys = window_keys(blocks.first_keys[:cap])
+        need = window_blocks(model.sliding_window_tokens, model.block_size)
+        hits = await window_hits({w: min(m.gpu, cap) for w, m in matches.items()}, wkeys, need,
+                                self.index.gpu_holders)
+        return {w: TierMatch(gpu=e) for w, e in hits.items() if e > 0}
 
     def _plan_pd(self, base: RoutePlan, policy: Policy, regs: list[WorkerRegistration]) -> RoutePlan:
         """``base`` (tokens, matches, request; no decision yet) decided for a model with
@@ -400,10 +418,16 @@ class Router:
         # index): keep them only that long, so a worker whose agent died stops attracting prompts
         event_fed = reg.has_events or self.index.agent_fed(reg.id)
         ttl = self.routing.speculative_ttl_s if event_fed else self.routing.approx_ttl_s
+        window = plan.model.sliding_window_tokens
         try:
-            for keys in plan.blocks.keys:
+            for i, keys in enumerate(plan.blocks.keys):
                 if keys:
                     await self.index.store_speculative(reg.id, keys, ttl)
+                if window is not None and keys and plan.blocks.token_ids is not None:
+                    # the window group caches the prompt's last full blocks, those in the window
+                    tail = keys[max(0, len(keys) - window_blocks(window, plan.model.block_size)):]
+                    if tail:
+                        await self.index.store_speculative(reg.id, window_keys(tail), ttl)
         except IndexUnavailable:  # the next lookup falls back to load as well
             self.metrics.index_write_failures.inc()
 

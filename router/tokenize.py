@@ -9,11 +9,14 @@ configured) the result says why and the gateway routes by load; a malformed prom
 from __future__ import annotations
 
 import asyncio
+import json
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from kvcore.block_keys import BlockExtras, block_keys
+from kvcore.sliding_window import declared_window_tokens
 from kvcore.token_cache import DEFAULT_MAX_TOKENS
 from kvcore.tokenization import BadPrompt, PromptTokenizer, UnsupportedPrompt
 from router.config import ModelConfig
@@ -68,7 +71,8 @@ class TokenizerPool:
     async def load(self) -> None:
         """Load every model's tokenizer (one at a time, in a pool thread: transformers' lazy
         imports are not thread-safe; models sharing a directory share one tokenizer).
-        Raises OSError/ValueError for a bad directory."""
+        Raises OSError/ValueError for a bad directory, ValueError for a hybrid model whose
+        window is not configured (:func:`check_sliding_window`)."""
         loop = asyncio.get_running_loop()
         by_dir: dict[str, PromptTokenizer] = {}
         for m in self._models.values():
@@ -78,6 +82,7 @@ class TokenizerPool:
                 by_dir[m.tokenizer] = await loop.run_in_executor(self._pool, PromptTokenizer, m.tokenizer,
                                                                  self._cache_max_tokens)
             self._tokenizers[m.name] = by_dir[m.tokenizer]
+            check_sliding_window(m)
 
     def tokenizer(self, model: str) -> PromptTokenizer | None:
         """The loaded tokenizer of base model ``model``, None when it has none."""
@@ -112,6 +117,23 @@ class TokenizerPool:
     def close(self) -> None:
         """Stop the threads (pending work is dropped)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def check_sliding_window(model: ModelConfig) -> None:
+    """Refuse a hybrid model configured without its window (its prefix hits would be
+    over-credited) or with another window than its ``config.json`` declares. Raises ValueError
+    naming the fix; a directory without ``config.json`` is not checked."""
+    path = Path(model.tokenizer or "") / "config.json"
+    try:
+        hf_config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    declared = declared_window_tokens(hf_config) if isinstance(hf_config, dict) else None
+    if declared is not None and model.sliding_window_tokens != declared:
+        raise ValueError(
+            f"model {model.name!r}: {path} declares sliding-window layers with a {declared}-token window, but "
+            f"the config has sliding_window_tokens: {model.sliding_window_tokens}; set sliding_window_tokens: "
+            f"{declared} so prefix hits are credited only where vLLM can reuse them")
 
 
 def request_extras(body: dict[str, Any], lora_name: str | None) -> BlockExtras:

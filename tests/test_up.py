@@ -414,3 +414,22 @@ def wait_with(check, what: str, proc, timeout_s: float = 30.0):
         if time.monotonic() > end:
             pytest.fail(f"{what} not reached in {timeout_s}s:\n{proc.log_tail()}")
         time.sleep(0.1)
+
+
+@pytest.mark.parametrize("flags", [
+    ["--cpu-tier-bytes", "1000"],
+    ["--prefill-workers", "1", "--decode-workers", "1", "--cpu-tier-bytes", "1000"],
+])
+def test_up_configures_a_hybrid_models_window_and_refuses_what_its_connector_cannot_move(tmp_path, flags):
+    from kvroute.cli import build_parser
+    from kvroute.up import gateway_config
+
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"]}))
+    args = build_parser().parse_args(["up", "--model", str(tmp_path), "--served-model-name", "m"])
+    cfg = gateway_config(args, [{"url": "http://127.0.0.1:9000", "model": "m"}], 8000)
+    assert cfg["models"][0]["sliding_window_tokens"] == 128
+    done = subprocess.run(kvroute_argv("up", "--engine", "vllm", "--vllm-python", sys.executable,
+                                       "--model", str(tmp_path), *flags), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "is a hybrid model (sliding-window layers)" in done.stderr

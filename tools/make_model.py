@@ -24,7 +24,11 @@ hidden 256, 4 layers, 4 heads, 2 KV heads) for benchmarks, whose 2k-token prefil
 on one core of a 2-core AVX2 machine (no bf16 instructions there: serve it with ``--dtype float32``,
 bf16 is about 4x slower; a hidden-768 8-layer model took 41 s per 2k-token prefill in bf16).
 
-The output is deterministic for a given size and seed. Writes: ``config.json``,
+``--sliding-window N`` makes a hybrid model, as Gemma 3 or gpt-oss are: ``layer_types`` alternates
+``sliding_attention`` (an N-token window) and ``full_attention``, which vLLM serves with one KV cache
+group per kind.
+
+The output is deterministic for a given size, seed and window. Writes: ``config.json``,
 ``generation_config.json``, ``model.safetensors``, ``tokenizer.json``, ``tokenizer_config.json``,
 ``special_tokens_map.json``, ``chat_template.jinja`` and ``kvroute_model.json`` (size, seed and
 :data:`GENERATOR_VERSION`, so a cache can tell a stale directory).
@@ -148,9 +152,10 @@ def _no_step(desc: str) -> Iterator[None]:
     yield None
 
 
-def write_model(out: Path, size: str, seed: int, steps=None) -> None:
+def write_model(out: Path, size: str, seed: int, steps=None, sliding_window: int | None = None) -> None:
     """Write the model directory ``out`` (created if missing) for ``size`` and ``seed``, in
-    :data:`WRITE_STEPS` steps shown on ``steps`` (a ``step_progress.Steps``; none by default)."""
+    :data:`WRITE_STEPS` steps shown on ``steps`` (a ``step_progress.Steps``; none by default);
+    ``sliding_window``: tokens of the window of every other layer (None: full attention only)."""
     step = steps.step if steps is not None else _no_step
     spec = SIZES[size]
     with step("import torch and transformers"):
@@ -177,12 +182,18 @@ def write_model(out: Path, size: str, seed: int, steps=None) -> None:
             num_attention_heads=spec["num_attention_heads"], num_key_value_heads=spec["num_key_value_heads"],
             head_dim=HEAD_DIM, max_position_embeddings=spec["max_position_embeddings"],
             bos_token_id=0, eos_token_id=1, tie_word_embeddings=True, initializer_range=1.0, rms_norm_eps=1e-6)
+        if sliding_window is not None:  # read by vLLM's Llama (per-layer window); transformers keeps them
+            cfg.layer_types = [("sliding_attention", "full_attention")[i % 2]
+                               for i in range(spec["num_hidden_layers"])]
+            cfg.sliding_window = sliding_window
         torch.manual_seed(seed)
         model = LlamaForCausalLM(cfg).to(torch.bfloat16)
     with step("save model.safetensors and the config"):
         model.save_pretrained(out, safe_serialization=True)
-        (out / "kvroute_model.json").write_text(json.dumps(
-            {"generator_version": GENERATOR_VERSION, "size": size, "seed": seed}) + "\n")
+        meta = {"generator_version": GENERATOR_VERSION, "size": size, "seed": seed}
+        if sliding_window is not None:
+            meta["sliding_window"] = sliding_window
+        (out / "kvroute_model.json").write_text(json.dumps(meta) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,12 +203,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", help="model directory to write")
     ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sliding-window", type=int, default=None, metavar="TOKENS",
+                    help="make every other layer sliding-window attention with this window (a hybrid model)")
     args = ap.parse_args(argv)
+    if args.sliding_window is not None and args.sliding_window < 1:
+        ap.error("--sliding-window must be >= 1")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from step_progress import Steps
 
     with Steps(f"make the {args.size} model (seed {args.seed}) in {args.out}", WRITE_STEPS, "make_model") as steps:
-        write_model(Path(args.out), args.size, args.seed, steps)
+        write_model(Path(args.out), args.size, args.seed, steps, args.sliding_window)
     print(args.out)
     return 0
 

@@ -30,25 +30,29 @@ def generator_version() -> int:
     return int(m.group(1))
 
 
-def _is_current(model_dir: Path, size: str, seed: int) -> bool:
+def _is_current(model_dir: Path, size: str, seed: int, sliding_window: int | None = None) -> bool:
     try:
         meta = json.loads((model_dir / "kvroute_model.json").read_text())
     except (OSError, ValueError):
         return False
-    return meta == {"generator_version": generator_version(), "size": size, "seed": seed}
+    want = {"generator_version": generator_version(), "size": size, "seed": seed}
+    if sliding_window is not None:
+        want["sliding_window"] = sliding_window
+    return meta == want
 
 
 def ensure_model(size: str = "tiny", vllm_python: str | None = None, seed: int = 0,
-                 cache_dir: Path | None = None) -> Path:
-    """The model directory for ``size`` ("tiny" | "small") and ``seed``, generated if missing/stale.
+                 cache_dir: Path | None = None, sliding_window: int | None = None) -> Path:
+    """The model directory for ``size`` ("tiny" | "small") and ``seed``, generated if missing/stale;
+    ``sliding_window``: a hybrid model whose every other layer has this window (tokens).
 
     ``vllm_python``: interpreter with torch + transformers + tokenizers (default ``$KVR_VLLM_PYTHON``).
     Raises RuntimeError when that interpreter is missing or the generator fails (its output is in
     the message).
     """
     cache_dir = Path(cache_dir or DEFAULT_CACHE)
-    target = cache_dir / f"{size}-seed{seed}"
-    if _is_current(target, size, seed):
+    target = cache_dir / (f"{size}-seed{seed}" + (f"-sw{sliding_window}" if sliding_window is not None else ""))
+    if _is_current(target, size, seed, sliding_window):
         return target
     python = vllm_python or os.environ.get("KVR_VLLM_PYTHON")
     if not python or shutil.which(python) is None:
@@ -57,7 +61,8 @@ def ensure_model(size: str = "tiny", vllm_python: str | None = None, seed: int =
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{size}-", dir=cache_dir))
     try:
-        done = subprocess.run([python, str(GENERATOR), str(tmp), "--size", size, "--seed", str(seed)],
+        window = ["--sliding-window", str(sliding_window)] if sliding_window is not None else []
+        done = subprocess.run([python, str(GENERATOR), str(tmp), "--size", size, "--seed", str(seed), *window],
                               capture_output=True, text=True, timeout=GENERATE_TIMEOUT_S)
         if done.returncode != 0:
             raise RuntimeError(f"make_model.py failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
@@ -66,7 +71,7 @@ def ensure_model(size: str = "tiny", vllm_python: str | None = None, seed: int =
         try:
             tmp.rename(target)
         except OSError:  # another caller renamed its copy first
-            if not _is_current(target, size, seed):
+            if not _is_current(target, size, seed, sliding_window):
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

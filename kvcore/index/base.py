@@ -85,6 +85,17 @@ class KVIndex(abc.ABC):
     async def match(self, keys: Sequence[int]) -> dict[str, TierMatch]:
         """Per worker, the longest consecutive run of ``keys`` from block 0, split by tier."""
 
+    async def gpu_holders(self, keys: Sequence[int]) -> dict[str, int]:
+        """Per worker holding any of ``keys`` in gpu (speculative entries included), a bit mask
+        over positions: bit ``i`` set when it holds ``keys[i]``. This default asks :meth:`match`
+        once per key; backends override it with one lookup."""
+        out: dict[str, int] = {}
+        for i, key in enumerate(keys):
+            for worker, m in (await self.match([key])).items():
+                if m.gpu:
+                    out[worker] = out.get(worker, 0) | 1 << i
+        return out
+
     @abc.abstractmethod
     async def stats(self) -> dict[str, WorkerIndexStats]:
         """Per worker block counts by tier."""

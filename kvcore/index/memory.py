@@ -427,6 +427,31 @@ class MemoryIndex(KVIndex):
         names = {slot: name for name, slot in self._slots.items()}
         return tier_matches(drops, (g, gc, a), end, names, _STRIDE)
 
+    async def gpu_holders(self, keys: Sequence[int]) -> dict[str, int]:
+        return self.gpu_holders_sync(keys)
+
+    def gpu_holders_sync(self, keys: Sequence[int], hidden: int = 0) -> dict[str, int]:
+        """Synchronous :meth:`gpu_holders`; ``hidden`` as in :meth:`match_sync`."""
+        if self._spec_heap:
+            self._expire(self._clock())
+        get = self._masks.get
+        sel = self._gpu_sel
+        by_bit: dict[int, int] = {}
+        for i, key in enumerate(keys):
+            v = get(key)
+            if not v:
+                continue
+            if hidden:
+                v &= ~hidden
+            g = (v | v >> 3) & sel
+            while g:
+                low = g & -g
+                by_bit[low] = by_bit.get(low, 0) | 1 << i
+                g ^= low
+        names = {slot: name for name, slot in self._slots.items()}
+        return {names[(low.bit_length() - 1) // _STRIDE]: mask for low, mask in by_bit.items()
+                if (low.bit_length() - 1) // _STRIDE in names}
+
     async def stats(self) -> dict[str, WorkerIndexStats]:
         if self._spec_heap:
             self._expire(self._clock())

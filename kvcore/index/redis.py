@@ -599,6 +599,22 @@ class RedisIndex(KVIndex):
                     del self._spec[key]
 
     # ---- reads --------------------------------------------------------------------------------
+    async def _bitmaps(self, keys: Sequence[int]) -> tuple[list[bytes | None], list[Any]]:
+        """Each key's worker bitmap (None: nobody holds it) and each slot's heartbeat flag (None:
+        not alive), in one round trip; the slot table is re-read and the lookup repeated once
+        when a worker was added or Redis restarted (slot numbers changed, and the encoding key
+        may be gone). Raises IndexUnavailable."""
+        mget = _mget_fixed(self._bitmap_prefix, _pack(keys))
+        for _ in range(2):
+            request = [mget, self._hb_mget, self._epoch_get, self._slots_hlen]
+            replies = await self._run(lambda: self._roundtrip(request, 4 if self._hb_mget else 3))
+            vals, flags = replies[0], (replies[1] if self._hb_mget else [])
+            if (replies[-2] or b"") == self._epoch and replies[-1] == len(self._names):
+                break
+            self._encoding_checked = False
+            await self._refresh_slots()
+        return vals, flags
+
     async def match(self, keys: Sequence[int]) -> dict[str, TierMatch]:
         """Per worker, the longest run of ``keys`` from block 0 by tier (see
         :mod:`kvcore.index.base`); workers without a live heartbeat count only their speculative
@@ -612,16 +628,7 @@ class RedisIndex(KVIndex):
         if spec:
             while spec_reach < len(keys) and keys[spec_reach] in spec:
                 spec_reach += 1
-        mget = _mget_fixed(self._bitmap_prefix, _pack(keys))
-        for _ in range(2):
-            request = [mget, self._hb_mget, self._epoch_get, self._slots_hlen]
-            replies = await self._run(lambda: self._roundtrip(request, 4 if self._hb_mget else 3))
-            vals, flags = replies[0], (replies[1] if self._hb_mget else [])
-            if (replies[-2] or b"") == self._epoch and replies[-1] == len(self._names):
-                break
-            # a new worker, or a restarted Redis: slot numbers changed (and the encoding key may be gone)
-            self._encoding_checked = False
-            await self._refresh_slots()
+        vals, flags = await self._bitmaps(keys)
         # rows fetched: up to the first key nobody holds, at least as far as speculative entries reach
         try:
             count = vals.index(None, spec_reach)
@@ -694,6 +701,27 @@ class RedisIndex(KVIndex):
         if n_rows == 0:
             return {}
         return tier_matches(drops, (g, gc, a), end, names, 4)
+
+    async def gpu_holders(self, keys: Sequence[int]) -> dict[str, int]:
+        """Per worker, which of ``keys`` it holds in gpu (a bit per position); workers without a
+        live heartbeat count only their speculative entries. One round trip. Raises
+        IndexUnavailable when Redis is down."""
+        if not keys:
+            return {}
+        if self._spec_heap:
+            self._expire(self._clock())
+        vals, flags = await self._bitmaps(keys)
+        alive = {s for s, flag in enumerate(flags) if flag is not None}
+        out: dict[str, int] = {}
+        for i, raw in enumerate(vals):
+            if raw:
+                bits = int.from_bytes(raw.translate(_REV_BITS), "little")
+                for s in alive:
+                    if bits >> (4 * s) & 1 and s in self._names:
+                        out[self._names[s]] = out.get(self._names[s], 0) | 1 << i
+            for w in self._spec.get(keys[i], ()):
+                out[w] = out.get(w, 0) | 1 << i
+        return out
 
     async def stats(self) -> dict[str, WorkerIndexStats]:
         """Per worker holding anything (confirmed or speculative), block counts by tier."""

@@ -263,6 +263,12 @@ class RedisMirrorIndex(RedisIndex):
         idx = self._usable()
         return idx.match_sync(keys, self._hidden(idx))
 
+    async def gpu_holders(self, keys: Sequence[int]) -> dict[str, int]:
+        """Per worker, which of ``keys`` it holds in gpu (a bit per position), from the local copy.
+        Raises IndexUnavailable as :meth:`match` does."""
+        idx = self._usable()
+        return idx.gpu_holders_sync(keys, self._hidden(idx))
+
     def _hidden(self, idx: MemoryIndex) -> int:
         """Confirmed-tier bits of the workers whose heartbeat is not live now (cached until the
         next expiry, a liveness change or a new worker)."""

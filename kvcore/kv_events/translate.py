@@ -32,8 +32,13 @@ Rules (vLLM 0.32 semantics, see ``kvcore/events.py``):
   Duplicates with a parent (the common kind) are counted.
 - ``AllBlocksCleared``: the worker's entries in every tier are dropped (an op ``("clear", None,
   [])``); vLLM's prefix cache reset carries no medium, and clearing all tiers can only under-report.
-- Multi-group (hybrid) models: only one KV cache group is indexed, the first whose
-  ``kv_cache_spec_kind`` is a full-attention kind (or unset); events of other groups are skipped.
+- Multi-group (hybrid) models: the block keys come from one KV cache group, the first whose
+  ``kv_cache_spec_kind`` is a full-attention kind (or unset). Sliding-window groups are indexed
+  under :func:`kvcore.sliding_window.window_key` of each block's key
+  (:mod:`kvcore.kv_events.window_groups`); their events in a batch are applied after the batch's
+  other events (up to an ``AllBlocksCleared``), since vLLM publishes a step's window-group stores
+  before the full-attention stores their blocks are found through. Other groups (Mamba, chunked
+  local attention) are skipped.
 - A ``block_size`` other than the configured one is skipped and counted (``skipped_events``).
 """
 from __future__ import annotations
@@ -46,6 +51,7 @@ from typing import Any
 from kvcore.block_keys import NO_EXTRAS, BlockExtras, block_keys
 from kvcore.events import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, EventBatch
 from kvcore.index.base import TIERS
+from kvcore.kv_events.window_groups import WINDOW_KIND, WindowGroups
 
 log = logging.getLogger("kvroute.kv_events")
 
@@ -91,12 +97,14 @@ class EventTranslator:
         self._held = [0] * len(TIERS)  # distinct engine blocks with a copy in each tier
         self._group: int | None = None
         self._warned: set[str] = set()
+        self.windows = WindowGroups(self.lookup)
 
     # ---- state --------------------------------------------------------------------------------
     def reset(self) -> None:
         """Forget every block (the caller clears the index for this worker)."""
         self._entries.clear()
         self._held = [0] * len(TIERS)
+        self.windows.reset()
 
     def held_blocks(self) -> dict[str, int]:
         """Distinct engine blocks held per tier (kept up to date as events apply: O(1))."""
@@ -115,26 +123,56 @@ class EventTranslator:
             for i in range(len(TIERS)):
                 if entry[2 + i]:
                     per_tier[i].extend([entry[_KEY]] * entry[2 + i])
+        per_tier[0].extend(self.windows.snapshot_keys())
         return [("store", t, keys) for t, keys in zip(TIERS, per_tier) if keys]
 
     def counters_dict(self) -> dict[str, int]:
-        return asdict(self.counters)
+        out = asdict(self.counters)
+        out.update(self.windows.counters())
+        return out
 
     # ---- translation --------------------------------------------------------------------------
     def translate(self, batch: EventBatch) -> list[IndexOp]:
         """Update the state with ``batch``'s events and return the index ops, in order."""
         ops: list[IndexOp] = []
+        later: list[BlockStored | BlockRemoved] = []  # window-group events, after the others
         for ev in batch.events:
             if isinstance(ev, BlockStored):
-                self._stored(ev, ops)
+                if ev.kv_cache_spec_kind == WINDOW_KIND:
+                    later.append(ev)
+                else:
+                    self._stored(ev, ops)
             elif isinstance(ev, BlockRemoved):
-                self._removed(ev, ops)
+                if self.windows.owns(ev.group_idx):
+                    later.append(ev)
+                else:
+                    self._removed(ev, ops)
             elif isinstance(ev, AllBlocksCleared):
+                self._window_events(later, ops)
                 self.reset()
                 self.counters.clears += 1
                 ops.append(("clear", None, []))
             self.counters.events_applied += 1
+        self._window_events(later, ops)
         return ops
+
+    def _window_events(self, events: list[BlockStored | BlockRemoved], ops: list[IndexOp]) -> None:
+        def emit(op: str, keys: list[int]) -> None:
+            self._emit(ops, op, "gpu", keys, count=False)
+
+        for ev in events:
+            if self._tier(ev.medium) != 0:  # window groups live in the engine's own cache
+                continue
+            if isinstance(ev, BlockRemoved):  # only a learned group's (never None) are deferred
+                self.windows.removed(int(ev.group_idx or 0), ev.block_hashes, emit)
+                continue
+            group = -1 if ev.group_idx is None else ev.group_idx
+            why = self.windows.learn(group, ev.kv_cache_spec_sliding_window, emit)
+            if why is not None:
+                self._skip(why)
+                continue
+            self.windows.stored(group, ev.block_hashes, emit)
+        events.clear()
 
     def _skip(self, why: str) -> None:
         self.counters.skipped_events += 1
@@ -228,10 +266,12 @@ class EventTranslator:
                 del entries[h]
         self._emit(ops, "remove", TIERS[t], keys)
 
-    def _emit(self, ops: list[IndexOp], op: str, tier: str, keys: list[int]) -> None:
+    def _emit(self, ops: list[IndexOp], op: str, tier: str, keys: list[int], count: bool = True) -> None:
         if not keys:
             return
-        if op == "store":
+        if not count:
+            pass
+        elif op == "store":
             self.counters.blocks_stored += len(keys)
         else:
             self.counters.blocks_removed += len(keys)
