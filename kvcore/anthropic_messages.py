@@ -35,7 +35,7 @@ import json
 import time
 from typing import Any
 
-from kvcore.prompt_errors import BadPrompt, UnsupportedPrompt, object_list
+from kvcore.prompt_errors import BadPrompt, MultimodalPrompt, UnsupportedPrompt, object_list
 
 BILLING_HEADER = "x-anthropic-billing-header"
 _ROLES = ("user", "assistant", "system")
@@ -130,7 +130,7 @@ def _convert_blocks(blocks: list[dict[str, Any]], role: str, converted: dict[str
                 parts.append({"type": "text", "text": str(block["text"])})
         elif kind == "image":
             if block.get("source"):
-                raise UnsupportedPrompt("an image block")
+                raise MultimodalPrompt("an image block")
         elif kind == "thinking":
             if block.get("thinking") is not None:
                 reasoning.append(str(block["thinking"]))
@@ -166,7 +166,7 @@ def _tool_message(block: dict[str, Any]) -> dict[str, Any]:
             if item.get("type") == "text":
                 texts.append(str(item.get("text", "")))
             elif item.get("type") == "image":
-                raise UnsupportedPrompt("an image in a tool result")
+                raise MultimodalPrompt("an image in a tool result")
             elif item.get("type") == "tool_reference" and (item.get("tool_name") or item.get("name")):
                 raise UnsupportedPrompt("a tool_reference in a tool result")
         text = "\n".join(texts)

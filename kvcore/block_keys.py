@@ -14,7 +14,10 @@ Encoding (version 1), all integers little-endian, hash = ``xxhash.xxh3_64_intdig
       b"L" + u32(len) + utf8(name)
     - cache salt, on block 0 only (vLLM puts ``("cache_salt", salt)`` in block 0's extra keys):
       b"S" + u32(len) + utf8(salt)
-    - multimodal content hash overlapping the block: b"M" + u32(len) + utf8(hash) + u32(offset)
+    - each multimodal item overlapping the block, in prompt order: b"M" + u32(len) + utf8(hash)
+      + i32(item start - block start), the item's offset vLLM mixes into the block's hash
+      (``("mm", identifier, offset)`` in ``vllm/v1/core/kv_cache_utils.py``; negative when the
+      item began in an earlier block)
   The one-byte tag keeps a LoRA named "x" distinct from a salt "x".
 - Only full blocks are keyed: a prompt of n tokens has ``n // block_size`` keys.
 
@@ -41,8 +44,8 @@ class BlockExtras:
     """What besides token ids makes a block distinct (vLLM's block "extra keys").
 
     ``lora_name``: LoRA adapter name or None; ``cache_salt``: the request's ``cache_salt`` or None;
-    ``mm_hashes``: ``(content_hash, start_token_offset, length_tokens)`` of multimodal items in the
-    prompt (not produced by the gateway yet; kept so the format has room for it).
+    ``mm_hashes``: ``(identifier, start_token, length_tokens)`` of the prompt's multimodal items,
+    sorted by start: vLLM's multimodal hash of each item and its placeholder range in the prompt.
     """
 
     lora_name: str | None = None
@@ -77,7 +80,7 @@ def _extras_for_block(extras: BlockExtras, index: int, block_size: int) -> bytes
     lo, hi = index * block_size, (index + 1) * block_size
     for mm_hash, start, length in extras.mm_hashes:
         if start < hi and start + length > lo:
-            out += _tagged(b"M", mm_hash) + struct.pack("<I", max(0, lo - start))
+            out += _tagged(b"M", mm_hash) + struct.pack("<i", start - lo)
     return out
 
 

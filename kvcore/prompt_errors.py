@@ -8,6 +8,11 @@ class UnsupportedPrompt(Exception):
     """The request's token ids cannot be made exactly (e.g. it carries an image)."""
 
 
+class MultimodalPrompt(UnsupportedPrompt):
+    """The prompt carries media (image, audio, video parts): its token ids and multimodal hashes
+    come from the engine's processor (the gateway asks a vLLM render endpoint)."""
+
+
 class BadPrompt(ValueError):
     """The request body is malformed (missing or ill-typed prompt/messages): a client error."""
 

@@ -13,7 +13,9 @@ vLLM 0.32's path (``renderers/online_renderer.py`` -> ``renderers/hf.py``, ``cha
 - completions: ``prompt`` is a string, a list of strings, a list of token ids or a list of lists
   of token ids; strings are encoded with ``add_special_tokens`` (default **True**).
 
-Inputs we cannot reproduce exactly (images, audio, video, files, prompt embeddings) raise
+Media parts (images, audio, video) raise :class:`kvcore.prompt_errors.MultimodalPrompt`: their
+token ids depend on the model's processor, so the gateway has vLLM render them
+(:mod:`router.render`). Other inputs we cannot reproduce exactly (files, prompt embeddings) raise
 :class:`UnsupportedPrompt`; the gateway then routes by load and counts a fallback.
 
 Text is encoded through a :class:`kvcore.token_cache.PrefixTokenCache` (exact: it cuts only where
@@ -32,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcore.anthropic_messages import messages_to_chat
-from kvcore.prompt_errors import BadPrompt, UnsupportedPrompt
+from kvcore.prompt_errors import BadPrompt, MultimodalPrompt, UnsupportedPrompt
 from kvcore.responses_input import responses_to_chat
 from kvcore.token_cache import DEFAULT_MAX_TOKENS, PrefixTokenCache, TokenCacheStats, UnsupportedTokenizer
 
@@ -40,6 +42,9 @@ log = logging.getLogger("kvroute.tokenization")
 
 
 _TEXT_PART_TYPES = {"text", "input_text"}
+# vLLM's chat content parts that carry media (vllm/entrypoints/chat_utils.py's parsers)
+MEDIA_PART_TYPES = frozenset({"image_url", "image_embeds", "input_image", "audio_url", "input_audio", "audio_embeds",
+                              "video_url"})
 _OPENAI_CONTENT_RE = re.compile(r"for\s+\w+\s+in\s+\w+(\[['\"]content['\"]\]|\.content)")
 
 
@@ -186,6 +191,8 @@ class PromptTokenizer:
                     parts.append(str(part.get("text", "")))
                 elif kind == "refusal":
                     parts.append(str(part.get("refusal", "")))
+                elif kind in MEDIA_PART_TYPES:
+                    raise MultimodalPrompt(f"content part of type {kind!r}")
                 else:
                     raise UnsupportedPrompt(f"content part of type {kind!r}")
         else:

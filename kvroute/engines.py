@@ -45,7 +45,8 @@ def sim_argv(args: argparse.Namespace, i: int, port: int, events_cfg: dict) -> l
 def vllm_argv(args: argparse.Namespace, port: int, events_cfg: dict) -> list[str]:
     """The vLLM OpenAI server's command line (run by ``--vllm-python``; the ``vllm`` console script
     is avoided because some builds' package metadata breaks it): prefix caching, KV events with a
-    replay endpoint, ``usage.prompt_tokens_details`` and the block size, plus ``--vllm-args``."""
+    replay endpoint, ``usage.prompt_tokens_details`` and the block size, ``--enable-scale-out`` for a
+    multimodal model (its render endpoints, :mod:`router.render`), plus ``--vllm-args``."""
     argv = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(Path(args.model).resolve()), "--served-model-name", args.served_model_name,
             "--host", "127.0.0.1", "--port", str(port), "--block-size", str(args.block_size),
@@ -60,6 +61,8 @@ def vllm_argv(args: argparse.Namespace, port: int, events_cfg: dict) -> list[str
         argv += lora_argv(lora)
     if getattr(args, "data_parallel_size", 1) > 1:
         argv += ["--data-parallel-size", str(args.data_parallel_size)]
+    if getattr(args, "media_inputs", False):  # the gateway renders prompts with media here
+        argv += ["--enable-scale-out"]
     return argv + shlex.split(args.vllm_args or "")
 
 

@@ -387,6 +387,16 @@ def model_window_tokens(model: str) -> int | None:
     return declared_window_tokens(hf_config) if isinstance(hf_config, dict) else None
 
 
+def model_has_media_inputs(model: str) -> bool:
+    """Whether the model directory's ``config.json`` has a vision or audio tower (a multimodal
+    model: its workers get vLLM's render endpoints, :mod:`router.render`)."""
+    try:
+        hf_config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(hf_config, dict) and any(k in hf_config for k in ("vision_config", "audio_config"))
+
+
 def lora_adapters(items: list[str], check_files: bool) -> dict[str, Path]:
     """``--lora-modules`` items (vLLM's ``NAME=PATH`` or JSON ``{"name", "path"}`` forms) as name ->
     absolute path. ``check_files``: each path must be a PEFT adapter directory (with
@@ -583,6 +593,7 @@ def register(subparsers) -> None:
                 p.error("--ssd-tier-dir and --ssd-tier-bytes (> 0) go together")
         try:
             args.lora = lora_adapters(args.lora_modules, args.engine == "vllm")
+            args.media_inputs = model_has_media_inputs(args.model)
         except ValueError as exc:
             p.error(str(exc))
         if args.data_parallel_size < 1:

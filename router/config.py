@@ -69,13 +69,24 @@ class ModelConfig(_Strict):
     names a body's ``model`` may carry instead of ``name`` (keys then mix in the adapter name);
     ``sliding_window_tokens``: for a hybrid model (full and sliding-window attention layers), the
     window of its sliding-window layers (the model config's ``sliding_window``): a prefix hit is
-    then credited only where vLLM can reuse it (:mod:`kvcore.sliding_window`)."""
+    then credited only where vLLM can reuse it (:mod:`kvcore.sliding_window`); ``render_url``: a
+    vLLM server (``vllm serve --enable-scale-out``, or a dedicated render server) whose render
+    endpoints turn the model's prompts with media into token ids and multimodal hashes (None: a
+    routable worker of the model does it, see ``routing.render_multimodal``)."""
 
     name: str = Field(min_length=1)
     tokenizer: str | None = None
     block_size: int = Field(ge=1)
     lora_adapters: list[str] = Field(default_factory=list)
     sliding_window_tokens: int | None = Field(None, ge=1)
+    render_url: str | None = None
+
+    @field_validator("render_url")
+    @classmethod
+    def _check_render_url(cls, v: str | None) -> str | None:
+        if v is not None and (urlsplit(v).scheme not in ("http", "https") or not urlsplit(v).hostname):
+            raise ValueError(f"render_url must be an http(s) URL, got {v!r}")
+        return v
 
 
 class IndexConfig(BaseModel):
@@ -294,7 +305,11 @@ class RoutingConfig(_Strict):
     ``decisions_kept``: recent routing decisions kept for ``GET /admin/decisions`` and the
     dashboard (:mod:`router.decision_log`; 0 keeps none). ``tokenize_cache_max_tokens``: bound of
     each tokenizer's prefix token cache (:mod:`kvcore.token_cache`: a chat turn encodes only its
-    new messages; ~8 bytes per token; 0 turns it off).
+    new messages; ~8 bytes per token; 0 turns it off). ``render_multimodal``: prompts with media
+    get their token ids and multimodal hashes from a vLLM render endpoint (:mod:`router.render`;
+    the model's ``render_url``, else a worker of the model, which needs ``--enable-scale-out``);
+    off, or when rendering fails, they are routed by load. ``render_timeout_s``: the whole render
+    call; ``render_retry_s``: how long a render endpoint that failed is left alone.
     """
 
     speculative_ttl_s: float = Field(5.0, gt=0)
@@ -305,6 +320,9 @@ class RoutingConfig(_Strict):
     max_tokenize_bytes: int = Field(4 * MIB, ge=0)
     decisions_kept: int = Field(1024, ge=0, le=1_000_000)
     tokenize_cache_max_tokens: int = Field(2_000_000, ge=0)
+    render_multimodal: bool = True
+    render_timeout_s: float = Field(10.0, gt=0)
+    render_retry_s: float = Field(30.0, ge=0)
 
 
 class GatewayConfig(_Strict):

@@ -110,6 +110,7 @@ class Gateway:
             log.warning("index unavailable at start-up; routing on load alone until it answers: %s", exc)
         await self.tokenizers.load()
         await self.upstream.start()
+        self.router.render_session = lambda: self.upstream.session
         session = self.upstream.session
         self.registry.add_task_factory(health_probe_task(session, self.cfg.health, self._health_changed))
         if self.cfg.load_scrape.enabled:

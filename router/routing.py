@@ -8,11 +8,15 @@ the worker publishes KV events, which confirm or drop them; long TTL in approxim
 """
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import aiohttp
+
+from kvcore.block_keys import block_keys
 from kvcore.index.base import KVIndex, TierMatch
 from kvcore.index.errors import IndexUnavailable
 from kvcore.sliding_window import window_blocks, window_hits, window_keys
@@ -26,8 +30,11 @@ from router.policies.base import Candidate, CandidateScore, Decision, Policy, Ro
 from router.policies.factory import describe, make_policy
 from router.prefix_uses import PrefixUses
 from router.registry import WorkerRegistration, WorkerRegistry
-from router.tokenize import AGENT_KINDS, PromptBlocks, PromptKind, TokenizerPool
+from router.render import RENDER_PATHS, RenderFailed, render_prompt
+from router.tokenize import AGENT_KINDS, PromptBlocks, PromptKind, TokenizerPool, request_extras
 from router import tracing
+
+log = logging.getLogger("kvroute.routing")
 
 
 class PolicyHolder:
@@ -203,6 +210,9 @@ class Router:
         self.peers = peers or PeerTable()  # the agents' peer-pull states (router.peer_pull), polled by the gateway
         self.prefix_uses = PrefixUses()  # recent dispatches per block key: hot against private prefixes
         self._draws = 0
+        # the upstream session, for render calls (router.render); set by the gateway once started
+        self.render_session: Callable[[], aiohttp.ClientSession] | None = None
+        self._render_failed_until: dict[str, float] = {}  # render URL -> monotonic s to retry it at
 
     def resolve_model(self, body: dict[str, Any]) -> tuple[ModelConfig, str | None]:
         """``(base model, adapter name or None)`` for the body's ``model``. A body without one
@@ -278,6 +288,11 @@ class Router:
                     raise bad_request(str(exc), "prompt" if kind == "completion" else "messages") from None
                 tracing.set_attributes(span, {"prompt_tokens": blocks.prompt_tokens, "blocks": len(blocks.first_keys),
                                               "tokenization_fallback": blocks.fallback})
+            if blocks.fallback == "multimodal":
+                with tracing.span("kvroute.render") as span:
+                    blocks = await self._rendered(model, kind, body, headers, regs, lora_name)
+                    tracing.set_attributes(span, {"prompt_tokens": blocks.prompt_tokens,
+                                                  "tokenization_fallback": blocks.fallback})
             self.metrics.tokenize_s.observe(time.perf_counter() - t0)
             if blocks.fallback is not None:
                 self.metrics.tokenization_fallbacks.labels(model.name, blocks.fallback).inc()
@@ -321,6 +336,31 @@ class Router:
             tracing.set_attributes(span, {"policy": policy.name or "", "candidates": len(decision.scores),
                                           "chosen": decision.worker_id, "reason": decision.reason})
         return plan
+
+    async def _rendered(self, model: ModelConfig, kind: PromptKind, body: dict[str, Any],
+                        headers: list[tuple[bytes, bytes]], regs: list[WorkerRegistration],
+                        lora_name: str | None) -> PromptBlocks:
+        """A prompt with media, tokenized and hashed by a vLLM render endpoint (:mod:`router.render`):
+        the model's ``render_url``, else its least busy routable worker. Its block keys mix in
+        each item's hash where its placeholders lie, as vLLM's block hashes do. Falls back (a
+        ``render_<reason>`` label, or ``multimodal`` when rendering is off or resting after a
+        failure) rather than raising; BadPrompt for a bad ``cache_salt``."""
+        rendered = PromptBlocks(None, fallback="multimodal")
+        if not self.routing.render_multimodal or self.render_session is None or kind not in RENDER_PATHS:
+            return rendered
+        url = model.render_url or min(regs, key=lambda r: r.in_flight).url
+        if self._render_failed_until.get(url, 0.0) > time.monotonic():
+            return rendered
+        auth = next((v.decode("latin-1") for k, v in headers if k.lower() == b"authorization"), None)
+        try:
+            got = await render_prompt(self.render_session(), url, kind, body, self.routing.render_timeout_s, auth)
+        except RenderFailed as exc:
+            self._render_failed_until[url] = time.monotonic() + self.routing.render_retry_s
+            log.warning("rendering a multimodal prompt failed (routing such prompts by load for %.0f s): %s",
+                        self.routing.render_retry_s, exc)
+            return PromptBlocks(None, fallback=f"render_{exc.reason}")
+        extras = replace(request_extras(body, lora_name), mm_hashes=got.media)
+        return PromptBlocks([got.token_ids], [block_keys(got.token_ids, model.block_size, model.name, extras)])
 
     async def _window_limited(self, model: ModelConfig, blocks: PromptBlocks,
                               matches: dict[str, TierMatch]) -> dict[str, TierMatch]:

@@ -2,9 +2,9 @@
 
 Per model one :class:`kvcore.tokenization.PromptTokenizer` (vLLM's exact chat-template and
 encode path); keys from :func:`kvcore.block_keys.block_keys` with the request's ``cache_salt`` and
-LoRA adapter name as extras. When exact tokens cannot be made (an image part, no tokenizer
-configured) the result says why and the gateway routes by load; a malformed prompt raises
-:class:`kvcore.tokenization.BadPrompt` (the gateway answers 400).
+LoRA adapter name as extras. When exact tokens cannot be made here (media parts: the router asks
+a vLLM render endpoint, :mod:`router.render`; no tokenizer configured) the result says why; a
+malformed prompt raises :class:`kvcore.tokenization.BadPrompt` (the gateway answers 400).
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from typing import Any, Literal
 from kvcore.block_keys import BlockExtras, block_keys
 from kvcore.sliding_window import declared_window_tokens
 from kvcore.token_cache import DEFAULT_MAX_TOKENS
+from kvcore.prompt_errors import MultimodalPrompt
 from kvcore.tokenization import BadPrompt, PromptTokenizer, UnsupportedPrompt
 from router.config import ModelConfig
 
@@ -160,6 +161,8 @@ def _prompt_blocks(tok: PromptTokenizer, model: ModelConfig, kind: PromptKind, b
             prompts = [tok.encode_responses(body)]
         else:
             prompts = tok.encode_completion(body)
+    except MultimodalPrompt:  # the gateway may have it rendered (router.render)
+        return PromptBlocks(None, fallback="multimodal")
     except UnsupportedPrompt:
         return PromptBlocks(None, fallback="unsupported_prompt")
     except BadPrompt:

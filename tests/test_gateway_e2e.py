@@ -480,7 +480,7 @@ def test_metrics_exposed(cluster):
 
     before = fallbacks()
     post(cluster, "/v1/chat/completions", {"model": "tiny", "messages": [  # not tokenizable here: a fallback
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}]})
+        {"role": "user", "content": [{"type": "file", "file": {"file_data": "data:application/pdf;base64,AA"}}]}]})
     assert fallbacks() - before == 1
 
     def counts(worker: str) -> list[float]:

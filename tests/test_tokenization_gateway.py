@@ -79,12 +79,15 @@ def test_completion_prompt_forms(pool, model):
     assert many.prompt_tokens == 110
 
 
-def test_image_part_falls_back_without_failing(pool, model):
-    body = {"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "what is this"},
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}
+@pytest.mark.parametrize("part, fallback", [
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, "multimodal"),  # for vLLM to render
+    ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, "multimodal"),
+    ({"type": "file", "file": {"file_data": "AAAA"}}, "unsupported_prompt"),
+])
+def test_media_and_other_parts_fall_back_without_failing(pool, model, part, fallback):
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this"}, part]}]}
     got = _run(pool.prompt_blocks(model, "chat", body))
-    assert got.token_ids is None and got.keys == [] and got.fallback == "unsupported_prompt"
+    assert got.token_ids is None and got.keys == [] and got.fallback == fallback
     assert got.prompt_tokens is None
 
 

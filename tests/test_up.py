@@ -433,3 +433,20 @@ def test_up_configures_a_hybrid_models_window_and_refuses_what_its_connector_can
                                        "--model", str(tmp_path), *flags), capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "is a hybrid model (sliding-window layers)" in done.stderr
+
+
+def test_up_opens_vllms_render_endpoints_for_a_model_with_a_vision_tower(tmp_path):
+    from kvroute.cli import build_parser
+    from kvroute.engines import vllm_argv
+    from kvroute.up import model_has_media_inputs
+
+    args = build_parser().parse_args(["up", "--engine", "vllm", "--model", str(tmp_path)])
+    assert not model_has_media_inputs(str(tmp_path))  # no config.json
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    assert not model_has_media_inputs(str(tmp_path))
+    args.media_inputs = False
+    assert "--enable-scale-out" not in vllm_argv(args, 8101, {})
+    (tmp_path / "config.json").write_text(json.dumps({"vision_config": {"image_size": 224}, "text_config": {}}))
+    assert model_has_media_inputs(str(tmp_path))
+    args.media_inputs = True
+    assert "--enable-scale-out" in vllm_argv(args, 8101, {})

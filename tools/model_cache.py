@@ -86,28 +86,46 @@ def ensure_lora(base: Path, seed: int, vllm_python: str | None = None, rank: int
     ``<base>-lora<seed>-r<rank>`` beside it and remade when missing or written for another base.
     Raises RuntimeError as :func:`ensure_model` does."""
     base = Path(base).resolve()
-    target = base.parent / f"{base.name}-lora{seed}-r{rank}"
-    want = {"seed": seed, "rank": rank, "base": str(base)}
+    return _ensure_beside(base, f"lora{seed}-r{rank}", "kvroute_lora.json", {"seed": seed, "rank": rank, "base": str(base)},
+                          LORA_GENERATOR, ["--seed", str(seed), "--rank", str(rank)], "a LoRA adapter", vllm_python)
+
+
+VLM_GENERATOR = Path(__file__).resolve().parent / "make_vlm.py"
+
+
+def ensure_vlm(base: Path, seed: int = 0, vllm_python: str | None = None) -> Path:
+    """A vision-language model (Idefics3 layout) built on the generated model at ``base``
+    (:mod:`tools.make_vlm`), made once under ``<base>-vlm<seed>`` beside it and remade when missing
+    or written for another base. Raises RuntimeError as :func:`ensure_model` does."""
+    base = Path(base).resolve()
+    return _ensure_beside(base, f"vlm{seed}", "kvroute_vlm.json", {"seed": seed, "base": str(base)},
+                          VLM_GENERATOR, ["--seed", str(seed)], "a vision-language model", vllm_python)
+
+
+def _ensure_beside(base: Path, suffix: str, meta_name: str, want: dict, generator: Path, flags: list[str],
+                   what: str, vllm_python: str | None) -> Path:
+    """``<base>-<suffix>`` beside ``base``, kept when its ``meta_name`` file holds ``want``, else
+    written by ``generator BASE TMP *flags`` and renamed into place."""
+    target = base.parent / f"{base.name}-{suffix}"
     try:
-        if json.loads((target / "kvroute_lora.json").read_text()) == want:
+        if json.loads((target / meta_name).read_text()) == want:
             return target
     except (OSError, ValueError):
         pass
     python = vllm_python or os.environ.get("KVR_VLLM_PYTHON")
     if not python or shutil.which(python) is None:
-        raise RuntimeError(f"need an interpreter with torch to generate a LoRA adapter (got {python!r}; "
-                           "set KVR_VLLM_PYTHON)")
+        raise RuntimeError(f"need an interpreter with torch to generate {what} (got {python!r}; set KVR_VLLM_PYTHON)")
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=base.parent))
     try:
-        done = subprocess.run([python, str(LORA_GENERATOR), str(base), str(tmp), "--seed", str(seed),
-                               "--rank", str(rank)], capture_output=True, text=True, timeout=GENERATE_TIMEOUT_S)
+        done = subprocess.run([python, str(generator), str(base), str(tmp), *flags],
+                              capture_output=True, text=True, timeout=GENERATE_TIMEOUT_S)
         if done.returncode != 0:
-            raise RuntimeError(f"make_lora.py failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+            raise RuntimeError(f"{generator.name} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
         shutil.rmtree(target, ignore_errors=True)
         try:
             tmp.rename(target)
         except OSError:  # another caller renamed its copy first
-            if not (target / "kvroute_lora.json").exists():
+            if not (target / meta_name).exists():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

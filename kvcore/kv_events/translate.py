@@ -9,11 +9,13 @@ Rules (vLLM 0.32 semantics, see ``kvcore/events.py``):
 - ``BlockStored`` with ``token_ids``: keys from :func:`kvcore.block_keys.block_keys` with the
   gateway's extras, ``BlockExtras(lora_name=event.lora_name, cache_salt=<block 0's extra key>)``;
   vLLM publishes extra keys untagged per block, LoRA name first, so block 0's item after the LoRA
-  name is the cache salt. A chain continues from ``parent_block_hash`` through the map (the parent's
-  key and index + 1); an unknown parent is counted (``unknown_parents``) and the event skipped (the
-  index under-reports). Blocks whose extra keys hold anything else (multimodal identifiers, prompt
-  embeds digests) get keys tagged with that item, which the gateway never produces: they never
-  match (under-report, never over-report), yet chains through them stay consistent.
+  name is the cache salt. Multimodal items, ``(identifier, offset)`` pairs per block, are mixed in
+  as the gateway mixes a rendered prompt's items (:mod:`kvcore.block_keys`). A chain continues from
+  ``parent_block_hash`` through the map (the parent's key and index + 1); an unknown parent is
+  counted (``unknown_parents``) and the event skipped (the index under-reports). Blocks whose extra
+  keys hold anything else (prompt embeds digests) get keys tagged with that item, which the gateway
+  never produces: they never match (under-report, never over-report), yet chains through them stay
+  consistent.
 - ``medium``: ``GPU``/None -> gpu, ``CPU`` -> cpu, ``STORAGE`` -> ssd; others are skipped.
 - Tokenless ``BlockStored`` (vLLM's CPU-offload placeholders: ``token_ids`` empty, ``block_size``
   0) are resolved through the map; unknown hashes are counted (``unresolved_tokenless``).
@@ -283,40 +285,49 @@ class EventTranslator:
     # ---- keys ---------------------------------------------------------------------------------
     def _block_keys(self, ev: BlockStored, parent_key: int | None, first: int) -> list[int]:
         lora = ev.lora_name
-        salt, opaque = _split_extra_keys(ev.extra_keys, lora, first, len(ev.block_hashes))
-        if not opaque:
+        salt, media, opaque = _split_extra_keys(ev.extra_keys, lora, first, len(ev.block_hashes))
+        if not media and not opaque:
             extras = NO_EXTRAS if lora is None and salt is None else BlockExtras(lora_name=lora, cache_salt=salt)
             return block_keys(ev.token_ids, self.block_size, self.model, extras, parent_key, first)
-        # Some block carries an extra key the gateway cannot reproduce: key block by block, tagging
-        # those blocks with the item so they never equal a gateway key.
+        # Key block by block: multimodal items as the gateway keys them (their offset from the
+        # block's start); any other item tags its block so it never equals a gateway key.
         bs = self.block_size
         keys: list[int] = []
         key = parent_key
         for i in range(len(ev.block_hashes)):
             index = first + i
-            mm = ((opaque[i], index * bs, bs),) if opaque.get(i) else ()
+            lo = index * bs
+            mm = tuple((ident, lo + offset, bs - offset) for ident, offset in media.get(i, ()))
+            if opaque.get(i):
+                mm += ((opaque[i], lo, bs),)
             extras = BlockExtras(lora_name=lora, cache_salt=salt if index == 0 else None, mm_hashes=mm)
             key = block_keys(ev.token_ids[i * bs:(i + 1) * bs], bs, self.model, extras, key, index)[0]
             keys.append(key)
         return keys
 
 
-def _split_extra_keys(extra_keys: Sequence[Any] | None, lora: str | None, first: int,
-                      n_blocks: int) -> tuple[str | None, dict[int, str]]:
-    """From vLLM's untagged per-block extra keys, the cache salt (block 0's item after the LoRA
-    name) and, per block position, a text form of any item the gateway does not mix in."""
+def _split_extra_keys(extra_keys: Sequence[Any] | None, lora: str | None, first: int, n_blocks: int
+                      ) -> tuple[str | None, dict[int, list[tuple[str, int]]], dict[int, str]]:
+    """From vLLM's untagged per-block extra keys (LoRA name, ``(mm identifier, offset)`` pairs,
+    cache salt, prompt-embeds digests, in that order): the cache salt (block 0's string after the
+    LoRA name), per block position its multimodal items, and a text form of anything else."""
     salt: str | None = None
+    media: dict[int, list[tuple[str, int]]] = {}
     opaque: dict[int, str] = {}
     if not extra_keys:
-        return salt, opaque
+        return salt, media, opaque
     for i, items in enumerate(extra_keys[:n_blocks]):
         if not items:
             continue
         rest = list(items)
         if lora is not None and rest and rest[0] == lora:
             rest = rest[1:]
-        if first + i == 0 and rest and isinstance(rest[-1], str):
-            salt = rest.pop()
+        while rest and isinstance(rest[0], (list, tuple)) and len(rest[0]) == 2 \
+                and isinstance(rest[0][0], str) and isinstance(rest[0][1], int):
+            media.setdefault(i, []).append((rest[0][0], rest[0][1]))
+            rest = rest[1:]
+        if first + i == 0 and rest and isinstance(rest[0], str):
+            salt = rest.pop(0)
         if rest:
             opaque[i] = repr(rest)
-    return salt, opaque
+    return salt, media, opaque

@@ -1,0 +1,95 @@
+"""Prompts with images on real vLLM (CPU build): a generated vision-language model
+(``tools/make_vlm.py``: Idefics3 layout, 64 image tokens per image) on two workers started by ``kvroute up``, which
+turns on their render endpoints (``--enable-scale-out``).
+
+The gateway has each prompt with an image rendered by a worker (token ids, the image's
+multimodal hash and its placeholder range) and keys its blocks as vLLM hashes them, the image's
+hash mixed into the blocks its placeholders cover. A repeat goes to the worker holding it and is
+credited exactly what vLLM reports cached; the same text with another image is credited only the
+blocks before that image, again exactly what vLLM reports; the other worker is credited nothing."""
+from __future__ import annotations
+
+import base64
+import io
+
+import httpx
+import pytest
+from openai import OpenAI
+from PIL import Image
+
+from e2e.conftest import vllm_python
+from conftest import ADMIN_TOKEN, free_port, metric, running_up, wait_until
+from model_cache import ensure_model, ensure_vlm  # tools/, on the path from e2e.conftest
+
+from .bodies import words
+
+AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+BLOCK = 32
+READY_S = 600
+
+
+@pytest.fixture(scope="module")
+def vlm_cluster(tmp_path_factory):
+    model = ensure_vlm(ensure_model("tiny", vllm_python()), 0, vllm_python())
+    with running_up("up-vlm", [
+            "--engine", "vllm", "--vllm-python", vllm_python(), "--workers", "2",
+            "--model", str(model), "--served-model-name", "tiny-vlm", "--port", str(free_port()),
+            "--block-size", str(BLOCK), "--num-gpu-blocks-override", "128", "--max-model-len", "1024",
+            "--policy", "kv_aware", "--vllm-args", "--enforce-eager --dtype bfloat16",
+            "--ready-timeout-s", str(READY_S)],
+            tmp_path_factory.mktemp("vlm-vllm"), {"KVROUTE_ADMIN_TOKEN": ADMIN_TOKEN, "VLLM_SERVER_DEV_MODE": "1"},
+            READY_S + 60) as base:
+        yield base
+
+
+def image_url(seed: int) -> str:
+    """A 64 x 48 PNG of a colour gradient picked by ``seed``, as a data URL."""
+    img = Image.new("RGB", (64, 48))
+    img.putdata([((x * 4 + seed * 37) % 256, (y * 5 + seed * 11) % 256, (seed * 71) % 256)
+                 for y in range(48) for x in range(64)])
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def body(image_seed: int) -> dict:
+    return {"model": "tiny-vlm", "max_tokens": 1, "temperature": 0, "messages": [
+        {"role": "system", "content": "Vision check. " + words(120, 9100)},
+        {"role": "user", "content": [{"type": "text", "text": "Describe this. " + words(20, 9101)},
+                                     {"type": "image_url", "image_url": {"url": image_url(image_seed)}},
+                                     {"type": "text", "text": words(30, 9102)}]}]}
+
+
+def test_images_are_keyed_by_their_hash_where_their_placeholders_lie(vlm_cluster):
+    base = vlm_cluster
+    client = OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120)
+
+    def explain(b: dict) -> dict:
+        r = httpx.post(base + "/admin/explain", json=b, headers=AUTH, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    first = client.chat.completions.with_raw_response.create(**body(1))
+    holder = first.headers["x-kvroute-worker"]
+    usage = first.parse().usage
+    assert usage.prompt_tokens_details.cached_tokens == 0
+    prompt = usage.prompt_tokens
+    rendered = explain(body(1))
+    assert rendered["prompt_tokens"] == prompt and rendered["tokenization_fallback"] is None
+    hit = (prompt - 1) // BLOCK * BLOCK
+    planned = wait_until(lambda: (p := explain(body(1)))["predicted_cached_tokens"] and p, 60, "the holder's KV events")
+    assert (planned["chosen"], planned["predicted_cached_tokens"]) == (holder, hit)
+    assert [sum(c["matched_blocks"].values()) for c in planned["candidates"] if c["worker"] != holder] == [0]
+    again = client.chat.completions.with_raw_response.create(**body(1))
+    assert again.headers["x-kvroute-worker"] == holder
+    assert again.parse().usage.prompt_tokens_details.cached_tokens == hit
+
+    # the same text around another image: only the blocks before the image's placeholders match
+    other = explain(body(2))
+    assert other["prompt_tokens"] == prompt  # the same number of image tokens
+    share = other["predicted_cached_tokens"]
+    assert other["chosen"] == holder and 0 < share < hit
+    sent = client.chat.completions.with_raw_response.create(**body(2))
+    assert sent.headers["x-kvroute-worker"] == holder
+    assert sent.parse().usage.prompt_tokens_details.cached_tokens == share
+    assert metric(base, "kvroute_tokenization_fallbacks_total", model="tiny-vlm", reason="multimodal") == 0
