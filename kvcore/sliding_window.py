@@ -70,20 +70,12 @@ def declared_window_tokens(hf_config: Mapping[str, object]) -> int | None:
     return None
 
 
-def hit_end(full_run: int, held: Callable[[int], bool], need: int) -> int:
-    """vLLM's rule on one worker, for reference and tests: the largest ``e <= full_run`` whose
-    window ``max(0, e - need) .. e-1`` the window group holds (``held(i)`` for block ``i``)."""
-    for e in range(full_run, 0, -1):
-        if all(held(i) for i in range(max(0, e - need), e)):
-            return e
-    return 0
-
-
 def window_hit(full_run: int, held_mask: int, need: int) -> int:
-    """:func:`hit_end` in ``O(full_run)``: ``held_mask`` has bit ``i`` set when the window group
-    holds block ``i``. From ``e = full_run`` down: ``r`` blocks held just before ``e``; ``r >=
-    need`` (or ``r == e``) makes ``e`` the hit, else block ``e-1-r`` is missing and every end above
-    it fails, so the search goes on from there."""
+    """vLLM's rule on one worker: the largest ``e <= full_run`` whose window ``max(0, e - need) ..
+    e-1`` the window group holds (``held_mask``: bit ``i`` set when it holds block ``i``), in
+    ``O(full_run)``. From ``e = full_run`` down: ``r`` blocks held just before ``e``; ``r >= need``
+    (or ``r == e``) makes ``e`` the hit, else block ``e-1-r`` is missing and every end above it
+    fails, so the search goes on from there."""
     e = full_run
     while e > 0:
         r = 0

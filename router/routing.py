@@ -459,15 +459,14 @@ class Router:
         event_fed = reg.has_events or self.index.agent_fed(reg.id)
         ttl = self.routing.speculative_ttl_s if event_fed else self.routing.approx_ttl_s
         window = plan.model.sliding_window_tokens
+        need = window_blocks(window, plan.model.block_size) if window is not None else 0
         try:
-            for i, keys in enumerate(plan.blocks.keys):
-                if keys:
-                    await self.index.store_speculative(reg.id, keys, ttl)
-                if window is not None and keys and plan.blocks.token_ids is not None:
-                    # the window group caches the prompt's last full blocks, those in the window
-                    tail = keys[max(0, len(keys) - window_blocks(window, plan.model.block_size)):]
-                    if tail:
-                        await self.index.store_speculative(reg.id, window_keys(tail), ttl)
+            for keys in plan.blocks.keys:
+                if not keys:
+                    continue
+                await self.index.store_speculative(reg.id, keys, ttl)
+                if need:  # a hybrid model's window group caches the prompt's last full blocks
+                    await self.index.store_speculative(reg.id, window_keys(keys[-need:]), ttl)
         except IndexUnavailable:  # the next lookup falls back to load as well
             self.metrics.index_write_failures.inc()
 

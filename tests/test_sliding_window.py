@@ -25,8 +25,7 @@ from kvcore.index.memory import MemoryIndex
 from kvcore.index.redis import RedisIndex
 from kvcore.index.redis_mirror import RedisMirrorIndex
 from kvcore.kv_events import EventTranslator, write_ops
-from kvcore.sliding_window import (declared_window_tokens, hit_end, window_blocks, window_hits, window_key,
-                                   window_keys)
+from kvcore.sliding_window import declared_window_tokens, window_blocks, window_hits, window_key, window_keys
 from router.config import ModelConfig
 from router.tokenize import check_sliding_window
 
@@ -53,6 +52,15 @@ async def predicted_hits(index: MemoryIndex, prompt: list[int]) -> dict[str, int
 
 
 # ---- the rule ---------------------------------------------------------------------------------
+def hit_end(full_run: int, held, need: int) -> int:
+    """vLLM's rule read literally (``SlidingWindowManager.find_longest_cache_hit`` after the
+    full-attention run): the largest end whose window the group holds, ``held(i)`` per block."""
+    for e in range(full_run, 0, -1):
+        if all(held(i) for i in range(max(0, e - need), e)):
+            return e
+    return 0
+
+
 def test_window_blocks_is_vllms_contiguous_block_count():
     assert window_blocks(64, 32) == 2  # ceil(63 / 32)
     assert window_blocks(65, 32) == 2 and window_blocks(66, 32) == 3

@@ -271,12 +271,11 @@ class EventTranslator:
     def _emit(self, ops: list[IndexOp], op: str, tier: str, keys: list[int], count: bool = True) -> None:
         if not keys:
             return
-        if not count:
-            pass
-        elif op == "store":
-            self.counters.blocks_stored += len(keys)
-        else:
-            self.counters.blocks_removed += len(keys)
+        if count:  # window keys are counted by WindowGroups
+            if op == "store":
+                self.counters.blocks_stored += len(keys)
+            else:
+                self.counters.blocks_removed += len(keys)
         if ops and ops[-1][0] == op and ops[-1][1] == tier:
             ops[-1][2].extend(keys)
         else:
