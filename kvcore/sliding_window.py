@@ -29,6 +29,8 @@ import xxhash
 _WINDOW_PREFIX = b"kvroute/window\x00"
 _h = xxhash.xxh3_64_intdigest
 Holders = Callable[[Sequence[int]], Awaitable[Mapping[str, int]]]
+LOOKBACK_WINDOWS = 4
+"""How far below the shortest full-attention run :func:`window_hits` looks up first, in windows."""
 
 
 def window_key(key: int) -> int:
@@ -90,10 +92,23 @@ def window_hit(full_run: int, held_mask: int, need: int) -> int:
 async def window_hits(full_runs: Mapping[str, int], wkeys: Sequence[int], need: int, holders: Holders) -> dict[str, int]:
     """Per worker, the hit vLLM gets (:func:`window_hit`): ``full_runs`` are the workers'
     full-attention runs in blocks, ``wkeys`` the prompt's :func:`window_keys`, ``holders`` the
-    index's :meth:`kvcore.index.base.KVIndex.gpu_holders` (one lookup of the window keys up to the
-    longest run). Workers with a run of 0 are left out. Raises what ``holders`` raises."""
+    index's :meth:`kvcore.index.base.KVIndex.gpu_holders`. One lookup of the window keys from
+    :data:`LOOKBACK_WINDOWS` windows below the shortest run up to the longest (a hit is almost
+    always at or just below a run's end); a worker whose hit could lie below that stretch is
+    looked up again from block 0. Workers with a run of 0 are left out. Raises what ``holders``
+    raises."""
     runs = {w: min(f, len(wkeys)) for w, f in full_runs.items() if f > 0}
     if not runs or need <= 0:
         return runs
-    masks = await holders(wkeys[:max(runs.values())])
-    return {w: window_hit(f, masks.get(w, 0), need) for w, f in runs.items()}
+    lo = max(0, min(runs.values()) - LOOKBACK_WINDOWS * need)
+    masks = await holders(wkeys[lo:max(runs.values())])
+    out: dict[str, int] = {}
+    low: Mapping[str, int] | None = None
+    for w, f in runs.items():
+        e = window_hit(f, masks.get(w, 0) << lo, need)
+        if lo and e < lo + need:  # the search read blocks below the stretch looked up
+            if low is None:
+                low = await holders(wkeys[:lo + need])
+            e = window_hit(f, (masks.get(w, 0) << lo) | low.get(w, 0), need)
+        out[w] = e
+    return out
