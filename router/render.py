@@ -26,13 +26,20 @@ RENDER_PATHS: dict[str, str] = {"chat": "/v1/chat/completions/render", "messages
 """Render endpoint per routed body kind (completions bodies carry no media)."""
 
 
+ENDPOINT_DOWN_STATUSES = frozenset({403, 404, 405, 501})
+"""Statuses that say the endpoint is off (vLLM answers 403 without ``--enable-scale-out``), not
+that this body is bad; with 5xx and no answer at all they make the gateway leave it alone."""
+
+
 class RenderFailed(Exception):
     """The render endpoint could not be reached or gave no usable answer; ``reason`` is a metric
-    label (``unreachable``, ``refused``: an HTTP error status, ``bad_answer``)."""
+    label (``unreachable``, ``refused``: an HTTP error status, ``bad_answer``); ``endpoint_down``:
+    whether the endpoint itself failed (rather than this body)."""
 
-    def __init__(self, reason: str, detail: str) -> None:
+    def __init__(self, reason: str, detail: str, endpoint_down: bool = True) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
+        self.endpoint_down = endpoint_down
 
 
 @dataclass(frozen=True)
@@ -88,7 +95,8 @@ async def render_prompt(session: aiohttp.ClientSession, base_url: str, kind: str
                                 timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
             raw = await resp.read()
             if resp.status != 200:
-                raise RenderFailed("refused", f"{url} answered {resp.status}: {raw[:300]!r}")
+                down = resp.status in ENDPOINT_DOWN_STATUSES or resp.status >= 500
+                raise RenderFailed("refused", f"{url} answered {resp.status}: {raw[:300]!r}", down)
     except (aiohttp.ClientError, TimeoutError, OSError) as exc:
         raise RenderFailed("unreachable", f"{url}: {exc!r}") from None
     try:

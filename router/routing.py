@@ -343,8 +343,9 @@ class Router:
         """A prompt with media, tokenized and hashed by a vLLM render endpoint (:mod:`router.render`):
         the model's ``render_url``, else its least busy routable worker. Its block keys mix in
         each item's hash where its placeholders lie, as vLLM's block hashes do. Falls back (a
-        ``render_<reason>`` label, or ``multimodal`` when rendering is off or resting after a
-        failure) rather than raising; BadPrompt for a bad ``cache_salt``."""
+        ``render_<reason>`` label, or ``multimodal`` when rendering is off or the endpoint rests
+        after failing itself, not on one bad body) rather than raising; BadPrompt for a bad
+        ``cache_salt``."""
         rendered = PromptBlocks(None, fallback="multimodal")
         if not self.routing.render_multimodal or self.render_session is None or kind not in RENDER_PATHS:
             return rendered
@@ -355,9 +356,12 @@ class Router:
         try:
             got = await render_prompt(self.render_session(), url, kind, body, self.routing.render_timeout_s, auth)
         except RenderFailed as exc:
-            self._render_failed_until[url] = time.monotonic() + self.routing.render_retry_s
-            log.warning("rendering a multimodal prompt failed (routing such prompts by load for %.0f s): %s",
-                        self.routing.render_retry_s, exc)
+            if exc.endpoint_down:
+                self._render_failed_until[url] = time.monotonic() + self.routing.render_retry_s
+                log.warning("rendering multimodal prompts failed (routing them by load for %.0f s): %s",
+                            self.routing.render_retry_s, exc)
+            else:  # this body only: the worker will answer it as it sees fit
+                log.info("rendering a multimodal prompt failed: %s", exc)
             return PromptBlocks(None, fallback=f"render_{exc.reason}")
         extras = replace(request_extras(body, lora_name), mm_hashes=got.media)
         return PromptBlocks([got.token_ids], [block_keys(got.token_ids, model.block_size, model.name, extras)])

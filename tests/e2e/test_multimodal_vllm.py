@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import io
 
+import anthropic
 import httpx
 import pytest
 from openai import OpenAI
@@ -93,3 +94,43 @@ def test_images_are_keyed_by_their_hash_where_their_placeholders_lie(vlm_cluster
     assert sent.headers["x-kvroute-worker"] == holder
     assert sent.parse().usage.prompt_tokens_details.cached_tokens == share
     assert metric(base, "kvroute_tokenization_fallbacks_total", model="tiny-vlm", reason="multimodal") == 0
+
+
+def test_an_image_in_a_messages_body_is_rendered_and_credited_as_vllm_caches_it(vlm_cluster):
+    """The Anthropic Messages API (``/v1/messages/render``): a repeated body with an image block is
+    credited exactly the ``cache_read_input_tokens`` vLLM reports."""
+    base = vlm_cluster
+    data = image_url(7).split(",", 1)[1]
+    body = {"model": "tiny-vlm", "max_tokens": 1, "system": "Vision check. " + words(80, 9200),
+            "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "look " + words(10, 9201)},
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}]}]}
+
+    def explain() -> dict:
+        r = httpx.post(base + "/admin/explain?path=/v1/messages", json=body, headers=AUTH, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    client = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0, timeout=120)
+    first = client.messages.with_raw_response.create(**body)
+    holder, usage = first.headers["x-kvroute-worker"], first.parse().usage
+    prompt = usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
+    assert usage.cache_read_input_tokens == 0 and explain()["prompt_tokens"] == prompt
+    hit = (prompt - 1) // BLOCK * BLOCK
+    planned = wait_until(lambda: (p := explain())["predicted_cached_tokens"] and p, 60, "the holder's KV events")
+    assert (planned["chosen"], planned["predicted_cached_tokens"]) == (holder, hit)
+    again = client.messages.with_raw_response.create(**body)
+    assert again.headers["x-kvroute-worker"] == holder
+    assert again.parse().usage.cache_read_input_tokens == hit
+
+
+def test_a_body_the_renderer_refuses_falls_back_alone(vlm_cluster):
+    """vLLM's render endpoint answers 400 for an image it cannot decode: that request is routed by
+    load, and the next prompt with a good image is rendered at once (the endpoint is not rested)."""
+    base = vlm_cluster
+    broken = body(3)
+    broken["messages"][1]["content"][1]["image_url"]["url"] = "data:image/png;base64,AAAA"
+    r = httpx.post(base + "/admin/explain", json=broken, headers=AUTH, timeout=60)
+    assert r.status_code == 200 and r.json()["tokenization_fallback"] == "render_refused"
+    good = httpx.post(base + "/admin/explain", json=body(4), headers=AUTH, timeout=60).json()
+    assert good["tokenization_fallback"] is None and good["prompt_tokens"] > 0
