@@ -12,6 +12,7 @@ stops (and they get SIGTERM if it is killed), so nothing outlives the suite.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import re
@@ -20,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,7 +30,7 @@ import psutil
 import pytest
 from openai import OpenAI
 
-from conftest import ADMIN_TOKEN, Proc, free_port, kvroute_argv
+from conftest import ADMIN_TOKEN, Proc, free_port, kvroute_argv, running_up
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
@@ -65,6 +67,24 @@ def vllm_python() -> str:
     if done.returncode != 0:
         pytest.fail(f"{py} cannot import vllm:\n{done.stderr[-2000:]}")
     return py
+
+
+UP_READY_S = 600
+
+
+@contextlib.contextmanager
+def vllm_up(name: str, model: Path, served_name: str, log_dir: Path, *flags: str) -> Iterator[str]:
+    """``kvroute up --engine vllm`` of ``model`` as ``served_name`` for one test module: block size
+    32, a 1,024-token context, the ``kv_aware`` policy, eager bfloat16, the admin token and vLLM's
+    dev mode (``/reset_prefix_cache``), plus ``flags`` (``--workers N``, cache size...). Yields the
+    gateway's base URL; stopped on exit."""
+    with running_up(name, [
+            "--engine", "vllm", "--vllm-python", vllm_python(), "--model", str(model),
+            "--served-model-name", served_name, "--port", str(free_port()), "--block-size", "32",
+            "--max-model-len", "1024", "--policy", "kv_aware", "--vllm-args", "--enforce-eager --dtype bfloat16",
+            "--ready-timeout-s", str(UP_READY_S), *flags],
+            log_dir, {"KVROUTE_ADMIN_TOKEN": ADMIN_TOKEN, "VLLM_SERVER_DEV_MODE": "1"}, UP_READY_S + 60) as base:
+        yield base
 
 
 @dataclass

@@ -11,26 +11,19 @@ import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from e2e.conftest import vllm_python
-from conftest import ADMIN_TOKEN, free_port, running_up, wait_until
+from e2e.conftest import vllm_up
+from conftest import ADMIN_TOKEN, wait_until
 
 from .bodies import words
 
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 BLOCK = 32
-READY_S = 600
 
 
 @pytest.fixture(scope="module")
 def dp_cluster(e2e_model, tmp_path_factory):
-    with running_up("up-dp", [
-            "--engine", "vllm", "--vllm-python", vllm_python(), "--workers", "1", "--data-parallel-size", "2",
-            "--model", str(e2e_model), "--served-model-name", "tiny", "--port", str(free_port()),
-            "--block-size", str(BLOCK), "--num-gpu-blocks-override", "128", "--max-model-len", "1024",
-            "--policy", "kv_aware", "--vllm-args", "--enforce-eager --dtype bfloat16",
-            "--ready-timeout-s", str(READY_S)],
-            tmp_path_factory.mktemp("dp-vllm"), {"KVROUTE_ADMIN_TOKEN": ADMIN_TOKEN, "VLLM_SERVER_DEV_MODE": "1"},
-            READY_S + 60) as base:
+    with vllm_up("up-dp", e2e_model, "tiny", tmp_path_factory.mktemp("dp-vllm"), "--workers", "1",
+                 "--data-parallel-size", "2", "--num-gpu-blocks-override", "128") as base:
         yield base
 
 

@@ -15,27 +15,20 @@ import random
 import httpx
 import pytest
 
-from e2e.conftest import vllm_python
-from conftest import ADMIN_TOKEN, free_port, running_up, wait_until
+from e2e.conftest import vllm_python, vllm_up
+from conftest import ADMIN_TOKEN, wait_until
 from model_cache import ensure_model  # tools/, on the path from e2e.conftest
 
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 BLOCK = 32
 WINDOW = 64  # tokens: 2 window blocks before a hit's end
-READY_S = 600
 
 
 @pytest.fixture(scope="module")
 def hybrid_cluster(tmp_path_factory):
     model = ensure_model("tiny", vllm_python(), sliding_window=WINDOW)
-    with running_up("up-hybrid", [
-            "--engine", "vllm", "--vllm-python", vllm_python(), "--workers", "1",
-            "--model", str(model), "--served-model-name", "tiny-hybrid", "--port", str(free_port()),
-            "--block-size", str(BLOCK), "--num-gpu-blocks-override", "160", "--max-model-len", "1024",
-            "--policy", "kv_aware", "--vllm-args", "--enforce-eager --dtype bfloat16",
-            "--ready-timeout-s", str(READY_S)],
-            tmp_path_factory.mktemp("hybrid-vllm"), {"KVROUTE_ADMIN_TOKEN": ADMIN_TOKEN, "VLLM_SERVER_DEV_MODE": "1"},
-            READY_S + 60) as base:
+    with vllm_up("up-hybrid", model, "tiny-hybrid", tmp_path_factory.mktemp("hybrid-vllm"), "--workers", "1",
+                 "--num-gpu-blocks-override", "160") as base:
         yield base
 
 

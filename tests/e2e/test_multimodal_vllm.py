@@ -18,28 +18,21 @@ import pytest
 from openai import OpenAI
 from PIL import Image
 
-from e2e.conftest import vllm_python
-from conftest import ADMIN_TOKEN, free_port, metric, running_up, wait_until
+from e2e.conftest import vllm_python, vllm_up
+from conftest import ADMIN_TOKEN, metric, wait_until
 from model_cache import ensure_model, ensure_vlm  # tools/, on the path from e2e.conftest
 
 from .bodies import words
 
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 BLOCK = 32
-READY_S = 600
 
 
 @pytest.fixture(scope="module")
 def vlm_cluster(tmp_path_factory):
     model = ensure_vlm(ensure_model("tiny", vllm_python()), 0, vllm_python())
-    with running_up("up-vlm", [
-            "--engine", "vllm", "--vllm-python", vllm_python(), "--workers", "2",
-            "--model", str(model), "--served-model-name", "tiny-vlm", "--port", str(free_port()),
-            "--block-size", str(BLOCK), "--num-gpu-blocks-override", "128", "--max-model-len", "1024",
-            "--policy", "kv_aware", "--vllm-args", "--enforce-eager --dtype bfloat16",
-            "--ready-timeout-s", str(READY_S)],
-            tmp_path_factory.mktemp("vlm-vllm"), {"KVROUTE_ADMIN_TOKEN": ADMIN_TOKEN, "VLLM_SERVER_DEV_MODE": "1"},
-            READY_S + 60) as base:
+    with vllm_up("up-vlm", model, "tiny-vlm", tmp_path_factory.mktemp("vlm-vllm"), "--workers", "2",
+                 "--num-gpu-blocks-override", "128") as base:
         yield base
 
 
