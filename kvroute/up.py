@@ -47,16 +47,19 @@ GATEWAY_GRACE_S = 8.0  # under STOP_GRACE_S: the gateway exits before it is kill
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct TCP ports free on ``host`` now (all held open while choosing, so one call
-    never returns the same port twice; another process may still take one before it is used)."""
-    socks = []
+def free_ports(n: int, host: str = "127.0.0.1", avoid: frozenset[int] | set[int] = frozenset()) -> list[int]:
+    """``n`` distinct TCP ports free on ``host`` now and none in ``avoid`` (e.g. a port chosen for a
+    process that has not bound it yet). All are held open while choosing, so one call never returns
+    the same port twice; another process may still take one before it is used."""
+    socks, ports = [], []
     try:
-        for _ in range(n):
+        while len(ports) < n:
             sock = socket.socket()
             socks.append(sock)
             sock.bind((host, 0))
-        return [sock.getsockname()[1] for sock in socks]
+            if sock.getsockname()[1] not in avoid:
+                ports.append(sock.getsockname()[1])
+        return ports
     finally:
         for sock in socks:
             sock.close()
@@ -434,8 +437,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         workers = []
         plan = plan_workers(args)
-        ports = free_ports(len(plan))
-        event_ports = free_port_runs(2 * len(plan), getattr(args, "data_parallel_size", 1), set(ports))
+        # the gateway's port is chosen by the operator but bound last: no worker may take it first
+        ports = free_ports(len(plan), avoid={args.port})
+        event_ports = free_port_runs(2 * len(plan), getattr(args, "data_parallel_size", 1), {*ports, args.port})
         for w in plan:
             wid, i = w.id, w.index
             port, ev_port, replay_port = ports[i], event_ports[2 * i], event_ports[2 * i + 1]

@@ -450,3 +450,23 @@ def test_up_opens_vllms_render_endpoints_for_a_model_with_a_vision_tower(tmp_pat
     assert model_has_media_inputs(str(tmp_path))
     args.media_inputs = True
     assert "--enable-scale-out" in vllm_argv(args, 8101, {})
+
+
+def test_free_ports_never_returns_a_port_to_avoid(monkeypatch):
+    """The gateway's port is chosen before the workers but bound after them: the kernel may offer it
+    again for a worker's event socket (a CI run lost the gateway that way), so it is skipped."""
+    from kvroute import up as up_mod
+    offered = iter([43107, 43107, 5001, 43107, 5002])
+
+    class ScriptedSocket:
+        def bind(self, _addr):
+            self.port = next(offered)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(up_mod.socket, "socket", ScriptedSocket)
+    assert up_mod.free_ports(2, avoid={43107}) == [5001, 5002]
