@@ -34,7 +34,12 @@ when the router knows least. Holding requests in the gateway instead:
   worker.
   Past ``affinity_wait_s`` any open worker may take it (the prefix is then computed a second time,
   and the worker's KV events tell the index). Among the workers it may go to, the live policy
-  chooses (:meth:`~router.routing.Router.redecide`).
+  chooses (:meth:`~router.routing.Router.redecide`);
+- while it waits, its prompt is looked up in the index again every ``rematch_ms`` (200)
+  (:meth:`~router.routing.Router.rematch`), and the rules above then use what the workers hold
+  now: a holder that evicted the prefix meanwhile is not waited for, and a prefix that a request
+  dispatched meanwhile is computing is credited where it went, so requests sharing a prefix that
+  arrive together follow the first of them (``kvroute_dispatch_queue_rematches_total``).
 
 A request chosen for a worker holds a :class:`Reservation` there (counted as prefill in flight
 with the policy's predicted end, by every gateway process) until its first attempt has begun,
@@ -51,11 +56,12 @@ serves whole (P/D outcome ``whole``, or a failed prefill leg's fallback) compute
 so it waits as a whole request does, limited to the decode pool and re-chosen by the decode leg's
 cost (:class:`router.pd.DecodePolicy`).
 
-Pure asyncio in one event loop; no I/O.
+Pure asyncio in one event loop; its only I/O is the index lookups of :meth:`Router.rematch`.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -68,6 +74,7 @@ from router.policies.queue import QueueSettings
 from router.registry import WorkerRegistration, WorkerRegistry
 from router.routing import RoutePlan, Router
 
+log = logging.getLogger(__name__)
 TICK_S = 0.1  # while requests wait, look again at least this often (health, affinity expiry)
 
 
@@ -96,6 +103,7 @@ class _Entry:
     held_blocks: dict[str, int]  # credited matched blocks per worker id
     pool: frozenset[str] | None = None  # the only workers it may go to (a prefill leg's pool)
     policy: Policy | None = None  # the policy that re-chooses its worker (None: the live one)
+    matched_s: float = 0.0  # when its prompt was last looked up in the index (clock seconds)
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
     def affinity_wait_s(self, settings: QueueSettings) -> float:
@@ -122,6 +130,7 @@ class DispatchQueue:
         self._entries: list[_Entry] = []
         self._timer: asyncio.TimerHandle | None = None
         self._pump_soon = False
+        self._rematcher: asyncio.Task | None = None
 
     @property
     def queued(self) -> int:
@@ -138,9 +147,12 @@ class DispatchQueue:
         the model any more; cancelling the wait gives up its place."""
         if not self.settings().enabled:
             return plan, None
-        entry = _Entry(plan, self.clock(), _size_tokens(plan), _held_blocks(plan), pool, policy)
+        now = self.clock()
+        entry = _Entry(plan, now, _size_tokens(plan), _held_blocks(plan), pool, policy, matched_s=now)
         self._entries.append(entry)
         self.pump()
+        if entry in self._entries and (self._rematcher is None or self._rematcher.done()):
+            self._rematcher = asyncio.get_running_loop().create_task(self._rematch_while_waiting())
         try:
             return await entry.future
         except asyncio.CancelledError:
@@ -152,11 +164,53 @@ class DispatchQueue:
         finally:
             self.metrics.dispatch_queue_wait_s.observe(self.clock() - entry.arrival_s)
 
+    async def _rematch_while_waiting(self) -> None:
+        """While requests wait: every ``rematch_ms``, look each one that has waited that long
+        since its last lookup up in the index again (:meth:`_rematch`); ends when the queue is
+        empty or ``rematch_ms`` is 0."""
+        while self._entries:
+            rematch_s = self.settings().rematch_ms / 1000.0
+            if rematch_s <= 0:
+                return
+            await asyncio.sleep(rematch_s)
+            now = self.clock()
+            for entry in [e for e in self._entries if now - e.matched_s >= rematch_s]:
+                if entry in self._entries:
+                    try:
+                        await self._rematch(entry, now)
+                    except Exception:  # noqa: BLE001 - a lookup that failed leaves the request waiting as it was
+                        log.exception("dispatch queue: looking a waiting request up again failed")
+
+    async def _rematch(self, entry: _Entry, now: float) -> None:
+        """Look ``entry``'s prompt up in the index again (:meth:`Router.rematch`) and, while it
+        still waits, wait by what the workers hold now; then look at the queue again."""
+        entry.matched_s = now
+        if entry.plan.blocks is None or not entry.plan.blocks.first_keys:
+            return
+        plan = await self.router.rematch(entry.plan)
+        if entry not in self._entries or plan is entry.plan:
+            return
+        held = _held_blocks(plan)
+        before = entry.held_blocks
+        gained = any(n > before.get(wid, 0) for wid, n in held.items())
+        lost = any(held.get(wid, 0) < n for wid, n in before.items())
+        for change, happened in (("gained", gained), ("lost", lost)):
+            if happened:
+                self.metrics.dispatch_queue_rematches.labels(change).inc()
+        if not (gained or lost):
+            self.metrics.dispatch_queue_rematches.labels("none").inc()
+            return
+        entry.plan, entry.held_blocks, entry.size_tokens = plan, held, _size_tokens(plan)
+        self.pump()
+
     def close(self) -> None:
-        """Stop the timer (gateway shutdown)."""
+        """Stop the timer and the lookups again (gateway shutdown)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._rematcher is not None:
+            self._rematcher.cancel()
+            self._rematcher = None
 
     def _schedule_pump(self) -> None:
         """Look at the queue once the current callback is done (never re-entered from a handle's

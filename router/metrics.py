@@ -36,6 +36,7 @@
 | kvroute_admission_in_flight, kvroute_admission_queued | gauge | | admitted requests in flight; requests waiting for a slot |
 | kvroute_dispatch_queue_wait_seconds | histogram | | time a request waited in the dispatch queue (policy ``queue``) for an open worker |
 | kvroute_dispatch_queue_queued | gauge | | requests waiting in the dispatch queue now |
+| kvroute_dispatch_queue_rematches_total | counter | change | index lookups again for a waiting request (``queue.rematch_ms``): ``gained`` (a worker holds more of its prompt than before), ``lost`` (one holds less), ``none``; a lookup with both counts both |
 | kvroute_broken_streams_total | counter | worker, reason | streams a worker broke or left silent past ``stream_idle_s`` (ended with an error event) |
 | kvroute_tokenize_cache_total | counter | result | prefix token cache outcome per encoded text (``hit``, ``miss``, ``fallback``: junction unsafe, encoded whole) |
 | kvroute_peer_credit_blocks_total | counter | worker | prompt blocks real decisions credited the chosen worker for pulling from a peer (:mod:`router.peer_pull`) |
@@ -200,6 +201,9 @@ class GatewayMetrics:
         self.dispatch_queue_wait_s = Histogram("kvroute_dispatch_queue_wait_seconds",
                                                "Time waited in the dispatch queue for an open worker",
                                                buckets=_TTFT_BUCKETS_S, registry=r)
+        self.dispatch_queue_rematches = Counter("kvroute_dispatch_queue_rematches",
+                                                "Index lookups again for a request waiting in the dispatch queue",
+                                                ["change"], registry=r)
         self.broken_streams = Counter("kvroute_broken_streams", "Streams a worker broke or left silent mid-way",
                                       ["worker", "reason"], registry=r)
         self.retries = Counter("kvroute_upstream_retries", "Connect failures retried on the next-best worker",

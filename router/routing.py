@@ -301,9 +301,7 @@ class Router:
             t0 = time.perf_counter()
             with tracing.span("kvroute.lookup") as span:
                 try:
-                    matches = await self.index.match(blocks.first_keys)
-                    if model.sliding_window_tokens is not None and matches:
-                        matches = await self._window_limited(model, blocks, matches)
+                    matches = await self._matches(model, blocks)
                 except IndexUnavailable:  # route on load alone for this request
                     self.metrics.index_unavailable.inc()
                     tracing.set_attributes(span, {"index_unavailable": True})
@@ -336,6 +334,28 @@ class Router:
             tracing.set_attributes(span, {"policy": policy.name or "", "candidates": len(decision.scores),
                                           "chosen": decision.worker_id, "reason": decision.reason})
         return plan
+
+    async def _matches(self, model: ModelConfig, blocks: PromptBlocks) -> dict[str, TierMatch]:
+        """Per worker, the blocks of ``blocks``' first prompt it holds by tier (a hybrid model's
+        window rule applied). Raises IndexUnavailable."""
+        matches = await self.index.match(blocks.first_keys)
+        if model.sliding_window_tokens is not None and matches:
+            matches = await self._window_limited(model, blocks, matches)
+        return matches
+
+    async def rematch(self, plan: RoutePlan) -> RoutePlan:
+        """``plan`` with its prompt looked up in the index again: what the workers hold now, for
+        a request that has waited since ``plan`` was made (the dispatch queue). ``plan`` itself
+        when it has no block keys or the index is unavailable (counted in
+        ``kvroute_index_unavailable_total``)."""
+        if plan.blocks is None or not plan.blocks.first_keys:
+            return plan
+        try:
+            matches = await self._matches(plan.model, plan.blocks)
+        except IndexUnavailable:
+            self.metrics.index_unavailable.inc()
+            return plan
+        return replace(plan, matches=matches)
 
     async def _rendered(self, model: ModelConfig, kind: PromptKind, body: dict[str, Any],
                         headers: list[tuple[bytes, bytes]], regs: list[WorkerRegistration],

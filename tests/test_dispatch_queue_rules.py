@@ -121,6 +121,56 @@ async def test_holder_affinity_waits_for_the_holder_then_gives_up(rig):
     busy.finish()
 
 
+async def test_a_waiting_request_stops_waiting_for_a_holder_that_evicted_its_prefix(rig):
+    router, registry, queue, _, holder, index = rig
+    holder.replace({"name": "kv_aware", "queue": {**ONE_AT_A_TIME, "affinity": "holder", "affinity_wait_s": 30,
+                                                  "rematch_ms": 50}})
+    warm = await _plan(router, _body(300, "p"))
+    await index.store("w0", "gpu", warm.blocks.first_keys)  # w0 holds the prefix
+    busy = registry.get("w0").begin(50)
+    follow = await _enqueue(queue, await _plan(router, _body(300, "p") | {"max_tokens": 3}))
+    await _settle()
+    assert not follow.done()  # w1 is open, but the holder is w0, for up to 30 s
+    await index.remove("w0", "gpu", warm.blocks.first_keys)  # w0's KV events: evicted
+    plan, reservation = await asyncio.wait_for(follow, 10)  # looked up again: nothing to wait for
+    assert plan.decision.worker_id == "w1" and plan.matches.get("w0") is None
+    assert router.metrics.dispatch_queue_rematches.labels("lost")._value.get() == 1
+    reservation.release()
+    busy.finish()
+
+
+async def test_requests_sharing_a_prefix_follow_the_first_one_dispatched(rig):
+    router, registry, queue, _, holder, index = rig
+    holder.replace({"name": "kv_aware", "queue": {**ONE_AT_A_TIME, "affinity": "holder", "affinity_wait_s": 30,
+                                                  "rematch_ms": 50}})
+    busy = {wid: registry.get(wid).begin(50) for wid in ("w0", "w1")}
+    document = " ".join(f"d{i}" for i in range(300))
+    ask = {"model": "tiny", "messages": [{"role": "user", "content": document + " Summarise it."}]}
+    asked = await _plan(router, ask)
+    second = await _enqueue(queue, asked)
+    await _settle()
+    assert not second.done()  # both busy; nobody holds the document yet
+    # the first request on the document went to w1 meanwhile: the gateway's speculative entries
+    first = await _plan(router, {"model": "tiny", "messages": [{"role": "user", "content": document + " Translate it."}]})
+    shared = next(i for i, (a, b) in enumerate(zip(first.blocks.first_keys, asked.blocks.first_keys)) if a != b)
+    assert shared >= 20  # the document's blocks
+    await router.commit(first, registry.get("w1"))
+    deadline = time.monotonic() + 10
+    while router.metrics.dispatch_queue_rematches.labels("gained")._value.get() < 1:
+        assert time.monotonic() < deadline, "the waiting request was never looked up again"
+        await asyncio.sleep(0.01)
+    busy["w0"].first_byte()  # w0 opens first, but w1 now holds the document
+    queue.pump()
+    await _settle()
+    assert not second.done()
+    busy["w1"].first_byte()
+    plan, reservation = await asyncio.wait_for(second, 10)
+    assert plan.decision.worker_id == "w1" and plan.matches["w1"].total == shared
+    reservation.release()
+    for handle in busy.values():
+        handle.finish()
+
+
 async def test_policy_affinity_waits_only_while_the_policy_prefers_the_busy_holder(rig):
     router, registry, queue, _, holder, index = rig
     holder.replace({"name": "kv_aware", "queue": {**ONE_AT_A_TIME, "affinity": "policy", "affinity_wait_s": 30}})

@@ -82,6 +82,12 @@ shortest prefill first), which :mod:`router.dispatch_queue` runs.
   waits ``private_affinity_wait_s`` (5 s, as the queue) for a conversation's follow-up.
 - ``max_wait_s`` (10): a request that has waited this long goes before shorter ones (arrival
   order among such), so a long prompt is never starved by a stream of short ones.
+- ``rematch_ms`` (200; 0: never): a waiting request looks its prompt up in the index again this
+  often, so what it waits for is what the workers hold now, not what they held when it arrived:
+  a holder whose copy was evicted (its KV events removed the blocks) is no longer waited for,
+  and a prefix that a request dispatched meanwhile is computing (its speculative entries, then
+  its events) is credited where it lands, so requests sharing a prefix that arrive together
+  follow the first of them instead of each computing it on whichever worker opens first.
 """
 from __future__ import annotations
 
@@ -92,7 +98,7 @@ from typing import Any
 from router.policies._config import boolean, check_keys, mapping, number
 
 QUEUE_KEYS = ("enabled", "worker_prefills", "holder_prefills", "worker_queue_ms", "settle_ms", "affinity",
-              "affinity_wait_s", "max_wait_s")
+              "affinity_wait_s", "max_wait_s", "rematch_ms")
 AFFINITY_RULES = ("holder", "policy")
 
 
@@ -108,6 +114,7 @@ class QueueSettings:
     affinity: str = "policy"
     affinity_wait_s: float = 2.0
     max_wait_s: float = 10.0
+    rematch_ms: float = 200.0
 
     @classmethod
     def from_config(cls, value: Any, defaults: QueueSettings | None = None) -> QueueSettings:
@@ -135,7 +142,8 @@ class QueueSettings:
                    worker_queue_ms=number(cfg, "worker_queue_ms", base.worker_queue_ms, where),
                    settle_ms=number(cfg, "settle_ms", base.settle_ms, where),
                    affinity_wait_s=number(cfg, "affinity_wait_s", base.affinity_wait_s, where),
-                   max_wait_s=number(cfg, "max_wait_s", base.max_wait_s, where))
+                   max_wait_s=number(cfg, "max_wait_s", base.max_wait_s, where),
+                   rematch_ms=number(cfg, "rematch_ms", base.rematch_ms, where))
 
     def config(self) -> dict[str, Any]:
         """The effective values, keyed as in the config."""
