@@ -284,14 +284,14 @@ def test_factory_names_flags_and_describe_round_trip():
         "decode_tokens_per_request": 128.0, "engine_waiting_prefill_tokens": 1024.0,
         "queue": {"enabled": False, "worker_prefills": 2, "holder_prefills": 2, "worker_queue_ms": 0.0,
                   "settle_ms": 50.0, "affinity": "policy",
-                  "affinity_wait_s": 2.0, "max_wait_s": 10.0},
+                  "affinity_wait_s": 2.0, "max_wait_s": 10.0, "rematch_ms": 200.0},
         "pd": {"enabled": False, "models": [], "min_prefill_tokens": 256, "prefill_timeout_s": None}}
     q = make_policy({"name": "round_robin", "queue": {"enabled": True, "affinity_wait_s": 0.5}}).queue
     assert (q.enabled, q.affinity_wait_s, q.worker_queue_ms, q.max_wait_s) == (True, 0.5, 0.0, 10.0)
     assert not make_policy({"name": "ttft", "queue": {"enabled": False}}).queue.enabled
     for bad in ({"enabled": "yes"}, {"worker_queue_ms": -1}, {"settle_ms": -5}, {"affinity": "sticky"}, {"bogus": 1}, [1],
                 {"worker_prefills": 0}, {"worker_prefills": 1.5}, {"worker_prefills": True},
-                {"holder_prefills": 0}, {"holder_prefills": 2.5}):
+                {"holder_prefills": 0}, {"holder_prefills": 2.5}, {"rematch_ms": -1}):
         with pytest.raises(ValueError, match="queue"):
             make_policy({"name": "ttft", "queue": bad})
     for name in POLICY_NAMES:

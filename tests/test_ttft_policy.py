@@ -50,7 +50,8 @@ def test_ttft_config_defaults_round_trip():
                    "engine_waiting_prefill_tokens": 1024.0, "spread_margin": 1.0, "recompute_weight": 1.0,
                    "private_recompute_weight": 3.0, "private_affinity_wait_s": 5.0,
                    "queue": {"enabled": True, "worker_prefills": 1, "holder_prefills": 2, "worker_queue_ms": 50.0,
-                             "settle_ms": 50.0, "affinity": "policy", "affinity_wait_s": 5.0, "max_wait_s": 10.0},
+                             "settle_ms": 50.0, "affinity": "policy", "affinity_wait_s": 5.0, "max_wait_s": 10.0,
+                             "rematch_ms": 200.0},
                    "pd": {"enabled": False, "models": [], "min_prefill_tokens": 256, "prefill_timeout_s": None}}
     assert describe(make_policy(cfg)) == cfg  # round trip
 
