@@ -1,6 +1,6 @@
 """The dispatch queue (policy key ``queue``): predicted prefill ends and reservations on a
 registration, then through real gateways in front of simulated workers whose prefill is slow
-(2 ms per token): the shortest waiting prompt goes first, a request waits for the worker holding
+(1 ms per token): the shortest waiting prompt goes first, a request waits for the worker holding
 its prefix until ``affinity_wait_s``, a client that leaves gives up its place, and requests of a
 model whose last worker goes away get 503. ``kv_aware`` makes no TTFT prediction, so with
 ``worker_prefills`` and ``holder_prefills`` 1 a worker is open only once its prefill has
@@ -22,7 +22,7 @@ from router.registry import WorkerRegistration
 
 BLOCK = 32
 ADMIN = {"authorization": "Bearer queue-admin"}
-LONG_WORDS = 1500  # about 3 s of prefill at 2 ms per token
+LONG_WORDS = 1500  # 4,200 tokens with one-letter tags: about 4 s of prefill at 1 ms per token
 
 
 def test_prefill_left_counts_predicted_ends_and_reservations():
@@ -93,7 +93,7 @@ def cluster(tmp_path_factory, tiny_model):
             proc = Proc(name, kvroute_argv("sim", "--model", str(tiny_model), "--served-model-name", "tiny",
                                            "--host", "127.0.0.1", "--port", str(port), "--block-size", str(BLOCK),
                                            "--num-gpu-blocks-override", "2048", "--max-model-len", "16384",
-                                           "--prefill-overhead-ms", "0", "--prefill-ms-per-token", "2",
+                                           "--prefill-overhead-ms", "0", "--prefill-ms-per-token", "1",
                                            "--seed", "3"), log_dir)
             started.append(proc)
             sims[name] = (f"http://127.0.0.1:{port}", proc)
@@ -146,7 +146,7 @@ async def test_waits_for_the_prefix_holder_until_affinity_wait(cluster):
             assert put.status_code == 200 and put.json()["queue"]["affinity_wait_s"] == affinity_wait_s
             # a long prompt on the shared prefix goes home and keeps it prefilling (its own words
             # each round: the same prompt again would be cached there, its prefill over at once)
-            own = _prompt(f"l{int(affinity_wait_s)}x", LONG_WORDS)
+            own = _prompt(f"l{int(affinity_wait_s)}x", LONG_WORDS // 2)  # longer tags: about 5 s
             long = asyncio.create_task(_first_chunk(client, base, _body(shared + " " + own), [], "long"))
             await asyncio.to_thread(wait_until, lambda: _prefilling(base, home), 30, "long dispatched")
             follow_up = await _first_chunk(client, base, _body(shared + " one more"), [], "follow")
