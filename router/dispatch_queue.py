@@ -103,7 +103,6 @@ class _Entry:
     held_blocks: dict[str, int]  # credited matched blocks per worker id
     pool: frozenset[str] | None = None  # the only workers it may go to (a prefill leg's pool)
     policy: Policy | None = None  # the policy that re-chooses its worker (None: the live one)
-    matched_s: float = 0.0  # when its prompt was last looked up in the index (clock seconds)
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
     def affinity_wait_s(self, settings: QueueSettings) -> float:
@@ -131,6 +130,7 @@ class DispatchQueue:
         self._timer: asyncio.TimerHandle | None = None
         self._pump_soon = False
         self._rematcher: asyncio.Task | None = None
+        self._closed = False
 
     @property
     def queued(self) -> int:
@@ -147,12 +147,9 @@ class DispatchQueue:
         the model any more; cancelling the wait gives up its place."""
         if not self.settings().enabled:
             return plan, None
-        now = self.clock()
-        entry = _Entry(plan, now, _size_tokens(plan), _held_blocks(plan), pool, policy, matched_s=now)
+        entry = _Entry(plan, self.clock(), _size_tokens(plan), _held_blocks(plan), pool, policy)
         self._entries.append(entry)
         self.pump()
-        if entry in self._entries and (self._rematcher is None or self._rematcher.done()):
-            self._rematcher = asyncio.get_running_loop().create_task(self._rematch_while_waiting())
         try:
             return await entry.future
         except asyncio.CancelledError:
@@ -164,47 +161,60 @@ class DispatchQueue:
         finally:
             self.metrics.dispatch_queue_wait_s.observe(self.clock() - entry.arrival_s)
 
+    def _ensure_rematcher(self) -> None:
+        """Start the lookups again (:meth:`_rematch_while_waiting`) while requests wait, unless
+        they run, ``rematch_ms`` is 0 or the queue is closed (called from every :meth:`pump`, so
+        turning ``rematch_ms`` on at run time reaches the requests already waiting)."""
+        if (self._entries and not self._closed and self.settings().rematch_ms > 0
+                and (self._rematcher is None or self._rematcher.done())):
+            self._rematcher = asyncio.get_running_loop().create_task(self._rematch_while_waiting())
+
     async def _rematch_while_waiting(self) -> None:
-        """While requests wait: every ``rematch_ms``, look each one that has waited that long
-        since its last lookup up in the index again (:meth:`_rematch`); ends when the queue is
-        empty or ``rematch_ms`` is 0."""
+        """While requests wait: every ``rematch_ms``, look each one up in the index again
+        (:meth:`_rematch`), then look at the queue once if any changed. Ends when the queue is
+        empty or ``rematch_ms`` is 0; a lookup that fails ends that round (logged)."""
         while self._entries:
             rematch_s = self.settings().rematch_ms / 1000.0
             if rematch_s <= 0:
                 return
             await asyncio.sleep(rematch_s)
-            now = self.clock()
-            for entry in [e for e in self._entries if now - e.matched_s >= rematch_s]:
-                if entry in self._entries:
-                    try:
-                        await self._rematch(entry, now)
-                    except Exception:  # noqa: BLE001 - a lookup that failed leaves the request waiting as it was
-                        log.exception("dispatch queue: looking a waiting request up again failed")
+            changed = False
+            for entry in list(self._entries):
+                if entry not in self._entries:
+                    continue
+                try:
+                    changed = await self._rematch(entry) or changed
+                except Exception:  # noqa: BLE001 - the requests keep waiting on what they had
+                    log.exception("dispatch queue: looking a waiting request up again failed")
+                    break
+            if changed:
+                self.pump()
 
-    async def _rematch(self, entry: _Entry, now: float) -> None:
-        """Look ``entry``'s prompt up in the index again (:meth:`Router.rematch`) and, while it
-        still waits, wait by what the workers hold now; then look at the queue again."""
-        entry.matched_s = now
+    async def _rematch(self, entry: _Entry) -> bool:
+        """Look ``entry``'s prompt up in the index again (:meth:`Router.rematch`); while it still
+        waits, it waits by what the workers hold now. Returns whether its matches changed (any
+        worker or tier); counts the change in total blocks per credited worker."""
         if entry.plan.blocks is None or not entry.plan.blocks.first_keys:
-            return
+            return False
         plan = await self.router.rematch(entry.plan)
         if entry not in self._entries or plan is entry.plan:
-            return
+            return False  # dispatched meanwhile, or the index was unavailable
+        if plan.matches == entry.plan.matches:
+            self.metrics.dispatch_queue_rematches.labels("none").inc()
+            return False
         held = _held_blocks(plan)
         before = entry.held_blocks
         gained = any(n > before.get(wid, 0) for wid, n in held.items())
         lost = any(held.get(wid, 0) < n for wid, n in before.items())
-        for change, happened in (("gained", gained), ("lost", lost)):
+        for change, happened in (("gained", gained), ("lost", lost), ("none", not (gained or lost))):
             if happened:
                 self.metrics.dispatch_queue_rematches.labels(change).inc()
-        if not (gained or lost):
-            self.metrics.dispatch_queue_rematches.labels("none").inc()
-            return
         entry.plan, entry.held_blocks, entry.size_tokens = plan, held, _size_tokens(plan)
-        self.pump()
+        return True
 
     def close(self) -> None:
-        """Stop the timer and the lookups again (gateway shutdown)."""
+        """Stop the timer and the lookups again for good (gateway shutdown)."""
+        self._closed = True
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -234,6 +244,8 @@ class DispatchQueue:
             reg.on_prefill_done = self._schedule_pump
         backlog: dict[str, float] = {}  # worker id -> prefill tokens of requests ahead waiting for it
         for entry in sorted(self._entries, key=lambda e: e.order(now, settings)):
+            if entry.future.done():  # cancelled: its waiter removes it when it runs
+                continue
             regs = self.registry.routable(entry.plan.model.name)
             if entry.pool is not None:
                 regs = [r for r in regs if r.id in entry.pool]
@@ -270,6 +282,7 @@ class DispatchQueue:
             entry.future.set_result((plan, reservation))
         if self._entries:
             self._arm(now, settings)
+            self._ensure_rematcher()
 
     def _arm(self, now: float, settings: QueueSettings) -> None:
         """Look again at the next predicted opening or affinity expiry, at most ``TICK_S`` away."""

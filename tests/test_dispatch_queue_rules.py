@@ -139,6 +139,22 @@ async def test_a_waiting_request_stops_waiting_for_a_holder_that_evicted_its_pre
     busy.finish()
 
 
+async def test_lookups_again_turned_on_at_run_time_reach_the_requests_already_waiting(rig):
+    router, registry, queue, _, holder, index = rig
+    queue_cfg = {**ONE_AT_A_TIME, "affinity": "holder", "affinity_wait_s": 30}
+    holder.replace({"name": "kv_aware", "queue": {**queue_cfg, "rematch_ms": 0}})
+    warm = await _plan(router, _body(300, "p"))
+    await index.store("w0", "gpu", warm.blocks.first_keys)
+    busy = registry.get("w0").begin(50)
+    follow = await _enqueue(queue, await _plan(router, _body(300, "p") | {"max_tokens": 3}))
+    await index.remove("w0", "gpu", warm.blocks.first_keys)
+    holder.replace({"name": "kv_aware", "queue": {**queue_cfg, "rematch_ms": 50}})  # the queue's tick sees it
+    plan, reservation = await asyncio.wait_for(follow, 10)
+    assert plan.decision.worker_id == "w1"
+    reservation.release()
+    busy.finish()
+
+
 async def test_requests_sharing_a_prefix_follow_the_first_one_dispatched(rig):
     router, registry, queue, _, holder, index = rig
     holder.replace({"name": "kv_aware", "queue": {**ONE_AT_A_TIME, "affinity": "holder", "affinity_wait_s": 30,

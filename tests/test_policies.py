@@ -291,7 +291,7 @@ def test_factory_names_flags_and_describe_round_trip():
     assert not make_policy({"name": "ttft", "queue": {"enabled": False}}).queue.enabled
     for bad in ({"enabled": "yes"}, {"worker_queue_ms": -1}, {"settle_ms": -5}, {"affinity": "sticky"}, {"bogus": 1}, [1],
                 {"worker_prefills": 0}, {"worker_prefills": 1.5}, {"worker_prefills": True},
-                {"holder_prefills": 0}, {"holder_prefills": 2.5}, {"rematch_ms": -1}):
+                {"holder_prefills": 0}, {"holder_prefills": 2.5}, {"rematch_ms": -1}, {"rematch_ms": 5}):
         with pytest.raises(ValueError, match="queue"):
             make_policy({"name": "ttft", "queue": bad})
     for name in POLICY_NAMES:

@@ -82,8 +82,8 @@ shortest prefill first), which :mod:`router.dispatch_queue` runs.
   waits ``private_affinity_wait_s`` (5 s, as the queue) for a conversation's follow-up.
 - ``max_wait_s`` (10): a request that has waited this long goes before shorter ones (arrival
   order among such), so a long prompt is never starved by a stream of short ones.
-- ``rematch_ms`` (200; 0: never): a waiting request looks its prompt up in the index again this
-  often, so what it waits for is what the workers hold now, not what they held when it arrived:
+- ``rematch_ms`` (200; 0: never; else at least 20): a waiting request looks its prompt up in the
+  index again this often, so what it waits for is what the workers hold now, not what they held when it arrived:
   a holder whose copy was evicted (its KV events removed the blocks) is no longer waited for,
   and a prefix that a request dispatched meanwhile is computing (its speculative entries, then
   its events) is credited where it lands, so requests sharing a prefix that arrive together
@@ -100,6 +100,7 @@ from router.policies._config import boolean, check_keys, mapping, number
 QUEUE_KEYS = ("enabled", "worker_prefills", "holder_prefills", "worker_queue_ms", "settle_ms", "affinity",
               "affinity_wait_s", "max_wait_s", "rematch_ms")
 AFFINITY_RULES = ("holder", "policy")
+MIN_REMATCH_MS = 20.0  # below this, every waiting request's lookups would load the index and the event loop
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ class QueueSettings:
         """Build from the ``queue`` mapping, missing keys (or all, for None) taken from
         ``defaults`` (the policy's :attr:`~router.policies.base.Policy.default_queue`). Raises
         ValueError on unknown keys, a non-boolean ``enabled``, an unknown ``affinity``, a negative
-        duration or a ``worker_prefills`` or ``holder_prefills`` that is not a whole number >= 1."""
+        duration, a ``rematch_ms`` between 0 and ``MIN_REMATCH_MS`` or a ``worker_prefills`` or ``holder_prefills`` that is not a whole number >= 1."""
         base = defaults or cls()
         if value is None:
             return base
@@ -137,13 +138,16 @@ class QueueSettings:
         holder = number(cfg, "holder_prefills", base.holder_prefills, where, lo=1)
         if holder != int(holder):
             raise ValueError(f"{where}.holder_prefills must be a whole number, got {cfg['holder_prefills']!r}")
+        rematch_ms = number(cfg, "rematch_ms", base.rematch_ms, where)
+        if 0 < rematch_ms < MIN_REMATCH_MS:
+            raise ValueError(f"{where}.rematch_ms must be 0 (off) or at least {MIN_REMATCH_MS:g}, got {rematch_ms!r}")
         return cls(enabled=boolean(cfg, "enabled", base.enabled, where), affinity=affinity,
                    worker_prefills=int(prefills), holder_prefills=int(holder),
                    worker_queue_ms=number(cfg, "worker_queue_ms", base.worker_queue_ms, where),
                    settle_ms=number(cfg, "settle_ms", base.settle_ms, where),
                    affinity_wait_s=number(cfg, "affinity_wait_s", base.affinity_wait_s, where),
                    max_wait_s=number(cfg, "max_wait_s", base.max_wait_s, where),
-                   rematch_ms=number(cfg, "rematch_ms", base.rematch_ms, where))
+                   rematch_ms=rematch_ms)
 
     def config(self) -> dict[str, Any]:
         """The effective values, keyed as in the config."""
