@@ -1,8 +1,10 @@
 """Anthropic Messages response bodies and stream events as vLLM 0.32 writes them
 (``vllm/entrypoints/anthropic/serving.py``, ``protocol.py``), for the simulator's ``/v1/messages``.
 
-Usage: ``input_tokens`` is the prompt less its cached tokens, ``cache_read_input_tokens`` the
-cached ones (only when prompt token details are on, as vLLM's ``_build_anthropic_usage``).
+Usage: ``input_tokens`` is the prompt less its cached and cache-written tokens,
+``cache_read_input_tokens`` the cached ones and ``cache_creation_input_tokens`` the ones written
+to the prefix cache (the two only when prompt token details are on, as vLLM's
+``_build_anthropic_usage``).
 """
 from __future__ import annotations
 
@@ -14,10 +16,16 @@ import orjson
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "abort": "end_turn"}
 
 
-def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int | None) -> dict[str, Any]:
-    out: dict[str, Any] = {"input_tokens": prompt_tokens - (cached_tokens or 0), "output_tokens": output_tokens}
+def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int | None,
+          created_cache_tokens: int | None = None) -> dict[str, Any]:
+    """Anthropic usage from vLLM's counts: ``input_tokens`` is the prompt less what was read from
+    and written to the prefix cache (each only when known)."""
+    out: dict[str, Any] = {"input_tokens": max(0, prompt_tokens - (cached_tokens or 0) - (created_cache_tokens or 0)),
+                           "output_tokens": output_tokens}
     if cached_tokens is not None:
         out["cache_read_input_tokens"] = cached_tokens
+    if created_cache_tokens is not None:
+        out["cache_creation_input_tokens"] = created_cache_tokens
     return out
 
 

@@ -341,13 +341,22 @@ class SimServer:
             raise ApiError(400, str(exc), "prompt") from None
         return reqs, sink
 
-    def _usage(self, parsed: _Parsed, reqs: list[SimRequest]) -> dict[str, Any]:
+    def _usage(self, parsed: _Parsed, reqs: list[SimRequest], chat: bool = False) -> dict[str, Any]:
         prompt_tokens = sum(len(p) for p in parsed.prompts)
         completion_tokens = sum(r.num_output for r in reqs)
-        cached = None
+        cached = created = None
         if self.cfg.enable_prompt_tokens_details:
             cached = sum(reqs[i * parsed.n].num_cached_tokens or 0 for i in range(len(parsed.prompts)))
-        return fmt.usage(prompt_tokens, completion_tokens, cached)
+            if chat:
+                created = self._created_cache_tokens(len(parsed.prompts[0]), reqs[0])
+        return fmt.usage(prompt_tokens, completion_tokens, cached, created)
+
+    def _created_cache_tokens(self, prompt_tokens: int, req: SimRequest) -> int:
+        """Prompt tokens this request wrote to the prefix cache, as vLLM 0.32 counts them
+        (``PrefillStats.finalize``: the tokens of the prompt's full blocks, less those it found
+        cached)."""
+        full = prompt_tokens // self.cfg.block_size * self.cfg.block_size
+        return max(0, min(full, prompt_tokens) - (req.num_cached_tokens or 0))
 
     async def _watch_disconnect(self, request: Request, reqs: list[SimRequest]) -> None:
         """Abort ``reqs`` when the client goes away (no-op for ones already finished)."""
@@ -385,7 +394,7 @@ class SimServer:
         reasons = [r.finish_reason for r in reqs]
         build = fmt.chat_completion if chat else fmt.completion
         kvt = self._prefill_params(request, reqs[0]) if parsed.remote_decode and not reqs[0].aborted else None
-        return _json(build(rid, self.created, parsed.model, texts, reasons, self._usage(parsed, reqs), kvt))
+        return _json(build(rid, self.created, parsed.model, texts, reasons, self._usage(parsed, reqs, chat), kvt))
 
     async def messages(self, request: Request) -> Response:
         """Anthropic's Messages API (vLLM's ``/v1/messages``): the body converted to chat as vLLM
@@ -455,8 +464,11 @@ class SimServer:
             self._stored.popitem(last=False)
 
     def _responses_usage(self, parsed: _Parsed, req: SimRequest) -> dict[str, Any]:
-        cached = (req.num_cached_tokens or 0) if self.cfg.enable_prompt_tokens_details else 0
-        return rfmt.usage(len(parsed.prompts[0]), req.num_output, cached)
+        # vLLM's Responses usage counts cached and written tokens with or without
+        # --enable-prompt-tokens-details (responses/serving.py)
+        prompt_tokens = len(parsed.prompts[0])
+        return rfmt.usage(prompt_tokens, req.num_output, req.num_cached_tokens or 0,
+                          self._created_cache_tokens(prompt_tokens, req))
 
     async def _stream_response(self, parsed: _Parsed, rid: str, reqs: list[SimRequest], sink: asyncio.Queue,
                                watcher: asyncio.Task, chat: dict[str, Any], store: bool):
@@ -492,8 +504,11 @@ class SimServer:
         return req, self.sampler.text(req.output_token_ids[:req.num_output])
 
     def _messages_usage(self, parsed: _Parsed, req: SimRequest) -> dict[str, Any]:
-        cached = (req.num_cached_tokens or 0) if self.cfg.enable_prompt_tokens_details else None
-        return afmt.usage(len(parsed.prompts[0]), req.num_output, cached)
+        prompt_tokens = len(parsed.prompts[0])
+        if not self.cfg.enable_prompt_tokens_details:
+            return afmt.usage(prompt_tokens, req.num_output, None)
+        return afmt.usage(prompt_tokens, req.num_output, req.num_cached_tokens or 0,
+                          self._created_cache_tokens(prompt_tokens, req))
 
     async def _stream_messages(self, parsed: _Parsed, rid: str, reqs: list[SimRequest], sink: asyncio.Queue,
                                watcher: asyncio.Task):
@@ -557,7 +572,7 @@ class SimServer:
                 yield fmt.sse(chunk)
             if parsed.include_usage:
                 obj = "chat.completion.chunk" if chat else "text_completion"
-                yield fmt.sse(fmt.usage_chunk(rid, obj, created, model, self._usage(parsed, reqs)))
+                yield fmt.sse(fmt.usage_chunk(rid, obj, created, model, self._usage(parsed, reqs, chat)))
             yield fmt.SSE_DONE
         finally:
             watcher.cancel()

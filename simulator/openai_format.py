@@ -35,11 +35,17 @@ def sse(obj: Any) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None) -> dict[str, Any]:
-    """The ``usage`` object; ``cached_tokens`` None leaves ``prompt_tokens_details`` null."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None,
+          created_cache_tokens: int | None = None) -> dict[str, Any]:
+    """The ``usage`` object; ``cached_tokens`` None leaves ``prompt_tokens_details`` null;
+    ``created_cache_tokens`` (chat only, as vLLM 0.32's chat serving adds it) joins the details."""
+    details = None
+    if cached_tokens is not None:
+        details = {"cached_tokens": cached_tokens}
+        if created_cache_tokens is not None:
+            details["created_cache_tokens"] = created_cache_tokens
     return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
-            "completion_tokens": completion_tokens,
-            "prompt_tokens_details": None if cached_tokens is None else {"cached_tokens": cached_tokens}}
+            "completion_tokens": completion_tokens, "prompt_tokens_details": details}
 
 
 def _head(rid: str, obj: str, created: int, model: str) -> dict[str, Any]:

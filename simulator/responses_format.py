@@ -16,9 +16,15 @@ from typing import Any
 import orjson
 
 
-def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {"input_tokens": prompt_tokens, "input_tokens_details": {"cached_tokens": cached_tokens},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int, cache_write_tokens: int = 0) -> dict[str, Any]:
+    """vLLM 0.32's ``ResponseUsage`` for a one-turn answer (``responses/protocol.py``: its
+    per-turn lists stay empty outside tool-calling contexts, and are serialized)."""
+    return {"input_tokens": prompt_tokens,
+            "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": cache_write_tokens,
+                                     "input_tokens_per_turn": [], "cached_tokens_per_turn": []},
+            "output_tokens": output_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0, "tool_output_tokens": 0, "output_tokens_per_turn": [],
+                                      "tool_output_tokens_per_turn": []},
             "total_tokens": prompt_tokens + output_tokens}
 
 
