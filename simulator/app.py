@@ -519,7 +519,9 @@ class SimServer:
                 _, token = await sink.get()
                 if not started:  # with the first engine output, after the prefill, as vLLM
                     started = True
-                    yield afmt.stream_start(rid, parsed.model, self._messages_usage(parsed, req))
+                    # vLLM's first chunk carries the whole prompt as input and no cache counts
+                    yield afmt.stream_start(rid, parsed.model,
+                                            {"input_tokens": len(parsed.prompts[0]), "output_tokens": 0})
                 if token is None:
                     break
                 yield afmt.text_delta(self.sampler.pieces[token])
