@@ -194,11 +194,9 @@ class DispatchQueue:
         """Look ``entry``'s prompt up in the index again (:meth:`Router.rematch`); while it still
         waits, it waits by what the workers hold now. Returns whether its matches changed (any
         worker or tier); counts the change in total blocks per credited worker."""
-        if entry.plan.blocks is None or not entry.plan.blocks.first_keys:
-            return False
         plan = await self.router.rematch(entry.plan)
         if entry not in self._entries or plan is entry.plan:
-            return False  # dispatched meanwhile, or the index was unavailable
+            return False  # dispatched meanwhile, no block keys, or the index was unavailable
         if plan.matches == entry.plan.matches:
             self.metrics.dispatch_queue_rematches.labels("none").inc()
             return False

@@ -355,8 +355,8 @@ class SimServer:
         """Prompt tokens this request wrote to the prefix cache, as vLLM 0.32 counts them
         (``PrefillStats.finalize``: the tokens of the prompt's full blocks, less those it found
         cached)."""
-        full = prompt_tokens // self.cfg.block_size * self.cfg.block_size
-        return max(0, min(full, prompt_tokens) - (req.num_cached_tokens or 0))
+        full_blocks_tokens = prompt_tokens // self.cfg.block_size * self.cfg.block_size
+        return max(0, full_blocks_tokens - (req.num_cached_tokens or 0))
 
     async def _watch_disconnect(self, request: Request, reqs: list[SimRequest]) -> None:
         """Abort ``reqs`` when the client goes away (no-op for ones already finished)."""

@@ -83,8 +83,8 @@ shortest prefill first), which :mod:`router.dispatch_queue` runs.
 - ``max_wait_s`` (10): a request that has waited this long goes before shorter ones (arrival
   order among such), so a long prompt is never starved by a stream of short ones.
 - ``rematch_ms`` (200; 0: never; else at least 20): a waiting request looks its prompt up in the
-  index again this often, so what it waits for is what the workers hold now, not what they held when it arrived:
-  a holder whose copy was evicted (its KV events removed the blocks) is no longer waited for,
+  index again this often, so what it waits for is what the workers hold now, not what they held
+  when it arrived: a holder whose copy was evicted (its KV events removed the blocks) is no longer waited for,
   and a prefix that a request dispatched meanwhile is computing (its speculative entries, then
   its events) is credited where it lands, so requests sharing a prefix that arrive together
   follow the first of them instead of each computing it on whichever worker opens first.
@@ -122,7 +122,8 @@ class QueueSettings:
         """Build from the ``queue`` mapping, missing keys (or all, for None) taken from
         ``defaults`` (the policy's :attr:`~router.policies.base.Policy.default_queue`). Raises
         ValueError on unknown keys, a non-boolean ``enabled``, an unknown ``affinity``, a negative
-        duration, a ``rematch_ms`` between 0 and ``MIN_REMATCH_MS`` or a ``worker_prefills`` or ``holder_prefills`` that is not a whole number >= 1."""
+        duration, a ``rematch_ms`` between 0 and ``MIN_REMATCH_MS``, or a ``worker_prefills`` or
+        ``holder_prefills`` that is not a whole number >= 1."""
         base = defaults or cls()
         if value is None:
             return base
