@@ -72,6 +72,10 @@ def chat_completion(rid: str, created: int, model: str, texts: list[str], reason
                                                 "tool_calls": [], "reasoning": None},
                         "logprobs": None, "finish_reason": r, "stop_reason": None}
                        for i, (t, r) in enumerate(zip(texts, reasons))]
+    # vLLM 0.32's unstreamed chat usage also carries its null multimodal and completion details
+    details = use.get("prompt_tokens_details")
+    use = {**use, "prompt_tokens_details": None if details is None else {**details, "multimodal_tokens": None},
+           "completion_tokens_details": None}
     body.update(service_tier=None, system_fingerprint=SYSTEM_FINGERPRINT, usage=use,
                 prompt_logprobs=None, kv_transfer_params=kv_transfer_params)
     return body

@@ -79,6 +79,13 @@ def test_repeated_chat_gets_cached_tokens_and_metrics(sim, client, capture):
         metric(sim, name)
     info = [l for l in httpx.get(sim + "/metrics").text.splitlines() if l.startswith("vllm:cache_config_info{")]
     assert len(info) == 1 and 'block_size="32"' in info[0] and 'num_gpu_blocks="256"' in info[0]
+    # the raw usage as vLLM 0.32 answers an unstreamed chat (seen side by side): the prompt's 6 full
+    # blocks are written, less the 5 found cached
+    raw = httpx.post(sim + "/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 4})
+    assert raw.json()["usage"] == {"prompt_tokens": 192, "total_tokens": 196, "completion_tokens": 4,
+                                   "prompt_tokens_details": {"cached_tokens": 160, "created_cache_tokens": 32,
+                                                             "multimodal_tokens": None},
+                                   "completion_tokens_details": None}
 
 
 def test_streaming_matches_non_streaming(client):
