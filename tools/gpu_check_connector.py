@@ -22,7 +22,8 @@ baseline_gbps, ratio, ok, note}``; the first is the environment (``section: "env
   and the main stream's next kernel for the load (``torch.cuda._sleep`` delays main);
 - D: the SSD path (spill, promote, ``load_ssd``) round-trips; one corrupted file is exactly one
   invalid block, reported to the planner;
-- E (CUDA): host registration of a ``/dev/shm`` slab (``is_pinned``, time); registering it again
+- E (CUDA): host registration of a ``/dev/shm`` slab (``is_pinned``, time); a copy across two
+  registrations against one across a single registration; registering it again
   (CUDA error 712) and whether torch's next kernel raises for it (the unchecked-error hazard);
 - F: a TP pair: each rank stores its own head slice, fingerprints and SSD folders differ, a file
   of rank 0 is refused under rank 1's fingerprint;
@@ -42,6 +43,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import mmap
 import os
 import platform
 import shutil
@@ -530,7 +532,7 @@ class Check:
     # ---- E ----
     def section_e(self) -> None:
         if not self.cuda:
-            self.r.add("E", ok=None, note="CUDA only: skipped (tests/torch covers register's rollback)")
+            self.r.add("E", ok=None, note="CUDA only: skipped (tests/torch covers register's calls)")
             return
         shape, layout, slots = self.small, "LBNHC", 64
         views = self.views(layout, torch.bfloat16, shape)
@@ -568,7 +570,35 @@ class Check:
             return (f"second cudaHostRegister -> {code} (712: already registered); next kernel raised: {raised}; "
                     f"after clear_error: {after}")
 
+        def span_copy() -> str:
+            """A copy into host memory across the boundary of two registrations, then the same
+            copy into a fresh buffer registered whole (what :func:`host_memory.register` does)."""
+            nbytes = 4 << 20
+            src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=self.gen).to(self.device)
+            results = []
+            for split in (True, False):
+                mm = mmap.mmap(-1, 2 * nbytes)
+                host = torch.frombuffer(mm, dtype=torch.uint8)
+                host.zero_()  # pages present before registration, as host_buffer's populate does
+                parts = (host[:nbytes], host[nbytes:]) if split else (host,)
+                regs = [host_memory.register(p) for p in parts]
+                assert all(r.ok for r in regs), "cudaHostRegister failed"
+                dst = host[nbytes // 2:nbytes // 2 + nbytes]
+                try:
+                    dst.copy_(src, non_blocking=True)
+                    torch.cuda.synchronize(self.device)
+                    results.append("equal bytes" if torch.equal(dst, src.cpu()) else "WRONG BYTES")
+                except RuntimeError as exc:
+                    host_memory.cudart().clear_error()
+                    results.append("raised " + str(exc).splitlines()[0][:60])
+                for r in regs:
+                    r.release()
+                del dst, parts, host
+            assert results[1] == "equal bytes", f"one registration: {results[1]}"
+            return f"copy across two registrations: {results[0]}; one registration: {results[1]}"
+
         self.r.check("E", register, layout=layout, dtype="bf16", n=slots)
+        self.r.check("E", span_copy, dtype="uint8", n=1)
         if "w" in holder:
             self.r.check("E", double_register, layout=layout, dtype="bf16", n=slots)
             holder["w"].close()

@@ -5,11 +5,12 @@ only when the host pages are pinned; otherwise the driver stages through its own
 host waits. Two ways to get pinned pages, both here:
 
 - memory that already exists (the agent's shared memory file, an anonymous mapping) is
-  *registered* with ``cudaHostRegister`` (:func:`register`), in chunks of at most
-  ``REGISTER_CHUNK_BYTES`` so a failure part-way is rolled back cleanly and no single call pins an
-  unbounded range; every return code is checked and a failure's error is cleared
-  (``cudaGetLastError``), so it cannot surface later as an unrelated CUDA error. A failed
-  registration is not fatal: copies still run, synchronously (a warning says so);
+  *registered* with ``cudaHostRegister`` (:func:`register`) in **one** call for the whole buffer:
+  an asynchronous copy whose host range spans two registrations fails with
+  ``cudaErrorInvalidValue`` (``tools/gpu_check_connector.py`` section E shows it), and a run of
+  consecutive slots may lie anywhere in the slab. The return code is checked and a failure's error
+  is cleared (``cudaGetLastError``), so it cannot surface later as an unrelated CUDA error. A
+  failed registration is not fatal: copies still run, synchronously (a warning says so);
 - the local CPU tier (no agent) is an anonymous mapping, registered the same way
   (:func:`host_buffer`), not ``torch.empty(pin_memory=True)``: torch's pinned allocator rounds a
   request up to a power of two (a 40 GiB tier would pin 64 GiB).
@@ -28,7 +29,6 @@ from dataclasses import dataclass, field
 import torch
 
 log = logging.getLogger("vllm.kvroute_tiers.host")
-REGISTER_CHUNK_BYTES = 1 << 30
 
 
 class _CudaRT:
@@ -86,7 +86,7 @@ def cudart() -> _CudaRT:
 
 @dataclass
 class Registration:
-    """Host ranges registered by :func:`register`: ``(address, bytes)`` of each chunk."""
+    """Host ranges registered by :func:`register`: ``(address, bytes)`` of each (one per buffer)."""
 
     chunks: list[tuple[int, int]] = field(default_factory=list)
     rt: "_CudaRT | None" = None
@@ -96,7 +96,7 @@ class Registration:
         return bool(self.chunks)
 
     def release(self) -> None:
-        """Unregister every chunk (errors cleared and logged)."""
+        """Unregister every range (errors cleared and logged)."""
         rt = self.rt or cudart()
         for ptr, _ in self.chunks:
             code = rt.host_unregister(ptr)
@@ -106,23 +106,20 @@ class Registration:
         self.chunks.clear()
 
 
-def register(t: torch.Tensor, chunk_bytes: int = REGISTER_CHUNK_BYTES, rt: _CudaRT | None = None) -> Registration:
-    """Register ``t``'s memory (a contiguous CPU tensor) for DMA, in chunks of ``chunk_bytes``.
-    Returns the registration (``ok`` False when CUDA refused: the chunks done so far are
-    unregistered, the error is cleared, a warning names the code)."""
+def register(t: torch.Tensor, rt: _CudaRT | None = None) -> Registration:
+    """Register ``t``'s memory (a contiguous CPU tensor) for DMA in one ``cudaHostRegister`` call
+    (module docstring: a copy may not span two registrations). Returns the registration (``ok``
+    False when CUDA refused: the error is cleared and a warning names the code)."""
     rt = rt or cudart()
     reg = Registration(rt=rt)
     base, total = t.data_ptr(), t.numel() * t.element_size()
-    for at in range(0, total, chunk_bytes):
-        n = min(chunk_bytes, total - at)
-        code = rt.host_register(base + at, n)
-        if code:
-            rt.clear_error()
-            log.warning("cudaHostRegister of %d bytes at offset %d failed with CUDA error %d: the tier's "
-                        "copies run unpinned (synchronous, slower)", n, at, code)
-            reg.release()
-            return reg
-        reg.chunks.append((base + at, n))
+    code = rt.host_register(base, total)
+    if code:
+        rt.clear_error()
+        log.warning("cudaHostRegister of %d bytes failed with CUDA error %d: the tier's copies run unpinned "
+                    "(synchronous, slower)", total, code)
+        return reg
+    reg.chunks.append((base, total))
     return reg
 
 

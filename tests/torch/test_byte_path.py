@@ -464,28 +464,29 @@ class FakeRuntime:
         self.cleared += 1
 
 
-def test_register_in_chunks_and_release():
-    t = torch.empty(10_000, dtype=torch.uint8)
+def test_register_whole_buffer_once_and_release():
+    """One call for the whole buffer (a copy may not span two registrations), released through the
+    same runtime."""
+    t = torch.empty(3 << 20, dtype=torch.uint8)
     rt = FakeRuntime()
-    reg = host_memory.register(t, chunk_bytes=4096, rt=rt)
+    reg = host_memory.register(t, rt=rt)
     base = t.data_ptr()
-    assert reg.ok and reg.chunks == [(base, 4096), (base + 4096, 4096), (base + 8192, 1808)]
-    assert rt.registered == reg.chunks and rt.cleared == 0
+    assert reg.ok and reg.chunks == [(base, 3 << 20)]
+    assert rt.registered == [(base, 3 << 20)] and rt.cleared == 0
     reg.release()
-    assert rt.unregistered == [base, base + 4096, base + 8192] and reg.chunks == []
+    assert rt.unregistered == [base] and reg.chunks == []
 
 
-def test_register_failure_rolls_back():
-    """The 3rd chunk fails: the first two are unregistered (through the same runtime), the error
-    is cleared, ``ok`` is False."""
+def test_register_failure_clears_the_error():
+    """CUDA refuses: the error is cleared, nothing is left to unregister, ``ok`` is False."""
     t = torch.empty(5 * 4096, dtype=torch.uint8)
-    rt = FakeRuntime(fail_at=3)
-    reg = host_memory.register(t, chunk_bytes=4096, rt=rt)
-    base = t.data_ptr()
-    assert len(rt.registered) == 3
-    assert rt.unregistered == [base, base + 4096]
-    assert rt.cleared >= 1
+    rt = FakeRuntime(fail_at=1)
+    reg = host_memory.register(t, rt=rt)
+    assert rt.registered == [(t.data_ptr(), 5 * 4096)]
+    assert rt.cleared == 1 and rt.unregistered == []
     assert reg.ok is False and reg.chunks == []
+    reg.release()
+    assert rt.unregistered == []
 
 
 # ---- asynchronous copies: the hazards (gpu_readiness.md §6.5) ----------------------------------------
