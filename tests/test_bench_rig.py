@@ -9,6 +9,7 @@ from conftest import kvroute_argv
 
 from kvcore.tokenization import PromptTokenizer
 from kvroute.bench import synthetic
+from kvroute.bench.rig import engine_ttft_report
 from kvroute.bench.rig_cli import rotated
 from kvroute.bench.words import OneTokenWords
 
@@ -145,3 +146,12 @@ def test_bad_flags_and_unreachable_targets_get_a_clear_error_and_exit_2(tiny_mod
                                     "--tokenizer", str(tiny_model), "--routers", "kvroute:kv_aware"),
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "t.jsonl:1: input_length must be >= 1" in r.stderr
+
+
+def test_engine_ttft_report_is_the_runs_share_of_the_engines_histograms():
+    """(seconds, requests) summed over the workers before and after a run: 3 requests took 0.6 s
+    in the engines, the client saw 250 ms on average, so 50 ms was outside the engines."""
+    assert engine_ttft_report((10.0, 40), (10.6, 43), 250.0) == {"mean": 200.0, "requests": 3, "outside_mean": 50.0}
+    assert engine_ttft_report(None, (10.6, 43), 250.0) is None      # a simulated worker: no histogram
+    assert engine_ttft_report((10.0, 40), (10.0, 40), 250.0) is None  # no request reached an engine
+    assert engine_ttft_report((10.0, 40), (10.6, 43), None) is None   # no client TTFT

@@ -20,6 +20,7 @@ _COLUMNS = (  # (header, getter, format)
     ("of ideal", lambda t: t["hit_rate_of_ideal"], "{:.2f}"),
     ("req max/mean", lambda t: t["requests_max_over_mean"], "{:.2f}"),
     ("prefill max/mean", lambda t: t["prefill_max_over_mean"], "{:.2f}"),
+    ("outside engine ms", lambda t: (t.get("engine_ttft_ms") or {}).get("outside_mean"), "{:.1f}"),
     ("router cpu ms/req", lambda t: t.get("cpu", {}).get("router", {}).get("ms_per_request"), "{:.1f}"),
     ("worker cpu ms/req", lambda t: t.get("cpu", {}).get("workers", {}).get("ms_per_request"), "{:.1f}"),
 )

@@ -278,10 +278,13 @@ def run_router(name: str, spec: RigSpec, workers: list[RigWorker], workload: Wor
         worker_pids = [c.popen.pid for c in cluster.children if c.name in worker_ids]
         pd_run = name.startswith("kvroute-pd:") or name in PD_PEERS
         counters_before = _engine_counters(workers) if pd_run else {}
+        engine_ttft_before = _engine_ttft(workers)
         meter = CpuMeter({"router": [child.popen.pid], "workers": worker_pids})
         meter.start()
         result = run_target(Target(name, launch.base_url), workload, settings)
         result["cpu"] = cpu_report(meter.stop(), result["requests"], result["duration_s"])
+        result["engine_ttft_ms"] = engine_ttft_report(engine_ttft_before, _engine_ttft(workers),
+                                                      result["ttft_ms"]["mean"])
         if pd_run:
             engine = _engine_split(workers, spec.roles or [], counters_before, result["requests"] - result["errors"])
         if is_kvroute(name):
@@ -324,6 +327,38 @@ def run_router(name: str, spec: RigSpec, workers: list[RigWorker], workload: Wor
         return result
     finally:
         _stop_child(cluster, child)
+
+
+ENGINE_TTFT = "vllm:time_to_first_token_seconds"
+
+
+def _engine_ttft(workers: list[RigWorker]) -> tuple[float, float] | None:
+    """``(seconds, requests)`` of the workers' own TTFT histograms summed (vLLM's
+    ``vllm:time_to_first_token_seconds``), None when a worker has none (the simulator)."""
+    total_s = count = 0.0
+    for w in workers:
+        samples = worker_http.metric_samples(w.url)
+        if ENGINE_TTFT + "_count" not in samples:
+            return None
+        total_s += samples[ENGINE_TTFT + "_sum"]
+        count += samples[ENGINE_TTFT + "_count"]
+    return total_s, count
+
+
+def engine_ttft_report(before: tuple[float, float] | None, after: tuple[float, float] | None,
+                       client_mean_ms: float | None) -> dict[str, Any] | None:
+    """The run's TTFT as the engines measured it, beside the client's: ``{"mean": ms, "requests":
+    n, "outside_mean": ms}``. vLLM times a request from its input processor (after the API server
+    rendered and tokenized it) to its first token (``vllm/v1/metrics/stats.py``), so
+    ``outside_mean`` (client mean less engine mean) is what the router and the HTTP hops added:
+    the same measure for every router. None without both readings or without requests."""
+    if before is None or after is None or client_mean_ms is None:
+        return None
+    requests = after[1] - before[1]
+    if requests <= 0:
+        return None
+    mean_ms = (after[0] - before[0]) / requests * 1e3
+    return {"mean": round(mean_ms, 1), "requests": int(requests), "outside_mean": round(client_mean_ms - mean_ms, 1)}
 
 
 def _engine_counters(workers: list[RigWorker]) -> dict[str, dict[str, float]]:

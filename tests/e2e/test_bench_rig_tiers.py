@@ -53,6 +53,11 @@ def test_a_cpu_tier_lifts_hits_past_what_the_engines_blocks_allow_and_is_reset_b
     assert (t["requests"], t["errors"], t["runs"]) == (36, 0, 2)
     for run in t["repeats"]:
         assert run["hit_rate"] > bound + 0.05, (run["hit_rate"], bound)  # served from the CPU tiers
+        # the engines' own TTFT histograms counted exactly this run's requests, each within the client's
+        engine = run["engine_ttft_ms"]
+        assert engine["requests"] == 18
+        assert 0 < engine["mean"] < run["ttft_ms"]["mean"]
+        assert engine["outside_mean"] == round(run["ttft_ms"]["mean"] - engine["mean"], 1)
     second = sorted((rec for rec in t["records"] if rec["repeat"] == 1), key=lambda rec: rec["index"])
     # the first turns of the second run: nothing of the first run survived in a cache or a tier
     assert [rec["cached_tokens"] for rec in second[:6]] == [0] * 6
