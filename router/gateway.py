@@ -34,7 +34,7 @@ from router.routing import PolicyHolder, Router
 from router.siblings import ProcessGroup
 from router.stored_responses import StoredResponses
 from router.tokenize import TokenizerPool
-from router.worker_probes import health_probe_task, load_scrape_task
+from router.worker_probes import ProbeSharing, health_probe_task, load_scrape_task
 
 HEARTBEAT_S = 1.0  # the shared load table's liveness beat (router.shared_load.STALE_S is 5 s)
 log = logging.getLogger("kvroute.gateway")
@@ -112,9 +112,13 @@ class Gateway:
         await self.upstream.start()
         self.router.render_session = lambda: self.upstream.session
         session = self.upstream.session
-        self.registry.add_task_factory(health_probe_task(session, self.cfg.health, self._health_changed))
+        sharing = None  # with siblings, one process probes and scrapes for all (router.shared_probes)
+        if self.group is not None and self.group.probes is not None:
+            sharing = ProbeSharing(self.group.probes, self.group.is_prober)
+            self.metrics.watch_worker_calls(lambda: dict(sharing.calls), lambda: dict(sharing.applied))
+        self.registry.add_task_factory(health_probe_task(session, self.cfg.health, self._health_changed, sharing))
         if self.cfg.load_scrape.enabled:
-            self.registry.add_task_factory(load_scrape_task(session, self.cfg.load_scrape))
+            self.registry.add_task_factory(load_scrape_task(session, self.cfg.load_scrape, sharing))
         if self.cfg.index.backend == "memory":
             blocks = {m.name: m.block_size for m in self.cfg.models}
             self.registry.add_task_factory(embedded_ingest_task(self.index, blocks))

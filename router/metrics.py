@@ -241,6 +241,14 @@ class GatewayMetrics:
         self.registry.register(_CounterFromTotals("kvroute_tokenize_cache", "Prefix token cache outcomes",
                                                   "result", totals))
 
+    def watch_worker_calls(self, calls: Callable[[], dict[str, int]], applied: Callable[[], dict[str, int]]) -> None:
+        """Expose, with ``kvroute serve --processes N``, the health probes and load scrapes this
+        process made itself and the prober's results it applied, by kind (:mod:`router.shared_probes`)."""
+        self.registry.register(_CounterFromTotals("kvroute_worker_calls", "Health probes and load scrapes this "
+                                                  "process made itself", "kind", calls))
+        self.registry.register(_CounterFromTotals("kvroute_worker_results_applied", "Health probes and load "
+                                                  "scrapes of the prober process applied here", "kind", applied))
+
     def watch_peer_links(self, peers: Callable[[], Mapping[str, PeerInfo]]) -> None:
         """Expose each worker's measured peer-pull link speed (``peers()``: peer info by worker
         id, :meth:`router.peer_pull.PeerTable.current`), read at scrape time."""

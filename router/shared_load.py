@@ -172,6 +172,16 @@ class SharedLoadTable:
         self._mm[start:start + MAX_WORKERS * FIELDS * 8] = bytes(MAX_WORKERS * FIELDS * 8)
         self.heartbeat()
 
+    def first_live_row(self, now: float | None = None) -> int:
+        """The lowest row whose heartbeat is within :data:`STALE_S` (this process's own row is
+        always live): the process that probes for all (:mod:`router.shared_probes`)."""
+        now = time.monotonic() if now is None else now
+        for row in range(self.row):
+            (beat,) = _DOUBLE.unpack_from(self._mm, NAMES_BYTES + 8 * row)
+            if now - beat <= STALE_S:
+                return row
+        return self.row
+
     def others(self, slot: int, now: float | None = None) -> OthersLoad:
         """The other live processes' load on the worker in ``slot``."""
         now = time.monotonic() if now is None else now

@@ -7,6 +7,9 @@ kernel shares out (``SO_REUSEPORT``: each process has its own listening socket a
 hashes new connections over them). What must agree across processes goes as follows:
 
 - in-flight load: through the shared table (:mod:`router.shared_load`);
+- the workers' health probes and load scrapes: the live process of lowest index makes them and
+  the others apply its results (:mod:`router.shared_probes`), so a worker answers them once per
+  interval whatever the process count;
 - admin changes (``POST``/``DELETE /admin/workers``, ``drain``, ``PUT /admin/policy``): the
   process that gets one applies it, then sends it to each sibling over the sibling's private
   Unix socket (``<run dir>/p<i>.sock``) with the header :data:`SIBLING_HEADER`, which a sibling
@@ -30,6 +33,7 @@ from typing import Any
 import aiohttp
 
 from router.shared_load import SharedLoadTable
+from router.shared_probes import SharedProbeTable
 
 log = logging.getLogger("kvroute.siblings")
 
@@ -39,6 +43,7 @@ ENV_RUN_DIR = "KVROUTE_RUN_DIR"
 ENV_SHARED_LOAD = "KVROUTE_SHARED_LOAD"  # "off": each process sees only its own load (for comparison)
 SIBLING_HEADER = "x-kvroute-sibling"
 LOAD_FILE = "load"
+PROBES_FILE = "probes"
 FANOUT_TIMEOUT_S = 10.0
 
 
@@ -73,7 +78,8 @@ def unix_socket(path: Path) -> socket.socket:
 @dataclass
 class ProcessGroup:
     """This process's place among its siblings. ``index``: 0..processes-1; ``run_dir``: the
-    supervisor's folder (the load table, the Unix sockets); ``table``: the shared load table (None
+    supervisor's folder (the load and probe tables, the Unix sockets); ``probes``: the shared
+    probe table (None when ``table`` is); ``table``: the shared load table (None
     with ``KVROUTE_SHARED_LOAD=off``: each process then sees the others' requests only in the
     engines' scraped queues, as any other client's; kept for measuring the table's worth)."""
 
@@ -81,6 +87,7 @@ class ProcessGroup:
     processes: int
     run_dir: Path
     table: SharedLoadTable | None
+    probes: SharedProbeTable | None = None
     admin_token: str | None = None
 
     @classmethod
@@ -93,7 +100,13 @@ class ProcessGroup:
         index, processes = int(env[ENV_INDEX]), int(env[ENV_PROCESSES])
         run_dir = Path(env[ENV_RUN_DIR])
         table = None if env.get(ENV_SHARED_LOAD) == "off" else SharedLoadTable(run_dir / LOAD_FILE, processes, index)
-        return cls(index, processes, run_dir, table)
+        probes = SharedProbeTable(run_dir / PROBES_FILE) if table is not None else None
+        return cls(index, processes, run_dir, table, probes)
+
+    def is_prober(self) -> bool:
+        """Whether this process makes the workers' probes and scrapes for all
+        (:mod:`router.shared_probes`): the live process of lowest index."""
+        return self.table is None or self.table.first_live_row() == self.index
 
     @property
     def sibling_indices(self) -> list[int]:
@@ -101,9 +114,11 @@ class ProcessGroup:
         return [i for i in range(self.processes) if i != self.index]
 
     def close(self) -> None:
-        """Unmap the table."""
+        """Unmap the tables."""
         if self.table is not None:
             self.table.close()
+        if self.probes is not None:
+            self.probes.close()
 
     async def _one(self, index: int, method: str, path: str, body: bytes | None,
                    headers: dict[str, str]) -> tuple[int, int, bytes]:

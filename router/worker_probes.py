@@ -2,7 +2,8 @@
 engine-load scrape) and the ``GET /v1/models`` listing. Every call is bounded by a timeout.
 
 Both are registry task factories (``factory(registration) -> coroutine``) bound to the gateway's
-shared aiohttp session. The load comes from vLLM's Prometheus text at ``/metrics``:
+shared aiohttp session. Among the processes of ``kvroute serve --processes N`` one makes the calls
+for all and the others apply its results (:class:`ProbeSharing`, :mod:`router.shared_probes`). The load comes from vLLM's Prometheus text at ``/metrics``:
 ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` (summed over label sets, e.g. DP
 engines) and ``vllm:kv_cache_usage_perc`` (0..1, the maximum over label sets); a worker that is one
 data parallel rank reads only its own ``engine="<rank>"`` label sets.
@@ -12,14 +13,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-
+import weakref
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import aiohttp
 import orjson
 
 from router.config import HealthConfig, LoadScrapeConfig
 from router.registry import WorkerRegistration
+from router.shared_probes import SharedProbeTable, stale_after_s
 
 log = logging.getLogger("kvroute.probes")
 
@@ -121,32 +124,142 @@ async def worker_models(session: aiohttp.ClientSession, reg: WorkerRegistration,
     return [card for card in data if isinstance(card, dict) and isinstance(card.get("id"), str)]
 
 
-def periodic_task(step, session: aiohttp.ClientSession, cfg: HealthConfig | LoadScrapeConfig):
+@dataclass
+class ProbeSharing:
+    """This process's part in probing for its sibling processes: the shared file and whether it
+    is the prober now (:meth:`router.siblings.ProcessGroup.is_prober`). ``calls``: the probes and
+    scrapes this process made itself, by kind (``health``, ``scrape``); ``applied``: the results
+    of another process it applied."""
+
+    table: SharedProbeTable
+    is_prober: Callable[[], bool]
+
+    def __post_init__(self) -> None:
+        self.calls = {"health": 0, "scrape": 0}
+        self.applied = {"health": 0, "scrape": 0}
+        self._seen: dict[str, weakref.WeakKeyDictionary] = {"health": weakref.WeakKeyDictionary(),
+                                                           "scrape": weakref.WeakKeyDictionary()}
+
+    def fresh(self, kind: str, reg: WorkerRegistration, result, cfg: HealthConfig | LoadScrapeConfig) -> bool | None:
+        """Of another process's ``result`` for ``reg``: None when it is missing or too old to use
+        (:func:`router.shared_probes.stale_after_s`: make the call here), True when it is new
+        to this process (apply it), False when already applied."""
+        if result is None or time.monotonic() - result.at > stale_after_s(cfg.interval_s, cfg.timeout_s):
+            return None
+        seen = self._seen[kind]
+        if seen.get(reg) == result.seq:
+            return False
+        seen[reg] = result.seq
+        return True
+
+
+async def shared_probe_once(session: aiohttp.ClientSession, reg: WorkerRegistration, cfg: HealthConfig,
+                            sharing: ProbeSharing, may_call: bool = True) -> bool:
+    """The prober probes and publishes; another process applies the prober's latest result
+    (each once), or probes itself when there is none fresh enough. ``may_call``: whether this
+    process's own interval has passed (no call otherwise). Returns whether it called the worker."""
+    slot = reg.shared[1] if reg.shared is not None else None
+    prober = slot is None or sharing.is_prober()
+    result = None if prober else sharing.table.read_probe(slot)
+    state = None if prober else sharing.fresh("health", reg, result, cfg)
+    if state is None:  # the prober, or no fresh result to apply: call the worker
+        if not may_call:
+            return False
+        sharing.calls["health"] += 1
+        ok = await probe_once(session, reg, cfg)
+        if prober and slot is not None:
+            sharing.table.write_probe(slot, ok, reg.last_probe_error)
+            sharing.fresh("health", reg, sharing.table.read_probe(slot), cfg)  # its own result: seen
+        return True
+    if state:
+        sharing.applied["health"] += 1
+        reg.record_probe(result.ok, cfg.fail_threshold, cfg.rise_threshold, result.error)
+    reg.check_events(time.monotonic())  # this process's own event stream, judged each step
+    return False
+
+
+async def shared_scrape_once(session: aiohttp.ClientSession, reg: WorkerRegistration, cfg: LoadScrapeConfig,
+                             sharing: ProbeSharing, may_call: bool = True) -> bool:
+    """:func:`shared_probe_once` for the load scrape."""
+    slot = reg.shared[1] if reg.shared is not None else None
+    prober = slot is None or sharing.is_prober()
+    result = None if prober else sharing.table.read_scrape(slot)
+    state = None if prober else sharing.fresh("scrape", reg, result, cfg)
+    if state is None:
+        if not may_call:
+            return False
+        sharing.calls["scrape"] += 1
+        ok = await scrape_once(session, reg, cfg)
+        if prober and slot is not None:
+            sharing.table.write_scrape(slot, ok, reg.engine_running, reg.engine_waiting, reg.kv_usage)
+            sharing.fresh("scrape", reg, sharing.table.read_scrape(slot), cfg)
+        return True
+    if state:
+        sharing.applied["scrape"] += 1
+        if result.ok:
+            reg.record_scrape(result.running, result.waiting, result.kv_usage)
+        else:
+            reg.forget_scrape()
+    return False
+
+
+def periodic_task(step, session: aiohttp.ClientSession, cfg: HealthConfig | LoadScrapeConfig,
+                  sharing: ProbeSharing | None = None):
     """A registry task factory running ``step(session, reg, cfg)`` at once and then every
-    ``cfg.interval_s`` seconds, for as long as the worker is registered."""
+    ``cfg.interval_s`` seconds, for as long as the worker is registered. With ``sharing``,
+    ``step(session, reg, cfg, may_call)`` every half interval, so a process that applies the
+    prober's results misses none; ``may_call`` is True once ``cfg.interval_s`` has passed since
+    this process last called the worker (``step`` returns whether it did)."""
 
     async def run(reg: WorkerRegistration) -> None:
+        last_call = -float("inf")
+        if sharing is not None:
+            # the worker's other tasks first (its KV-event ingestor attaches itself at once): a
+            # result applied without a call must not judge the event stream before it exists
+            await asyncio.sleep(0)
         while True:
-            await step(session, reg, cfg)
-            await asyncio.sleep(cfg.interval_s)
+            if sharing is None:
+                await step(session, reg, cfg)
+                await asyncio.sleep(cfg.interval_s)
+                continue
+            now = time.monotonic()
+            if await step(session, reg, cfg, now - last_call >= cfg.interval_s * 0.99):
+                last_call = now
+            await asyncio.sleep(cfg.interval_s / 2)
 
     return run
 
 
 def health_probe_task(session: aiohttp.ClientSession, cfg: HealthConfig,
-                      on_change: Callable[[WorkerRegistration], Awaitable[None]] | None = None):
-    """Task factory: :func:`probe_once` every ``cfg.interval_s``; ``on_change(reg)`` is awaited
-    after a probe that turned the worker up or down (not after its first probe)."""
+                      on_change: Callable[[WorkerRegistration], Awaitable[None]] | None = None,
+                      sharing: ProbeSharing | None = None):
+    """Task factory: :func:`probe_once` every ``cfg.interval_s`` (with ``sharing``:
+    :func:`shared_probe_once`); ``on_change(reg)`` is awaited after a probe that turned the
+    worker up or down (not after its first probe)."""
 
-    async def step(session: aiohttp.ClientSession, reg: WorkerRegistration, cfg: HealthConfig) -> None:
+    async def step(session: aiohttp.ClientSession, reg: WorkerRegistration, cfg: HealthConfig,
+                   may_call: bool = True) -> bool:
         before = reg.healthy
-        await probe_once(session, reg, cfg)
+        called = True
+        if sharing is None:
+            await probe_once(session, reg, cfg)
+        else:
+            called = await shared_probe_once(session, reg, cfg, sharing, may_call)
         if on_change is not None and before is not None and reg.healthy is not before:
             await on_change(reg)
+        return called
 
-    return periodic_task(step, session, cfg)
+    return periodic_task(step, session, cfg, sharing)
 
 
-def load_scrape_task(session: aiohttp.ClientSession, cfg: LoadScrapeConfig):
-    """Task factory: :func:`scrape_once` every ``cfg.interval_s``."""
-    return periodic_task(scrape_once, session, cfg)
+def load_scrape_task(session: aiohttp.ClientSession, cfg: LoadScrapeConfig, sharing: ProbeSharing | None = None):
+    """Task factory: :func:`scrape_once` every ``cfg.interval_s`` (with ``sharing``:
+    :func:`shared_scrape_once`)."""
+    if sharing is None:
+        return periodic_task(scrape_once, session, cfg)
+
+    async def step(session: aiohttp.ClientSession, reg: WorkerRegistration, cfg: LoadScrapeConfig,
+                   may_call: bool) -> bool:
+        return await shared_scrape_once(session, reg, cfg, sharing, may_call)
+
+    return periodic_task(step, session, cfg, sharing)

