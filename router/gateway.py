@@ -85,6 +85,7 @@ class Gateway:
         self._extra_factories = list(task_factories or [])
         self._lock = asyncio.Lock()
         self._heartbeat: asyncio.Task | None = None
+        self._follower: asyncio.Task | None = None
         self.discovery: Any = None  # router.discovery.kubernetes.KubernetesDiscovery when configured
 
     @property
@@ -125,6 +126,11 @@ class Gateway:
         for factory in self._extra_factories:
             self.registry.add_task_factory(factory)
         regs = [self.registry.add(w) for w in self.cfg.workers]
+        if sharing is not None:  # the prober's results, applied here while another process probes
+            self._follower = asyncio.get_running_loop().create_task(
+                sharing.follow(self.registry.all, self.cfg.health,
+                               self.cfg.load_scrape if self.cfg.load_scrape.enabled else None,
+                               self._health_changed), name="probe-follower")
         if self.group is not None and self.group.table is not None:  # a silent row counts as a dead process
             self._heartbeat = asyncio.get_running_loop().create_task(self._beat(self.group), name="load-heartbeat")
         # agents publish their peer-pull states in a shared index and/or here (router.peer_states)
@@ -161,6 +167,8 @@ class Gateway:
         """Stop every task and close connections."""
         if self._heartbeat is not None:
             self._heartbeat.cancel()
+        if self._follower is not None:
+            self._follower.cancel()
         if self._peer_poller is not None:
             await self._peer_poller.stop()
         if self.discovery is not None:

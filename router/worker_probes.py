@@ -34,15 +34,14 @@ _NAMES = (_RUNNING, _WAITING, _KV_USAGE)
 
 def parse_engine_load(text: str, rank: int | None = None) -> tuple[int | None, int | None, float | None]:
     """``(running, waiting, kv_usage)`` from Prometheus exposition text (vLLM's metric names);
-    a metric absent from ``text`` gives None. Lines of other metrics are skipped cheaply.
-    ``rank``: read only the label sets of that data parallel rank (``engine="<rank>"``, vLLM's
-    per-engine label); None: the whole server (every label set)."""
+    a metric absent from ``text`` gives None. Only the lines of these metrics are looked at
+    (found by search: a vLLM page is ~48 kB of other metrics). ``rank``: read only the label sets
+    of that data parallel rank (``engine="<rank>"``, vLLM's per-engine label); None: the whole
+    server (every label set)."""
     running = waiting = None
     usage = None
     engine = None if rank is None else f'engine="{rank}"'
-    for line in text.splitlines():
-        if not line.startswith(_NAMES):
-            continue
+    for line in _lines_of(text):
         space = line.find(" ")
         brace = line.find("{")
         if brace != -1 and (space == -1 or brace < space):
@@ -65,6 +64,21 @@ def parse_engine_load(text: str, rank: int | None = None) -> tuple[int | None, i
         elif name == _KV_USAGE:
             usage = value if usage is None else max(usage, value)
     return running, waiting, usage
+
+
+def _lines_of(text: str):
+    """The sample lines of :data:`_NAMES` in ``text`` (a name followed by ``{`` or a space at
+    the start of a line), in order."""
+    text = "\n" + text
+    for name in _NAMES:
+        needle = "\n" + name
+        at = text.find(needle)
+        while at != -1:
+            end = text.find("\n", at + 1)
+            line = text[at + 1:] if end == -1 else text[at + 1:end]
+            if line[len(name):len(name) + 1] in ("{", " "):
+                yield line
+            at = -1 if end == -1 else text.find(needle, end)
 
 
 async def _get(session: aiohttp.ClientSession, url: str, timeout_s: float) -> tuple[int, bytes] | str:
@@ -126,10 +140,13 @@ async def worker_models(session: aiohttp.ClientSession, reg: WorkerRegistration,
 
 @dataclass
 class ProbeSharing:
-    """This process's part in probing for its sibling processes: the shared file and whether it
-    is the prober now (:meth:`router.siblings.ProcessGroup.is_prober`). ``calls``: the probes and
-    scrapes this process made itself, by kind (``health``, ``scrape``); ``applied``: the results
-    of another process it applied."""
+    """This process's part in probing for its sibling processes (:mod:`router.shared_probes`):
+    the shared file and whether this process is the prober now
+    (:meth:`router.siblings.ProcessGroup.is_prober`). The prober's per-worker loops call the
+    workers and publish; in the other processes those loops call a worker only when its record is
+    too old, and :meth:`follow` (one task per process) applies the prober's results. ``calls``:
+    the probes and scrapes this process made itself, by kind (``health``, ``scrape``);
+    ``applied``: the prober's results it applied."""
 
     table: SharedProbeTable
     is_prober: Callable[[], bool]
@@ -140,92 +157,102 @@ class ProbeSharing:
         self._seen: dict[str, weakref.WeakKeyDictionary] = {"health": weakref.WeakKeyDictionary(),
                                                            "scrape": weakref.WeakKeyDictionary()}
 
-    def fresh(self, kind: str, reg: WorkerRegistration, result, cfg: HealthConfig | LoadScrapeConfig) -> bool | None:
-        """Of another process's ``result`` for ``reg``: None when it is missing or too old to use
-        (:func:`router.shared_probes.stale_after_s`: make the call here), True when it is new
-        to this process (apply it), False when already applied."""
-        if result is None or time.monotonic() - result.at > stale_after_s(cfg.interval_s, cfg.timeout_s):
-            return None
-        seen = self._seen[kind]
-        if seen.get(reg) == result.seq:
+    @staticmethod
+    def stale(result, cfg: HealthConfig | LoadScrapeConfig) -> bool:
+        """Whether ``result`` is missing or too old to follow
+        (:func:`router.shared_probes.stale_after_s`): then this process calls the worker itself."""
+        return result is None or time.monotonic() - result.at > stale_after_s(cfg.interval_s, cfg.timeout_s)
+
+    def _new(self, kind: str, reg: WorkerRegistration, result, cfg: HealthConfig | LoadScrapeConfig) -> bool:
+        """Whether ``result`` is fresh and not applied here yet (then it counts as applied)."""
+        if self.stale(result, cfg) or self._seen[kind].get(reg) == result.seq:
             return False
-        seen[reg] = result.seq
+        self._seen[kind][reg] = result.seq
         return True
+
+    async def apply(self, reg: WorkerRegistration, health: HealthConfig, scrape: LoadScrapeConfig | None,
+                    on_change: Callable[[WorkerRegistration], Awaitable[None]] | None = None) -> None:
+        """Apply the prober's new results for ``reg`` (each once): its health probe through
+        :meth:`~router.registry.WorkerRegistration.record_probe` (``on_change`` awaited when
+        that turned the worker up or down), its scrape through ``record_scrape``; then judge this
+        process's own KV-event stream (``check_events``)."""
+        slot = reg.shared[1]
+        result = self.table.read_probe(slot)
+        if self._new("health", reg, result, health):
+            self.applied["health"] += 1
+            before = reg.healthy
+            reg.record_probe(result.ok, health.fail_threshold, health.rise_threshold, result.error)
+            if on_change is not None and before is not None and reg.healthy is not before:
+                await on_change(reg)
+        if scrape is not None:
+            got = self.table.read_scrape(slot)
+            if self._new("scrape", reg, got, scrape):
+                self.applied["scrape"] += 1
+                if got.ok:
+                    reg.record_scrape(got.running, got.waiting, got.kv_usage)
+                else:
+                    reg.forget_scrape()
+        reg.check_events(time.monotonic())
+
+    async def follow(self, workers: Callable[[], list[WorkerRegistration]], health: HealthConfig,
+                     scrape: LoadScrapeConfig | None,
+                     on_change: Callable[[WorkerRegistration], Awaitable[None]] | None = None) -> None:
+        """Run until cancelled: every half of the shorter interval, while this process is not the
+        prober, :meth:`apply` for every worker with a slot (a half interval: no result is
+        overwritten before it is read)."""
+        period = min(health.interval_s, scrape.interval_s if scrape is not None else health.interval_s) / 2
+        await asyncio.sleep(0)  # the workers' own tasks first (each KV-event ingestor attaches itself at once)
+        while True:
+            if not self.is_prober():
+                for reg in workers():
+                    if reg.shared is not None and not reg.removed:
+                        try:
+                            await self.apply(reg, health, scrape, on_change)
+                        except Exception:  # one worker's trouble must not stop the others' results
+                            log.exception("applying the prober's results for worker %s failed", reg.id)
+            await asyncio.sleep(period)
 
 
 async def shared_probe_once(session: aiohttp.ClientSession, reg: WorkerRegistration, cfg: HealthConfig,
-                            sharing: ProbeSharing, may_call: bool = True) -> bool:
-    """The prober probes and publishes; another process applies the prober's latest result
-    (each once), or probes itself when there is none fresh enough. ``may_call``: whether this
-    process's own interval has passed (no call otherwise). Returns whether it called the worker."""
+                            sharing: ProbeSharing) -> bool:
+    """The prober probes and publishes; another process probes only when the prober's record for
+    ``reg`` is too old (:meth:`ProbeSharing.stale`; it publishes nothing then). Returns whether
+    it called the worker."""
     slot = reg.shared[1] if reg.shared is not None else None
     prober = slot is None or sharing.is_prober()
-    result = None if prober else sharing.table.read_probe(slot)
-    state = None if prober else sharing.fresh("health", reg, result, cfg)
-    if state is None:  # the prober, or no fresh result to apply: call the worker
-        if not may_call:
-            return False
-        sharing.calls["health"] += 1
-        ok = await probe_once(session, reg, cfg)
-        if prober and slot is not None:
-            sharing.table.write_probe(slot, ok, reg.last_probe_error)
-            sharing.fresh("health", reg, sharing.table.read_probe(slot), cfg)  # its own result: seen
-        return True
-    if state:
-        sharing.applied["health"] += 1
-        reg.record_probe(result.ok, cfg.fail_threshold, cfg.rise_threshold, result.error)
-    reg.check_events(time.monotonic())  # this process's own event stream, judged each step
-    return False
+    if not prober and not sharing.stale(sharing.table.read_probe(slot), cfg):
+        return False
+    sharing.calls["health"] += 1
+    ok = await probe_once(session, reg, cfg)
+    if prober and slot is not None:
+        sharing.table.write_probe(slot, ok, reg.last_probe_error)
+        sharing._new("health", reg, sharing.table.read_probe(slot), cfg)  # its own result: applied
+    return True
 
 
 async def shared_scrape_once(session: aiohttp.ClientSession, reg: WorkerRegistration, cfg: LoadScrapeConfig,
-                             sharing: ProbeSharing, may_call: bool = True) -> bool:
+                             sharing: ProbeSharing) -> bool:
     """:func:`shared_probe_once` for the load scrape."""
     slot = reg.shared[1] if reg.shared is not None else None
     prober = slot is None or sharing.is_prober()
-    result = None if prober else sharing.table.read_scrape(slot)
-    state = None if prober else sharing.fresh("scrape", reg, result, cfg)
-    if state is None:
-        if not may_call:
-            return False
-        sharing.calls["scrape"] += 1
-        ok = await scrape_once(session, reg, cfg)
-        if prober and slot is not None:
-            sharing.table.write_scrape(slot, ok, reg.engine_running, reg.engine_waiting, reg.kv_usage)
-            sharing.fresh("scrape", reg, sharing.table.read_scrape(slot), cfg)
-        return True
-    if state:
-        sharing.applied["scrape"] += 1
-        if result.ok:
-            reg.record_scrape(result.running, result.waiting, result.kv_usage)
-        else:
-            reg.forget_scrape()
-    return False
+    if not prober and not sharing.stale(sharing.table.read_scrape(slot), cfg):
+        return False
+    sharing.calls["scrape"] += 1
+    ok = await scrape_once(session, reg, cfg)
+    if prober and slot is not None:
+        sharing.table.write_scrape(slot, ok, reg.engine_running, reg.engine_waiting, reg.kv_usage)
+        sharing._new("scrape", reg, sharing.table.read_scrape(slot), cfg)
+    return True
 
 
-def periodic_task(step, session: aiohttp.ClientSession, cfg: HealthConfig | LoadScrapeConfig,
-                  sharing: ProbeSharing | None = None):
+def periodic_task(step, session: aiohttp.ClientSession, cfg: HealthConfig | LoadScrapeConfig):
     """A registry task factory running ``step(session, reg, cfg)`` at once and then every
-    ``cfg.interval_s`` seconds, for as long as the worker is registered. With ``sharing``,
-    ``step(session, reg, cfg, may_call)`` every half interval, so a process that applies the
-    prober's results misses none; ``may_call`` is True once ``cfg.interval_s`` has passed since
-    this process last called the worker (``step`` returns whether it did)."""
+    ``cfg.interval_s`` seconds, for as long as the worker is registered."""
 
     async def run(reg: WorkerRegistration) -> None:
-        last_call = -float("inf")
-        if sharing is not None:
-            # the worker's other tasks first (its KV-event ingestor attaches itself at once): a
-            # result applied without a call must not judge the event stream before it exists
-            await asyncio.sleep(0)
         while True:
-            if sharing is None:
-                await step(session, reg, cfg)
-                await asyncio.sleep(cfg.interval_s)
-                continue
-            now = time.monotonic()
-            if await step(session, reg, cfg, now - last_call >= cfg.interval_s * 0.99):
-                last_call = now
-            await asyncio.sleep(cfg.interval_s / 2)
+            await step(session, reg, cfg)
+            await asyncio.sleep(cfg.interval_s)
 
     return run
 
@@ -237,19 +264,16 @@ def health_probe_task(session: aiohttp.ClientSession, cfg: HealthConfig,
     :func:`shared_probe_once`); ``on_change(reg)`` is awaited after a probe that turned the
     worker up or down (not after its first probe)."""
 
-    async def step(session: aiohttp.ClientSession, reg: WorkerRegistration, cfg: HealthConfig,
-                   may_call: bool = True) -> bool:
+    async def step(session: aiohttp.ClientSession, reg: WorkerRegistration, cfg: HealthConfig) -> None:
         before = reg.healthy
-        called = True
         if sharing is None:
             await probe_once(session, reg, cfg)
         else:
-            called = await shared_probe_once(session, reg, cfg, sharing, may_call)
+            await shared_probe_once(session, reg, cfg, sharing)
         if on_change is not None and before is not None and reg.healthy is not before:
             await on_change(reg)
-        return called
 
-    return periodic_task(step, session, cfg, sharing)
+    return periodic_task(step, session, cfg)
 
 
 def load_scrape_task(session: aiohttp.ClientSession, cfg: LoadScrapeConfig, sharing: ProbeSharing | None = None):
@@ -258,8 +282,7 @@ def load_scrape_task(session: aiohttp.ClientSession, cfg: LoadScrapeConfig, shar
     if sharing is None:
         return periodic_task(scrape_once, session, cfg)
 
-    async def step(session: aiohttp.ClientSession, reg: WorkerRegistration, cfg: LoadScrapeConfig,
-                   may_call: bool) -> bool:
-        return await shared_scrape_once(session, reg, cfg, sharing, may_call)
+    async def step(session: aiohttp.ClientSession, reg: WorkerRegistration, cfg: LoadScrapeConfig) -> None:
+        await shared_scrape_once(session, reg, cfg, sharing)
 
-    return periodic_task(step, session, cfg, sharing)
+    return periodic_task(step, session, cfg)

@@ -91,9 +91,9 @@ async def _serve(worker: Worker) -> tuple[web.AppRunner, str]:
 
 
 def test_one_process_calls_the_worker_and_the_other_applies_each_result_once(tmp_path):
-    """Process 0 probes and scrapes; process 1 calls nothing and follows: the same health
-    transitions (3 failures to go down) and the same engine load. Once the prober's records
-    stop (too old), process 1 calls the worker itself, only when its own interval allows."""
+    """Process 0 probes and scrapes; process 1 calls nothing and follows (ProbeSharing.apply):
+    the same health transitions (3 failures to go down, its callback awaited once) and the same
+    engine load. Once the prober's records are too old, process 1 calls the worker itself."""
     load_path = create_load_table(tmp_path / "load", 2)
     probe_path = create_table(tmp_path / "probes")
     health, scrape = HealthConfig(interval_s=1, timeout_s=1), LoadScrapeConfig(interval_s=1, timeout_s=1)
@@ -109,12 +109,18 @@ def test_one_process_calls_the_worker_and_the_other_applies_each_result_once(tmp
             sharing = ProbeSharing(SharedProbeTable(probe_path), lambda load=load, row=row: load.first_live_row() == row)
             procs.append((reg, sharing))
         (reg0, p0), (reg1, p1) = procs
+        changes: list[bool] = []
+
+        async def on_change(reg: WorkerRegistration) -> None:
+            changes.append(reg.healthy)
+
         try:
             async with aiohttp.ClientSession() as session:
                 async def both() -> None:
                     assert await shared_probe_once(session, reg0, health, p0) is True
-                    assert await shared_probe_once(session, reg1, health, p1) is False
-                    assert await shared_probe_once(session, reg1, health, p1) is False  # applied once only
+                    assert await shared_probe_once(session, reg1, health, p1) is False  # a fresh record: no call
+                    await p1.apply(reg1, health, scrape, on_change)
+                    await p1.apply(reg1, health, scrape, on_change)  # each result applied once
 
                 await both()
                 assert worker.calls["/health"] == 1
@@ -124,21 +130,23 @@ def test_one_process_calls_the_worker_and_the_other_applies_each_result_once(tmp
                     await both()
                     assert reg1.healthy is (n < 2), n  # down after fail_threshold (3) results, as process 0
                     assert reg0.healthy is reg1.healthy
-                assert reg1.last_probe_error == "status 503"
+                assert changes == [False] and reg1.last_probe_error == "status 503"
                 assert worker.calls["/health"] == 4 and p0.calls["health"] == 4 and p1.calls["health"] == 0
                 assert p1.applied["health"] == 4
 
                 assert await shared_scrape_once(session, reg0, scrape, p0) is True
                 assert await shared_scrape_once(session, reg1, scrape, p1) is False
+                await p1.apply(reg1, health, scrape)
                 assert (reg1.engine_running, reg1.engine_waiting, reg1.kv_usage) == (3, 1, 0.25)
-                assert worker.calls["/metrics"] == 1 and p1.calls["scrape"] == 0
+                assert worker.calls["/metrics"] == 1 and p1.calls["scrape"] == 0 and p1.applied["scrape"] == 1
 
-                # the prober's last results are older than stale_after_s: process 1 calls itself
+                # the prober's last results are older than stale_after_s: nothing to apply, and
+                # process 1 calls the worker itself
                 old = time.monotonic() - stale_after_s(1, 1) - 1
-                p0.table.write_probe(reg0.shared[1], False, "status 503", now=old)
-                p0.table.write_scrape(reg0.shared[1], True, 3, 1, 0.25, now=old)
-                assert await shared_probe_once(session, reg1, health, p1, may_call=False) is False
-                assert worker.calls["/health"] == 4  # not before its own interval
+                p0.table.write_probe(reg0.shared[1], True, None, now=old)
+                p0.table.write_scrape(reg0.shared[1], True, 9, 9, 0.9, now=old)
+                await p1.apply(reg1, health, scrape)
+                assert reg1.healthy is False and reg1.engine_running == 3 and p1.applied == {"health": 4, "scrape": 1}
                 worker.status = 200
                 assert await shared_probe_once(session, reg1, health, p1) is True
                 assert await shared_scrape_once(session, reg1, scrape, p1) is True
