@@ -343,6 +343,22 @@ def test_theil_sen_ignores_outliers():
     assert theil_sen([5.0, 5.0], [1.0, 2.0]) is None
 
 
+def test_theil_sen_is_the_median_of_the_pairwise_slopes_exactly():
+    """The numpy form gives the very floats of the definition (Sen 1968) on random windows with
+    repeated x (pairs of equal x have no slope) and odd and even pair counts."""
+    rng = random.Random(3)
+    for _ in range(300):
+        n = rng.randint(2, 64)
+        xs = [float(rng.choice([rng.randint(0, 5000), rng.randint(0, 3)])) for _ in range(n)]
+        ys = [rng.uniform(1, 900) for _ in range(n)]
+        slopes = [(ys[j] - ys[i]) / (xs[j] - xs[i]) for i in range(n) for j in range(i + 1, n) if xs[j] != xs[i]]
+        if not slopes:
+            assert theil_sen(xs, ys) is None
+            continue
+        slope = statistics.median(slopes)
+        assert theil_sen(xs, ys) == (statistics.median(y - slope * x for x, y in zip(xs, ys)), slope)
+
+
 def test_estimator_learns_a_noisy_line_with_bounded_memory():
     rng = random.Random(7)
     est = PrefillRateEstimator()
