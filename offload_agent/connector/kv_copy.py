@@ -186,11 +186,11 @@ class BlockCopier:
             self._staging = torch.empty((self.staging_blocks, kv.block_bytes), dtype=torch.uint8, device=kv.device)
 
     def _index(self, blocks: Sequence[int]) -> torch.Tensor:
-        idx = torch.tensor(list(blocks), dtype=torch.long)
         if not self.cuda:
-            return idx
+            return torch.tensor(list(blocks), dtype=torch.long)
         # through pinned memory: a pageable copy would wait for the side stream (the forward pass)
-        return idx.pin_memory().to(self.kv.device, non_blocking=True)
+        idx = torch.tensor(list(blocks), dtype=torch.long, pin_memory=True)
+        return idx.to(self.kv.device, non_blocking=True)
 
     def save(self, blocks: Sequence[int], rows: Sequence[int], host: torch.Tensor) -> torch.cuda.Event | None:
         """Copy KV blocks ``blocks`` into ``host[rows]`` (same length). On CUDA: enqueued, returns
@@ -204,10 +204,11 @@ class BlockCopier:
         main = torch.cuda.current_stream(self.kv.device)
         self.stream.wait_stream(main)  # after the forward pass that wrote the blocks
         with torch.cuda.stream(self.stream):
+            index = self._index(blocks)  # one pinned copy for every round
             for lo in range(0, len(blocks), self.staging_blocks):
                 part_rows = rows[lo:lo + self.staging_blocks]
                 n = len(part_rows)
-                self.kv.gather(self._index(blocks[lo:lo + n]), self._staging[:n])
+                self.kv.gather(index[lo:lo + n], self._staging[:n])
                 for pos, first, k in runs(part_rows):
                     host[first:first + k].copy_(self._staging[pos:pos + k], non_blocking=True)
             done = torch.cuda.Event()
@@ -228,12 +229,13 @@ class BlockCopier:
         main = torch.cuda.current_stream(self.kv.device)
         self.stream.wait_stream(main)  # after vLLM zeroed the newly allocated blocks
         with torch.cuda.stream(self.stream):
+            index = self._index(blocks)  # one pinned copy for every round
             for lo in range(0, len(blocks), self.staging_blocks):
                 part_rows = rows[lo:lo + self.staging_blocks]
                 n = len(part_rows)
                 for pos, first, k in runs(part_rows):
                     self._staging[pos:pos + k].copy_(host[first:first + k], non_blocking=True)
-                self.kv.scatter(self._index(blocks[lo:lo + n]), self._staging[:n])
+                self.kv.scatter(index[lo:lo + n], self._staging[:n])
             done = torch.cuda.Event()
             done.record(self.stream)
         main.wait_event(done)  # the forward pass reads the loaded blocks
