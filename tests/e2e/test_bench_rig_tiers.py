@@ -10,6 +10,8 @@ import argparse
 import json
 import subprocess
 
+import pytest
+
 from conftest import kvroute_argv
 from e2e.conftest import REPO, vllm_python
 from e2e.tier_checks import TINY_BLOCK_BYTES
@@ -57,7 +59,7 @@ def test_a_cpu_tier_lifts_hits_past_what_the_engines_blocks_allow_and_is_reset_b
         engine = run["engine_ttft_ms"]
         assert engine["requests"] == 18
         assert 0 < engine["mean"] < run["ttft_ms"]["mean"]
-        assert engine["outside_mean"] == round(run["ttft_ms"]["mean"] - engine["mean"], 1)
+        assert engine["outside_mean"] == pytest.approx(run["ttft_ms"]["mean"] - engine["mean"], abs=0.11)
     second = sorted((rec for rec in t["records"] if rec["repeat"] == 1), key=lambda rec: rec["index"])
     # the first turns of the second run: nothing of the first run survived in a cache or a tier
     assert [rec["cached_tokens"] for rec in second[:6]] == [0] * 6
