@@ -148,3 +148,35 @@ def test_memory_slot_is_reused_after_clear_without_leaking_bits():
     idx.store_sync("c", "gpu", K[1:3])  # takes a's slot; must not inherit a's block 0
     assert idx.match_sync(K) == {"b": TierMatch(1, 0, 0)}
     assert idx.match_sync(K[1:]) == {"c": TierMatch(2, 0, 0)}
+
+
+def test_the_index_gives_the_cyclic_collector_nothing_to_walk():
+    """Every per-key structure (the masks, each worker's key holdings per tier, its speculative
+    entries) stays untracked by Python's cyclic GC after stores, speculative entries, removals,
+    a bulk load and a clear, so a full collection costs nothing per indexed block (sets, always
+    tracked, made each one walk every entry: 65-250 ms at 1.6M entries here)."""
+    import gc
+    import struct as _struct
+
+    idx = MemoryIndex()
+    keys = list(range(1, 5001))
+    idx.store_sync("a", "gpu", keys)
+    idx.store_sync("a", "cpu", keys[:100])
+    idx.store_sync("b", "ssd", keys[50:200])
+    idx.store_speculative_sync("b", keys[:10], ttl_s=60)
+    idx.remove_sync("a", "gpu", keys[:7])
+    gc.collect()
+    containers = [idx._masks] + [c for holding in idx._owned.values() for c in holding]
+    assert len(containers) == 1 + 2 * 4
+    assert not any(gc.is_tracked(c) for c in containers)
+    assert sorted(idx.owned_keys("b", "ssd")) == keys[50:200] and 7 not in idx.owned_keys("a", "gpu")
+    assert len(idx.owned_keys("nobody", "gpu")) == 0
+    idx.clear_worker_sync("a", "cpu")
+    assert len(idx.owned_keys("a", "cpu")) == 0 and not gc.is_tracked(idx._owned[idx._slots["a"]][1])
+
+    bulk = MemoryIndex()
+    packed = _struct.pack(f">{len(keys)}Q", *keys)
+    for _ in bulk.load_steps([("a", "gpu", packed), ("b", "cpu", packed[:800])], step_keys=1000):
+        pass
+    assert bulk.match_sync(keys[:3]) == {"a": TierMatch(3, 0, 0), "b": TierMatch(0, 3, 0)}
+    assert not any(gc.is_tracked(c) for c in [bulk._masks] + [c for h in bulk._owned.values() for c in h])

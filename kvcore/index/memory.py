@@ -9,14 +9,20 @@ Layout and memory:
   means one object per key: fewer memory loads per lookup step, and nothing for Python's cyclic
   garbage collector to traverse (a list per key made every full collection walk millions of
   objects while the gateway served);
-- ``_owned[slot][tier]`` is the set of keys the worker holds in that tier (for clear/stats);
+- ``_owned[slot][tier]`` holds the keys the worker holds in that tier (for clear/stats) as the
+  keys of a plain dict with ``None`` values, not a set: CPython never tracks a dict of ints and
+  ``None`` in its cyclic collector, while a set is always tracked and each full collection walks
+  every entry (1.6M entries over 8 workers cost 65-150 ms per full collection here, a pause for
+  every request in flight);
 - a second (third...) copy of the same (key, slot, tier) goes to ``_extra_refs`` only when it
   happens (vLLM duplicates are rare), so the common case stores no counter at all.
 
 Memory (CPython 3.11, x86_64): ``benchmarks/bench_agent.py`` measures ~190 B of RSS per (block,
 worker) entry with 64 workers x 100k distinct blocks (dict entry + int key + int value, ~60 B of
-them the value int at 64 workers, plus the set entry in ``_owned``); a list of four masks per key
-cost ~270 B. Each further worker holding the same key adds a set entry (~80 B). ``max_keys``
+them the value int at 64 workers, plus the entry in ``_owned``); a list of four masks per key
+cost ~270 B. Each further worker holding the same key adds an ``_owned`` entry. The dicts
+in ``_owned`` take ~12 B per entry more than sets did (8 workers x 200k keys, the key ints made
+beforehand: 80 against 68 B of RSS per entry), the price of never being walked by the GC. ``max_keys``
 bounds the distinct keys: beyond it new keys are not indexed (the index may under-report, never
 over-report) and ``dropped_keys`` counts them.
 """
@@ -25,7 +31,7 @@ from __future__ import annotations
 import heapq
 import time
 import struct
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, KeysView, Sequence
 from itertools import repeat
 
 from kvcore.index.base import TIERS, KVIndex, TierMatch, WorkerIndexStats, check_tier
@@ -59,7 +65,7 @@ class MemoryIndex(KVIndex):
         if slot is None:
             slot = heapq.heappop(self._free_slots) if self._free_slots else len(self._slots)
             self._slots[worker] = slot
-            self._owned[slot] = [set() for _ in TIERS] + [{}]
+            self._owned[slot] = [{} for _ in TIERS] + [{}]  # untracked by the cyclic GC (docstring)
             self._gpu_sel |= 1 << (_STRIDE * slot)
         return slot
 
@@ -87,7 +93,7 @@ class MemoryIndex(KVIndex):
                 self._extra_refs[ref] = self._extra_refs.get(ref, 1) + 1
             else:
                 masks[key] = v | bit
-                owned.add(key)
+                owned[key] = None
 
     async def remove(self, worker: str, tier: str, keys: Sequence[int]) -> int:
         return self.remove_sync(worker, tier, keys)
@@ -117,7 +123,7 @@ class MemoryIndex(KVIndex):
                 else:
                     del self._extra_refs[ref]
                 continue
-            owned.discard(key)
+            owned.pop(key, None)
             v ^= bit
             if v:
                 masks[key] = v
@@ -289,7 +295,7 @@ class MemoryIndex(KVIndex):
                 while bits:
                     low = bits & -bits
                     slot, t = divmod(low.bit_length() - 1, _STRIDE)
-                    owned[slot][t].update(fresh)
+                    owned[slot][t].update(zip(fresh, repeat(None)))
                     bits ^= low
                 yield
 
@@ -308,7 +314,7 @@ class MemoryIndex(KVIndex):
             v = masks.get(key)
             if v is None or not v & bit:
                 continue
-            owned.discard(key)
+            owned.pop(key, None)
             v ^= bit
             if v:
                 masks[key] = v
@@ -361,12 +367,12 @@ class MemoryIndex(KVIndex):
         """Every worker with a slot (holding something now, or since its last full clear)."""
         return list(self._slots)
 
-    def owned_keys(self, worker: str, tier: str) -> set[int] | frozenset[int]:
-        """The keys ``worker`` holds in ``tier`` (a live view: do not modify). Raises ValueError
-        on an unknown tier."""
+    def owned_keys(self, worker: str, tier: str) -> KeysView[int]:
+        """The keys ``worker`` holds in ``tier`` (a live view). Raises ValueError on an unknown
+        tier."""
         t = check_tier(tier)
         slot = self._slots.get(worker)
-        return frozenset() if slot is None else self._owned[slot][t]
+        return {}.keys() if slot is None else self._owned[slot][t].keys()
 
     def held_sync(self, worker: str) -> tuple[int, int, int]:
         """Distinct keys ``worker`` holds per confirmed tier (gpu, cpu, ssd); zeros when unknown."""
