@@ -11,7 +11,7 @@ with no traffic; the table gives the gateway processes' CPU (user + system, ms p
 processes together) and the calls per second the workers received.
 
 Usage: python benchmarks/bench_probe_cpu.py [--workers 64,256] [--processes 1,2,4] [--seconds 10]
-       [--json FILE] [--plot DIR]
+       [--settle-s 4] [--json FILE] [--plot DIR]
 Everything runs on loopback and stops by itself (each process has a deadline).
 
 ``--json FILE`` writes table ``idle`` (per workers, processes and mode: ``gateway_cpu_ms_per_s``,
@@ -39,7 +39,7 @@ from kvroute.up import free_ports  # noqa: E402
 
 TINY = ROOT / "tests/fixtures/tiny-model"
 DEADLINE_S = 900
-SETTLE_S = 4.0
+SETTLE_S = 4.0  # default --settle-s
 
 FLEET = r'''
 import asyncio, sys
@@ -119,7 +119,8 @@ def wait_for(pred, timeout_s: float, what: str) -> None:
     raise SystemExit(f"timed out waiting for {what}")
 
 
-def measure(work: Path, ports: list[int], processes: int, shared: bool, seconds: float) -> tuple[float, float]:
+def measure(work: Path, ports: list[int], processes: int, shared: bool, seconds: float,
+            settle_s: float = SETTLE_S) -> tuple[float, float]:
     """``(gateway CPU ms per second, worker calls per second)`` of one idle gateway."""
     gw_port = free_ports(1, avoid=set(ports))[0]
     cfg = {"listen": {"host": "127.0.0.1", "port": gw_port},
@@ -135,7 +136,7 @@ def measure(work: Path, ports: list[int], processes: int, shared: bool, seconds:
     try:
         wait_for(lambda: httpx.get(f"http://127.0.0.1:{gw_port}/health/ready", timeout=5).status_code == 200,
                  120, "the gateway")
-        time.sleep(SETTLE_S)
+        time.sleep(settle_s)
         calls = lambda: sum(httpx.get(f"http://127.0.0.1:{ports[0]}/calls", timeout=10).json().values())  # noqa: E731
         c0, cpu0, t0 = calls(), tree_cpu_s(gw.pid), time.monotonic()
         time.sleep(seconds)
@@ -150,6 +151,7 @@ def main() -> None:
     ap.add_argument("--workers", default="64,256", help="comma-separated worker counts")
     ap.add_argument("--processes", default="1,2,4", help="comma-separated gateway process counts")
     ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--settle-s", type=float, default=SETTLE_S, help="wait after the gateway is ready")
     add_output_args(ap)
     args = ap.parse_args()
     counts = [int(x) for x in args.workers.split(",")]
@@ -161,7 +163,7 @@ def main() -> None:
         page = work / "metrics.txt"
         page.write_text(vllm_like_page())
         print(f"machine: {os.cpu_count()} CPUs; a /metrics page of {page.stat().st_size} bytes; "
-              f"{args.seconds:.0f} s idle per cell after {SETTLE_S:.0f} s to settle")
+              f"{args.seconds:.0f} s idle per cell after {args.settle_s:.0f} s to settle")
         print(f"{'workers':>8} {'processes':>9} {'mode':>16} {'gateway CPU ms/s':>17} {'worker calls/s':>15}")
         for n in counts:
             ports = free_ports(n)
@@ -171,7 +173,7 @@ def main() -> None:
                 for p in procs:
                     modes = [("one prober", True)] if p == 1 else [("every process", False), ("one prober", True)]
                     for mode, shared in modes:
-                        cpu, calls = measure(work, ports, p, shared, args.seconds)
+                        cpu, calls = measure(work, ports, p, shared, args.seconds, args.settle_s)
                         rows.append({"workers": n, "processes": p, "mode": mode,
                                      "gateway_cpu_ms_per_s": round(cpu, 1), "worker_calls_per_s": round(calls, 1)})
                         print(f"{n:>8} {p:>9} {mode:>16} {cpu:>17.1f} {calls:>15.1f}", flush=True)
