@@ -416,10 +416,14 @@ class MemoryIndex(KVIndex):
         a = (v | v >> 1 | v >> 2 | v >> 3) & sel
         drops: list[tuple[int, int, int, int]] = []
         end = len(keys)
+        prev = v
         for i, v in enumerate(values, 1):
             if v is None:
                 end = i
                 break
+            if v == prev:  # the same holders as the block before: the chains cannot change
+                continue
+            prev = v
             if a & v == a:  # every running worker holds it in gpu (g and gc are subsets of a)
                 continue
             ng, ngc, na = g & (v | v >> 3), gc & (v | v >> 1 | v >> 3), a & (v | v >> 1 | v >> 2 | v >> 3)
