@@ -163,7 +163,7 @@ class ProbeSharing:
         (:func:`router.shared_probes.stale_after_s`): then this process calls the worker itself."""
         return result is None or time.monotonic() - result.at > stale_after_s(cfg.interval_s, cfg.timeout_s)
 
-    def _new(self, kind: str, reg: WorkerRegistration, result, cfg: HealthConfig | LoadScrapeConfig) -> bool:
+    def take_new(self, kind: str, reg: WorkerRegistration, result, cfg: HealthConfig | LoadScrapeConfig) -> bool:
         """Whether ``result`` is fresh and not applied here yet (then it counts as applied)."""
         if self.stale(result, cfg) or self._seen[kind].get(reg) == result.seq:
             return False
@@ -178,7 +178,7 @@ class ProbeSharing:
         process's own KV-event stream (``check_events``)."""
         slot = reg.shared[1]
         result = self.table.read_probe(slot)
-        if self._new("health", reg, result, health):
+        if self.take_new("health", reg, result, health):
             self.applied["health"] += 1
             before = reg.healthy
             reg.record_probe(result.ok, health.fail_threshold, health.rise_threshold, result.error)
@@ -186,7 +186,7 @@ class ProbeSharing:
                 await on_change(reg)
         if scrape is not None:
             got = self.table.read_scrape(slot)
-            if self._new("scrape", reg, got, scrape):
+            if self.take_new("scrape", reg, got, scrape):
                 self.applied["scrape"] += 1
                 if got.ok:
                     reg.record_scrape(got.running, got.waiting, got.kv_usage)
@@ -213,36 +213,40 @@ class ProbeSharing:
             await asyncio.sleep(period)
 
 
-async def shared_probe_once(session: aiohttp.ClientSession, reg: WorkerRegistration, cfg: HealthConfig,
-                            sharing: ProbeSharing) -> bool:
-    """The prober probes and publishes; another process probes only when the prober's record for
-    ``reg`` is too old (:meth:`ProbeSharing.stale`; it publishes nothing then). Returns whether
-    it called the worker."""
+async def _shared_call(kind: str, call, read, publish, session: aiohttp.ClientSession, reg: WorkerRegistration,
+                       cfg: HealthConfig | LoadScrapeConfig, sharing: ProbeSharing) -> bool:
+    """The prober makes ``call`` and publishes its result (``publish(slot, ok)``); another process
+    makes it only when the prober's record for ``reg`` (``read(slot)``) is too old
+    (:meth:`ProbeSharing.stale`; it publishes nothing then). Returns whether it called the worker."""
     slot = reg.shared[1] if reg.shared is not None else None
     prober = slot is None or sharing.is_prober()
-    if not prober and not sharing.stale(sharing.table.read_probe(slot), cfg):
+    if not prober and not sharing.stale(read(slot), cfg):
         return False
-    sharing.calls["health"] += 1
-    ok = await probe_once(session, reg, cfg)
+    sharing.calls[kind] += 1
+    ok = await call(session, reg, cfg)
     if prober and slot is not None:
-        sharing.table.write_probe(slot, ok, reg.last_probe_error)
-        sharing._new("health", reg, sharing.table.read_probe(slot), cfg)  # its own result: applied
+        publish(slot, ok)
+        sharing.take_new(kind, reg, read(slot), cfg)  # its own result: applied
     return True
+
+
+async def shared_probe_once(session: aiohttp.ClientSession, reg: WorkerRegistration, cfg: HealthConfig,
+                            sharing: ProbeSharing) -> bool:
+    """:func:`probe_once` made by the prober for every process (:func:`_shared_call`)."""
+    table = sharing.table
+    return await _shared_call("health", probe_once, table.read_probe,
+                              lambda slot, ok: table.write_probe(slot, ok, reg.last_probe_error),
+                              session, reg, cfg, sharing)
 
 
 async def shared_scrape_once(session: aiohttp.ClientSession, reg: WorkerRegistration, cfg: LoadScrapeConfig,
                              sharing: ProbeSharing) -> bool:
-    """:func:`shared_probe_once` for the load scrape."""
-    slot = reg.shared[1] if reg.shared is not None else None
-    prober = slot is None or sharing.is_prober()
-    if not prober and not sharing.stale(sharing.table.read_scrape(slot), cfg):
-        return False
-    sharing.calls["scrape"] += 1
-    ok = await scrape_once(session, reg, cfg)
-    if prober and slot is not None:
-        sharing.table.write_scrape(slot, ok, reg.engine_running, reg.engine_waiting, reg.kv_usage)
-        sharing._new("scrape", reg, sharing.table.read_scrape(slot), cfg)
-    return True
+    """:func:`scrape_once` made by the prober for every process (:func:`_shared_call`)."""
+    table = sharing.table
+    return await _shared_call("scrape", scrape_once, table.read_scrape,
+                              lambda slot, ok: table.write_scrape(slot, ok, reg.engine_running, reg.engine_waiting,
+                                                                  reg.kv_usage),
+                              session, reg, cfg, sharing)
 
 
 def periodic_task(step, session: aiohttp.ClientSession, cfg: HealthConfig | LoadScrapeConfig):
