@@ -32,13 +32,15 @@ import mmap
 import os
 import struct
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from router.shared_load import MAX_WORKERS
 
 _PROBE = struct.Struct("<Qdd")            # seq, ok (1.0/0.0), at (monotonic s)
-_SCRAPE = struct.Struct("<Qdddddd")       # seq, ok, running, waiting, kv_usage (NaN: absent), at
+_SCRAPE = struct.Struct("<Qdddddd")       # seq, ok, running, waiting, kv_usage (NaN: absent), at, spare
 ERROR_BYTES = 160
 _SCRAPE_AT = _PROBE.size
 _ERROR_AT = _SCRAPE_AT + _SCRAPE.size
@@ -115,35 +117,35 @@ class SharedProbeTable:
         os.close(self._fd)
 
     # ---- writes (the prober) -------------------------------------------------------------------
-    def write_probe(self, slot: int, ok: bool, error: str | None, now: float | None = None) -> None:
-        """Publish one health probe's result for the worker in ``slot``."""
-        at = slot * RECORD_BYTES
-        text = (error or "").encode("utf-8", "replace")[:ERROR_BYTES - 1]
+    @contextmanager
+    def _writing(self, at: int) -> Iterator[int]:
+        """Hold the file's ``flock`` and the seqlock of the part at byte ``at`` (its sequence number
+        first): yields the odd number the fields are written under, made even afterwards."""
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         try:
             (seq,) = struct.unpack_from("<Q", self._mm, at)
             seq += 1 if seq % 2 == 0 else 2  # odd while writing (a writer that died mid-way left it odd)
             struct.pack_into("<Q", self._mm, at, seq)
-            _PROBE.pack_into(self._mm, at, seq, 1.0 if ok else 0.0, time.monotonic() if now is None else now)
-            self._mm[at + _ERROR_AT:at + _ERROR_AT + ERROR_BYTES] = text.ljust(ERROR_BYTES, b"\0")
+            yield seq
             struct.pack_into("<Q", self._mm, at, seq + 1)
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def write_probe(self, slot: int, ok: bool, error: str | None, now: float | None = None) -> None:
+        """Publish one health probe's result for the worker in ``slot``."""
+        at = slot * RECORD_BYTES
+        text = (error or "").encode("utf-8", "replace")[:ERROR_BYTES - 1]
+        with self._writing(at) as seq:
+            _PROBE.pack_into(self._mm, at, seq, 1.0 if ok else 0.0, time.monotonic() if now is None else now)
+            self._mm[at + _ERROR_AT:at + _ERROR_AT + ERROR_BYTES] = text.ljust(ERROR_BYTES, b"\0")
 
     def write_scrape(self, slot: int, ok: bool, running: int | None = None, waiting: int | None = None,
                      kv_usage: float | None = None, now: float | None = None) -> None:
         """Publish one load scrape's result for the worker in ``slot`` (``ok`` False: it failed)."""
         at = slot * RECORD_BYTES + _SCRAPE_AT
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
-        try:
-            (seq,) = struct.unpack_from("<Q", self._mm, at)
-            seq += 1 if seq % 2 == 0 else 2
-            struct.pack_into("<Q", self._mm, at, seq)
+        with self._writing(at) as seq:
             _SCRAPE.pack_into(self._mm, at, seq, 1.0 if ok else 0.0, _opt(running), _opt(waiting), _opt(kv_usage),
                               time.monotonic() if now is None else now, 0.0)
-            struct.pack_into("<Q", self._mm, at, seq + 1)
-        finally:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     # ---- reads (every process) -----------------------------------------------------------------
     def read_probe(self, slot: int) -> ProbeResult | None:
