@@ -2,6 +2,7 @@
 tier, clear, speculative TTL; plus what only the memory backend has (max_keys, slot reuse)."""
 from __future__ import annotations
 
+import random
 import uuid
 
 import pytest
@@ -180,3 +181,41 @@ def test_the_index_gives_the_cyclic_collector_nothing_to_walk():
         pass
     assert bulk.match_sync(keys[:3]) == {"a": TierMatch(3, 0, 0), "b": TierMatch(0, 3, 0)}
     assert not any(gc.is_tracked(c) for c in [bulk._masks] + [c for h in bulk._owned.values() for c in h])
+
+
+def test_tier_matches_for_hundreds_of_workers_equal_the_one_by_one_path(monkeypatch):
+    """Past _MANY_WORKERS the run lengths go through numpy bit matrices; the answer must be the
+    per-bit path's, for drops of one worker and of many, gpu/cpu/any chains apart."""
+    from kvcore.index import memory
+
+    rnd = random.Random(11)
+    slots = 300
+    names = {s: f"w{s}" for s in range(slots) if s % 7}  # some slots have no name
+    for _ in range(20):
+        order = list(range(slots))
+        rnd.shuffle(order)
+        any_left = set(order)
+        gc_left = {s for s in any_left if rnd.random() < 0.8}
+        g_left = {s for s in gc_left if rnd.random() < 0.8}
+        drops = []
+        for i in range(1, 60):
+            picked = []
+            for chain in (g_left, gc_left, any_left):
+                k = rnd.choice((0, 1, 1, 5, 40))
+                out = set(rnd.sample(sorted(chain), min(k, len(chain))))
+                picked.append(out)
+            dg, dgc, da = picked
+            dgc |= da & gc_left
+            dg |= (dgc | da) & g_left
+            for chain, out in zip((g_left, gc_left, any_left), (dg, dgc, da)):
+                chain -= out
+            bits = [sum(1 << (4 * s) for s in out) for out in (dg, dgc, da)]
+            if any(bits):
+                drops.append((*bits, i))
+        alive = tuple(sum(1 << (4 * s) for s in chain) for chain in (g_left, gc_left, any_left))
+        many = memory._tier_matches_many(drops, alive, 60, names, 4)
+        monkeypatch.setattr(memory, "_MANY_WORKERS", 10**9)
+        one_by_one = memory.tier_matches(drops, alive, 60, names, 4)
+        monkeypatch.undo()
+        assert many == one_by_one
+        assert len(many) == len(names)

@@ -34,19 +34,27 @@ import struct
 from collections.abc import Callable, Iterable, Iterator, KeysView, Sequence
 from itertools import repeat
 
+import numpy as np
+
 from kvcore.index.base import TIERS, KVIndex, TierMatch, WorkerIndexStats, check_tier
 
 _SPEC = 3  # bit of a slot's nibble for speculative entries (after gpu, cpu, ssd)
 _STRIDE = 4  # bits per slot in a key's int
+_FEW_BITS = 16  # _record peels off at most this many bits one by one
+_MANY_WORKERS = 64  # tier_matches goes through numpy beyond this many workers and drops
 
 
 class MemoryIndex(KVIndex):
     """The embedded index. ``max_keys``: bound on distinct keys (see module docstring);
-    ``clock``: seconds, monotonic (injectable for tests)."""
+    ``clock``: seconds, monotonic (injectable for tests); ``slot_of``: worker id -> slot number,
+    when another structure numbers the workers (the host index's speculative overlay,
+    :mod:`kvcore.index.host`); by default this index numbers them itself, lowest free first."""
 
-    def __init__(self, max_keys: int = 20_000_000, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, max_keys: int = 20_000_000, clock: Callable[[], float] = time.monotonic,
+                 slot_of: Callable[[str], int] | None = None) -> None:
         self.max_keys = max_keys
         self._clock = clock
+        self._slot_of = slot_of
         self._masks: dict[int, int] = {}
         self._slots: dict[str, int] = {}
         self._free_slots: list[int] = []
@@ -63,7 +71,10 @@ class MemoryIndex(KVIndex):
     def _slot(self, worker: str) -> int:
         slot = self._slots.get(worker)
         if slot is None:
-            slot = heapq.heappop(self._free_slots) if self._free_slots else len(self._slots)
+            if self._slot_of is not None:
+                slot = self._slot_of(worker)
+            else:
+                slot = heapq.heappop(self._free_slots) if self._free_slots else len(self._slots)
             self._slots[worker] = slot
             self._owned[slot] = [{} for _ in TIERS] + [{}]  # untracked by the cyclic GC (docstring)
             self._gpu_sel |= 1 << (_STRIDE * slot)
@@ -109,19 +120,14 @@ class MemoryIndex(KVIndex):
         bit = 1 << (_STRIDE * slot + t)
         owned = self._owned[slot][t]
         masks = self._masks
+        extra = self._extra_refs
         missing = 0
         for key in keys:
             v = masks.get(key)
             if v is None or not v & bit:
                 missing += 1
                 continue
-            ref = (key, slot, t)
-            n = self._extra_refs.get(ref)
-            if n is not None:
-                if n > 2:
-                    self._extra_refs[ref] = n - 1
-                else:
-                    del self._extra_refs[ref]
+            if extra and drop_extra_copy(extra, (key, slot, t)):
                 continue
             owned.pop(key, None)
             v ^= bit
@@ -159,7 +165,8 @@ class MemoryIndex(KVIndex):
         if tier is None:
             del self._slots[worker]
             del self._owned[slot]
-            heapq.heappush(self._free_slots, slot)
+            if self._slot_of is None:
+                heapq.heappush(self._free_slots, slot)
 
     async def store_speculative(self, worker: str, keys: Sequence[int], ttl_s: float) -> None:
         self.store_speculative_sync(worker, keys, ttl_s)
@@ -410,32 +417,9 @@ class MemoryIndex(KVIndex):
             if not v:
                 return {}
             values = (None if x is None else x & keep for x in values)
-        sel = self._gpu_sel
-        g = (v | v >> 3) & sel
-        gc = (v | v >> 1 | v >> 3) & sel
-        a = (v | v >> 1 | v >> 2 | v >> 3) & sel
-        drops: list[tuple[int, int, int, int]] = []
-        end = len(keys)
-        prev = v
-        for i, v in enumerate(values, 1):
-            if v is None:
-                end = i
-                break
-            if v == prev:  # the same holders as the block before: the chains cannot change
-                continue
-            prev = v
-            if a & v == a:  # every running worker holds it in gpu (g and gc are subsets of a)
-                continue
-            ng, ngc, na = g & (v | v >> 3), gc & (v | v >> 1 | v >> 3), a & (v | v >> 1 | v >> 2 | v >> 3)
-            if ng == g and ngc == gc and na == a:
-                continue
-            drops.append((g & ~ng, gc & ~ngc, a & ~na, i))
-            g, gc, a = ng, ngc, na
-            if not a:
-                end = i
-                break
+        drops, alive, end = run_chains(v, enumerate(values, 1), len(keys), self._gpu_sel)
         names = {slot: name for name, slot in self._slots.items()}
-        return tier_matches(drops, (g, gc, a), end, names, _STRIDE)
+        return tier_matches(drops, alive, end, names, _STRIDE)
 
     async def gpu_holders(self, keys: Sequence[int]) -> dict[str, int]:
         return self.gpu_holders_sync(keys)
@@ -463,6 +447,10 @@ class MemoryIndex(KVIndex):
                 if (low.bit_length() - 1) // _STRIDE in names}
 
     async def stats(self) -> dict[str, WorkerIndexStats]:
+        return self.stats_sync()
+
+    def stats_sync(self) -> dict[str, WorkerIndexStats]:
+        """Synchronous :meth:`stats`."""
         if self._spec_heap:
             self._expire(self._clock())
         out = {}
@@ -478,6 +466,55 @@ class MemoryIndex(KVIndex):
         return len(self._masks)
 
 
+def drop_extra_copy(extra_refs: dict[tuple[int, int, int], int], ref: tuple[int, int, int]) -> bool:
+    """Drop one of the extra copies counted for ``ref`` = (key, slot, tier) in ``extra_refs``
+    (the copies beyond the first); False when it has none (the entry itself goes)."""
+    n = extra_refs.get(ref)
+    if n is None:
+        return False
+    if n > 2:
+        extra_refs[ref] = n - 1
+    else:
+        del extra_refs[ref]
+    return True
+
+
+def run_chains(v: int, steps: Iterable[tuple[int, int | None]], end: int,
+               sel: int) -> tuple[list[tuple[int, int, int, int]], tuple[int, int, int], int]:
+    """One pass of the three running ANDs of worker bits from block 0 (gpu + speculative,
+    gpu|cpu, any tier), for :func:`tier_matches`.
+
+    ``v``: block 0's entry bits (layout of :class:`MemoryIndex`: bit ``4*slot + tier``, tier 3 =
+    speculative); ``steps``: ``(i, bits of block i)`` for later blocks in order, ``None`` bits
+    ending the prompt's run at ``i`` (a block nobody holds); a step may skip blocks whose bits equal
+    the step before (the chains cannot change there); ``end``: the prompt's length in blocks;
+    ``sel``: bit ``4*slot`` of every slot. Returns (drops, chains' bits after the last block,
+    run end): a block that every running worker holds in gpu costs one AND and a compare."""
+    g = (v | v >> 3) & sel
+    gc = (v | v >> 1 | v >> 3) & sel
+    a = (v | v >> 1 | v >> 2 | v >> 3) & sel
+    drops: list[tuple[int, int, int, int]] = []
+    prev = v
+    for i, v in steps:
+        if v is None:
+            end = i
+            break
+        if v == prev:  # the same holders as the block before: the chains cannot change
+            continue
+        prev = v
+        if a & v == a:  # every running worker holds it in gpu (g and gc are subsets of a)
+            continue
+        ng, ngc, na = g & (v | v >> 3), gc & (v | v >> 1 | v >> 3), a & (v | v >> 1 | v >> 2 | v >> 3)
+        if ng == g and ngc == gc and na == a:
+            continue
+        drops.append((g & ~ng, gc & ~ngc, a & ~na, i))
+        g, gc, a = ng, ngc, na
+        if not a:
+            end = i
+            break
+    return drops, (g, gc, a), end
+
+
 def tier_matches(drops: Sequence[tuple[int, int, int, int]], alive: tuple[int, int, int], end: int,
                  names: dict[int, str], stride: int) -> dict[str, TierMatch]:
     """Per worker :class:`TierMatch` from one pass of the three chains (gpu, gpu|cpu, any).
@@ -486,6 +523,8 @@ def tier_matches(drops: Sequence[tuple[int, int, int, int]], alive: tuple[int, i
     ``alive``: the chains' bits still set after block ``end - 1``. A worker's bit sits at position
     ``stride * slot``; ``names``: slot -> worker id (unknown slots are left out).
     """
+    if alive[2].bit_count() + len(drops) > _MANY_WORKERS:
+        return _tier_matches_many(drops, alive, end, names, stride)
     # run length per chain, keyed by bit position + 1 (int.bit_length of a one-bit int)
     gpu_run: dict[int, int] = {}
     gc_run: dict[int, int] = {}
@@ -522,8 +561,55 @@ def tier_matches(drops: Sequence[tuple[int, int, int, int]], alive: tuple[int, i
     return out
 
 
+def _tier_matches_many(drops: Sequence[tuple[int, int, int, int]], alive: tuple[int, int, int], end: int,
+                       names: dict[int, str], stride: int) -> dict[str, TierMatch]:
+    """:func:`tier_matches` for hundreds of matching workers: run lengths in numpy arrays indexed
+    by slot. A drop of one worker is one store; the drops of many workers at once (and the bits
+    still alive) go as rows of one bit matrix per chain, where a slot's column has one set row
+    (a bit leaves a chain once). The chains only lose bits, so block 0's bits bound the width."""
+    width = max([alive[2].bit_length()] + [d[2].bit_length() for d in drops])
+    nbytes = -(-width // (8 * stride)) * stride  # whole slots
+    runs = np.zeros((3, nbytes * 8 // stride), np.int64)
+    wide: list[list[tuple[int, int]]] = [[], [], []]  # per chain: (bits, run length)
+    for *dropped, i in drops:
+        for chain, bits in enumerate(dropped):
+            if bits:
+                if bits & (bits - 1):
+                    wide[chain].append((bits, i))
+                else:
+                    runs[chain, (bits.bit_length() - 1) // stride] = i
+    for chain, bits in enumerate(alive):
+        if bits:
+            wide[chain].append((bits, end))
+    for chain, rows in enumerate(wide):
+        if not rows:
+            continue
+        raw = b"".join(bits.to_bytes(nbytes, "little") for bits, _ in rows)
+        matrix = np.unpackbits(np.frombuffer(raw, np.uint8).reshape(len(rows), nbytes), axis=1,
+                               bitorder="little")[:, ::stride]
+        cols = np.flatnonzero(matrix.any(0))
+        lengths = np.array([n for _, n in rows], np.int64)
+        runs[chain, cols] = lengths[matrix[:, cols].argmax(0)]
+    held = np.flatnonzero(runs[2])
+    g = runs[0, held]
+    gc = np.maximum(runs[1, held], g)
+    total = runs[2, held]
+    workers = map(names.get, held.tolist())
+    out = dict(zip(workers, map(TierMatch, g.tolist(), (gc - g).tolist(), (total - gc).tolist())))
+    out.pop(None, None)  # slots without a name
+    return out  # type: ignore[return-value]
+
+
 def _record(lengths: dict[int, int], bits: int, length: int) -> None:
-    while bits:
-        low = bits & -bits
-        lengths[low.bit_length()] = length
-        bits ^= low
+    """``lengths[p + 1] = length`` for each set bit ``p`` of ``bits``. Many bits (a prefix held
+    by hundreds of workers) go through numpy: peeling bits off a 4,096-bit int one at a time
+    costs a pass over all its words per bit."""
+    if bits.bit_count() <= _FEW_BITS:
+        while bits:
+            low = bits & -bits
+            lengths[low.bit_length()] = length
+            bits ^= low
+        return
+    raw = np.frombuffer(bits.to_bytes((bits.bit_length() + 7) // 8, "little"), np.uint8)
+    positions = np.flatnonzero(np.unpackbits(raw, bitorder="little")) + 1
+    lengths.update(zip(positions.tolist(), repeat(length)))
