@@ -1,6 +1,7 @@
 """Embedded mode: the gateway subscribes to each worker's KV events itself and writes the
 in-process index, so one host needs no agent processes (``index: {backend: memory}`` and workers
-with ``events:``). With a shared index (Redis) the agents write it instead and this is not used.
+with ``events:``); with ``--processes N``, one process writes the host's shared index for all.
+With a shared index (Redis) the agents write it instead and this is not used.
 
 One :class:`kvcore.kv_events.EventIngestor` per worker registration: started when the worker is
 added (config, admin API, SIGHUP), stopped when it is removed (the gateway then purges the
@@ -13,22 +14,33 @@ import asyncio
 import logging
 
 from kvcore.index.base import KVIndex
+from kvcore.index.host import HostIndex
 from kvcore.kv_events import EventIngestor
 from router.registry import TaskFactory, WorkerRegistration
+from router.shared_ingest import IngestBoard, PublishedIngest
 
 log = logging.getLogger("kvroute.embedded_events")
 
 
-def embedded_ingest_task(index: KVIndex, block_size_by_model: dict[str, int]) -> TaskFactory:
+def embedded_ingest_task(index: KVIndex, block_size_by_model: dict[str, int],
+                         board: IngestBoard | None = None) -> TaskFactory:
     """A registry task factory running one event ingestor per worker that names ``events``.
 
     ``block_size_by_model``: each served model's engine block size in tokens (keys are made with
-    it, so it must equal the workers' ``--block-size``).
+    it, so it must equal the workers' ``--block-size``). With the host index of ``--processes N``
+    (:class:`kvcore.index.host.HostIndex`) only its writer ingests: in the other processes the
+    task keeps the writer's published view on the registration (``board``,
+    :mod:`router.shared_ingest`) until this process takes the index over, then ingests.
     """
 
     async def run(reg: WorkerRegistration) -> None:
         if reg.cfg.events is None:
             return
+        if isinstance(index, HostIndex) and not index.writer:
+            if board is not None:
+                reg.ingest = PublishedIngest(board, reg.id)  # type: ignore[assignment]
+            await index.wait_writer()
+            log.info("worker %s: this process now writes the host index; subscribing", reg.id)
         ingestor = EventIngestor(reg.id, reg.cfg.events, reg.cfg.replay, index, reg.model,
                                  block_size_by_model[reg.model])
         reg.ingest = ingestor

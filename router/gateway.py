@@ -20,18 +20,21 @@ from typing import Any
 from kvcore.index import make_index
 from kvcore.index.base import SupportsWorkerStates
 from kvcore.index.errors import IndexEncodingMismatch, IndexUnavailable
+from kvcore.index.host import HostIndex
+from kvcore.kv_events import EventIngestor
 from router.admission import Admission
 from router.dispatch_queue import DispatchQueue
 from router.config import GatewayConfig, WorkerConfig, load_config, same_target
 from router.decision_log import DecisionLog
 from router.embedded_events import embedded_ingest_task
+from router.shared_ingest import BOARD_FILE, IngestBoard, publish_loop
 from router.metrics import GatewayMetrics
 from router.peer_pull import PeerPoller, PeerTable
 from router.peer_states import PeerStateSource, PublishedPeerStates
 from router.proxy import Upstream
 from router.registry import TaskFactory, WorkerRegistration, WorkerRegistry
 from router.routing import PolicyHolder, Router
-from router.siblings import ProcessGroup
+from router.siblings import INDEX_FILE, ProcessGroup
 from router.stored_responses import StoredResponses
 from router.tokenize import TokenizerPool
 from router.worker_probes import ProbeSharing, health_probe_task, load_scrape_task
@@ -56,7 +59,9 @@ class Gateway:
         self.group = group  # one of N processes (kvroute serve --processes N), None when alone
         if group is not None:
             group.admin_token = self.admin_token
-        self.index = make_index(cfg.index.model_dump())
+        # with siblings, the embedded index is one file in the run folder that all of them read
+        host_path = group.run_dir / INDEX_FILE if group is not None and cfg.index.backend == "memory" else None
+        self.index = make_index(cfg.index.model_dump(), host_path=host_path)
         self.registry = WorkerRegistry(shared_load=group.table if group is not None else None)
         self.metrics = GatewayMetrics(self.registry.all)
         self.tokenizers = TokenizerPool(cfg.models, cfg.routing.tokenize_threads,
@@ -86,6 +91,7 @@ class Gateway:
         self._lock = asyncio.Lock()
         self._heartbeat: asyncio.Task | None = None
         self._follower: asyncio.Task | None = None
+        self._board_publisher: asyncio.Task | None = None
         self.discovery: Any = None  # router.discovery.kubernetes.KubernetesDiscovery when configured
 
     @property
@@ -122,7 +128,14 @@ class Gateway:
             self.registry.add_task_factory(load_scrape_task(session, self.cfg.load_scrape, sharing))
         if self.cfg.index.backend == "memory":
             blocks = {m.name: m.block_size for m in self.cfg.models}
-            self.registry.add_task_factory(embedded_ingest_task(self.index, blocks))
+            board = None
+            if isinstance(self.index, HostIndex) and self.group is not None:  # one writer ingests for all
+                board = IngestBoard(self.group.run_dir / BOARD_FILE)
+                if self.index.try_become_writer():
+                    log.info("this process writes the host index %s", self.index.path)
+                self._board_publisher = asyncio.get_running_loop().create_task(
+                    publish_loop(board, lambda: self.index.writer, self._ingestors), name="ingest-board")
+            self.registry.add_task_factory(embedded_ingest_task(self.index, blocks, board))
         for factory in self._extra_factories:
             self.registry.add_task_factory(factory)
         regs = [self.registry.add(w) for w in self.cfg.workers]
@@ -169,6 +182,8 @@ class Gateway:
             self._heartbeat.cancel()
         if self._follower is not None:
             self._follower.cancel()
+        if self._board_publisher is not None:
+            self._board_publisher.cancel()
         if self._peer_poller is not None:
             await self._peer_poller.stop()
         if self.discovery is not None:
@@ -180,6 +195,9 @@ class Gateway:
         self.tokenizers.close()
         if self.group is not None:
             self.group.close()
+
+    def _ingestors(self) -> list[tuple[str, EventIngestor]]:
+        return [(r.id, r.ingest) for r in self.registry.all() if isinstance(r.ingest, EventIngestor)]
 
     @staticmethod
     async def _beat(group: ProcessGroup) -> None:

@@ -1,11 +1,14 @@
 """One gateway process among the N of ``kvroute serve --processes N`` (:mod:`router.supervisor`
 starts them): where it listens, the table its load goes into, and how it reaches its siblings.
 
-Every process is a whole gateway: its own embedded index (each subscribes to every worker's KV
-events, so all see the same evidence), policy and dispatch queue, on one TCP port that the
+Every process is a whole gateway: its own policy and dispatch queue, on one TCP port that the
 kernel shares out (``SO_REUSEPORT``: each process has its own listening socket and the kernel
 hashes new connections over them). What must agree across processes goes as follows:
 
+- the embedded index: one copy for all, ``<run dir>/index`` (:mod:`kvcore.index.host`), that one
+  process (its writer) fills from every worker's KV events; the others read it and follow the
+  writer's event streams on a board (:mod:`router.shared_ingest`), and one of them takes the
+  writing over if the writer dies;
 - in-flight load: through the shared table (:mod:`router.shared_load`);
 - the workers' health probes and load scrapes: the live process of lowest index makes them and
   the others apply its results (:mod:`router.shared_probes`), so a worker answers them once per
@@ -44,6 +47,7 @@ ENV_SHARED_LOAD = "KVROUTE_SHARED_LOAD"  # "off": each process sees only its own
 SIBLING_HEADER = "x-kvroute-sibling"
 LOAD_FILE = "load"
 PROBES_FILE = "probes"
+INDEX_FILE = "index"  # the host index (kvcore.index.host), made by the first process to open it
 FANOUT_TIMEOUT_S = 10.0
 
 

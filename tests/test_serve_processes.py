@@ -207,7 +207,7 @@ def test_both_processes_route_one_prefix_to_one_worker(two_procs):
             "w0": (True, True), "w1": (True, True)}
     first = _fresh("POST", base + "/v1/chat/completions", json=chat_body("processes-shared", "q0"))
     home = first.headers["x-kvroute-worker"]
-    # each process hears the worker's KV events itself: wait until both credit the prefix
+    # one process writes the worker's KV events into the index both read: wait until both credit it
     body = chat_body("processes-shared", "another question")
     def credited_by(process: str) -> bool:
         for _ in range(50):
@@ -285,6 +285,59 @@ def test_one_process_probes_and_scrapes_the_workers_for_both(two_procs):
     assert applied1[("1", "scrape")] >= applied0.get(("1", "scrape"), 0) + 4
     assert applied1[("1", "health")] > applied0.get(("1", "health"), 0)
     assert applied1.get(("0", "scrape"), 0) == applied0.get(("0", "scrape"), 0)  # the prober applies nothing
+
+
+def _credited_everywhere(base: str, body: dict, home: str) -> bool:
+    """Whether both processes find ``body``'s prefix cached on ``home`` (gpu blocks > 0). The one
+    that routed the first request also has its own speculative entries; the other has only what
+    the index's writer ingested from the worker's KV events."""
+    seen: dict[str, bool] = {}
+    for _ in range(60):
+        r = _admin(base, "POST", "/admin/explain", json=body)
+        cand = {c["worker"]: c for c in r.json()["candidates"]}
+        seen[r.headers["x-kvroute-process"]] = cand[home]["matched_blocks"]["gpu"] > 0
+        if len(seen) == 2:
+            return all(seen.values())
+    raise AssertionError(f"only processes {sorted(seen)} answered")
+
+
+def test_one_index_for_both_and_a_reader_takes_over_when_the_writer_dies(two_procs):
+    """The processes share one host index (one writer ingests the KV events); killing the
+    writer hands the writing to the other, and new prefixes are indexed again."""
+    base, sims, gw = two_procs
+    views = {p: r.json()["host_index"] for p, r in _each_process(base, "/admin/index").items()}
+    assert sorted(v["writer"] for v in views.values()) == [False, True]
+    assert len({v["writer_pid"] for v in views.values()}) == 1
+    writer_pid = views["0"]["writer_pid"]
+    assert writer_pid in _children(gw.popen.pid)
+    takeovers = views["0"]["takeovers"]
+    for r in _each_process(base, "/admin/workers").values():  # the reader follows the writer's streams
+        assert {w["id"]: w["events_live"] for w in r.json()["workers"]}["w0"] is True
+    def states() -> list:
+        return [r.json()["workers"]["w0"]["kv_events"] for r in _each_process(base, "/admin/index").values()]
+    for state in wait_until(lambda: all(states()) and states(), what="the writer's ingest state on the board"):
+        assert (state["worker"], state["index_synced"]) == ("w0", True)
+
+    assert _admin(base, "POST", "/admin/workers/w1/drain").status_code == 200  # w0 has the events
+    home = _fresh("POST", base + "/v1/chat/completions", json=chat_body("host-index-before", "q")).headers["x-kvroute-worker"]
+    assert home == "w0"
+    wait_until(lambda: _credited_everywhere(base, chat_body("host-index-before", "other"), home),
+               what="both processes crediting the prefix from the one index")
+
+    os.kill(writer_pid, signal.SIGKILL)
+
+    def taken_over() -> bool:
+        views = [r.json()["host_index"] for r in _each_process(base, "/admin/index").values()]
+        return all(v["takeovers"] == takeovers + 1 and v["writer_pid"] != writer_pid for v in views)
+
+    wait_until(taken_over, timeout_s=60, what="another process writing the index")
+    home = _fresh("POST", base + "/v1/chat/completions", json=chat_body("host-index-after", "q")).headers["x-kvroute-worker"]
+    wait_until(lambda: _credited_everywhere(base, chat_body("host-index-after", "other"), home),
+               timeout_s=60, what="a prefix sent after the takeover credited by both processes")
+    for r in _each_process(base, "/admin/workers").values():
+        assert {w["id"]: w["events_live"] for w in r.json()["workers"]}["w0"] is True
+    assert _admin(base, "DELETE", "/admin/workers/w1").status_code == 200  # undrained for the next test
+    assert _admin(base, "POST", "/admin/workers", json={"id": "w1", "url": sims["w1"].url, "model": "tiny"}).status_code == 201
 
 
 def test_a_killed_process_is_started_again(two_procs):

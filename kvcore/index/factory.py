@@ -5,6 +5,7 @@ One constructor per backend; a new backend is one file beside ``memory.py`` and 
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import Any
 
 from kvcore.index.base import KVIndex
@@ -21,10 +22,16 @@ _MIRRORED: dict[str, tuple[str, str]] = {
 REDIS_MIRROR_DEFAULT = True
 
 
-def make_index(cfg: dict[str, Any] | None) -> KVIndex:
+HOST_KEYS = {"max_workers", "max_holder_sets"}  # sizes of the host index (kvcore.index.host)
+
+
+def make_index(cfg: dict[str, Any] | None, host_path: str | Path | None = None) -> KVIndex:
     """An index backend for ``cfg``.
 
-    ``{"backend": "memory", "max_keys": N?}`` -> :class:`MemoryIndex`; other backends get the
+    ``{"backend": "memory", "max_keys": N?, "max_workers": N?, "max_holder_sets": N?}`` ->
+    :class:`MemoryIndex` (``max_keys`` only), or with ``host_path`` (the gateway processes of
+    one host, ``kvroute serve --processes N``) :class:`kvcore.index.host.HostIndex` in that file,
+    shared by them (``max_keys`` defaults to its own, smaller bound there); other backends get the
     remaining keys as keyword arguments (e.g. ``{"backend": "redis", "url": "redis://..."}``).
     ``{"backend": "redis", "mirror": true}`` (the default) -> :class:`kvcore.index.redis_mirror.
     RedisMirrorIndex` (lookups from a local copy that Redis's change log keeps in step; its extra
@@ -35,7 +42,11 @@ def make_index(cfg: dict[str, Any] | None) -> KVIndex:
     cfg = dict(cfg or {})
     backend = cfg.pop("backend", "memory")
     if backend == "memory":
-        return MemoryIndex(**_only(cfg, {"max_keys"}, backend))
+        sizes = _only(cfg, {"max_keys"} | HOST_KEYS, backend)
+        if host_path is not None:
+            from kvcore.index.host import HostIndex
+            return HostIndex(host_path, **sizes)
+        return MemoryIndex(**{k: v for k, v in sizes.items() if k not in HOST_KEYS})
     if backend not in _BACKENDS:
         raise ValueError(f"unknown index backend {backend!r}; expected memory or {sorted(_BACKENDS)}")
     mirror = cfg.pop("mirror", REDIS_MIRROR_DEFAULT if backend in _MIRRORED else False)

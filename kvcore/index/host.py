@@ -62,6 +62,7 @@ index under-reports (a worker holds a block the index does not show), never over
 """
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import math
 import mmap
@@ -83,6 +84,7 @@ LAYOUT_VERSION = 1
 HEADER_BYTES = 4096
 NAME_BYTES = 64
 LOAD_FACTOR = 0.7
+WRITER_POLL_S = 0.5  # how often a reader tries to take over the writer lock
 SET_QUARANTINE_S = 2.0  # a freed holder set waits this long before it names other holders
 EVICT_SCAN = 64
 MUL = 0x9E3779B97F4A7C15
@@ -164,6 +166,7 @@ class HostIndex(KVIndex):
         self._now = time.monotonic if clock is None else clock
         self.speculative = MemoryIndex(slot_of=self.slot, clock=self._now)  # this process's own entries
         self.writer = False
+        self._election: asyncio.Task[None] | None = None
         # the writer's private state (rebuilt from the file on taking over)
         self._intern: dict[int, int] = {}
         self._set_int: list[int] = []
@@ -203,6 +206,8 @@ class HostIndex(KVIndex):
             fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, 1)
 
     async def close(self) -> None:
+        if self._election is not None:
+            self._election.cancel()
         self.close_sync()
 
     def close_sync(self) -> None:
@@ -300,6 +305,19 @@ class HostIndex(KVIndex):
         self._rebuild()
         self.writer = True
         return True
+
+    async def wait_writer(self) -> None:
+        """Return once this process is the writer: tries the lock every :data:`WRITER_POLL_S`
+        seconds (one polling task for all callers of this instance)."""
+        if self.writer:
+            return
+        if self._election is None or self._election.done():
+            self._election = asyncio.get_running_loop().create_task(self._elect(), name="host-index-writer")
+        await asyncio.shield(self._election)
+
+    async def _elect(self) -> None:
+        while not self.try_become_writer():
+            await asyncio.sleep(WRITER_POLL_S)
 
     def _set_view(self, sid: int) -> np.ndarray:
         off = self._sets_off + sid * self._set_bytes
@@ -782,10 +800,17 @@ class HostIndex(KVIndex):
 
     def counters(self) -> dict[str, int]:
         """The file's counters: ``keys`` (distinct keys held), ``holder_sets`` (in use),
-        ``evicted_keys``, ``dropped_keys``, ``takeovers`` (writers that took the file over)."""
+        ``evicted_keys``, ``dropped_keys``, ``takeovers`` (writers that took the file over),
+        ``writer_pid`` (the last process to take it over)."""
         head = self._header
         return {"keys": int(head[_H_KEYS]), "holder_sets": int(head[_H_SETS_LIVE]), "evicted_keys": int(head[_H_EVICTED]),
-                "dropped_keys": int(head[_H_DROPPED]), "takeovers": int(head[_H_TAKEOVERS])}
+                "dropped_keys": int(head[_H_DROPPED]), "takeovers": int(head[_H_TAKEOVERS]),
+                "writer_pid": int(head[_H_WRITER_PID])}
+
+    @property
+    def dropped_keys(self) -> int:
+        """Keys not stored for want of a free holder set (module docstring)."""
+        return int(self._header[_H_DROPPED])
 
     def __len__(self) -> int:
         """Distinct keys held in the shared table."""
