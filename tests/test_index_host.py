@@ -130,7 +130,7 @@ def test_no_free_holder_set_drops_the_key_and_a_freed_set_waits_out_its_quaranti
     host.remove_sync("b", "gpu", [3])  # frees b's set: a reader may still be reading it
     host.store_sync("c", "gpu", [4])
     assert host.match_sync([4]) == {} and host.counters()["dropped_keys"] == 2
-    clock.now += 2.5
+    clock.now += 0.6
     host.store_sync("c", "gpu", [4])
     assert host.match_sync([4]) == {"c": TierMatch(gpu=1)}
 

@@ -36,9 +36,10 @@ def check_tier(tier: str) -> int:
         raise ValueError(f"unknown tier {tier!r}; expected one of {TIERS}") from None
 
 
-@dataclass
+@dataclass(frozen=True)
 class TierMatch:
-    """One worker's match for a prompt, in blocks: consecutive from block 0, split by tier."""
+    """One worker's match for a prompt, in blocks: consecutive from block 0, split by tier.
+    Frozen: a lookup may hand the same object to every worker with the same split."""
 
     gpu: int = 0
     cpu: int = 0

@@ -593,9 +593,12 @@ def _tier_matches_many(drops: Sequence[tuple[int, int, int, int]], alive: tuple[
     held = np.flatnonzero(runs[2])
     g = runs[0, held]
     gc = np.maximum(runs[1, held], g)
-    total = runs[2, held]
-    workers = map(names.get, held.tolist())
-    out = dict(zip(workers, map(TierMatch, g.tolist(), (gc - g).tolist(), (total - gc).tolist())))
+    # workers share a few splits: one frozen TierMatch per (gpu, cpu, ssd), found as one int each
+    code = (g << 42) | ((gc - g) << 21) | (runs[2, held] - gc)  # run lengths < 2**21 blocks
+    kinds, which = np.unique(code, return_inverse=True)
+    mask = (1 << 21) - 1
+    shared = [TierMatch(k >> 42, (k >> 21) & mask, k & mask) for k in kinds.tolist()]
+    out = dict(zip(map(names.get, held.tolist()), [shared[i] for i in which.tolist()]))
     out.pop(None, None)  # slots without a name
     return out  # type: ignore[return-value]
 
