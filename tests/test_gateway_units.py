@@ -54,6 +54,20 @@ def test_make_index():
         make_index({"backend": "cassandra"})
     with pytest.raises(ValueError, match="takes"):
         make_index({"backend": "memory", "url": "redis://x"})
+    with pytest.raises(ValueError, match="max_workers must be a positive integer, got 0"):
+        make_index({"backend": "memory", "max_workers": 0})
+
+
+def test_make_index_with_a_host_path_shares_one_file(tmp_path):
+    """--processes N: the memory backend becomes the host index, sized by the same config."""
+    from kvcore.index.host import HostIndex
+    cfg = {"backend": "memory", "max_keys": 1000, "max_workers": 8, "max_holder_sets": 64}
+    assert type(make_index(cfg)) is MemoryIndex  # alone: the host sizes are not used
+    one, two = make_index(cfg, host_path=tmp_path / "index"), make_index(cfg, host_path=tmp_path / "index")
+    assert isinstance(one, HostIndex) and (one.max_keys, one.max_workers, one.max_holder_sets) == (1000, 8, 64)
+    assert one.try_become_writer()
+    one.store_sync("w", "gpu", [5, 6])
+    assert two.match_sync([5, 6])["w"].gpu == 2
 
 
 def test_error_shape():

@@ -43,6 +43,9 @@ def make_index(cfg: dict[str, Any] | None, host_path: str | Path | None = None) 
     backend = cfg.pop("backend", "memory")
     if backend == "memory":
         sizes = _only(cfg, {"max_keys"} | HOST_KEYS, backend)
+        for key, value in sizes.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"index backend 'memory': {key} must be a positive integer, got {value!r}")
         if host_path is not None:
             from kvcore.index.host import HostIndex
             return HostIndex(host_path, **sizes)
