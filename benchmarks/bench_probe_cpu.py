@@ -10,8 +10,12 @@ worker count and process count, ``kvroute serve --processes P`` follows them for
 with no traffic; the table gives the gateway processes' CPU (user + system, ms per second, all
 processes together) and the calls per second the workers received.
 
+With ``--event-rate R`` each virtual worker also publishes vLLM-shaped KV events (R batches per
+second, each storing one block and removing an old one) that the gateway subscribes to: with
+``--processes P`` one process ingests them into the host index for all (:mod:`kvcore.index.host`).
+
 Usage: python benchmarks/bench_probe_cpu.py [--workers 64,256] [--processes 1,2,4] [--seconds 10]
-       [--settle-s 4] [--json FILE] [--plot DIR]
+       [--settle-s 4] [--event-rate 0] [--json FILE] [--plot DIR]
 Everything runs on loopback and stops by itself (each process has a deadline).
 
 ``--json FILE`` writes table ``idle`` (per workers, processes and mode: ``gateway_cpu_ms_per_s``,
@@ -42,10 +46,12 @@ DEADLINE_S = 900
 SETTLE_S = 4.0  # default --settle-s
 
 FLEET = r'''
-import asyncio, sys
+import asyncio, random, sys
 from aiohttp import web
 ports = [int(p) for p in sys.argv[1].split(",")]
 page = open(sys.argv[2]).read()
+event_ports = [int(p) for p in sys.argv[3].split(",")] if len(sys.argv) > 3 and sys.argv[3] else []
+event_rate = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
 calls = {"/health": 0, "/metrics": 0}
 async def handle(request):
     calls[request.path] += 1
@@ -62,8 +68,33 @@ async def main():
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", port).start()
+    for port in event_ports:
+        asyncio.get_running_loop().create_task(publish(port))
     print("ready", flush=True)
     await asyncio.Event().wait()
+async def publish(port):
+    """vLLM-shaped KV events at event_rate batches/s: each stores a 16-token block (block 0 of a
+    new prompt: the gateway may join the stream at any point) and removes the block stored 64
+    batches earlier (a bounded cache)."""
+    from kvcore.events import BlockRemoved, BlockStored
+    from simulator.events import KVEventsConfig, ZmqEventPublisher
+    pub = ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                           endpoint=f"tcp://*:{port}"))
+    pub.start()
+    rnd = random.Random(port)
+    held = []
+    loop = asyncio.get_running_loop()
+    start, n = loop.time() + rnd.random() / event_rate, 0
+    while True:
+        h = rnd.getrandbits(63)
+        events = [BlockStored(block_hashes=[h], parent_block_hash=None, token_ids=[rnd.randrange(100) for _ in range(16)],
+                              block_size=16, lora_id=None, medium="GPU", lora_name=None)]
+        held.append(h)
+        if len(held) > 64:
+            events.append(BlockRemoved(block_hashes=[held.pop(0)], medium="GPU"))
+        pub.publish(events)
+        n += 1
+        await asyncio.sleep(max(0.0, start + n / event_rate - loop.time()))
 asyncio.run(main())
 '''
 
@@ -120,12 +151,15 @@ def wait_for(pred, timeout_s: float, what: str) -> None:
 
 
 def measure(work: Path, ports: list[int], processes: int, shared: bool, seconds: float,
-            settle_s: float = SETTLE_S) -> tuple[float, float]:
-    """``(gateway CPU ms per second, worker calls per second)`` of one idle gateway."""
-    gw_port = free_ports(1, avoid=set(ports))[0]
+            settle_s: float = SETTLE_S, event_ports: list[int] | None = None) -> tuple[float, float]:
+    """``(gateway CPU ms per second, worker calls per second)`` of one idle gateway (subscribed
+    to ``event_ports``' KV events, one per worker, when given)."""
+    gw_port = free_ports(1, avoid=set(ports) | set(event_ports or []))[0]
+    events = [{"events": f"tcp://127.0.0.1:{e}"} for e in event_ports] if event_ports else [{} for _ in ports]
     cfg = {"listen": {"host": "127.0.0.1", "port": gw_port},
            "models": [{"name": "tiny", "tokenizer": str(TINY), "block_size": 16}],
-           "workers": [{"id": f"w{i}", "url": f"http://127.0.0.1:{p}", "model": "tiny"} for i, p in enumerate(ports)],
+           "workers": [{"id": f"w{i}", "url": f"http://127.0.0.1:{p}", "model": "tiny", **events[i]}
+                       for i, p in enumerate(ports)],
            "policy": {"name": "kv_aware"}}
     path = work / f"gw-{len(ports)}-{processes}-{shared}.json"
     path.write_text(json.dumps(cfg))
@@ -137,6 +171,12 @@ def measure(work: Path, ports: list[int], processes: int, shared: bool, seconds:
         wait_for(lambda: httpx.get(f"http://127.0.0.1:{gw_port}/health/ready", timeout=5).status_code == 200,
                  120, "the gateway")
         time.sleep(settle_s)
+        if event_ports:  # the events reach the index (every worker holds blocks in it)
+            index = httpx.get(f"http://127.0.0.1:{gw_port}/admin/index", timeout=10,
+                              headers={"Authorization": "Bearer bench"}).json()
+            held = sum(1 for w in index["workers"].values() if w["blocks"]["gpu"] > 0)
+            if held < len(ports):
+                raise SystemExit(f"only {held} of {len(ports)} workers' KV events reached the index")
         calls = lambda: sum(httpx.get(f"http://127.0.0.1:{ports[0]}/calls", timeout=10).json().values())  # noqa: E731
         c0, cpu0, t0 = calls(), tree_cpu_s(gw.pid), time.monotonic()
         time.sleep(seconds)
@@ -152,6 +192,8 @@ def main() -> None:
     ap.add_argument("--processes", default="1,2,4", help="comma-separated gateway process counts")
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--settle-s", type=float, default=SETTLE_S, help="wait after the gateway is ready")
+    ap.add_argument("--event-rate", type=float, default=0.0,
+                    help="KV-event batches per second each worker publishes (0: no event streams)")
     add_output_args(ap)
     args = ap.parse_args()
     counts = [int(x) for x in args.workers.split(",")]
@@ -166,14 +208,17 @@ def main() -> None:
               f"{args.seconds:.0f} s idle per cell after {args.settle_s:.0f} s to settle")
         print(f"{'workers':>8} {'processes':>9} {'mode':>16} {'gateway CPU ms/s':>17} {'worker calls/s':>15}")
         for n in counts:
-            ports = free_ports(n)
-            fleet = start([sys.executable, "-c", FLEET, ",".join(map(str, ports)), str(page)], work / f"fleet-{n}.log")
+            ports = free_ports(2 * n if args.event_rate > 0 else n)
+            ports, event_ports = ports[:n], ports[n:]
+            fleet = start([sys.executable, "-c", FLEET, ",".join(map(str, ports)), str(page),
+                           ",".join(map(str, event_ports)), str(args.event_rate)], work / f"fleet-{n}.log",
+                          env={"PYTHONPATH": str(ROOT)})
             try:
                 wait_for(lambda: "ready" in (work / f"fleet-{n}.log").read_text(), 120, "the worker fleet")
                 for p in procs:
                     modes = [("one prober", True)] if p == 1 else [("every process", False), ("one prober", True)]
                     for mode, shared in modes:
-                        cpu, calls = measure(work, ports, p, shared, args.seconds, args.settle_s)
+                        cpu, calls = measure(work, ports, p, shared, args.seconds, args.settle_s, event_ports)
                         rows.append({"workers": n, "processes": p, "mode": mode,
                                      "gateway_cpu_ms_per_s": round(cpu, 1), "worker_calls_per_s": round(calls, 1)})
                         print(f"{n:>8} {p:>9} {mode:>16} {cpu:>17.1f} {calls:>15.1f}", flush=True)
