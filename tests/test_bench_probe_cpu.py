@@ -1,6 +1,7 @@
 """benchmarks/bench_probe_cpu.py runs end to end at a tiny size: 4 virtual workers followed by a
 2-process gateway, every process probing and then one prober; the workers' own call counts show
-the prober answering for both processes (counts, not timings)."""
+the prober answering for both processes (counts, not timings). The workers also publish KV events,
+which the benchmark checks reached the gateway's index for every worker."""
 from __future__ import annotations
 
 import json
@@ -14,7 +15,8 @@ REPO = Path(__file__).resolve().parents[1]
 def test_bench_probe_cpu_prints_and_writes_both_modes(tmp_path: Path) -> None:
     out = tmp_path / "probe.json"
     run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_probe_cpu.py"), "--workers", "4",
-                          "--processes", "2", "--seconds", "3", "--settle-s", "2", "--json", str(out)],
+                          "--processes", "2", "--seconds", "3", "--settle-s", "2", "--event-rate", "10",
+                          "--json", str(out)],
                          capture_output=True, text=True, timeout=240, cwd=REPO)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     rows = {r["mode"]: r for r in json.loads(out.read_text())["tables"]["idle"]}
