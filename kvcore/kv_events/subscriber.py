@@ -117,20 +117,22 @@ class EventSubscriber:
         self._sub = sub
         monitor_task = asyncio.create_task(self._watch_connection())
         recv: asyncio.Future | None = None
+        reconnect: asyncio.Future | None = None  # kept across messages: one wait task per reconnect
         try:
             if self.replay_url:
                 await self._catch_up()
             while True:
                 if recv is None:
-                    recv = asyncio.ensure_future(sub.recv_multipart())
-                reconnect = asyncio.ensure_future(self._reconnected.wait())
-                done, _ = await asyncio.wait({recv, reconnect}, return_when=asyncio.FIRST_COMPLETED)
-                if reconnect in done:
+                    recv = asyncio.ensure_future(sub.recv_multipart())  # done at once when one is queued
+                if reconnect is None:
+                    reconnect = asyncio.ensure_future(self._reconnected.wait())
+                if not recv.done() and not reconnect.done():
+                    await asyncio.wait({recv, reconnect}, return_when=asyncio.FIRST_COMPLETED)
+                if reconnect.done():
+                    reconnect = None
                     self._reconnected.clear()
                     await self._verify_after_reconnect()
-                else:
-                    reconnect.cancel()
-                if recv not in done:
+                if not recv.done():
                     continue
                 frames, recv = recv.result(), None
                 if len(frames) != 3:
@@ -138,8 +140,9 @@ class EventSubscriber:
                     continue
                 await self._on_message(seq_from_bytes(frames[1]), frames[2])
         finally:
-            if recv is not None:
-                recv.cancel()
+            for pending in (recv, reconnect):
+                if pending is not None:
+                    pending.cancel()
             monitor_task.cancel()
             self.close()
 
