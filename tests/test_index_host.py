@@ -6,7 +6,10 @@ import multiprocessing as mp
 import os
 import random
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -261,3 +264,21 @@ def test_a_deletion_cut_short_mid_shift_is_repaired_by_the_next_writer(tmp_path)
     assert new.match_sync([keys[0]]) == {}
     assert new.remove_sync("a", "gpu", [keys[1]]) == 0
     assert new.match_sync([keys[1]]) == {} and len(new) == 0
+
+
+def test_no_room_for_the_file_refuses_at_start(tmp_path):
+    """Pages are reserved at creation: a filesystem without room (here a 1 MiB file-size limit)
+    refuses with a clear error instead of a SIGBUS when the table fills later."""
+    code = (
+        "import resource, signal, sys\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))\n"
+        "from kvcore.index.host import HostIndex\n"
+        "try:\n"
+        "    HostIndex(sys.argv[1], max_keys=1_000_000, max_workers=64, max_holder_sets=1024)\n"
+        "except ValueError as exc:\n"
+        "    print(exc)\n")
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path / "index")], capture_output=True,
+                         text=True, timeout=60, cwd=Path(__file__).resolve().parents[1])
+    assert "cannot reserve 18 MiB there" in run.stdout and "--shm-size" in run.stdout, run.stdout + run.stderr
+    assert os.path.getsize(tmp_path / "index") == 0  # nothing half-made for the next process

@@ -124,15 +124,17 @@ class HostIndex(KVIndex):
     ``max_keys``: distinct block keys held at most (eviction beyond, module docstring);
     ``max_workers``: worker slots (each holder set is ``max_workers / 2`` bytes);
     ``max_holder_sets``: distinct holder sets at most; ``clock``: seconds, monotonic (speculative
-    TTLs, the quarantine of freed sets). Raises ValueError when the file exists with other bounds or is not an index file,
-    OSError when it cannot be created or mapped.
+    TTLs, the quarantine of freed sets). The file's pages are reserved when it is created
+    (:func:`layout_bytes`; ~79 MiB at the defaults). Raises ValueError when the file exists with
+    other bounds or is not an index file, or when its filesystem has no room for it; OSError when
+    it cannot be created or mapped.
 
     A new instance reads only; :meth:`try_become_writer` makes it the writer when no live process
     is. Write methods called on a reader change only this process's speculative entries (what a
     gateway that is not the writer does when told a worker went away)."""
 
-    def __init__(self, path: str | Path, max_keys: int = 4_000_000, max_workers: int = 1024,
-                 max_holder_sets: int = 262_144, clock: Callable[[], float] | None = None) -> None:
+    def __init__(self, path: str | Path, max_keys: int = 4_000_000, max_workers: int = 256,
+                 max_holder_sets: int = 65_536, clock: Callable[[], float] | None = None) -> None:
         if max_keys < 1 or max_workers < 1 or max_holder_sets < 4:
             raise ValueError("host index: max_keys and max_workers must be >= 1, max_holder_sets >= 4")
         self.path = Path(path)
@@ -181,7 +183,14 @@ class HostIndex(KVIndex):
             size = os.fstat(self._fd).st_size
             want = (MAGIC, LAYOUT_VERSION, self._lay["capacity"], max_workers, max_sets)
             if size == 0:
-                os.ftruncate(self._fd, self._lay["total"])
+                try:  # reserve every page now: a full tmpfs must refuse the start, not SIGBUS later
+                    os.posix_fallocate(self._fd, 0, self._lay["total"])
+                except OSError as exc:
+                    os.ftruncate(self._fd, 0)
+                    raise ValueError(
+                        f"host index {self.path}: cannot reserve {self._lay['total'] / 2**20:.0f} MiB there "
+                        f"({exc.strerror}); give that filesystem more room (a container's --shm-size) or "
+                        f"lower index max_keys / max_workers / max_holder_sets") from None
                 with mmap.mmap(self._fd, HEADER_BYTES) as mm:
                     head = memoryview(mm).cast("Q")
                     head[_H_VERSION], head[_H_CAPACITY], head[_H_MAX_WORKERS] = want[1:4]
