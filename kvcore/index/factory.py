@@ -43,6 +43,11 @@ def make_index(cfg: dict[str, Any] | None) -> KVIndex:
     """
     cfg = dict(cfg or {})
     backend = cfg.pop("backend", "memory")
+    cluster = cfg.pop("cluster", False)
+    if not isinstance(cluster, bool):
+        raise ValueError(f"index backend {backend!r}: cluster must be true or false, got {cluster!r}")
+    if cluster and backend not in {b for b, _ in _CLUSTER}:
+        raise ValueError(f"index backend {backend!r} has no cluster mode")
     if backend == "memory":
         return MemoryIndex(**_only(cfg, {"max_keys"}, backend))
     if backend not in _BACKENDS:
@@ -52,11 +57,6 @@ def make_index(cfg: dict[str, Any] | None) -> KVIndex:
         raise ValueError(f"index backend {backend!r}: mirror must be true or false, got {mirror!r}")
     if mirror and backend not in _MIRRORED:
         raise ValueError(f"index backend {backend!r} has no mirror")
-    cluster = cfg.pop("cluster", False)
-    if not isinstance(cluster, bool):
-        raise ValueError(f"index backend {backend!r}: cluster must be true or false, got {cluster!r}")
-    if cluster and (backend, mirror) not in _CLUSTER:
-        raise ValueError(f"index backend {backend!r} has no cluster mode")
     module, name = _CLUSTER[(backend, mirror)] if cluster else (_MIRRORED if mirror else _BACKENDS)[backend]
     try:
         cls = getattr(importlib.import_module(module), name)

@@ -15,9 +15,10 @@ one hash tag, so that it lives in one cluster slot and every Lua script touches 
   ``st:s``, the encoding version ``meta:block_key_encoding`` and the partition count
   ``meta:partitions``;
 - :data:`PARTITIONS` partition groups, prefix ``{ns:pNN.J}:`` (``NN`` the partition number,
-  ``J`` the first integer that puts partition ``NN``'s tag in the ``NN``-th sixteenth of the 16,384
-  cluster slots, so that a cluster whose nodes hold contiguous slot ranges of equal size, as
-  ``redis-cli --cluster create`` makes them, gets an even share of partitions per node). Block
+  ``J`` the first integer that puts partition ``NN``'s tag within 32 slots of the middle of the
+  ``NN``-th of ``partitions`` equal ranges of the 16,384 cluster slots, so that a cluster whose
+  nodes hold contiguous slot ranges of equal size, as ``redis-cli --cluster create`` makes them,
+  gets an even share of partitions per node: 5, 6 and 5 of 16 on 3 nodes). Block
   key ``k`` lives in partition ``k % partitions``. Each partition holds what the standalone
   schema holds per block key: bitmaps ``b:raw(k)``, owned sets ``o:s:t``, duplicate counters
   ``rc:s:t``, and its own change log ``seq`` + ``log`` (entries in the standalone format, with
@@ -54,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -71,10 +73,12 @@ from kvcore.index.redis import (_CLEAR_BATCH, _CONNECTION_ERRORS, _LOG, _SLOT_OF
                                 RedisIndex, _command, _mget_fixed, _pack)
 
 _T = TypeVar("_T")
+log = logging.getLogger("kvroute.index.redis_cluster")
 PARTITIONS = 16  # block-key partitions of a cluster index (written to Redis: all processes must agree)
 PARTITIONS_KEY = "meta:partitions"  # after the meta prefix
 _REDIRECTS = (redis.exceptions.MovedError, redis.exceptions.AskError, redis.exceptions.TryAgainError,
               redis.exceptions.ClusterDownError)
+_TAG_NEAR_SLOTS = 32  # a partition's tag hashes this close to the middle of its slot range
 _STALE = -1  # a partition script's answer: its slot numbers belong to another meta epoch
 
 # A partition's guard, first in every partition write script: ARGV[1] prefix, ARGV[2] worker,
@@ -231,16 +235,18 @@ return {slot, redis.call('GET', p .. 'epoch')}
 
 def partition_tags(namespace: str, partitions: int) -> list[str]:
     """The hash tag of each partition (``{ns:pNN.J}``, braces included), spread over the cluster's
-    16,384 slots: partition ``i``'s tag hashes into the ``i``-th of ``partitions`` equal slot
-    ranges (``J``: the first integer that does). Raises ValueError for ``partitions`` outside
-    1..1024."""
+    16,384 slots: partition ``i``'s tag hashes within 32 slots of the middle of the ``i``-th of
+    ``partitions`` equal slot ranges (``J``: the first integer that does). Raises ValueError for
+    ``partitions`` outside 1..1024."""
     if not 1 <= partitions <= 1024:
         raise ValueError(f"partitions must be 1..1024, got {partitions}")
     tags = []
+    width = REDIS_CLUSTER_HASH_SLOTS / partitions
+    near = max(1, min(_TAG_NEAR_SLOTS, int(width / 2)))
     for i in range(partitions):
-        lo, hi = i * REDIS_CLUSTER_HASH_SLOTS // partitions, (i + 1) * REDIS_CLUSTER_HASH_SLOTS // partitions
+        mid = int((i + 0.5) * width)
         j = 0
-        while not lo <= key_slot(f"{namespace}:p{i:02d}.{j}".encode()) < hi:
+        while abs(key_slot(f"{namespace}:p{i:02d}.{j}".encode()) - mid) >= near:
             j += 1
         tags.append(f"{{{namespace}:p{i:02d}.{j}}}")
     return tags
@@ -280,6 +286,7 @@ class RedisClusterIndex(RedisIndex):
         self._worker_slots: dict[str, int] = {}  # worker -> slot, valid for self._slots_epoch
         self._slots_epoch = b""
         self._published_epochs: dict[str, list[bytes | None]] = {}  # worker -> partition epochs at publish
+        self.partition_wipes = 0  # partitions this process wiped (written under a lost slot table)
 
     def _set_partitions(self, partitions: int) -> None:
         """Lay out ``partitions`` partitions (their tags, slots, key prefixes). Raises ValueError."""
@@ -489,6 +496,9 @@ class RedisClusterIndex(RedisIndex):
                 calls = build(slot2, epoch2)
             else:
                 wiped = sorted({calls[i][0] for i in stale})
+                self.partition_wipes += len(wiped)
+                log.warning("redis index %s: partitions %s hold slot numbers of a lost slot table; wiping them",
+                            self.url, wiped)
                 await self._part_scripts([(part, "wipe", [self.part_prefixes[part], epoch2]) for part in wiped])
             replies = await self._part_scripts(calls)
             if any(isinstance(r, list) and int(r[0]) == _STALE for r in replies):
