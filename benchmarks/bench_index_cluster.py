@@ -2,9 +2,12 @@
 
 Starts a ``--shards``-node Redis Cluster on loopback (``redis-server --cluster-enabled yes``, joined
 by ``redis-cli --cluster create``, nothing persisted; or ``--cluster-url``, any node of one), then
-for each worker count in ``--workers``: a fresh namespace where worker i holds the first
-(i+1)/workers of a ``--prompt-tokens`` prompt (32k tokens = 2,048 blocks of 16) plus filler up to
-``--blocks-per-worker`` blocks, written through :class:`kvcore.index.redis_cluster.RedisClusterIndex`
+for each worker count in ``--workers`` and each layout in ``--prefix-groups``: a fresh namespace
+where the workers hold prefixes of a ``--prompt-tokens`` prompt (32k tokens = 2,048 blocks of 16)
+plus filler up to ``--blocks-per-worker`` blocks: with 0 prefix groups worker i holds the first
+(i+1)/workers of the prompt (every worker its own length: every block has other holders, the
+costliest case for the bitmask chains); with G groups the workers are split into G equal groups
+and group g holds the first (g+1)/G (holders change at G blocks only), written through :class:`kvcore.index.redis_cluster.RedisClusterIndex`
 (the agents' path), and ``--repeats`` x ``--rounds`` interleaved rounds, one ``match`` of the
 prompt per variant per round in a shuffled order, each with the prompt's keys as fresh ints:
 
@@ -47,6 +50,7 @@ from kvcore.block_keys import block_keys  # noqa: E402
 from kvcore.index.memory import MemoryIndex  # noqa: E402
 from kvcore.index.redis_cluster import RedisClusterIndex  # noqa: E402
 from kvcore.index.redis_cluster_mirror import RedisClusterMirrorIndex  # noqa: E402
+from kvcore.kv_events.ingest import write_ops  # noqa: E402
 
 
 def free_ports(n: int) -> list[int]:
@@ -124,12 +128,31 @@ class RedisPyFetch:
         await self.rc.aclose()
 
 
-async def one_size(url: str, workers: int, args: argparse.Namespace, prompt: list[int], rnd: random.Random) -> dict:
-    ns = f"benchcl{workers}_{random.getrandbits(24):06x}"
+async def populate_groups(index, prompt: list[int], workers: int, groups: int, blocks_per_worker: int,
+                          chunk: int = 20_000) -> None:
+    """Worker i (of ``groups`` equal groups, i * groups // workers its group g) holds the first
+    (g+1)/groups of ``prompt`` plus random filler up to ``blocks_per_worker`` blocks (``groups`` 0:
+    :func:`bench_agent.populate`, every worker its own prefix length)."""
+    if not groups:
+        await populate(index, prompt, workers, blocks_per_worker, chunk)
+        return
+    rnd = random.Random(1)
+    n = len(prompt)
+    for w in range(workers):
+        g = w * groups // workers
+        held = prompt[:max(1, (g + 1) * n // groups)]
+        keys = held + [rnd.getrandbits(64) for _ in range(blocks_per_worker - len(held))]
+        for i in range(0, len(keys), chunk):
+            await write_ops(index, f"worker-{w:04d}", [("store", "gpu", keys[i:i + chunk])])
+
+
+async def one_size(url: str, workers: int, groups: int, args: argparse.Namespace, prompt: list[int],
+                   rnd: random.Random) -> dict:
+    ns = f"benchcl{workers}_{groups}_{random.getrandbits(24):06x}"
     packed = struct.pack(f">{len(prompt)}Q", *prompt)
     writer = RedisClusterIndex(url, namespace=ns, socket_timeout_s=60, heartbeat_ttl_s=36000)
     t0 = time.perf_counter()
-    await populate(writer, prompt, workers, args.blocks_per_worker)
+    await populate_groups(writer, prompt, workers, groups, args.blocks_per_worker)
     populate_s = time.perf_counter() - t0
     plain = RedisClusterIndex(url, namespace=ns, socket_timeout_s=30, heartbeat_ttl_s=36000)
     mirror = RedisClusterMirrorIndex(url, namespace=ns, socket_timeout_s=5, heartbeat_ttl_s=36000,
@@ -138,7 +161,7 @@ async def one_size(url: str, workers: int, args: argparse.Namespace, prompt: lis
     await mirror.open()
     bootstrap_s = time.perf_counter() - t0
     mem = MemoryIndex()
-    await populate(mem, prompt, workers, args.blocks_per_worker)
+    await populate_groups(mem, prompt, workers, groups, args.blocks_per_worker)
     variants = {"cluster (plain)": plain, "cluster + mirror": mirror, "memory": mem}
     results = {v: await idx.match(prompt) for v, idx in variants.items()}
     assert all(r == results["memory"] for r in results.values()), "variants disagree"
@@ -146,7 +169,9 @@ async def one_size(url: str, workers: int, args: argparse.Namespace, prompt: lis
     fetch = RedisPyFetch(url, plain)
     variants["redis-py RedisCluster (fetch)"] = fetch
     shards = {f"{h}:{p}": len(v) for (h, p), v in plain.shard_of_partitions().items()}
-    print(f"\n{workers} workers x {args.blocks_per_worker} blocks, {len(prompt)}-block prompt ({len(results['memory'])} "
+    layout = f"{groups} prefix groups" if groups else "each worker its own prefix length"
+    print(f"\n{workers} workers x {args.blocks_per_worker} blocks ({layout}), {len(prompt)}-block prompt "
+          f"({len(results['memory'])} "
           f"match); partitions per shard {shards}; populated through the cluster in {populate_s:.1f} s; mirror "
           f"bootstrap {bootstrap_s:.1f} s")
     print(f"  {'variant':30} " + " ".join(f"{'rep' + str(r + 1) + ' p50/p99':>16}" for r in range(args.repeats))
@@ -167,7 +192,7 @@ async def one_size(url: str, workers: int, args: argparse.Namespace, prompt: lis
                   "repeats_p50_p99_ms": reps[v]}
     for idx in (writer, plain, mirror, fetch):
         await idx.close()
-    return {"workers": workers, "blocks_per_worker": args.blocks_per_worker, "populate_s": populate_s,
+    return {"workers": workers, "prefix_groups": groups, "blocks_per_worker": args.blocks_per_worker, "populate_s": populate_s,
             "bootstrap_s": bootstrap_s, "partitions_per_shard": shards, "variants": out}
 
 
@@ -175,8 +200,11 @@ async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cluster-url", default=None, help="a node of a running cluster (default: start one)")
     ap.add_argument("--shards", type=int, default=3)
-    ap.add_argument("--quick", action="store_true", help="8 and 32 workers, a 4k-token prompt, 1 repeat of 30 rounds")
+    ap.add_argument("--quick", action="store_true",
+                    help="8 and 32 workers, own prefix lengths, a 4k-token prompt, 1 repeat of 30 rounds")
     ap.add_argument("--workers", default="64,256,1024", help="worker counts, comma-separated (one run each)")
+    ap.add_argument("--prefix-groups", default="0,8",
+                    help="layouts, comma-separated: 0 = every worker its own prefix length, G = G groups of workers")
     ap.add_argument("--blocks-per-worker", type=int, default=4096)
     ap.add_argument("--prompt-tokens", type=int, default=32_768)
     ap.add_argument("--block-size", type=int, default=16)
@@ -186,6 +214,7 @@ async def main() -> None:
     args = ap.parse_args()
     if args.quick:
         args.workers, args.blocks_per_worker, args.prompt_tokens, args.rounds, args.repeats = "8,32", 512, 4096, 30, 1
+        args.prefix_groups = "0"
     procs: list[subprocess.Popen] = []
     url = args.cluster_url
     if url is None:
@@ -196,7 +225,8 @@ async def main() -> None:
         rnd = random.Random(5)
         print(f"{args.shards}-shard Redis Cluster at {url}; {args.repeats} repeats x {args.rounds} interleaved "
               f"rounds per worker count (wall ms per lookup)")
-        sizes = [await one_size(url, int(w), args, prompt, rnd) for w in args.workers.split(",")]
+        sizes = [await one_size(url, int(w), int(g), args, prompt, rnd)
+                 for g in args.prefix_groups.split(",") for w in args.workers.split(",")]
         if args.json:
             args.json.write_text(json.dumps({"config": {k: str(v) for k, v in vars(args).items()},
                                              "sizes": sizes}, indent=1))

@@ -61,6 +61,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
+import numpy as np
 import redis.asyncio as aioredis
 import redis.exceptions
 from redis.asyncio.retry import Retry
@@ -252,6 +253,14 @@ def partition_tags(namespace: str, partitions: int) -> list[str]:
     return tags
 
 
+def _mget_and(prefix: bytes, packed: bytes, last: bytes) -> bytearray:
+    """:func:`kvcore.index.redis._mget_fixed` of ``packed`` with one more key, ``last``, at the end."""
+    n = len(packed) // 8
+    buf = _mget_fixed(prefix, packed)
+    head = b"*%d\r\n" % (n + 1)
+    return bytearray(b"*%d\r\n" % (n + 2)) + buf[len(head):] + b"$%d\r\n%s\r\n" % (len(last), last)
+
+
 class RedisClusterIndex(RedisIndex):
     """The shared index over a Redis Cluster; see the module docstring for layout, costs and
     failure handling. Takes :class:`kvcore.index.redis.RedisIndex`'s arguments (``url``: any
@@ -295,7 +304,7 @@ class RedisClusterIndex(RedisIndex):
         self.part_prefixes = [f"{tag}:" for tag in tags]
         self.part_slots = [key_slot(tag[1:-1].encode()) for tag in tags]
         self._part_bitmap_prefix = [pp.encode() + b"b:" for pp in self.part_prefixes]
-        self._part_mepoch_get = [_command(b"GET", pp.encode() + b"mepoch") for pp in self.part_prefixes]
+        self._part_mepoch_key = [pp.encode() + b"mepoch" for pp in self.part_prefixes]
         self._slot_ranges = None
 
     # ---- topology -----------------------------------------------------------------------------
@@ -636,28 +645,39 @@ class RedisClusterIndex(RedisIndex):
     # ---- reads --------------------------------------------------------------------------------
     async def _bitmaps(self, keys: Sequence[int]) -> tuple[list[bytes | None], list[Any]]:
         """Each key's worker bitmap (None: nobody holds it, or its partition belongs to another
-        meta epoch) and each slot's heartbeat flag, in one pipeline per node (all nodes at once);
-        the slot table is re-read and the lookup repeated once when it changed. Raises
+        meta epoch) and each slot's heartbeat flag, in one pipeline per node (all nodes at once):
+        per partition of ``keys`` one ``MGET`` of its bitmaps and its ``mepoch``; on the meta node
+        the heartbeats, epoch and slot count. The slot table is re-read and the lookup repeated
+        once when it changed. Raises ValueError for keys that are not unsigned 64-bit ints,
         IndexUnavailable."""
         n = self.partitions
-        positions: list[list[int]] = [[] for _ in range(n)]
-        members: list[list[int]] = [[] for _ in range(n)]
-        for i, k in enumerate(keys):
-            p = k % n
-            positions[p].append(i)
-            members[p].append(k)
-        used = [p for p in range(n) if members[p]]
-        mgets = {p: _mget_fixed(self._part_bitmap_prefix[p], _pack(members[p])) for p in used}
+        try:
+            arr = np.fromiter(keys, dtype=np.uint64, count=len(keys))
+        except (OverflowError, ValueError, TypeError) as exc:
+            raise ValueError(f"block keys must be unsigned 64-bit ints: {exc}") from None
+        parts = (arr % np.uint64(n)).astype(np.intp)
+        order = np.argsort(parts, kind="stable")  # positions grouped by partition
+        counts = np.bincount(parts, minlength=n).tolist()
+        packed = arr[order].astype(">u8").tobytes()
+        used: list[tuple[int, int, int]] = []  # (partition, first, count) in ``order``
+        first = 0
+        for p, c in enumerate(counts):
+            if c:
+                used.append((p, first, c))
+                first += c
+        mgets = {p: _mget_and(self._part_bitmap_prefix[p], packed[f * 8:(f + c) * 8], self._part_mepoch_key[p])
+                 for p, f, c in used}
 
-        async def roundtrip() -> tuple[dict[Any, list[Any]], list[tuple[int, tuple[str, int], int]], tuple[str, int]]:
+        async def roundtrip() -> tuple[dict[Any, list[Any]], list[tuple[int, int, tuple[str, int], int]],
+                                       tuple[str, int], int]:
             if self._slot_ranges is None:
                 await self._discover()
             requests: dict[tuple[str, int], list[bytes | bytearray]] = {}
             where = []
-            for p in used:
+            for p, _, c in used:
                 req = requests.setdefault(self._part_nodes[p], [])
-                where.append((p, self._part_nodes[p], len(req)))
-                req += [mgets[p], self._part_mepoch_get[p]]
+                where.append((p, c, self._part_nodes[p], len(req)))
+                req.append(mgets[p])
             assert self._meta_node is not None
             meta = requests.setdefault(self._meta_node, [])
             meta_at = len(meta)
@@ -667,12 +687,11 @@ class RedisClusterIndex(RedisIndex):
                 for x in r:
                     if isinstance(x, BaseException):
                         raise x
-            return replies, where, (self._meta_node, meta_at)
+            return replies, where, self._meta_node, meta_at
 
-        vals: list[bytes | None] = [None] * len(keys)
         flags: list[Any] = []
         for _ in range(2):
-            replies, where, (meta_node, meta_at) = await self._run(roundtrip)
+            replies, where, meta_node, meta_at = await self._run(roundtrip)
             meta = replies[meta_node][meta_at:]
             flags = meta[0] if self._hb_mget else []
             if (meta[-2] or b"") == self._epoch and meta[-1] == len(self._names):
@@ -680,12 +699,15 @@ class RedisClusterIndex(RedisIndex):
             self._encoding_checked = False
             await self._refresh_slots()
         epoch = self._epoch
-        for p, addr, at in where:
-            got, mepoch = replies[addr][at], replies[addr][at + 1]
-            if mepoch is not None and mepoch != epoch:
-                continue  # written under a slot table the meta group no longer has
-            for i, v in zip(positions[p], got):
-                vals[i] = v
+        grouped: list[bytes | None] = []
+        for p, c, addr, at in where:
+            got = replies[addr][at]
+            mepoch = got.pop()
+            # a partition written under a slot table the meta group no longer has counts as empty
+            grouped += got if mepoch is None or mepoch == epoch else [None] * c
+        vals: list[bytes | None] = [None] * len(keys)
+        for i, v in zip(order.tolist(), grouped):
+            vals[i] = v
         return vals, flags
 
     async def stats(self) -> dict[str, WorkerIndexStats]:
