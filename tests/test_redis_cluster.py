@@ -1,8 +1,9 @@
 """The Redis index sharded over a real 3-shard Redis Cluster (kvcore.index.redis_cluster and
 redis_cluster_mirror): partitions on every shard, the same answers as the memory index for random
 ops (plain and mirrored, and a mirror following another client's writes), the encoding and layout
-checks, and a shard restart (lost data) after which the agent's republish and the mirror's reload
-give the truth again.
+checks, a shard restart (of the meta shard, and of another) after which the agent's republish and
+the mirror's reload give the truth again, and a shard losing its data with no outage (the partition
+epochs make the agent republish and the mirror reload).
 
 Each cluster is 3 ``redis-server --cluster-enabled yes`` on loopback (nothing persisted) joined by
 ``redis-cli --cluster create``; every wait polls a condition with a deadline, and the servers have
@@ -224,8 +225,9 @@ async def test_encoding_partitions_and_cluster_mode_mismatches_refuse(cluster, r
     await on_standalone.close()
 
 
+@pytest.mark.parametrize("shard", ["meta", "other"])
 async def test_a_shard_restart_fails_lookups_then_the_agent_republishes_and_the_mirror_reloads(
-        tmp_path, capture):
+        tmp_path, capture, shard):
     c = Cluster(tmp_path)
     index = reader = mirror = ing = pub = None
     try:
@@ -250,12 +252,14 @@ async def test_a_shard_restart_fails_lookups_then_the_agent_republishes_and_the_
         mirror = RedisClusterMirrorIndex(c.url, poll_interval_s=0.1, stale_after_s=1.0, **kw)
         await mirror.open()
         assert await mirror.match(keys_a) == await reader.match(keys_a)
-        # the shard holding the meta group (slot table, heartbeats, encoding) and some of the prompt's
-        # partitions: the worst one to lose
+        # "meta": the shard holding the meta group (slot table, heartbeats, published markers,
+        # encoding) and some of the prompt's partitions, the worst one to lose; "other": a shard
+        # holding partitions only (the agent learns of the loss from the partition epochs)
         meta_port = c.owner(index.meta_slot)
-        lost_parts = [p for p, addr in enumerate(index._part_nodes) if addr[1] == meta_port]
+        port = meta_port if shard == "meta" else next(p for p in c.ports if p != meta_port)
+        lost_parts = [p for p, addr in enumerate(index._part_nodes) if addr[1] == port]
         assert {k % PARTITIONS for k in keys_a} & set(lost_parts)
-        c.stop(meta_port)
+        c.stop(port)
 
         async def unavailable(idx) -> bool:
             try:
@@ -267,7 +271,7 @@ async def test_a_shard_restart_fails_lookups_then_the_agent_republishes_and_the_
         await until(lambda: unavailable(mirror), timeout_s=5, what="mirror lookups raise IndexUnavailable")
         await pub.publish(payloads[3])  # applied to the agent's state while a shard is down
         await until(lambda: ing.subscriber.last_seq == 1 and ing.index_errors >= 1, what="write failed")
-        c.start(meta_port)  # same port and nodes.conf (its slots), no data
+        c.start(port)  # same port and nodes.conf (its slots), no data
         c.wait_ok()
 
         truth = MemoryIndex()  # the agent's view, as the memory index holds it
@@ -285,8 +289,10 @@ async def test_a_shard_restart_fails_lookups_then_the_agent_republishes_and_the_
         await until(lambda: restored(reader), timeout_s=20, what="plain lookups give the truth again")
         await until(lambda: restored(mirror), timeout_s=20, what="the mirror gives the truth again")
         assert ing.state()["index_synced"] and ing.republishes >= 2
-        # the partitions on the shards that kept their data held the lost slot table's numbers
-        assert index.partition_wipes >= len(index.part_prefixes) - len(lost_parts)
+        if shard == "meta":  # the partitions on the shards that kept their data held the lost slot numbers
+            assert index.partition_wipes >= len(index.part_prefixes) - len(lost_parts)
+        else:  # the slot table survived: nothing to wipe
+            assert index.partition_wipes == 0
         assert mirror.resyncs >= 2 and mirror.gaps >= 1
         assert await mirror.stats() == await reader.stats() == await truth.stats()
     finally:
@@ -319,3 +325,54 @@ def test_the_cluster_config_key_is_checked_by_the_config_and_the_factory():
         make_index({"backend": "redis", "cluster": True, "mirror": False, "poll_interval_s": 1})
     idx = make_index({"backend": "redis", "cluster": True, "namespace": "n", "partitions": 8})
     assert type(idx) is RedisClusterMirrorIndex and idx.partitions == 8 and len(idx.part_prefixes) == 8
+
+
+async def test_a_shard_losing_its_data_between_heartbeats_makes_the_agent_republish(cluster, capture):
+    """No outage seen by anyone: one shard loses this namespace's keys (as a restart between two
+    heartbeats would); the agent's next heartbeat sees the partition epochs changed and republishes,
+    and the mirror's poll sees them too and reloads."""
+    name = ns()
+    pub_port, replay_port = free_ports(2)
+    pub = ReplayPublisher(pub_port, replay_port)
+    index = RedisClusterIndex(cluster.url, namespace=name, heartbeat_ttl_s=0.6, socket_timeout_s=5)
+    reader = RedisClusterIndex(cluster.url, namespace=name, socket_timeout_s=5)
+    mirror = RedisClusterMirrorIndex(cluster.url, namespace=name, socket_timeout_s=5, poll_interval_s=0.1)
+    ing = EventIngestor("w0", f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}", index,
+                        "tiny", 32, heartbeat_ttl_s=0.6, replay_timeout_s=0.5)
+    keys_a = block_keys(next(s for s in capture["steps"] if s["name"] == "completion_A")["tokenize_response"]
+                        ["tokens"], 32, "tiny")
+    try:
+        await ing.start()
+        await until(lambda: ing.subscriber.connected)
+        await pub.subscribed()
+        await pub.publish(capture_payloads(capture)[0])
+        await until(lambda: ing.subscriber.last_seq == 0)
+        await mirror.open()
+        want = {"w0": TierMatch(18, 0, 0)}
+        assert await reader.match(keys_a) == want and await mirror.match(keys_a) == want
+        meta_port = cluster.owner(index.meta_slot)
+        port = next(p for p in cluster.ports if p != meta_port)
+        lost = {p for p, addr in enumerate(index._part_nodes) if addr[1] == port}
+        assert {k % PARTITIONS for k in keys_a} & lost
+        node = cluster.client(port)
+        doomed = [k for k in node.scan_iter(match=f"{{{name}:p*", count=1000)]
+        assert doomed
+        for k in doomed:
+            node.delete(k)
+        republishes, resyncs = ing.republishes, mirror.resyncs
+
+        async def restored(idx) -> bool:
+            try:
+                return await idx.match(keys_a) == want
+            except IndexUnavailable:
+                return False
+        await until(lambda: ing.republishes > republishes, timeout_s=10, what="the agent republished")
+        assert ing.index_errors == 0  # no write or heartbeat failed: the epochs told it
+        await until(lambda: restored(reader), timeout_s=10, what="plain lookups give the truth again")
+        await until(lambda: restored(mirror) if mirror.resyncs > resyncs else False, timeout_s=10,
+                    what="the mirror reloaded and gives the truth again")
+    finally:
+        await ing.stop()
+        await pub.close()
+        for idx in (index, reader, mirror):
+            await idx.close()
