@@ -7,9 +7,10 @@ where the workers hold prefixes of a ``--prompt-tokens`` prompt (32k tokens = 2,
 plus filler up to ``--blocks-per-worker`` blocks: with 0 prefix groups worker i holds the first
 (i+1)/workers of the prompt (every worker its own length: every block has other holders, the
 costliest case for the bitmask chains); with G groups the workers are split into G equal groups
-and group g holds the first (g+1)/G (holders change at G blocks only), written through :class:`kvcore.index.redis_cluster.RedisClusterIndex`
-(the agents' path), and ``--repeats`` x ``--rounds`` interleaved rounds, one ``match`` of the
-prompt per variant per round in a shuffled order, each with the prompt's keys as fresh ints:
+and group g holds the first (g+1)/G (holders change at G blocks only). The entries are written
+through :class:`kvcore.index.redis_cluster.RedisClusterIndex` (the agents' path). Then
+``--repeats`` x ``--rounds`` interleaved rounds, one ``match`` of the prompt per variant per round
+in a shuffled order, each with the prompt's keys as fresh ints:
 
 - ``cluster (plain)``: :class:`~kvcore.index.redis_cluster.RedisClusterIndex`, one pipeline per node;
 - ``cluster + mirror``: :class:`~kvcore.index.redis_cluster_mirror.RedisClusterMirrorIndex` (local);
@@ -192,7 +193,8 @@ async def one_size(url: str, workers: int, groups: int, args: argparse.Namespace
                   "repeats_p50_p99_ms": reps[v]}
     for idx in (writer, plain, mirror, fetch):
         await idx.close()
-    return {"workers": workers, "prefix_groups": groups, "blocks_per_worker": args.blocks_per_worker, "populate_s": populate_s,
+    return {"workers": workers, "prefix_groups": groups, "blocks_per_worker": args.blocks_per_worker,
+            "populate_s": populate_s,
             "bootstrap_s": bootstrap_s, "partitions_per_shard": shards, "variants": out}
 
 

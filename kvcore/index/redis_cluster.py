@@ -408,7 +408,8 @@ class RedisClusterIndex(RedisIndex):
         """A meta-group script on the meta node (its slots key declared, for routing)."""
         return await self._run(lambda: script(keys=[self.prefix + "slots"], args=args, client=self._redis))
 
-    async def _node_calls(self, requests: dict[tuple[str, int], list[bytes | bytearray]]) -> dict[tuple[str, int], list[Any]]:
+    async def _node_calls(self, requests: dict[tuple[str, int], list[bytes | bytearray]],
+                          ) -> dict[tuple[str, int], list[Any]]:
         """Send each node its pre-encoded commands in one write, all nodes at once; each node's
         replies in order (a command's error reply is returned in its place as the exception).
         Raises what redis-py raises for a connection failure or timeout."""

@@ -9,8 +9,10 @@ How the copy is kept, per partition (each has its own change log, in the standal
 
 - one reader task per partition, on its own connection to the partition's node, ``XREAD BLOCK``s
   the partition's log and applies its entries in order (partitions hold disjoint block keys, so
-  their entries commute; a worker's heartbeat and purge, carried by every partition's entries,
-  apply from whichever comes first);
+  their entries commute; a worker's heartbeat, carried by every partition's entries, applies from
+  whichever comes first; a purge, logged in every partition, drops the worker's speculative entries
+  of that partition's keys, so that speculative entries appended to another partition after the
+  purge but read before it stay);
 - bootstrap (at :meth:`~RedisClusterMirrorIndex.open` and on every resync), partition by
   partition: one ``MULTI`` for the partition's epoch (created if missing), its log tail and seq and
   its ``mepoch``, then one ``MULTI`` per worker (its owned sets, duplicate counters and the seq),
@@ -90,7 +92,8 @@ class RedisClusterMirrorIndex(RedisMirrorIndex, RedisClusterIndex):
                 retry=Retry(NoBackoff(), 0), health_check_interval=0)
         return client
 
-    async def _conn_call(self, which: Any, addr: tuple[str, int], request: Sequence[bytes], timeout_s: float) -> list[Any]:
+    async def _conn_call(self, which: Any, addr: tuple[str, int], request: Sequence[bytes],
+                         timeout_s: float) -> list[Any]:
         """Pre-encoded commands on connection ``which`` (to node ``addr``); their raw replies. The
         connection is dropped on any failure. Raises what redis-py raises, TimeoutError."""
         conn = self._conns.get(which)
@@ -235,6 +238,14 @@ class RedisClusterMirrorIndex(RedisMirrorIndex, RedisClusterIndex):
                 return
             worker = fields[3].decode()
             state = not floors or seq > floors.get(worker, 0)
+            if b"F" in fields[4::2]:  # a purge: this partition's speculative entries only
+                n_parts = self.partitions
+                idx.drop_speculative_sync(worker, [k for k in idx.speculative_keys(worker) if k % n_parts == part])
+                if state:
+                    self._set_alive(worker, 0.0)
+                names = fields[4::2]
+                at = 4 + 2 * names.index(b"F")
+                fields = fields[:at] + fields[at + 2:]
             for n in self._apply_entry(idx, entry_id, worker, fields, state, now_wall):
                 budget += n
                 if budget >= _YIELD_KEYS:
