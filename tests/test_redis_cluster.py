@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from conftest import Proc, free_ports, wait_redis, wait_until
+from conftest import Proc, free_ports, kvroute_argv, wait_redis, wait_until
 from kv_replay_publisher import ReplayPublisher, capture_payloads, until
 
 from kvcore.block_keys import ENCODING_VERSION, block_keys
@@ -377,3 +377,24 @@ async def test_a_shard_losing_its_data_between_heartbeats_makes_the_agent_republ
         await pub.close()
         for idx in (index, reader, mirror):
             await idx.close()
+
+
+async def test_the_agent_writes_to_the_cluster_with_index_cluster_and_refuses_a_mismatched_mode(
+        cluster, redis_url, procs):
+    def agent(index_url: str, *extra: str) -> list[str]:
+        return kvroute_argv("agent", "--worker-id", "wc", "--events", "tcp://127.0.0.1:1", "--index", index_url,
+                            "--model", "tiny", "--block-size", "32", *extra)
+    for argv, says in ((agent(cluster.url), "is a Redis Cluster node"),
+                       (agent(redis_url, "--index-cluster"), "not a Redis Cluster node")):
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and says in r.stdout + r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+    proc = procs("agent-cluster", agent(cluster.url, "--index-cluster", "--heartbeat-ttl-s", "2"))
+    reader = RedisClusterIndex(cluster.url, namespace="kvr", socket_timeout_s=5)
+    try:
+        async def live() -> bool:
+            assert proc.alive(), proc.log_tail()
+            return "wc" in await reader.live_workers()
+        await until(live, timeout_s=30, what="the agent's heartbeat in the cluster's meta group")
+        assert (await reader.worker_states())["wc"]["index_synced"] is True
+    finally:
+        await reader.close()
