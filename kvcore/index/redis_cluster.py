@@ -30,32 +30,36 @@ Worker slot numbers come from the meta group (allocated on first use, never reus
 resolves and caches its slot there and passes it with the meta epoch to the partition scripts.
 A partition whose ``mepoch`` differs from the meta ``epoch`` was written under a slot table the
 meta group no longer has (the meta shard lost its data): lookups ignore it, and the first writer
-that meets it, after re-reading its slot, wipes it (every key of the partition, one script call)
-and writes on; the agents republish everything anyway since their published markers are gone.
+that meets it, after re-reading its slot, wipes it (every key of the partition, one script call,
+so the shard is busy for as long as deleting them takes; counted in ``partition_wipes``) and
+writes on; the agents republish everything anyway since their published markers are gone.
 
 Round trips. A write (:meth:`RedisClusterIndex.apply_ops`) is one script call per partition its
 keys fall in, sent as one pipeline per node, all nodes at once (plus the heartbeat ``SET`` on the
 meta node): atomic per partition, not across partitions. A lookup is one pipeline per node, all
-nodes at once: per partition of the prompt one ``MGET`` of its bitmaps and a ``GET`` of its
+nodes at once: per partition of the prompt one ``MGET`` of its bitmaps and, as its last key, its
 ``mepoch``; on the meta node also the heartbeats, epoch and slot count. Requests are laid out here
-(pre-encoded, :func:`kvcore.index.redis._mget_fixed`) and sent on one connection per node taken
-from that node's pool; redis-py's ``RedisCluster`` is not used (its per-argument encoder costs
-about 2 us per key). The slot -> node map comes from ``CLUSTER SLOTS`` (of the URL's node, else of
-any node known); ``MOVED``/``ASK``/``TRYAGAIN``/``CLUSTERDOWN`` re-read it and repeat the call
-once. A heartbeat also reads every partition's ``epoch``: when one differs from what it was when
+(pre-encoded, :func:`kvcore.index.redis._mget_fixed`, without a Python step per key) and sent on
+one connection per node taken from that node's pool; redis-py's ``RedisCluster`` (which encodes
+every argument in Python) is used by neither path. The slot -> node map comes from ``CLUSTER
+SLOTS`` (of the URL's node, else of any node known); ``MOVED``/``ASK``/``TRYAGAIN``/``CLUSTERDOWN``
+re-read it and repeat the call once, then raise IndexUnavailable. A heartbeat also reads every partition's ``epoch``: when one differs from what it was when
 the agent last published (``mark_published``), it answers False, so the agent republishes
 (:class:`kvcore.kv_events.EventIngestor`).
 
 Failure: as :mod:`kvcore.index.redis`; a node that cannot be reached (a shard down, restarting)
 fails every call that needs it with :class:`kvcore.index.errors.IndexUnavailable` (a lookup needs
-every node holding a partition of the prompt, so in practice all of them). Resharding: moving a
-partition's slot between nodes needs nothing here (``MOVED`` re-reads the map).
+every node holding a partition of the prompt, so in practice all of them). Resharding: once a
+partition's slot has moved to another node, the next call's ``MOVED`` re-reads the map; while the
+slot is migrating (its keys on both nodes, ``ASK``), calls that touch that partition raise
+IndexUnavailable.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import struct
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -593,7 +597,7 @@ class RedisClusterIndex(RedisIndex):
         per_part: dict[int, list[Any]] = {}
         for worker, ttl_s, keys in entries:
             if isinstance(keys, (bytes, bytearray)):
-                keys = struct_unpack(keys)
+                keys = struct.unpack(f">{len(keys) // 8}Q", keys)
             ttl_ms = max(1, int(ttl_s * 1000))
             for part, pk in self._split(keys).items():
                 per_part.setdefault(part, []).extend([worker, ttl_ms, _pack(pk)])
@@ -748,9 +752,3 @@ class RedisClusterIndex(RedisIndex):
                 await client.aclose()
             except _CONNECTION_ERRORS:
                 pass
-
-
-def struct_unpack(packed: bytes) -> tuple[int, ...]:
-    """8-byte big-endian packed block keys back to ints."""
-    import struct
-    return struct.unpack(f">{len(packed) // 8}Q", packed)
