@@ -186,7 +186,11 @@ async def test_random_ops_answer_as_the_memory_index_plain_mirror_and_a_followin
         async def follower_caught_up() -> bool:
             return await _answers(follower, probes) == want
         await until(follower_caught_up, timeout_s=10, what="the other client's mirror follows the writes")
-        assert follower.mirror_state()["synced"] and follower.resyncs == 1 and follower.gaps == 0
+        await until(lambda: follower.mirror_state()["partition_seqs"] == mirror.mirror_state()["partition_seqs"],
+                    timeout_s=10, what="the follower applied every partition's log as far as the writer's mirror")
+        state = follower.mirror_state()
+        assert state["synced"] and follower.resyncs == 1 and follower.gaps == 0
+        assert state["applied_seq"] == sum(state["partition_seqs"]) > 0
     finally:
         for idx in (plain, mirror, follower):
             await idx.close()

@@ -127,6 +127,19 @@ class RedisClusterMirrorIndex(RedisMirrorIndex, RedisClusterIndex):
             except Exception:  # noqa: BLE001 - closing a client that may never have connected
                 pass
 
+    @property
+    def applied_seq(self) -> int:
+        """Change-log entries the local copy reflects, summed over the partitions."""
+        return sum(self._part_applied)
+
+    def mirror_state(self) -> dict[str, Any]:
+        """As :meth:`RedisMirrorIndex.mirror_state`; ``applied_seq`` is summed over the partitions
+        and ``partition_seqs`` lists each partition's."""
+        out = super().mirror_state()
+        out["applied_seq"] = self.applied_seq
+        out["partition_seqs"] = list(self._part_applied)
+        return out
+
     # ---- writes -------------------------------------------------------------------------------
     async def _caught_up(self, seqs: Any) -> None:
         """Wait until the local copy has applied ``{partition: seq}`` (at most ``write_wait_s``)."""
