@@ -30,6 +30,7 @@ import sys
 from kvcore.index.errors import IndexEncodingMismatch, IndexUnavailable
 from kvcore.index.gateway import GatewayIndex, GatewayRefused, is_gateway_url
 from kvcore.index.redis import RedisIndex
+from kvcore.index.redis_cluster import RedisClusterIndex
 from kvcore.kv_events import EventIngestor
 from offload_agent.tier_service import TierService
 
@@ -113,7 +114,8 @@ async def run_agent(args: argparse.Namespace) -> int:
     vLLM (it waits for both)."""
     if is_gateway_url(args.index):
         return await run_gateway_agent(args)
-    index = RedisIndex(args.index, heartbeat_ttl_s=args.heartbeat_ttl_s, socket_timeout_s=REDIS_TIMEOUT_S)
+    index_cls = RedisClusterIndex if getattr(args, "index_cluster", False) else RedisIndex
+    index = index_cls(args.index, heartbeat_ttl_s=args.heartbeat_ttl_s, socket_timeout_s=REDIS_TIMEOUT_S)
     try:
         await index.open()
     except IndexEncodingMismatch as exc:

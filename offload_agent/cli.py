@@ -26,6 +26,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="the index: redis://host:port/db (the agent writes the events there), or the gateway "
                         "holding the embedded index, http://host:port (the agent locates peers through it and "
                         "publishes its peer state there; needs --tier-socket)")
+    p.add_argument("--index-cluster", action="store_true",
+                   help="with a redis:// --index: the URL is a node of a Redis Cluster; shard the index over "
+                        "the cluster (the gateways' index config: cluster: true)")
     p.add_argument("--admin-token-env", default="KVROUTE_ADMIN_TOKEN", metavar="VAR",
                    help="with a gateway --index: the variable holding the gateway's admin token "
                         "(default KVROUTE_ADMIN_TOKEN)")

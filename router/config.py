@@ -9,7 +9,7 @@ Example (every section but ``models`` and ``workers`` has defaults)::
     admin: {token_env: KVROUTE_ADMIN_TOKEN}        # or {token: "..."}; the env var wins when set
     models:
       - {name: tiny, tokenizer: /path/to/model_dir, block_size: 32}
-    index: {backend: memory}                       # or {backend: redis, url: redis://..., mirror: true}
+    index: {backend: memory}                       # or {backend: redis, url: redis://..., mirror: true, cluster: false}
     workers:
       - {id: w0, url: http://127.0.0.1:8101, model: tiny, events: tcp://127.0.0.1:5557}
     policy: {name: ttft, tier_credit: {gpu: 1.0, cpu: 0.75, ssd: 0.25}, queue: {enabled: true}}
@@ -93,10 +93,24 @@ class IndexConfig(BaseModel):
     """Index backend, passed whole to :func:`kvcore.index.make_index` (backend-specific keys
     such as ``url`` or ``max_keys`` are allowed). ``backend: redis`` looks up in a local copy of
     the Redis index kept in step by Redis's change log (``mirror: true``, the default; options in
-    :class:`kvcore.index.redis_mirror.RedisMirrorIndex`), or in Redis itself (``mirror: false``)."""
+    :class:`kvcore.index.redis_mirror.RedisMirrorIndex`), or in Redis itself (``mirror: false``).
+    ``cluster: true`` (redis only; default false) shards the Redis index over a Redis Cluster,
+    ``url`` naming any of its nodes (:mod:`kvcore.index.redis_cluster`). Raises ValidationError
+    for a ``cluster`` that is not a boolean or is given with another backend."""
 
     model_config = ConfigDict(extra="allow")
     backend: str = "memory"
+
+    @model_validator(mode="after")
+    def _check_cluster(self) -> IndexConfig:
+        cluster = (self.model_extra or {}).get("cluster")
+        if cluster is None:
+            return self
+        if not isinstance(cluster, bool):
+            raise ValueError(f"index.cluster must be true or false, got {cluster!r}")
+        if cluster and self.backend != "redis":
+            raise ValueError(f"index.cluster: true needs backend: redis (a Redis Cluster), got backend: {self.backend}")
+        return self
 
 
 WorkerRole = Literal["both", "prefill", "decode"]

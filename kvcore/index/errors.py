@@ -38,3 +38,26 @@ class IndexEncodingMismatch(IndexUnavailable):
             f"move the index to version {expected}, stop them all, delete its keys "
             f"(redis-cli -u {url} --scan --pattern '{namespace}:*' | xargs redis-cli -u {url} del) "
             f"and start them on the new release (agents republish their state by themselves).")
+
+    def again(self) -> IndexEncodingMismatch:
+        """A new error saying the same (raised again by each call until the next check)."""
+        return IndexEncodingMismatch(self.url, self.key, self.stored, self.expected)
+
+
+class IndexLayoutMismatch(IndexEncodingMismatch):
+    """The shared index is laid out otherwise than this process is configured for: a cluster
+    index's partition count differs (``key``: the Redis key holding it; ``stored``/``expected``:
+    the two counts), or cluster mode does not match the server (a standalone index on a Redis
+    Cluster node, ``cluster: true`` on a standalone server). Handled as an encoding mismatch (the
+    gateway and the agent refuse to start on it); ``message`` says what to change."""
+
+    def __init__(self, url: str, key: str, stored: str, expected: object, message: str) -> None:
+        IndexUnavailable.__init__(self, message)
+        self.url = url
+        self.key = key
+        self.stored = stored
+        self.expected = expected  # type: ignore[assignment]
+        self.message = message
+
+    def again(self) -> IndexLayoutMismatch:
+        return IndexLayoutMismatch(self.url, self.key, self.stored, self.expected, self.message)

@@ -19,6 +19,11 @@ _BACKENDS: dict[str, tuple[str, str]] = {
 _MIRRORED: dict[str, tuple[str, str]] = {
     "redis": ("kvcore.index.redis_mirror", "RedisMirrorIndex"),
 }
+# with ``cluster: true``: the index sharded over a Redis Cluster (kvcore.index.redis_cluster)
+_CLUSTER: dict[tuple[str, bool], tuple[str, str]] = {
+    ("redis", False): ("kvcore.index.redis_cluster", "RedisClusterIndex"),
+    ("redis", True): ("kvcore.index.redis_cluster_mirror", "RedisClusterMirrorIndex"),
+}
 REDIS_MIRROR_DEFAULT = True
 
 
@@ -37,10 +42,19 @@ def make_index(cfg: dict[str, Any] | None, host_path: str | Path | None = None) 
     RedisMirrorIndex` (lookups from a local copy that Redis's change log keeps in step; its extra
     arguments such as ``poll_interval_s`` are accepted only with it); ``mirror: false`` -> the
     plain :class:`kvcore.index.redis.RedisIndex` (one Redis round trip per lookup).
+    ``{"backend": "redis", "cluster": true}``: the index sharded over a Redis Cluster (``url``: any
+    node), :class:`kvcore.index.redis_cluster_mirror.RedisClusterMirrorIndex` with the mirror,
+    :class:`kvcore.index.redis_cluster.RedisClusterIndex` without (default false: one standalone
+    Redis).
     Raises ValueError for an unknown backend or arguments it does not take.
     """
     cfg = dict(cfg or {})
     backend = cfg.pop("backend", "memory")
+    cluster = cfg.pop("cluster", False)
+    if not isinstance(cluster, bool):
+        raise ValueError(f"index backend {backend!r}: cluster must be true or false, got {cluster!r}")
+    if cluster and backend not in {b for b, _ in _CLUSTER}:
+        raise ValueError(f"index backend {backend!r} has no cluster mode")
     if backend == "memory":
         sizes = _only(cfg, {"max_keys"} | HOST_KEYS, backend)
         for key, value in sizes.items():
@@ -57,7 +71,7 @@ def make_index(cfg: dict[str, Any] | None, host_path: str | Path | None = None) 
         raise ValueError(f"index backend {backend!r}: mirror must be true or false, got {mirror!r}")
     if mirror and backend not in _MIRRORED:
         raise ValueError(f"index backend {backend!r} has no mirror")
-    module, name = (_MIRRORED if mirror else _BACKENDS)[backend]
+    module, name = _CLUSTER[(backend, mirror)] if cluster else (_MIRRORED if mirror else _BACKENDS)[backend]
     try:
         cls = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as exc:

@@ -381,6 +381,12 @@ class MemoryIndex(KVIndex):
         slot = self._slots.get(worker)
         return {}.keys() if slot is None else self._owned[slot][t].keys()
 
+    def speculative_keys(self, worker: str) -> KeysView[int]:
+        """The keys ``worker`` holds speculative entries for, expired ones not yet dropped
+        included (a live view)."""
+        slot = self._slots.get(worker)
+        return {}.keys() if slot is None else self._owned[slot][_SPEC].keys()
+
     def held_sync(self, worker: str) -> tuple[int, int, int]:
         """Distinct keys ``worker`` holds per confirmed tier (gpu, cpu, ssd); zeros when unknown."""
         slot = self._slots.get(worker)

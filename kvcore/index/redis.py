@@ -7,10 +7,10 @@ commands. Gateways normally read through :class:`kvcore.index.redis_mirror.Redis
 and looks up locally; this class is the plain path (``mirror: false``) and the writer of both.
 
 Servers: a standalone Redis >= 6.2, or Valkey (tested with 9.1: ``tests/test_redis_mirror.py``
-runs on it when ``valkey-server`` is found). Redis Cluster is not supported: the keys carry no hash
-tag and the scripts name keys they build themselves (a block's bitmap, a worker's sets), which a
-cluster spreads over slots; a lookup (MGET of 2048 bitmaps) would span every node. The mirror
-makes lookups local but not writes or its bootstrap, so it does not change that. Scale reads with
+runs on it when ``valkey-server`` is found). This class refuses a Redis Cluster node
+(:class:`kvcore.index.errors.IndexLayoutMismatch` at the encoding check: its keys carry no hash tag
+and its scripts build key names of many slots); :mod:`kvcore.index.redis_cluster` (config
+``cluster: true``) shards the same schema over a cluster by block-key partitions. Scale reads with
 gateway replicas (each with its mirror) and make Redis highly available with replicas + Sentinel.
 
 Schema (``P`` = ``namespace + ":"``, default ``kvr:``; a block key ``k`` is written as its 8 bytes
@@ -106,7 +106,7 @@ from redis.commands.core import AsyncScript
 
 from kvcore.block_keys import ENCODING_VERSION
 from kvcore.index.base import TIERS, KVIndex, TierMatch, WorkerIndexStats, check_tier
-from kvcore.index.errors import IndexEncodingMismatch, IndexUnavailable
+from kvcore.index.errors import IndexEncodingMismatch, IndexLayoutMismatch, IndexUnavailable
 from kvcore.index.memory import tier_matches
 
 log = logging.getLogger("kvroute.index.redis")
@@ -411,13 +411,37 @@ class RedisIndex(KVIndex):
         self.available = False
         return err
 
+    def _layout_error(self, stored: str, key: str, expected: Any, message: str) -> IndexLayoutMismatch:
+        """Record and return an :class:`IndexLayoutMismatch` (handled as an encoding mismatch)."""
+        self._down_until = time.monotonic() + self.retry_after_s
+        self.unavailable_errors += 1
+        err = IndexLayoutMismatch(self.url, key, stored, expected, message)
+        self.last_error = str(err)
+        if self.encoding_error is None or str(self.encoding_error) != str(err):
+            log.error("%s", err)
+        self.encoding_error = err
+        self.available = False
+        return err
+
     async def _check_encoding(self) -> None:
         """Write our encoding version if the namespace has none, then compare (one round trip).
-        Raises IndexEncodingMismatch, or what redis-py raises."""
+        Raises IndexEncodingMismatch, IndexLayoutMismatch when the server is a Redis Cluster node,
+        or what redis-py raises."""
         async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.info("cluster")
             pipe.set(self.encoding_key, str(ENCODING_VERSION), nx=True)
             pipe.get(self.encoding_key)
-            _, stored = await pipe.execute()
+            info, *rest = await pipe.execute(raise_on_error=False)
+        if isinstance(info, dict) and info.get("cluster_enabled"):
+            raise self._layout_error(
+                "", "cluster", "standalone",
+                f"redis index {self.url}: the server is a Redis Cluster node; this index is configured "
+                f"for one standalone Redis. Set cluster: true in the index config (the agent: "
+                f"--index-cluster) to shard the index over the cluster.")
+        for r in (info, *rest):
+            if isinstance(r, Exception):
+                raise r
+        stored = rest[1]
         if stored is not None and stored != str(ENCODING_VERSION).encode():
             raise self._mismatch(stored.decode(errors="replace"))
         self._encoding_checked = stored is not None
@@ -429,8 +453,7 @@ class RedisIndex(KVIndex):
         if time.monotonic() < self._down_until:
             self.unavailable_errors += 1
             if self.encoding_error is not None:
-                err = self.encoding_error
-                raise IndexEncodingMismatch(err.url, err.key, err.stored, err.expected)
+                raise self.encoding_error.again()
             raise IndexUnavailable(f"redis index {self.url} unavailable: {self.last_error}")
         try:
             if not self._encoding_checked:

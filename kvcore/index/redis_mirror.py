@@ -61,9 +61,9 @@ when long prompts make speculative entries big). Like the in-memory index, the c
 rebuilds itself once every few million inserts under steady churn (a compact dict never reuses
 the slot of a deleted key), holding the event loop ~0.45 s at 6.4M keys.
 
-Redis Cluster: not supported, as for the plain backend (its scripts build key names for many slots;
-the keys carry no hash tag). The mirror makes lookups local, but writes and the bootstrap still
-need one standalone Redis (HA through replicas and Sentinel, not sharding). Valkey (a fork of Redis
+Redis Cluster: this class needs one standalone Redis, as the plain backend does; with ``cluster:
+true`` the factory makes :class:`kvcore.index.redis_cluster_mirror.RedisClusterMirrorIndex`, the
+same mirror over the partitions of a cluster (a change log per partition). Valkey (a fork of Redis
 7.2) works: the commands used are Redis 6.2's; ``tests/test_redis_mirror.py`` runs against
 ``valkey-server`` when it is found.
 """
@@ -640,10 +640,14 @@ class RedisMirrorIndex(RedisIndex):
         log.info("redis index %s: mirror loaded: %d keys of %d workers at change %d in %.2f s", self.url,
                  len(new), len(alive), start_seq, self.last_resync_s)
 
-    async def _replay_speculative(self, idx: MemoryIndex, end_id: bytes) -> None:
+    async def _replay_speculative(self, idx: MemoryIndex, end_id: bytes, log_key: bytes | None = None,
+                                  atomic: Callable[[Sequence[bytes]], Any] | None = None) -> None:
         """Speculative entries appended up to ``end_id`` within the last ``speculative_lookback_s``
         seconds (less those a later gpu removal or purge dropped) into ``idx``, with what is left
-        of their TTL."""
+        of their TTL. ``log_key``/``atomic``: another change log and how to read it (a cluster
+        partition's), instead of this index's own."""
+        log_key = log_key or self._log_key
+        atomic = atomic or self._atomic
         if end_id == b"0-0" or self.speculative_lookback_s <= 0:
             return
         now_ms = int((time.time() + self._offset_s) * 1000)
@@ -651,7 +655,7 @@ class RedisMirrorIndex(RedisIndex):
         entries: list[list[Any]] = []
         end = end_id
         while True:
-            page = (await self._atomic([_command(b"XREVRANGE", self._log_key, end, start, b"COUNT",
+            page = (await atomic([_command(b"XREVRANGE", log_key, end, start, b"COUNT",
                                                  b"%d" % _LOOKBACK_PAGE)]))[0]
             entries.extend(page)
             if len(page) < _LOOKBACK_PAGE:

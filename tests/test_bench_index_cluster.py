@@ -1,0 +1,28 @@
+"""benchmarks/bench_index_cluster.py runs end to end in its quick mode: it starts a 3-shard Redis
+Cluster, populates 8 and then 32 workers through it, checks that the plain cluster index, its
+mirror and the memory index agree, and prints and writes p50/p99 per variant (values, not
+timings, are asserted)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+VARIANTS = {"cluster (plain)", "cluster + mirror", "memory", "redis-py RedisCluster (fetch)"}
+
+
+def test_bench_index_cluster_quick_prints_and_writes_every_variant(tmp_path: Path) -> None:
+    out = tmp_path / "cluster.json"
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_index_cluster.py"), "--quick",
+                          "--json", str(out)], capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    sizes = json.loads(out.read_text())["sizes"]
+    assert [s["workers"] for s in sizes] == [8, 32]
+    for s in sizes:
+        assert set(s["variants"]) == VARIANTS
+        assert sorted(s["partitions_per_shard"].values()) == [5, 5, 6]
+        for v in s["variants"].values():
+            assert 0 < v["p50_ms"] <= v["p99_ms"] and len(v["repeats_p50_p99_ms"]) == 1
+    assert "3-shard Redis Cluster" in run.stdout and "cluster + mirror" in run.stdout
