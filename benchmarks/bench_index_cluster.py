@@ -31,7 +31,6 @@ import asyncio
 import json
 import random
 import shutil
-import socket
 import statistics
 import struct
 import subprocess
@@ -52,17 +51,7 @@ from kvcore.index.memory import MemoryIndex  # noqa: E402
 from kvcore.index.redis_cluster import RedisClusterIndex  # noqa: E402
 from kvcore.index.redis_cluster_mirror import RedisClusterMirrorIndex  # noqa: E402
 from kvcore.kv_events.ingest import write_ops  # noqa: E402
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+from kvroute.up import free_ports  # noqa: E402
 
 
 def cluster_info(port: int) -> str:

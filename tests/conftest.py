@@ -17,6 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvroute.up import free_ports  # the one free-ports helper (benchmarks and `kvroute up` use it too)
+
 # tests/torch run in vLLM's interpreter (torch), by their own config: `make test` runs both suites
 collect_ignore = ["torch"]
 
@@ -28,20 +30,6 @@ PROCESS_DEADLINE_S = 600  # no process a test starts outlives this
 # a server shared by the whole session (the session redis) lives as long as CI lets a run take
 # (90 min): the suite takes over 10 min, so the 600 s deadline killed it under the last tests
 SESSION_DEADLINE_S = 5400
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct free TCP ports on 127.0.0.1. All ``n`` sockets are bound at once before any
-    is closed, so the kernel cannot hand the same port out twice (separate ``free_port()`` calls
-    can); another process may still take one before the test's server binds it."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def free_port() -> int:

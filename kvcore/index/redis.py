@@ -108,137 +108,27 @@ from kvcore.block_keys import ENCODING_VERSION
 from kvcore.index.base import TIERS, KVIndex, TierMatch, WorkerIndexStats, check_tier
 from kvcore.index.errors import IndexEncodingMismatch, IndexLayoutMismatch, IndexUnavailable
 from kvcore.index.memory import tier_matches
+from kvcore.index.redis_scripts import LOG, SLOT_OF, SPECULATIVE_LUA, apply_body, clear_body
 
 log = logging.getLogger("kvroute.index.redis")
 _T = TypeVar("_T")
 ENCODING_KEY = "meta:block_key_encoding"  # after the namespace prefix; see the module docstring
 
-# Every write script resolves the worker's slot itself (allocating it on first use), so a writer
-# never uses a slot number that a restarted or flushed Redis has since given to another worker.
-# ``epoch`` is set with the first slot; a lookup compares it to refresh its slot -> worker table.
-_SLOT_OF = """
-local function slot_of(p, w)
-  local s = redis.call('HGET', p .. 'slots', w)
-  if not s then
-    if redis.call('EXISTS', p .. 'epoch') == 0 then
-      local t = redis.call('TIME')
-      redis.call('SET', p .. 'epoch', t[1] .. '.' .. t[2])
-    end
-    s = redis.call('HLEN', p .. 'slots')
-    redis.call('HSET', p .. 'slots', w, s)
-  end
-  return tonumber(s)
-end
-"""
-
-# Every change to the index state is also appended to the change log (``P log``), in the same
-# script call, so a replica (kvcore.index.redis_mirror) that has applied the log up to seq n holds
-# exactly what Redis held after the change numbered n. ``fields``: the entry after 'n', seq.
-_LOG = """
-local function log(p, maxlen, fields)
-  local n = redis.call('INCR', p .. 'seq')
-  redis.call('XADD', p .. 'log', 'MAXLEN', '~', maxlen, '*', 'n', n, unpack(fields))
-  return n
-end
-"""
-
 # ARGV: prefix, worker, heartbeat ttl ms, log maxlen, then (op 's'|'r', tier, packed 8-byte keys)
 # triples. Returns {keys removed that were absent, log seq of the change}.
-_APPLY_LUA = _SLOT_OF + _LOG + """
+_APPLY_LUA = SLOT_OF + LOG + """
 local p = ARGV[1]
 local slot = slot_of(p, ARGV[2])
-local missing = 0
-local fields = {'w', ARGV[2], 'h', ARGV[3]}
-for j = 5, #ARGV, 3 do
-  fields[#fields + 1] = ARGV[j] .. ARGV[j + 1]
-  fields[#fields + 1] = ARGV[j + 2]
-end
-for j = 5, #ARGV, 3 do
-  local tier = tonumber(ARGV[j + 1])
-  local packed = ARGV[j + 2]
-  local off = slot * 4 + tier
-  local owned = p .. 'o:' .. slot .. ':' .. tier
-  local rc = p .. 'rc:' .. slot .. ':' .. tier
-  if ARGV[j] == 's' then
-    local new = {}
-    for i = 1, #packed, 8 do
-      local k = string.sub(packed, i, i + 7)
-      if redis.call('SETBIT', p .. 'b:' .. k, off, 1) == 1 then
-        redis.call('HINCRBY', rc, k, 1)
-      else
-        new[#new + 1] = k
-        if #new == 2000 then
-          redis.call('SADD', owned, unpack(new))
-          new = {}
-        end
-      end
-    end
-    if #new > 0 then redis.call('SADD', owned, unpack(new)) end
-  else
-    for i = 1, #packed, 8 do
-      local k = string.sub(packed, i, i + 7)
-      local bk = p .. 'b:' .. k
-      if redis.call('GETBIT', bk, off) == 0 then
-        missing = missing + 1
-      else
-        local n = redis.call('HGET', rc, k)
-        if n then
-          if tonumber(n) > 1 then redis.call('HINCRBY', rc, k, -1) else redis.call('HDEL', rc, k) end
-        else
-          redis.call('SETBIT', bk, off, 0)
-          redis.call('SREM', owned, k)
-          if redis.call('BITCOUNT', bk) == 0 then redis.call('DEL', bk) end
-        end
-      end
-    end
-  end
-end
-redis.call('SET', p .. 'hb:' .. slot, '1', 'PX', ARGV[3])
-return {missing, log(p, ARGV[4], fields)}
-"""
+""" + apply_body(ttl=3, first=5, maxlen=4, before_log="redis.call('SET', p .. 'hb:' .. slot, '1', 'PX', ARGV[3])\n")
 
 # ARGV: prefix, worker, tier, batch size, first call ('1' drops the duplicate counters first),
 # forget ('1': also drop the heartbeat and published marker), log maxlen. Returns {how many keys
 # it cleared, log seq of the change (0: nothing changed)}.
-_CLEAR_LUA = _SLOT_OF + _LOG + """
+_CLEAR_LUA = SLOT_OF + LOG + """
 local p = ARGV[1]
 local slot = slot_of(p, ARGV[2])
-local off = slot * 4 + tonumber(ARGV[3])
-local fields = {'w', ARGV[2]}
-if ARGV[5] == '1' and redis.call('DEL', p .. 'rc:' .. slot .. ':' .. ARGV[3]) == 1 then
-  fields[#fields + 1] = 'R' .. ARGV[3]
-  fields[#fields + 1] = ''
-end
-if ARGV[6] == '1' then
-  redis.call('DEL', p .. 'hb:' .. slot, p .. 'm:' .. slot, p .. 'st:' .. slot)
-  fields[#fields + 1] = 'F'
-  fields[#fields + 1] = ''
-end
-local ks = redis.call('SPOP', p .. 'o:' .. slot .. ':' .. ARGV[3], tonumber(ARGV[4]))
-for _, k in ipairs(ks) do
-  local bk = p .. 'b:' .. k
-  redis.call('SETBIT', bk, off, 0)
-  if redis.call('BITCOUNT', bk) == 0 then redis.call('DEL', bk) end
-end
-if #ks > 0 then
-  fields[#fields + 1] = 'c' .. ARGV[3]
-  fields[#fields + 1] = table.concat(ks)
-end
-if #fields == 2 then return {0, 0} end
-return {#ks, log(p, ARGV[7], fields)}
-"""
-
-# ARGV: prefix, log maxlen, then (worker, ttl ms, packed 8-byte keys) triples: a gateway's
-# speculative entries, which live only in the log (and in the replicas that read it). Returns the
-# log seq of the last one.
-_SPECULATIVE_LUA = _LOG + """
-local p = ARGV[1]
-local n = 0
-for j = 3, #ARGV, 3 do
-  n = log(p, ARGV[2], {'w', ARGV[j], 'p', ARGV[j + 1], 'x', ARGV[j + 2]})
-end
-return n
-"""
+""" + clear_body(tier="ARGV[3]", batch=4, first=5, forget=6, maxlen=7,
+                 on_forget="  redis.call('DEL', p .. 'hb:' .. slot, p .. 'm:' .. slot, p .. 'st:' .. slot)\n")
 
 # ARGV: prefix, counts ('1': also each slot's owned-set sizes). Returns {Redis TIME seconds,
 # microseconds, epoch, log seq, slot count, [heartbeat PTTL ms per slot], [SCARD per slot and tier]}.
@@ -258,7 +148,7 @@ return {t[1], t[2], redis.call('GET', p .. 'epoch') or '', redis.call('GET', p .
 
 # ARGV: prefix, worker, ttl ms, mark ('1' sets the published marker), ingest state JSON ('' = keep
 # the last one). Returns 1 if the published marker was set before.
-_HEARTBEAT_LUA = _SLOT_OF + """
+_HEARTBEAT_LUA = SLOT_OF + """
 local p = ARGV[1]
 local slot = slot_of(p, ARGV[2])
 redis.call('SET', p .. 'hb:' .. slot, '1', 'PX', ARGV[3])
@@ -304,6 +194,20 @@ def _pack(keys: Sequence[int]) -> bytes:
         return struct.pack(f">{len(keys)}Q", *keys)
     except struct.error as exc:
         raise ValueError(f"block keys must be unsigned 64-bit ints: {exc}") from None
+
+
+def _unpack(packed: bytes) -> tuple[int, ...]:
+    """The block keys of ``packed`` (8-byte big-endian keys back to back, as :func:`_pack` writes
+    them); a trailing partial key is ignored."""
+    return struct.unpack(f">{len(packed) // 8}Q", packed)
+
+
+def _op_code(op: str, tier: str) -> tuple[str, int]:
+    """An :meth:`RedisIndex.apply_ops` op as the apply script takes it: ``("s"`` store or ``"r"``
+    remove, the tier's number). Raises ValueError on an unknown op or tier."""
+    if op not in ("store", "remove"):
+        raise ValueError(f"unknown index op {op!r}")
+    return "s" if op == "store" else "r", check_tier(tier)
 
 
 def _command(*args: bytes) -> bytes:
@@ -360,7 +264,7 @@ class RedisIndex(KVIndex):
         self._clear_script = self._redis.register_script(_CLEAR_LUA)
         self._heartbeat_script = self._redis.register_script(_HEARTBEAT_LUA)
         self._states_script = self._redis.register_script(_STATES_LUA)
-        self._speculative_script = self._redis.register_script(_SPECULATIVE_LUA)
+        self._speculative_script = self._redis.register_script(SPECULATIVE_LUA)
         self._poll_script = self._redis.register_script(_POLL_LUA)
         self.encoding_key = f"{self.prefix}{ENCODING_KEY}"
         self._encoding_checked = False  # compared since the last outage / data loss
@@ -515,11 +419,9 @@ class RedisIndex(KVIndex):
         there was nothing to write."""
         args: list[str | int | bytes] = [self.prefix, worker, int(self.heartbeat_ttl_s * 1000), self.stream_maxlen]
         for op, tier, keys in ops:
-            if op not in ("store", "remove"):
-                raise ValueError(f"unknown index op {op!r}")
-            t = check_tier(tier)
+            code, t = _op_code(op, tier)
             if keys:
-                args += ["s" if op == "store" else "r", t, _pack(keys)]
+                args += [code, t, _pack(keys)]
             if op == "remove" and t == 0 and self._spec:
                 self._drop_speculative(worker, keys)
         if len(args) == 4:
@@ -595,9 +497,18 @@ class RedisIndex(KVIndex):
         state_json = "" if state is None else json.dumps(state, separators=(",", ":"))
         had = await self._script(self._heartbeat_script,
                                  [self.prefix, worker, ttl_ms, "1" if mark_published else "0", state_json])
+        if not await self._still_published(worker, mark_published):
+            had = 0
         if not had:  # Redis may have lost everything (restart, flush): compare the encoding again
             self._encoding_checked = False
         return bool(had)
+
+    async def _still_published(self, worker: str, mark_published: bool) -> bool:
+        """Part of :meth:`heartbeat`, after the published marker was read (and, with
+        ``mark_published``, set): False when ``worker``'s published entries were lost elsewhere
+        than the marker shows. Always True here (the marker is in the same Redis); the cluster
+        index compares its partitions' epochs. Raises IndexUnavailable."""
+        return True
 
     async def store_speculative(self, worker: str, keys: Sequence[int], ttl_s: float) -> None:
         """Local to this process (see the module docstring); never touches Redis."""
@@ -751,14 +662,7 @@ class RedisIndex(KVIndex):
         workers = sorted((await self._slot_table()).items(), key=lambda kv: kv[1])
         if self._spec_heap:
             self._expire(self._clock())
-
-        async def counts() -> list[int]:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for _, slot in workers:
-                    for t in range(len(TIERS)):
-                        pipe.scard(f"{self.prefix}o:{slot}:{t}")
-                return await pipe.execute()
-        c_all = await self._run(counts) if workers else []
+        c_all = await self._owned_counts([slot for _, slot in workers]) if workers else []
         spec_counts: dict[str, int] = {}
         for per_key in self._spec.values():
             for w in per_key:
@@ -771,6 +675,17 @@ class RedisIndex(KVIndex):
         for worker, n in spec_counts.items():  # like the memory backend: a worker holding nothing is absent
             out.setdefault(worker, WorkerIndexStats()).speculative_blocks = n
         return out
+
+    async def _owned_counts(self, slots: Sequence[int]) -> list[int]:
+        """Blocks held (owned-set sizes) per slot of ``slots`` and tier, flat: ``slots[i]``'s tier
+        ``t`` at ``i * len(TIERS) + t``. One round trip. Raises IndexUnavailable."""
+        async def counts() -> list[int]:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for slot in slots:
+                    for t in range(len(TIERS)):
+                        pipe.scard(f"{self.prefix}o:{slot}:{t}")
+                return await pipe.execute()
+        return await self._run(counts)
 
     async def worker_states(self) -> dict[str, dict[str, Any]]:
         """Per worker whose agent published within the heartbeat TTL, that agent's ingest state

@@ -57,9 +57,7 @@ IndexUnavailable.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import struct
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -73,9 +71,10 @@ from redis.backoff import NoBackoff
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 from kvcore.block_keys import ENCODING_VERSION
-from kvcore.index.base import TIERS, WorkerIndexStats, check_tier
-from kvcore.index.redis import (_CLEAR_BATCH, _CONNECTION_ERRORS, _LOG, _SLOT_OF, DEFAULT_STREAM_MAXLEN, ENCODING_KEY,
-                                RedisIndex, _command, _mget_fixed, _pack)
+from kvcore.index.base import TIERS, check_tier
+from kvcore.index.redis import (_CLEAR_BATCH, _CONNECTION_ERRORS, DEFAULT_STREAM_MAXLEN, ENCODING_KEY, RedisIndex,
+                                _command, _mget_fixed, _op_code, _pack, _unpack)
+from kvcore.index.redis_scripts import LOG, SLOT_OF, SPECULATIVE_LUA, apply_body, clear_body
 
 _T = TypeVar("_T")
 log = logging.getLogger("kvroute.index.redis_cluster")
@@ -108,86 +107,16 @@ if slot >= tonumber(redis.call('GET', p .. 'nslots') or '0') then redis.call('SE
 # KEYS[1] the partition's seq key (routing). ARGV: prefix, worker, slot, meta epoch, heartbeat
 # ttl ms, log maxlen, then (op 's'|'r', tier, packed keys) triples, as the standalone apply script.
 # Returns {keys removed that were absent, log seq} or {-1, 0}.
-_PART_APPLY_LUA = _LOG + "local function body()" + _PART_GUARD + """
-local missing = 0
-local fields = {'w', ARGV[2], 'h', ARGV[5]}
-for j = 7, #ARGV, 3 do
-  fields[#fields + 1] = ARGV[j] .. ARGV[j + 1]
-  fields[#fields + 1] = ARGV[j + 2]
-end
-for j = 7, #ARGV, 3 do
-  local tier = tonumber(ARGV[j + 1])
-  local packed = ARGV[j + 2]
-  local off = slot * 4 + tier
-  local owned = p .. 'o:' .. slot .. ':' .. tier
-  local rc = p .. 'rc:' .. slot .. ':' .. tier
-  if ARGV[j] == 's' then
-    local new = {}
-    for i = 1, #packed, 8 do
-      local k = string.sub(packed, i, i + 7)
-      if redis.call('SETBIT', p .. 'b:' .. k, off, 1) == 1 then
-        redis.call('HINCRBY', rc, k, 1)
-      else
-        new[#new + 1] = k
-        if #new == 2000 then
-          redis.call('SADD', owned, unpack(new))
-          new = {}
-        end
-      end
-    end
-    if #new > 0 then redis.call('SADD', owned, unpack(new)) end
-  else
-    for i = 1, #packed, 8 do
-      local k = string.sub(packed, i, i + 7)
-      local bk = p .. 'b:' .. k
-      if redis.call('GETBIT', bk, off) == 0 then
-        missing = missing + 1
-      else
-        local n = redis.call('HGET', rc, k)
-        if n then
-          if tonumber(n) > 1 then redis.call('HINCRBY', rc, k, -1) else redis.call('HDEL', rc, k) end
-        else
-          redis.call('SETBIT', bk, off, 0)
-          redis.call('SREM', owned, k)
-          if redis.call('BITCOUNT', bk) == 0 then redis.call('DEL', bk) end
-        end
-      end
-    end
-  end
-end
-return {missing, log(p, ARGV[6], fields)}
-end
+_PART_APPLY_LUA = LOG + "local function body()" + _PART_GUARD + "\n" + apply_body(ttl=5, first=7, maxlen=6) + """end
 return body()
 """
 
 # KEYS[1] the partition's seq key. ARGV: prefix, worker, slot, meta epoch, tier, batch size, first
 # call ('1' drops the duplicate counters first), forget ('1': log the purge 'F'), log maxlen.
 # Returns {keys cleared, log seq (0: nothing changed)} or {-1, 0}.
-_PART_CLEAR_LUA = _LOG + "local function body()" + _PART_GUARD + """
+_PART_CLEAR_LUA = LOG + "local function body()" + _PART_GUARD + """
 local t = ARGV[5]
-local off = slot * 4 + tonumber(t)
-local fields = {'w', ARGV[2]}
-if ARGV[7] == '1' and redis.call('DEL', p .. 'rc:' .. slot .. ':' .. t) == 1 then
-  fields[#fields + 1] = 'R' .. t
-  fields[#fields + 1] = ''
-end
-if ARGV[8] == '1' then
-  fields[#fields + 1] = 'F'
-  fields[#fields + 1] = ''
-end
-local ks = redis.call('SPOP', p .. 'o:' .. slot .. ':' .. t, tonumber(ARGV[6]))
-for _, k in ipairs(ks) do
-  local bk = p .. 'b:' .. k
-  redis.call('SETBIT', bk, off, 0)
-  if redis.call('BITCOUNT', bk) == 0 then redis.call('DEL', bk) end
-end
-if #ks > 0 then
-  fields[#fields + 1] = 'c' .. t
-  fields[#fields + 1] = table.concat(ks)
-end
-if #fields == 2 then return {0, 0} end
-return {#ks, log(p, ARGV[9], fields)}
-end
+""" + clear_body(tier="t", batch=6, first=7, forget=8, maxlen=9) + """end
 return body()
 """
 
@@ -217,20 +146,9 @@ redis.call('SET', p .. 'epoch', t[1] .. '.' .. t[2] .. '.w')
 return n
 """
 
-# KEYS[1] the partition's seq key. ARGV: prefix, log maxlen, then (worker, ttl ms, packed keys)
-# triples: the standalone speculative script, for one partition.
-_PART_SPECULATIVE_LUA = _LOG + """
-local p = ARGV[1]
-local n = 0
-for j = 3, #ARGV, 3 do
-  n = log(p, ARGV[2], {'w', ARGV[j], 'p', ARGV[j + 1], 'x', ARGV[j + 2]})
-end
-return n
-"""
-
 # KEYS[1] the meta slots key. ARGV: meta prefix, worker, forget ('1': drop heartbeat, published
 # marker and ingest state). Returns {slot, meta epoch}.
-_META_SLOT_LUA = _SLOT_OF + """
+_META_SLOT_LUA = SLOT_OF + """
 local p = ARGV[1]
 local slot = slot_of(p, ARGV[2])
 if ARGV[3] == '1' then redis.call('DEL', p .. 'hb:' .. slot, p .. 'm:' .. slot, p .. 'st:' .. slot) end
@@ -255,6 +173,14 @@ def partition_tags(namespace: str, partitions: int) -> list[str]:
             j += 1
         tags.append(f"{{{namespace}:p{i:02d}.{j}}}")
     return tags
+
+
+def _raise_error_reply(replies: Sequence[Any]) -> None:
+    """Raise the first of ``replies`` that is an exception (an error reply, or a failed node's
+    error from ``asyncio.gather``); return when there is none."""
+    for r in replies:
+        if isinstance(r, BaseException):
+            raise r
 
 
 def _mget_and(prefix: bytes, packed: bytes, last: bytes) -> bytearray:
@@ -290,7 +216,7 @@ class RedisClusterIndex(RedisIndex):
         self._seed = self._redis
         self._scripts = {name: self._seed.register_script(src) for name, src in (
             ("apply", _PART_APPLY_LUA), ("clear", _PART_CLEAR_LUA), ("wipe", _PART_WIPE_LUA),
-            ("speculative", _PART_SPECULATIVE_LUA), ("meta_slot", _META_SLOT_LUA))}
+            ("speculative", SPECULATIVE_LUA), ("meta_slot", _META_SLOT_LUA))}
         self._url_parts = urlsplit(url)
         self._clients: dict[tuple[str, int], aioredis.Redis] = {}
         self._slot_ranges: list[tuple[int, int, tuple[str, int]]] | None = None  # None: map not read
@@ -438,10 +364,23 @@ class RedisClusterIndex(RedisIndex):
         if len(addrs) == 1:
             return {addrs[0]: await one(addrs[0], requests[addrs[0]])}
         replies = await asyncio.gather(*(one(a, requests[a]) for a in addrs), return_exceptions=True)
-        for r in replies:
-            if isinstance(r, BaseException):
-                raise r
+        _raise_error_reply(replies)
         return dict(zip(addrs, replies))  # type: ignore[arg-type]
+
+    async def _each_partition(self, commands: Callable[[bytes], list[bytes]]) -> list[list[Any]]:
+        """Send every partition the pre-encoded ``commands(its key prefix)``, one pipeline per node,
+        all nodes at once; each partition's replies, in partition order (a command's error reply in
+        its place as the exception). Raises what redis-py raises for a connection failure or
+        timeout."""
+        requests: dict[tuple[str, int], list[bytes | bytearray]] = {}
+        where = []
+        for part, pp in enumerate(self.part_prefixes):
+            cmds = commands(pp.encode())
+            req = requests.setdefault(self._part_nodes[part], [])
+            where.append((self._part_nodes[part], len(req), len(cmds)))
+            req += cmds
+        replies = await self._node_calls(requests)
+        return [replies[a][i:i + n] for a, i, n in where]
 
     def _evalsha(self, name: str, partition: int, args: Sequence[str | int | bytes]) -> bytes:
         sha = self._scripts[name].sha.encode()
@@ -468,9 +407,7 @@ class RedisClusterIndex(RedisIndex):
             out = [replies[a][i] for a, i in where]
             missing = {a for (a, i), r in zip(where, out) if isinstance(r, redis.exceptions.NoScriptError)}
             if not missing or attempt:
-                for r in out:
-                    if isinstance(r, BaseException):
-                        raise r
+                _raise_error_reply(out)
                 return out
             for addr in missing:
                 for script in self._scripts.values():
@@ -533,11 +470,9 @@ class RedisClusterIndex(RedisIndex):
         (empty when there was nothing to write)."""
         per_part: dict[int, list[tuple[str, int, bytes]]] = {}
         for op, tier, keys in ops:
-            if op not in ("store", "remove"):
-                raise ValueError(f"unknown index op {op!r}")
-            t = check_tier(tier)
+            code, t = _op_code(op, tier)
             for part, pk in self._split(keys).items():
-                per_part.setdefault(part, []).append(("s" if op == "store" else "r", t, _pack(pk)))
+                per_part.setdefault(part, []).append((code, t, _pack(pk)))
             if op == "remove" and t == 0 and self._spec:
                 self._drop_speculative(worker, keys)
         if not per_part:
@@ -597,7 +532,7 @@ class RedisClusterIndex(RedisIndex):
         per_part: dict[int, list[Any]] = {}
         for worker, ttl_s, keys in entries:
             if isinstance(keys, (bytes, bytearray)):
-                keys = struct.unpack(f">{len(keys) // 8}Q", keys)
+                keys = _unpack(keys)
             ttl_ms = max(1, int(ttl_s * 1000))
             for part, pk in self._split(keys).items():
                 per_part.setdefault(part, []).extend([worker, ttl_ms, _pack(pk)])
@@ -608,42 +543,27 @@ class RedisClusterIndex(RedisIndex):
         replies = await self._run(lambda: self._part_scripts(calls))
         return {p: int(r) for p, r in zip(parts, replies)}
 
-    async def heartbeat(self, worker: str, ttl_s: float | None = None, mark_published: bool = False,
-                        state: dict[str, Any] | None = None) -> bool:
-        """As :meth:`RedisIndex.heartbeat`; also False when a partition's epoch changed since this
-        process last published ``worker`` (``mark_published``): that partition lost its data (its
-        shard restarted), so the agent should publish again. Raises IndexUnavailable, TypeError."""
-        ttl_ms = int((ttl_s or self.heartbeat_ttl_s) * 1000)
-        state_json = "" if state is None else json.dumps(state, separators=(",", ":"))
-        had = await self._script(self._heartbeat_script,
-                                 [self.prefix, worker, ttl_ms, "1" if mark_published else "0", state_json])
+    async def _still_published(self, worker: str, mark_published: bool) -> bool:
+        """Part of :meth:`RedisIndex.heartbeat`: False when a partition's epoch changed since this
+        process last published ``worker`` (``mark_published``, which records the epochs): that
+        partition lost its data (its shard restarted), so the heartbeat answers False and the
+        agent publishes again. Raises IndexUnavailable."""
         epochs = await self._partition_epochs(create=mark_published)
         if mark_published:
             self._published_epochs[worker] = epochs
-        elif worker in self._published_epochs and self._published_epochs[worker] != epochs:
-            had = 0
-        if not had:
-            self._encoding_checked = False
-        return bool(had)
+            return True
+        return self._published_epochs.get(worker, epochs) == epochs
 
     async def _partition_epochs(self, create: bool) -> list[bytes | None]:
         """Every partition's epoch (``create``: set the missing ones first). Raises IndexUnavailable."""
         async def read() -> list[bytes | None]:
-            requests: dict[tuple[str, int], list[bytes | bytearray]] = {}
-            where = []
             stamp = b"%.6f.h" % time.time()
-            for part, pp in enumerate(self.part_prefixes):
-                req = requests.setdefault(self._part_nodes[part], [])
-                key = pp.encode() + b"epoch"
-                if create:
-                    req.append(_command(b"SET", key, stamp, b"NX"))
-                where.append((self._part_nodes[part], len(req)))
-                req.append(_command(b"GET", key))
-            replies = await self._node_calls(requests)
-            out = [replies[a][i] for a, i in where]
-            for r in out:
-                if isinstance(r, BaseException):
-                    raise r
+
+            def commands(p: bytes) -> list[bytes]:
+                set_nx = [_command(b"SET", p + b"epoch", stamp, b"NX")] if create else []
+                return [*set_nx, _command(b"GET", p + b"epoch")]
+            out = [r[-1] for r in await self._each_partition(commands)]
+            _raise_error_reply(out)
             return out
         return await self._run(read)
 
@@ -689,9 +609,7 @@ class RedisClusterIndex(RedisIndex):
             meta += ([self._hb_mget] if self._hb_mget else []) + [self._epoch_get, self._slots_hlen]
             replies = await self._node_calls(requests)
             for r in replies.values():
-                for x in r:
-                    if isinstance(x, BaseException):
-                        raise x
+                _raise_error_reply(r)
             return replies, where, self._meta_node, meta_at
 
         flags: list[Any] = []
@@ -715,36 +633,14 @@ class RedisClusterIndex(RedisIndex):
             vals[i] = v
         return vals, flags
 
-    async def stats(self) -> dict[str, WorkerIndexStats]:
-        """Per worker holding anything (confirmed or speculative), block counts by tier (summed
-        over partitions: one pipeline per node)."""
-        workers = sorted((await self._slot_table()).items(), key=lambda kv: kv[1])
-        if self._spec_heap:
-            self._expire(self._clock())
+    async def _owned_counts(self, slots: Sequence[int]) -> list[int]:
+        """As :meth:`RedisIndex._owned_counts`, summed over the partitions (one pipeline per node,
+        all nodes at once). Raises IndexUnavailable."""
+        n = len(slots) * len(TIERS)
 
-        async def counts() -> list[list[int]]:
-            requests: dict[tuple[str, int], list[bytes | bytearray]] = {}
-            where = []
-            for part, pp in enumerate(self.part_prefixes):
-                req = requests.setdefault(self._part_nodes[part], [])
-                where.append((self._part_nodes[part], len(req)))
-                req += [_command(b"SCARD", f"{pp}o:{s}:{t}".encode()) for _, s in workers for t in range(len(TIERS))]
-            replies = await self._node_calls(requests)
-            return [replies[a][i:i + len(workers) * len(TIERS)] for a, i in where]
-        per_part = await self._run(counts) if workers else []
-        total = [sum(int(c[j]) for c in per_part) for j in range(len(workers) * len(TIERS))]
-        spec_counts: dict[str, int] = {}
-        for per_key in self._spec.values():
-            for w in per_key:
-                spec_counts[w] = spec_counts.get(w, 0) + 1
-        out: dict[str, WorkerIndexStats] = {}
-        for i, (worker, _) in enumerate(workers):
-            c = total[i * len(TIERS):(i + 1) * len(TIERS)]
-            if any(c):
-                out[worker] = WorkerIndexStats(blocks={t: c[j] for j, t in enumerate(TIERS)})
-        for worker, n in spec_counts.items():
-            out.setdefault(worker, WorkerIndexStats()).speculative_blocks = n
-        return out
+        per_part = await self._run(lambda: self._each_partition(
+            lambda p: [_command(b"SCARD", p + b"o:%d:%d" % (s, t)) for s in slots for t in range(len(TIERS))]))
+        return [sum(int(c[j]) for c in per_part) for j in range(n)]
 
     async def close(self) -> None:
         for client in [self._seed, *self._clients.values()]:

@@ -42,7 +42,6 @@ on entries the shard may have lost.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -51,12 +50,11 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from kvcore.index.base import TIERS
-from kvcore.index.errors import IndexUnavailable
 from kvcore.index.memory import MemoryIndex
 from kvcore.index.redis import _command
-from kvcore.index.redis_cluster import PARTITIONS, RedisClusterIndex
-from kvcore.index.redis_mirror import _BOOTSTRAP_CHUNK, _YIELD_KEYS, RedisMirrorIndex, _id_ms, _keys, _stop_tasks, log
+from kvcore.index.redis_cluster import PARTITIONS, RedisClusterIndex, _raise_error_reply
+from kvcore.index.redis_mirror import _YIELD_KEYS, RedisMirrorIndex, _id_ms, _stop_tasks, log
+from kvcore.index.redis_snapshot import hb_expiry, load_snapshot, snapshot_commands, take_snapshot
 
 
 class RedisClusterMirrorIndex(RedisMirrorIndex, RedisClusterIndex):
@@ -184,13 +182,8 @@ class RedisClusterMirrorIndex(RedisMirrorIndex, RedisClusterIndex):
                     await self._desync.wait()
                 except asyncio.CancelledError:
                     raise
-                except IndexUnavailable as exc:
-                    self._sync_error = str(exc)
-                    await asyncio.sleep(self.retry_after_s)
-                except Exception as exc:  # noqa: BLE001 - a bug or a foreign entry: start over from Redis
-                    log.exception("redis index %s: mirror failed; resyncing", self.url)
-                    self._sync_error = f"{type(exc).__name__}: {exc}"
-                    self._synced = False
+                except Exception as exc:  # noqa: BLE001 - an outage, a bug or a foreign entry: see _read_failed
+                    self._read_failed(exc)
                     await asyncio.sleep(self.retry_after_s)
         finally:
             await _stop_tasks(readers, self.url)
@@ -220,14 +213,11 @@ class RedisClusterMirrorIndex(RedisMirrorIndex, RedisClusterIndex):
                         await asyncio.sleep(self.read_coalesce_s)
             except asyncio.CancelledError:
                 raise
-            except IndexUnavailable as exc:
-                self._sync_error = str(exc)
+            except Exception as exc:  # noqa: BLE001 - an outage, a bug or a foreign entry: see _read_failed
+                if not self._read_failed(exc, f" on partition {part}"):
+                    self._unsync(drop=False)
+                    return
                 await asyncio.sleep(self.retry_after_s)
-            except Exception as exc:  # noqa: BLE001 - a bug or a foreign entry: start over from Redis
-                log.exception("redis index %s: mirror failed on partition %d; resyncing", self.url, part)
-                self._sync_error = f"{type(exc).__name__}: {exc}"
-                self._unsync(drop=False)
-                return
 
     async def _apply_part_entries(self, part: int, entries: list[list[Any]]) -> None:
         idx = self.local
@@ -306,63 +296,30 @@ class RedisClusterMirrorIndex(RedisMirrorIndex, RedisClusterIndex):
                 continue  # written under another slot table: nothing of it counts
             request: list[bytes] = []
             for _, slot in order:
-                s = b"%d" % slot
-                request += [_command(b"MULTI"), _command(b"GET", p + b"seq")]
-                request += [_command(b"SMEMBERS", p + b"o:" + s + b":%d" % t) for t in range(len(TIERS))]
-                request += [_command(b"HGETALL", p + b"rc:" + s + b":%d" % t) for t in range(len(TIERS))]
-                request.append(_command(b"EXEC"))
+                request += [_command(b"MULTI"), *snapshot_commands(p, slot), _command(b"EXEC")]
             if request:
                 addr = self._part_nodes[part]
                 replies = await self._run(lambda: self._conn_call(("boot", addr), addr, request,
                                                                   self.bootstrap_timeout_s))
-                step = 2 + 2 * len(TIERS) + 1
+                step = len(request) // len(order)
                 for i, (name, _) in enumerate(order):
-                    r = replies[i * step + step - 1]
-                    seq_w = int(r[0] or 0)
-                    if seq_w > applied[part]:
-                        floors[part][name] = seq_w
-                    for t, tier in enumerate(TIERS):
-                        if r[1 + t]:
-                            parts.append((name, tier, b"".join(r[1 + t])))
-                        if r[1 + len(TIERS) + t]:
-                            copies.append((name, tier, r[1 + len(TIERS) + t]))
+                    take_snapshot(name, replies[i * step + step - 1], applied[part], floors[part], parts, copies)
             await asyncio.sleep(0)
         ttls = await self._run(lambda: self._redis.execute_command(
             "EVAL", "local o = {} for i, k in ipairs(KEYS) do o[i] = redis.call('PTTL', k) end return o",
             len(order), *[f"{self.prefix}hb:{slot}" for _, slot in order])) if order else []
         now = time.monotonic()
-        alive = {name: math.inf if pttl == -1 else (now + pttl / 1000.0 if pttl > 0 else 0.0)
-                 for (name, _), pttl in zip(order, ttls)}
-        for _ in new.load_steps(parts, _BOOTSTRAP_CHUNK):
-            await asyncio.sleep(0)
-        del parts
-        for name, tier, flat in copies:
-            for i in range(0, len(flat), 2):
-                key = _keys(flat[i])[0]
-                if key in new.owned_keys(name, tier):
-                    new.add_copies_sync(name, tier, key, int(flat[i + 1]))
+        alive = {name: hb_expiry(pttl, now) for (name, _), pttl in zip(order, ttls)}
+        await load_snapshot(new, parts, copies)
         for part in range(self.partitions):
             log_key = self.part_prefixes[part].encode() + b"log"
             await self._replay_speculative(new, last_ids[part], log_key,
                                            lambda cmds, part=part: self._run(lambda: self._part_atomic(part, cmds)))
-        self.local = new
-        self._generation += 1
         self._part_applied = applied
         self._part_last_id = last_ids
         self._part_epochs = epochs
         self._part_floors = floors
-        now = time.monotonic()
-        self._alive_until = alive
-        self._alive_set_at = {w: now for w in alive}
-        self._slot_names = {s: w for w, s in slots.items()}
-        self._agent_workers.update(w for w, t in alive.items() if t > now)
-        self._hidden_dirty = True
-        self._epoch_seen = meta_epoch
-        self._synced = True
-        self._sync_error = ""
-        self._contact_at = now
-        self.resyncs += 1
-        self.last_resync_s = time.monotonic() - t0
+        self._swap_in(new, slots, alive, meta_epoch, t0)
         await self._notify_applied()
         log.info("redis index %s: mirror loaded: %d keys of %d workers in %d partitions in %.2f s", self.url,
                  len(new), len(alive), self.partitions, self.last_resync_s)
@@ -386,38 +343,12 @@ class RedisClusterMirrorIndex(RedisMirrorIndex, RedisClusterIndex):
             self.gaps += 1
             self._unsync(drop=True)
             return
-        self._epoch_seen = epoch
-        if n_slots != len(self._slot_names):
-            self._slot_names = {s: w for w, s in (await self._slot_table()).items()}
-            now = time.monotonic()
-        for s, pttl in enumerate(ttls):
-            worker = self._slot_names.get(s)
-            if worker is None or self._alive_set_at.get(worker, 0.0) > sent_at:
-                continue
-            until = math.inf if pttl == -1 else (now + pttl / 1000.0 if pttl > 0 else 0.0)
-            if until != self._alive_until.get(worker):
-                self._alive_until[worker] = until
-                self._hidden_dirty = True
-            if pttl > 0 or pttl == -1:
-                self._agent_workers.add(worker)
-        if self.local is not None:
-            self.local.expire_sync()
+        await self._take_poll(epoch, n_slots, ttls, sent_at, now)
 
     async def _partition_heads(self) -> list[tuple[bytes | None, bytes | None]]:
         """Every partition's (epoch, seq), one pipeline per node. Raises IndexUnavailable."""
         async def read() -> list[tuple[bytes | None, bytes | None]]:
-            requests: dict[tuple[str, int], list[bytes | bytearray]] = {}
-            where = []
-            for part, pp in enumerate(self.part_prefixes):
-                req = requests.setdefault(self._part_nodes[part], [])
-                where.append((self._part_nodes[part], len(req)))
-                req.append(_command(b"MGET", pp.encode() + b"epoch", pp.encode() + b"seq"))
-            replies = await self._node_calls(requests)
-            out = []
-            for a, i in where:
-                r = replies[a][i]
-                if isinstance(r, BaseException):
-                    raise r
-                out.append((r[0], r[1]))
-            return out
+            heads = [r[0] for r in await self._each_partition(lambda p: [_command(b"MGET", p + b"epoch", p + b"seq")])]
+            _raise_error_reply(heads)
+            return [(r[0], r[1]) for r in heads]
         return await self._run(read)

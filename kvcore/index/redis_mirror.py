@@ -73,7 +73,6 @@ import asyncio
 import heapq
 import logging
 import math
-import struct
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -86,21 +85,17 @@ from redis.backoff import NoBackoff
 from kvcore.index.base import TIERS, TierMatch, WorkerIndexStats
 from kvcore.index.errors import IndexUnavailable
 from kvcore.index.memory import MemoryIndex
-from kvcore.index.redis import DEFAULT_STREAM_MAXLEN, RedisIndex, _command, _pack
+from kvcore.index.redis import DEFAULT_STREAM_MAXLEN, RedisIndex, _command, _pack, _unpack
+from kvcore.index.redis_snapshot import hb_expiry, load_snapshot, snapshot_commands, take_snapshot
 
 log = logging.getLogger("kvroute.index.redis_mirror")
 
 _YIELD_KEYS = 2048  # keys applied between two yields to the event loop (~0.5 ms: what a lookup may wait)
 _APPLY_CHUNK = 1024  # keys per step within one entry (an agent's republish carries a whole worker)
-_BOOTSTRAP_CHUNK = 16384  # keys stored per step while loading a snapshot
 _OUTBOX_MAX = 10_000  # speculative entries waiting to be appended; beyond, the oldest are dropped
 _LOOKBACK_PAGE = 256  # entries per XREVRANGE page when replaying speculative entries at bootstrap
 _LAG_SAMPLES = 8192
 _S, _R, _C, _RC, _F, _H, _P, _X = (ord(c) for c in "srcRFhpx")
-
-
-def _keys(packed: bytes) -> tuple[int, ...]:
-    return struct.unpack(f">{len(packed) // 8}Q", packed)
 
 
 def _id_ms(entry_id: bytes) -> int:
@@ -452,14 +447,23 @@ class RedisMirrorIndex(RedisIndex):
                         await asyncio.sleep(self.read_coalesce_s)  # let a busy log batch up
             except asyncio.CancelledError:
                 raise
-            except IndexUnavailable as exc:
-                self._sync_error = str(exc)
+            except Exception as exc:  # noqa: BLE001 - an outage, a bug or a foreign entry: see _read_failed
+                self._read_failed(exc)
                 await asyncio.sleep(self.retry_after_s)
-            except Exception as exc:  # noqa: BLE001 - a bug or a foreign entry: start over from Redis
-                log.exception("redis index %s: mirror failed; resyncing", self.url)
-                self._sync_error = f"{type(exc).__name__}: {exc}"
-                self._synced = False
-                await asyncio.sleep(self.retry_after_s)
+
+    def _read_failed(self, exc: Exception, where: str = "") -> bool:
+        """Record why reading the change log failed (``where``: which log, for the message, e.g.
+        ``" on partition 3"``). Returns True for an outage (IndexUnavailable, already counted and
+        logged by ``_run``: read again after ``retry_after_s``); False for anything else (a bug or
+        an entry of a foreign format), logged with its traceback, after which the copy is marked
+        for a reload from Redis (``_synced`` False)."""
+        if isinstance(exc, IndexUnavailable):
+            self._sync_error = str(exc)
+            return True
+        log.error("redis index %s: mirror failed%s; resyncing", self.url, where, exc_info=exc)
+        self._sync_error = f"{type(exc).__name__}: {exc}"
+        self._synced = False
+        return False
 
     async def _apply_entries(self, entries: list[list[Any]]) -> None:
         idx = self.local
@@ -517,7 +521,7 @@ class RedisMirrorIndex(RedisIndex):
             f, v = fields[i], fields[i + 1]
             c = f[0]
             if c in (_X, _S, _R, _C):
-                keys = _keys(v)
+                keys = _unpack(v)
                 self.keys_applied += len(keys)
                 left_s = ttl_ms / 1000.0 - age_s
                 for j in range(0, len(keys), _APPLY_CHUNK):
@@ -588,57 +592,43 @@ class RedisMirrorIndex(RedisIndex):
         parts: list[tuple[str, str, bytes]] = []
         copies: list[tuple[str, str, list[bytes]]] = []
         for name, slot in sorted(slots.items(), key=lambda kv: kv[1]):
-            s = b"%d" % slot
-            cmds = [_command(b"GET", p + b"seq")]
-            cmds += [_command(b"SMEMBERS", p + b"o:" + s + b":%d" % t) for t in range(len(TIERS))]
-            cmds += [_command(b"HGETALL", p + b"rc:" + s + b":%d" % t) for t in range(len(TIERS))]
-            cmds.append(_command(b"PTTL", p + b"hb:" + s))
-            r = await self._atomic(cmds)
-            now = time.monotonic()
-            seq_w = int(r[0] or 0)
-            if seq_w > start_seq:
-                floors[name] = seq_w
-            for t, tier in enumerate(TIERS):
-                if r[1 + t]:
-                    parts.append((name, tier, b"".join(r[1 + t])))
-                if r[1 + len(TIERS) + t]:
-                    copies.append((name, tier, r[1 + len(TIERS) + t]))
-            pttl = int(r[-1])
-            alive[name] = math.inf if pttl == -1 else (now + pttl / 1000.0 if pttl > 0 else 0.0)
+            r = await self._atomic([*snapshot_commands(p, slot), _command(b"PTTL", p + b"hb:%d" % slot)])
+            take_snapshot(name, r, start_seq, floors, parts, copies)
+            alive[name] = hb_expiry(int(r[-1]), time.monotonic())
             await asyncio.sleep(0)
-        for _ in new.load_steps(parts, _BOOTSTRAP_CHUNK):
-            await asyncio.sleep(0)  # lookups go on (on the old copy, during a resync)
-        del parts
-        for name, tier, flat in copies:
-            for i in range(0, len(flat), 2):
-                key = _keys(flat[i])[0]
-                if key in new.owned_keys(name, tier):  # not past max_keys
-                    new.add_copies_sync(name, tier, key, int(flat[i + 1]))
+        await load_snapshot(new, parts, copies)
         await self._replay_speculative(new, start_id)
-        # swap in
-        self.local = new
-        self._generation += 1
         self._applied_seq = start_seq
         self._last_id = start_id
         self._floors = floors
         self._floor_max = max(floors.values(), default=0)
+        self._verify = None
+        self._verify_seq = -1
+        self._swap_in(new, slots, alive, epoch or b"", t0)
+        self._wake_waiters(start_seq)
+        log.info("redis index %s: mirror loaded: %d keys of %d workers at change %d in %.2f s", self.url,
+                 len(new), len(alive), start_seq, self.last_resync_s)
+
+    def _swap_in(self, new: MemoryIndex, slots: dict[str, int], alive: dict[str, float], epoch: bytes,
+                 t0: float) -> None:
+        """End a resync: make ``new`` the copy lookups use, with the slot table ``slots`` (worker
+        -> slot), each worker's heartbeat expiry ``alive`` (``time.monotonic()`` s) and the
+        ``epoch`` it was read under; ``t0``: when the resync began (``time.monotonic()`` s). The
+        caller sets where the log reading goes on from."""
+        self.local = new
+        self._generation += 1
         now = time.monotonic()
         self._alive_until = alive
         self._alive_set_at = {w: now for w in alive}
         self._slot_names = {s: w for w, s in slots.items()}
         self._agent_workers.update(w for w, t in alive.items() if t > now)
         self._hidden_dirty = True
-        self._epoch_seen = epoch or b""
-        self._verify = None
-        self._verify_seq = -1
+        self._epoch_seen = epoch
         self._synced = True
         self._sync_error = ""
         self._contact_at = now
         self.resyncs += 1
         self.last_resync_s = time.monotonic() - t0
-        self._wake_waiters(start_seq)
-        log.info("redis index %s: mirror loaded: %d keys of %d workers at change %d in %.2f s", self.url,
-                 len(new), len(alive), start_seq, self.last_resync_s)
 
     async def _replay_speculative(self, idx: MemoryIndex, end_id: bytes, log_key: bytes | None = None,
                                   atomic: Callable[[Sequence[bytes]], Any] | None = None) -> None:
@@ -672,11 +662,11 @@ class RedisMirrorIndex(RedisIndex):
                 elif f == b"x":
                     expiry = _id_ms(entry_id) + ttl_ms
                     d = held.setdefault(worker, {})
-                    for k in _keys(v):
+                    for k in _unpack(v):
                         d[k] = expiry
                 elif f == b"r0" and worker in held:
                     d = held[worker]
-                    for k in _keys(v):
+                    for k in _unpack(v):
                         d.pop(k, None)
                 elif f == b"F":
                     held.pop(worker, None)
@@ -725,6 +715,20 @@ class RedisMirrorIndex(RedisIndex):
             self.local = None
             self._generation += 1
             return
+        await self._take_poll(epoch, n_slots, ttls, sent_at, now)
+        if counts and not self._floors:
+            expected = {self._slot_names[s]: tuple(counts[3 * s:3 * s + 3])
+                        for s in range(len(counts) // 3) if s in self._slot_names}
+            self._verify = (seq, expected)  # type: ignore[assignment]
+            self._verify_seq = seq
+            self._try_verify()
+
+    async def _take_poll(self, epoch: bytes, n_slots: int, ttls: Sequence[int], sent_at: float, now: float) -> None:
+        """Apply a poll's answer (one that found no data loss): the ``epoch`` seen, the slot table
+        re-read when its size is not ``n_slots``, each slot's heartbeat expiry from its ``PTTL``
+        in ``ttls`` (ms; -1: no TTL, -2: none) unless a log entry set it after the poll was sent
+        (``sent_at``) -- both, and ``now``, ``time.monotonic()`` s -- then the speculative entries
+        due. Raises IndexUnavailable."""
         self._epoch_seen = epoch
         if n_slots != len(self._slot_names):
             self._slot_names = {s: w for w, s in (await self._slot_table()).items()}
@@ -733,7 +737,7 @@ class RedisMirrorIndex(RedisIndex):
             worker = self._slot_names.get(s)
             if worker is None or self._alive_set_at.get(worker, 0.0) > sent_at:
                 continue  # a log entry set it after this poll ran: newer
-            until = math.inf if pttl == -1 else (now + pttl / 1000.0 if pttl > 0 else 0.0)
+            until = hb_expiry(pttl, now)
             if until != self._alive_until.get(worker):
                 self._alive_until[worker] = until
                 self._hidden_dirty = True
@@ -741,12 +745,6 @@ class RedisMirrorIndex(RedisIndex):
                 self._agent_workers.add(worker)
         if self.local is not None:
             self.local.expire_sync()  # speculative entries due: here rather than in a lookup
-        if counts and not self._floors:
-            expected = {self._slot_names[s]: tuple(counts[3 * s:3 * s + 3])
-                        for s in range(len(counts) // 3) if s in self._slot_names}
-            self._verify = (seq, expected)  # type: ignore[assignment]
-            self._verify_seq = seq
-            self._try_verify()
 
     def _try_verify(self) -> None:
         """Compare the copy's blocks per worker and tier with Redis's, once it reflects the seq
