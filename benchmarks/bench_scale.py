@@ -68,12 +68,13 @@ TINY = ROOT / "tests/fixtures/tiny-model"
 MODEL = "tiny"
 BLOCK_SIZE = 16
 DEADLINE_S = 1800  # every child process is killed after this
+SUBSCRIBE_TIMEOUT_S = 120.0  # for the gateway to subscribe to every worker's events
 INDEXES = {"memory": MemoryIndex}  # --index name -> () -> KVIndex; other backends plug in here
 
 FLEET = r'''
 import asyncio, json, sys
 from aiohttp import web
-ports = [int(p) for p in sys.argv[1].split(",")]
+n_ports = int(sys.argv[1])
 page = open(sys.argv[2]).read()
 async def health(request):
     return web.Response(text="")
@@ -88,7 +89,8 @@ async def completions(request):
 async def models(request):
     return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model", "max_model_len": 1000000}]})
 async def main():
-    for port in ports:
+    ports = []
+    for _ in range(n_ports):
         app = web.Application(client_max_size=1 << 28)
         app.router.add_get("/health", health)
         app.router.add_get("/metrics", metrics)
@@ -96,8 +98,10 @@ async def main():
         app.router.add_post("/v1/completions", completions)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-    print("ready", flush=True)
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        ports.append(site._server.sockets[0].getsockname()[1])
+    print("ports " + ",".join(map(str, ports)), flush=True)
     await asyncio.Event().wait()
 asyncio.run(main())
 '''
@@ -232,85 +236,79 @@ async def measure_direct(streams: scale.EventStreams, make_index, flow_events_pe
 
 
 # ---- gateway -----------------------------------------------------------------------------------
-async def gateway_phases(streams: scale.EventStreams, event_ports: list[int], gw_port: int, gw_pid: int,
+async def gateway_phases(streams: scale.EventStreams, socks: list, gw_port: int, gw_pid: int,
                          texts: list[str], idle_s: float, concurrency: int, timeout_s: float) -> dict[str, Any]:
-    """Bind one XPUB per worker (kept open throughout, as a running engine keeps its publisher),
-    wait for the gateway's subscriptions, publish the fill part's batches as fast as the sockets
-    take them and wait until ``/admin/index`` shows them all applied; then the idle window; then
-    the routed requests. Returns the ``ingest``, ``idle_cpu_ms_per_s`` and ``requests`` figures.
-    Raises RuntimeError when the gateway does not subscribe or apply in ``timeout_s``."""
+    """With one bound XPUB per worker in ``socks`` (kept open throughout, as a running engine
+    keeps its publisher): wait for the gateway's subscriptions, publish the fill part's batches
+    as fast as the sockets take them and wait until ``/admin/index`` shows them all applied; then
+    the idle window; then the routed requests. Returns the ``ingest``, ``idle_cpu_ms_per_s`` and
+    ``requests`` figures. Raises RuntimeError when the gateway does not subscribe or apply in
+    time."""
     import zmq
-    import zmq.asyncio
 
-    ctx = zmq.asyncio.Context()
-    ctx.set(zmq.MAX_SOCKETS, 4 * len(event_ports) + 64)
-    socks = []
     out: dict[str, Any] = {}
-    try:
-        for port in event_ports:
-            s = ctx.socket(zmq.XPUB)
-            s.setsockopt(zmq.SNDHWM, 0)
-            s.setsockopt(zmq.LINGER, 0)
-            s.bind(f"tcp://127.0.0.1:{port}")
-            socks.append(s)
-        end = time.monotonic() + timeout_s
-        for s in socks:  # a subscription message from the gateway's SUB socket
-            left = end - time.monotonic()
-            if left <= 0 or not await s.poll(int(left * 1000), zmq.POLLIN):
-                raise RuntimeError("the gateway did not subscribe to every worker's events")
-            await s.recv()
-        seqs = [0] * len(socks)
-        rss0 = tree_rss_bytes(gw_pid)
-        cpu0, t0 = tree_cpu_s(gw_pid), time.monotonic()
-        for worker, payload in streams.order[:streams.fill_batches]:
-            socks[worker].send_multipart((b"", seq_bytes(seqs[worker]), payload), copy=False)
-            seqs[worker] += 1
-        t_sent = time.monotonic()
-        want = sum(seqs)
-        async with httpx.AsyncClient(timeout=30) as client:
-            while True:
-                r = await client.get(f"http://127.0.0.1:{gw_port}/admin/index", headers={"Authorization": "Bearer bench"})
-                workers = r.json()["workers"]
-                applied = sum((w.get("kv_events") or {}).get("batches_applied", 0) for w in workers.values())
-                if applied >= want:
-                    break
-                if time.monotonic() > end:
-                    raise RuntimeError(f"the gateway applied {applied} of {want} batches in time")
-                await asyncio.sleep(0.2)
-        t1, cpu1 = time.monotonic(), tree_cpu_s(gw_pid)
-        rss1 = tree_rss_bytes(gw_pid)
-        blocks = [int((workers.get(w) or {}).get("blocks", {}).get("gpu", 0)) for w in streams.worker_ids()]
-        out["ingest"] = {
-            "batches": want, "events": streams.fill_events, "blocks": streams.fill_blocks,
-            "publish_s": round(t_sent - t0, 3), "wall_s": round(t1 - t0, 3), "cpu_s": round(cpu1 - cpu0, 3),
-            "events_per_cpu_s": round(streams.fill_events / max(cpu1 - cpu0, 1e-9), 1),
-            "blocks_per_cpu_s": round(streams.fill_blocks / max(cpu1 - cpu0, 1e-9), 1),
-            "events_per_wall_s": round(streams.fill_events / max(t1 - t0, 1e-9), 1),
-            "entries": sum(blocks), "entries_match": blocks == streams.fill_expected,
-            "rss_delta_bytes": rss1 - rss0, "rss_bytes": rss1,
-            "rss_bytes_per_entry": round((rss1 - rss0) / max(sum(blocks), 1), 1)}
-        cpu0, t0 = tree_cpu_s(gw_pid), time.monotonic()
-        await asyncio.sleep(idle_s)
-        cpu1, t1 = tree_cpu_s(gw_pid), time.monotonic()
-        idle = (cpu1 - cpu0) / (t1 - t0)
-        out["idle_cpu_ms_per_s"] = round(idle * 1e3, 1)
-        await send_requests(gw_port, texts[:1], 1)  # warm the connections
-        cpu0, t0 = tree_cpu_s(gw_pid), time.monotonic()
-        errors: list[str] = []
-        ok, failed = await send_requests(gw_port, texts, concurrency, errors)
-        cpu1, t1 = tree_cpu_s(gw_pid), time.monotonic()
-        spent = cpu1 - cpu0
-        out["requests"] = {
-            "sent": len(texts), "ok": ok, "failed": failed, "wall_s": round(t1 - t0, 3), "cpu_s": round(spent, 3),
-            "cpu_ms_per_request": round(spent / max(ok, 1) * 1e3, 3),
-            "cpu_ms_per_request_less_idle": round(max(0.0, spent - idle * (t1 - t0)) / max(ok, 1) * 1e3, 3),
-            "mean_prompt_tokens": round(sum(len(t.split()) for t in texts) / max(len(texts), 1), 1),
-            "errors": errors}
-        return out
-    finally:
-        for s in socks:
-            s.close(0)
-        ctx.term()
+    end = time.monotonic() + SUBSCRIBE_TIMEOUT_S
+    for i, s in enumerate(socks):  # a subscription message from the gateway's SUB socket
+        left = end - time.monotonic()
+        if left <= 0 or not await s.poll(int(left * 1000), zmq.POLLIN):
+            subscribed = i + sum(1 for x in socks[i + 1:] if x.get(zmq.EVENTS) & zmq.POLLIN)
+            raise RuntimeError(f"the gateway subscribed to {subscribed} of {len(socks)} workers' events "
+                               f"in {SUBSCRIBE_TIMEOUT_S:.0f} s")
+        await s.recv()
+    end = time.monotonic() + timeout_s
+    seqs = [0] * len(socks)
+    rss0 = tree_rss_bytes(gw_pid)
+    cpu0, t0 = tree_cpu_s(gw_pid), time.monotonic()
+    for worker, payload in streams.order[:streams.fill_batches]:
+        socks[worker].send_multipart((b"", seq_bytes(seqs[worker]), payload), copy=False)
+        seqs[worker] += 1
+    t_sent = time.monotonic()
+    want = sum(seqs)
+    async with httpx.AsyncClient(timeout=30) as client:
+        while True:
+            r = await client.get(f"http://127.0.0.1:{gw_port}/admin/index", headers={"Authorization": "Bearer bench"})
+            workers = r.json()["workers"]
+            applied = sum((w.get("kv_events") or {}).get("batches_applied", 0) for w in workers.values())
+            if applied >= want:
+                break
+            if time.monotonic() > end:
+                raise RuntimeError(f"the gateway applied {applied} of {want} batches in time")
+            await asyncio.sleep(0.2)
+    t1, cpu1 = time.monotonic(), tree_cpu_s(gw_pid)
+    rss1 = tree_rss_bytes(gw_pid)
+    blocks = [int((workers.get(w) or {}).get("blocks", {}).get("gpu", 0)) for w in streams.worker_ids()]
+    out["ingest"] = {
+        "batches": want, "events": streams.fill_events, "blocks": streams.fill_blocks,
+        "publish_s": round(t_sent - t0, 3), "wall_s": round(t1 - t0, 3), "cpu_s": round(cpu1 - cpu0, 3),
+        "events_per_cpu_s": round(streams.fill_events / max(cpu1 - cpu0, 1e-9), 1),
+        "blocks_per_cpu_s": round(streams.fill_blocks / max(cpu1 - cpu0, 1e-9), 1),
+        "events_per_wall_s": round(streams.fill_events / max(t1 - t0, 1e-9), 1),
+        "entries": sum(blocks), "entries_match": blocks == streams.fill_expected,
+        "rss_delta_bytes": rss1 - rss0, "rss_bytes": rss1,
+        "rss_bytes_per_entry": round((rss1 - rss0) / max(sum(blocks), 1), 1)}
+    cpu0, t0 = tree_cpu_s(gw_pid), time.monotonic()
+    await asyncio.sleep(idle_s)
+    cpu1, t1 = tree_cpu_s(gw_pid), time.monotonic()
+    idle = (cpu1 - cpu0) / (t1 - t0)
+    out["idle_cpu_ms_per_s"] = round(idle * 1e3, 1)
+    # the ingest window less what following the workers (probes, load scrapes) costs anyway
+    gi = out["ingest"]
+    ingest_cpu = max(1e-9, gi["cpu_s"] - idle * gi["wall_s"])
+    gi["events_per_cpu_s_less_idle"] = round(gi["events"] / ingest_cpu, 1)
+    gi["blocks_per_cpu_s_less_idle"] = round(gi["blocks"] / ingest_cpu, 1)
+    await send_requests(gw_port, texts[:1], 1)  # warm the connections
+    cpu0, t0 = tree_cpu_s(gw_pid), time.monotonic()
+    errors: list[str] = []
+    ok, failed = await send_requests(gw_port, texts, concurrency, errors)
+    cpu1, t1 = tree_cpu_s(gw_pid), time.monotonic()
+    spent = cpu1 - cpu0
+    out["requests"] = {
+        "sent": len(texts), "ok": ok, "failed": failed, "wall_s": round(t1 - t0, 3), "cpu_s": round(spent, 3),
+        "cpu_ms_per_request": round(spent / max(ok, 1) * 1e3, 3),
+        "cpu_ms_per_request_less_idle": round(max(0.0, spent - idle * (t1 - t0)) / max(ok, 1) * 1e3, 3),
+        "mean_prompt_tokens": round(sum(len(t.split()) for t in texts) / max(len(texts), 1), 1),
+        "errors": errors}
+    return out
 
 
 async def send_requests(gw_port: int, texts: list[str], concurrency: int,
@@ -338,30 +336,51 @@ async def send_requests(gw_port: int, texts: list[str], concurrency: int,
     return ok, failed
 
 
-def wait_for(pred, timeout_s: float, what: str) -> None:
+async def wait_until(pred, timeout_s: float, what: str) -> None:
+    """Poll ``pred`` (a coroutine function) every 0.2 s until it returns true. Raises
+    RuntimeError naming ``what`` after ``timeout_s``."""
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         try:
-            if pred():
+            if await pred():
                 return
         except (httpx.HTTPError, OSError):
             pass
-        time.sleep(0.2)
+        await asyncio.sleep(0.2)
     raise RuntimeError(f"timed out waiting for {what}")
 
 
-def measure_gateway(streams: scale.EventStreams, work: Path, texts: list[str], idle_s: float,
-                    concurrency: int) -> dict[str, Any]:
-    """Step 3 of the module docstring for one worker count."""
+async def measure_gateway(streams: scale.EventStreams, work: Path, texts: list[str], idle_s: float,
+                          concurrency: int) -> dict[str, Any]:
+    """Step 3 of the module docstring for one worker count. Every port is bound by its owner
+    before the gateway's config names it (event sockets here, HTTP ports in the fleet)."""
+    import zmq
+    import zmq.asyncio
+
     n = streams.n_workers
-    ports = free_ports(2 * n + 1)
-    http_ports, event_ports, gw_port = ports[:n], ports[n:2 * n], ports[2 * n]
     page = work / "metrics.txt"
     page.write_text(idle_engine_page())
-    fleet = start([sys.executable, "-c", FLEET, ",".join(map(str, http_ports)), str(page)], work / f"fleet-{n}.log")
+    ctx = zmq.asyncio.Context()
+    ctx.set(zmq.MAX_SOCKETS, 4 * n + 64)
+    socks = []
+    fleet_log = work / f"fleet-{n}.log"
+    fleet = start([sys.executable, "-c", FLEET, str(n), str(page)], fleet_log)
     gw = None
     try:
-        wait_for(lambda: "ready" in (work / f"fleet-{n}.log").read_text(), 120, "the fake worker fleet")
+        event_ports = []
+        for _ in range(n):
+            s = ctx.socket(zmq.XPUB)
+            s.setsockopt(zmq.SNDHWM, 0)
+            s.setsockopt(zmq.LINGER, 0)
+            event_ports.append(s.bind_to_random_port("tcp://127.0.0.1"))
+            socks.append(s)
+
+        async def fleet_ports() -> bool:
+            return fleet_log.read_text().startswith("ports ") and fleet_log.read_text().endswith("\n")
+
+        await wait_until(fleet_ports, 120, "the fake worker fleet")
+        http_ports = [int(x) for x in fleet_log.read_text().split()[1].split(",")]
+        gw_port = free_ports(1)[0]
         cfg = {"listen": {"host": "127.0.0.1", "port": gw_port},
                "models": [{"name": MODEL, "tokenizer": str(TINY), "block_size": BLOCK_SIZE}],
                "index": {"backend": "memory"},
@@ -372,21 +391,26 @@ def measure_gateway(streams: scale.EventStreams, work: Path, texts: list[str], i
         path.write_text(json.dumps(cfg))
         log = work / f"gw-{n}.log"
         gw = start([sys.executable, "-m", "kvroute", "serve", "--config", str(path)], log)
+
+        async def ready() -> bool:
+            async with httpx.AsyncClient(timeout=5) as client:
+                return (await client.get(f"http://127.0.0.1:{gw_port}/health/ready")).status_code == 200
+
         try:
-            wait_for(lambda: httpx.get(f"http://127.0.0.1:{gw_port}/health/ready", timeout=5).status_code == 200,
-                     180, "the gateway")
+            await wait_until(ready, 180, "the gateway")
         except RuntimeError:
-            tail = log.read_text()[-2000:] if log.exists() else ""
-            return {"error": f"gateway never ready: {tail}"}
+            return {"error": "gateway never ready", "log_tail": log.read_text()[-2000:] if log.exists() else ""}
         out: dict[str, Any] = {"rss_start_bytes": tree_rss_bytes(gw.pid)}
         try:
-            out.update(asyncio.run(gateway_phases(streams, event_ports, gw_port, gw.pid, texts, idle_s,
-                                                  concurrency, 900)))
+            out.update(await gateway_phases(streams, socks, gw_port, gw.pid, texts, idle_s, concurrency, 900))
         except RuntimeError as exc:
             out["error"] = str(exc)
             out["log_tail"] = log.read_text()[-1500:]
         return out
     finally:
+        for s in socks:
+            s.close(0)
+        ctx.term()
         if gw is not None:
             stop(gw)
         stop(fleet)
@@ -405,6 +429,8 @@ def main() -> None:
                     help="event rate applied while lookups are timed")
     ap.add_argument("--lookup-s", type=float, default=None, help="seconds of lookups (default 5; quick 1)")
     ap.add_argument("--repeats", type=int, default=None, help="direct ingest runs per N (default 3; quick 1)")
+    ap.add_argument("--direct", action=argparse.BooleanOptionalAction, default=True,
+                    help="measure the in-process ingest and lookups (default on)")
     ap.add_argument("--gateway", action=argparse.BooleanOptionalAction, default=True,
                     help="also measure a real kvroute serve (default on)")
     ap.add_argument("--requests", type=int, default=None, help="routed requests per N (default 200; quick 20)")
@@ -461,23 +487,33 @@ def main() -> None:
                                          / max(1, sum(w.prompt_blocks for w in streams.workers)), 4)}
             print(f"N={n}: {fill_reqs} requests, {streams.fill_events} events, {streams.fill_blocks} blocks "
                   f"generated in {streams.generate_s:.1f} s", flush=True)
-            r["direct"] = asyncio.run(measure_direct(streams, make_index, args.flow_events_per_s, lookup_s, repeats))
-            print(f"N={n}: direct {json.dumps(r['direct'])}", flush=True)
+            if args.direct:
+                r["direct"] = asyncio.run(measure_direct(streams, make_index, args.flow_events_per_s, lookup_s, repeats))
+                print(f"N={n}: direct {json.dumps(r['direct'])}", flush=True)
             if args.gateway:
                 sample = [streams.requests[i] for i in range(0, fill_reqs, max(1, fill_reqs // n_requests))]
                 sample = [s for s in sample if s.copy >= 0][:n_requests]
                 texts = [words.text([word_of[t] for t in s.prompt_ids[len(prefix):]]) for s in sample]
                 gc.collect()
-                r["gateway"] = measure_gateway(streams, Path(tmp), texts, idle_s, args.concurrency)
+                r["gateway"] = asyncio.run(measure_gateway(streams, Path(tmp), texts, idle_s, args.concurrency))
                 print(f"N={n}: gateway {json.dumps(r['gateway'])}", flush=True)
-            runs = r["direct"]["ingest_runs"]
-            cpu_per_event = sum(x["cpu_s"] for x in runs) / sum(x["events"] for x in runs)
-            r["largest_cluster_direct"] = round(scale.largest_cluster(
-                cpu_per_event, r["steady_events_per_request"], args.requests_per_s_per_worker), 1)
+            if args.direct:
+                runs = r["direct"]["ingest_runs"]
+                cpu_per_event = sum(x["cpu_s"] for x in runs) / sum(x["events"] for x in runs)
+                r["largest_cluster_direct"] = round(scale.largest_cluster(
+                    cpu_per_event, r["steady_events_per_request"], args.requests_per_s_per_worker), 1)
             gi = (r.get("gateway") or {}).get("ingest") or {}
             if gi.get("cpu_s"):
+                rate = args.requests_per_s_per_worker
                 r["largest_cluster_gateway"] = round(scale.largest_cluster(
-                    gi["cpu_s"] / gi["events"], r["steady_events_per_request"], args.requests_per_s_per_worker), 1)
+                    gi["cpu_s"] / gi["events"], r["steady_events_per_request"], rate), 1)
+                per_event = 1.0 / gi["events_per_cpu_s_less_idle"]
+                r["largest_cluster_gateway_ingest_only"] = round(scale.largest_cluster(
+                    per_event, r["steady_events_per_request"], rate), 1)
+                # one core = N x (ingest of one worker's events + following one worker when idle)
+                idle_per_worker = r["gateway"]["idle_cpu_ms_per_s"] / 1e3 / n
+                r["largest_cluster_gateway_with_idle"] = round(
+                    1.0 / (per_event * r["steady_events_per_request"] * rate + idle_per_worker), 1)
             results.append(r)
             del streams
             gc.collect()
@@ -493,7 +529,8 @@ def print_table(results: list[dict[str, Any]], rps: float) -> None:
           f"{'ev/s cpu':>9} {'blk/s cpu':>9} {'look p50/p99 ms':>15} {'long p50/p99 ms':>15} "
           f"{'gw ev/s':>8} {'gw B/ent':>8} {'gw idle ms/s':>12} {'gw ms/req':>9} {'max N':>6}")
     for r in results:
-        d = r["direct"]
+        d = r.get("direct") or {"entries": 0, "index_heap_bytes_per_entry": 0, "ingest_state_bytes_per_entry": 0,
+                                "ingest_state_bytes": 0, "ingest_runs": [], "lookups": {}}
         runs = d["ingest_runs"]
         ev = "/".join(f"{x['events_per_cpu_s'] / 1e3:.0f}k" for x in runs)
         bl = "/".join(f"{x['blocks_per_cpu_s'] / 1e3:.0f}k" for x in runs)
@@ -503,12 +540,12 @@ def print_table(results: list[dict[str, Any]], rps: float) -> None:
         g = r.get("gateway") or {}
         gi = g.get("ingest") or {}
         req = g.get("requests") or {}
-        print(f"{r['workers']:>5} {d['entries']:>9} {d['index_bytes_per_entry']:>11} "
+        print(f"{r['workers']:>5} {d['entries']:>9} {d['index_heap_bytes_per_entry']:>11} "
               f"{d['ingest_state_bytes_per_entry']:>11} {d['ingest_state_bytes'] / 2**20:>9.0f} {ev:>9} {bl:>9} "
               f"{tr.get('p50_ms', 0):>7.3f}/{tr.get('p99_ms', 0):<7.3f} {lg.get('p50_ms', 0):>7.2f}/{lg.get('p99_ms', 0):<7.2f} "
               f"{gi.get('events_per_cpu_s', 0):>8.0f} {gi.get('rss_bytes_per_entry', 0):>8} "
               f"{g.get('idle_cpu_ms_per_s', 0):>12} {req.get('cpu_ms_per_request', 0):>9} "
-              f"{r.get('largest_cluster_gateway', r['largest_cluster_direct']):>6}")
+              f"{r.get('largest_cluster_gateway', r.get('largest_cluster_direct', 0)):>6}")
     print(f"(max N: workers whose events one core ingests at {rps} request/s per worker, from the gateway's "
           f"CPU per event when measured, else the direct path's)")
 
