@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import resource
 import time
 from typing import Protocol
 
@@ -46,6 +48,27 @@ from kvcore.events import REPLAY_END_SEQ, EventBatch, EventDecodeError, decode_b
 log = logging.getLogger("kvroute.kv_events")
 
 
+_contexts: dict[int, zmq.asyncio.Context] = {}  # pid -> this process's subscriber context
+
+
+def default_context() -> zmq.asyncio.Context:
+    """This process's ZMQ context for subscribers, made on first use (again after a fork) with its
+    socket limit raised from libzmq's default of 1,023 to the process's open-file limit: each
+    subscriber holds three sockets (SUB, its monitor and the monitor's peer), so the default
+    stopped one process at 341 workers (the rest never subscribed). The limit can only be set
+    before a context's first socket, hence a context of our own rather than
+    ``Context.instance()``."""
+    pid = os.getpid()
+    ctx = _contexts.get(pid)
+    if ctx is None:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        ctx = zmq.asyncio.Context()
+        ctx.set(zmq.MAX_SOCKETS, max(1023, soft if 0 < soft < 1 << 20 else 1 << 16))
+        _contexts.clear()
+        _contexts[pid] = ctx
+    return ctx
+
+
 class EventSink(Protocol):
     """Receiver of an ordered event stream (see the module docstring)."""
 
@@ -56,7 +79,8 @@ class EventSink(Protocol):
 
 class EventSubscriber:
     """Subscribe to ``events_url`` (``tcp://host:port``), repair gaps through ``replay_url``
-    (optional), deliver to ``sink``. ``topic``: SUB prefix filter (b"" = all).
+    (optional), deliver to ``sink``. ``topic``: SUB prefix filter (b"" = all). ``ctx``: the
+    context to make sockets in (default :func:`default_context`).
     ``replay_timeout_s``: longest wait for each replay answer. Run :meth:`run` as a task;
     :meth:`close` stops it. Counters are plain attributes (see :meth:`counters`)."""
 
@@ -68,7 +92,7 @@ class EventSubscriber:
         self.topic = topic
         self.replay_timeout_s = replay_timeout_s
         self.name = name or events_url
-        self._ctx = ctx or zmq.asyncio.Context.instance()
+        self._ctx = ctx or default_context()
         self._sub: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         self._suspect = False  # a disconnect happened: verify continuity at the next batch
