@@ -11,24 +11,38 @@ prompts sent to it into the very ids the events carry.
 
 Per worker count N:
 
-1. direct ingest (in this process): every batch decoded, translated and written into the index
-   (``--index``; the embedded gateway's path without the socket). Events and blocks per CPU
-   second; RSS delta per (block, worker) entry of the whole ingest state (translators + index)
-   and of the index alone (a second index filled from the translators' state); the index's own
-   entry count against the pools'; whether each worker's last routed prompt is found on it.
-2. lookups of trace prompts and of a 2,048-block prompt while the flow part's events are applied
-   at ``--flow-events-per-s`` (one event loop, as in the gateway).
+1. direct ingest (in this process, ``--direct``): every batch decoded, translated and written into
+   the index (``--index``; the embedded gateway's path without the socket), ``--repeats`` times.
+   Events and blocks per CPU second; bytes per (block, worker) entry of the whole ingest state
+   (translators + index; RSS delta) and of the index alone (a second index filled from the
+   translators' state with key ints of its own: RSS delta, and Python heap bytes by
+   ``tracemalloc``); the index's own entry count against the pools'; whether each worker's last
+   routed prompt is found on it and the 2,048-block prompt matched whole; decode cost per event
+   as generated and with a large vocabulary's token ids.
+2. lookups (``KVIndex.match`` wall time) of each worker's last routed prompt and of the
+   2,048-block prompt, alternating, while the flow part's events are applied at
+   ``--flow-events-per-s`` (one event loop, as in the gateway), for ``--lookup-s``.
 3. gateway (``--gateway``): ``kvroute serve`` with N workers whose ``events:`` are ZMQ sockets
-   of this process (XPUB, vLLM's wire format) and whose HTTP side is one fake aiohttp process
-   on N ports (``/health``, a vLLM-shaped ``/metrics`` page, ``/v1/completions`` answered at once:
-   the engine is not what is measured). The fill part's batches are published as fast as the
-   sockets take them; the gateway's CPU (its process tree, user + system) and wall time until
-   ``/admin/index`` shows every batch applied give its ingest rate through ZMQ; then idle CPU
-   (``--idle-s``, no traffic, no events) and CPU per routed request (``--requests`` trace prompts,
-   ``--concurrency`` at a time, no events meanwhile).
+   of this process (XPUB, vLLM's wire format, no replay socket) and whose HTTP side is one fake
+   aiohttp process on N ports (``/health``, a vLLM-shaped ``/metrics`` page with nothing running,
+   ``/v1/completions`` answered at once: the engine is not what is measured). The fill part's
+   batches are published as fast as the sockets take them; the gateway's CPU (its process tree,
+   user + system) and wall time until ``/admin/index`` shows every batch applied give its ingest
+   rate through ZMQ (also less the idle rate), its RSS delta per entry, and whether its entries
+   equal the pools'; then idle CPU (``--idle-s``, no traffic, no events: health probes and load
+   scrapes) and CPU per routed request (``--requests`` trace prompts, ``--concurrency`` at a time,
+   no events meanwhile).
+
+Last, per N, the largest cluster one process can follow: workers whose steady-state event rate
+(events per request once pools evict, times ``--requests-per-s-per-worker``, an assumption) one
+core ingests at the measured CPU per event (``largest_cluster_*``; ``_with_idle`` adds the idle
+cost per worker).
+
+JSON (``--out``): table ``scale``, one row per N with the workload (``requests``, ``events``,
+``blocks``, ``steady_events_per_request``...), ``direct`` and ``gateway`` objects as above.
 
 Usage: python benchmarks/bench_scale.py [--quick] [--workers 64,256,1024] [--capacity-blocks 4096]
-       [--no-gateway] [--repeats 3] [--out FILE]
+       [--no-direct] [--no-gateway] [--repeats 3] [--requests-per-s-per-worker 1] [--out FILE] [--logs DIR]
 Everything runs on loopback and stops by itself (each child has a deadline).
 """
 from __future__ import annotations
@@ -108,7 +122,7 @@ asyncio.run(main())
 
 
 def idle_engine_page() -> str:
-    """``bench_probe_cpu``'s vLLM-shaped ``/metrics`` page (~48 kB) with nothing running or waiting
+    """``bench_probe_cpu``'s vLLM-shaped ``/metrics`` page with nothing running or waiting
     (a busy-looking worker would hold requests in the gateway's dispatch queue)."""
     lines = []
     for line in vllm_like_page().splitlines():
@@ -427,7 +441,7 @@ def main() -> None:
     ap.add_argument("--index", default="memory", choices=sorted(INDEXES))
     ap.add_argument("--flow-events-per-s", type=float, default=20_000.0,
                     help="event rate applied while lookups are timed")
-    ap.add_argument("--lookup-s", type=float, default=None, help="seconds of lookups (default 5; quick 1)")
+    ap.add_argument("--lookup-s", type=float, default=None, help="seconds of lookups (default 5; quick 0.5)")
     ap.add_argument("--repeats", type=int, default=None, help="direct ingest runs per N (default 3; quick 1)")
     ap.add_argument("--direct", action=argparse.BooleanOptionalAction, default=True,
                     help="measure the in-process ingest and lookups (default on)")
@@ -435,7 +449,7 @@ def main() -> None:
                     help="also measure a real kvroute serve (default on)")
     ap.add_argument("--requests", type=int, default=None, help="routed requests per N (default 200; quick 20)")
     ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--idle-s", type=float, default=None, help="idle CPU window (default 10; quick 2)")
+    ap.add_argument("--idle-s", type=float, default=None, help="idle CPU window (default 10; quick 1)")
     ap.add_argument("--requests-per-s-per-worker", type=float, default=1.0,
                     help="assumed request rate of one worker, for the largest-cluster estimate")
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
@@ -445,10 +459,10 @@ def main() -> None:
     q = args.quick
     counts = [int(x) for x in (args.workers or ("8,32" if q else "64,256,1024")).split(",")]
     capacity = args.capacity_blocks or (2560 if q else 4096)
-    lookup_s = args.lookup_s if args.lookup_s is not None else (1.0 if q else 5.0)
+    lookup_s = args.lookup_s if args.lookup_s is not None else (0.5 if q else 5.0)
     repeats = args.repeats or (1 if q else 3)
     n_requests = args.requests if args.requests is not None else (20 if q else 200)
-    idle_s = args.idle_s if args.idle_s is not None else (2.0 if q else 10.0)
+    idle_s = args.idle_s if args.idle_s is not None else (1.0 if q else 10.0)
     make_index = INDEXES[args.index]
 
     words = OneTokenWords(PromptTokenizer(str(TINY)))

@@ -53,11 +53,11 @@ _contexts: dict[int, zmq.asyncio.Context] = {}  # pid -> this process's subscrib
 
 def default_context() -> zmq.asyncio.Context:
     """This process's ZMQ context for subscribers, made on first use (again after a fork) with its
-    socket limit raised from libzmq's default of 1,023 to the process's open-file limit: each
-    subscriber holds three sockets (SUB, its monitor and the monitor's peer), so the default
-    stopped one process at 341 workers (the rest never subscribed). The limit can only be set
-    before a context's first socket, hence a context of our own rather than
-    ``Context.instance()``."""
+    socket limit (``zmq.MAX_SOCKETS``) raised from libzmq's default to the process's open-file
+    limit: each subscriber holds three sockets (SUB, its monitor and the monitor's peer), so under
+    the default a gateway following a few hundred workers could not open the rest (their ingest
+    tasks failed and those workers never subscribed). The limit can only be set before a
+    context's first socket, hence a context of our own rather than ``Context.instance()``."""
     pid = os.getpid()
     ctx = _contexts.get(pid)
     if ctx is None:
