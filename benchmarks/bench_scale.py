@@ -539,29 +539,35 @@ def main() -> None:
 
 
 def print_table(results: list[dict[str, Any]], rps: float) -> None:
-    print(f"\n{'N':>5} {'entries':>9} {'B/entry idx':>11} {'B/entry all':>11} {'ingest MB':>9} "
-          f"{'ev/s cpu':>9} {'blk/s cpu':>9} {'look p50/p99 ms':>15} {'long p50/p99 ms':>15} "
-          f"{'gw ev/s':>8} {'gw B/ent':>8} {'gw idle ms/s':>12} {'gw ms/req':>9} {'max N':>6}")
+    """The figures of ``results`` (rows of table ``scale``) as a text table on stdout."""
+    print(f"\n{'N':>5} {'entries':>9} {'B/ent idx':>9} {'B/ent all':>9} {'state MB':>8} {'events/cpu-s':>20} "
+          f"{'blocks/cpu-s':>20} {'lookup p50/p99 ms':>17} {'2048-blk p50/p99':>16} {'gw ev/cpu-s':>11} "
+          f"{'gw B/ent':>8} {'gw idle ms/s':>12} {'gw ms/req':>9} {'max N':>11}")
     for r in results:
         d = r.get("direct") or {"entries": 0, "index_heap_bytes_per_entry": 0, "ingest_state_bytes_per_entry": 0,
                                 "ingest_state_bytes": 0, "ingest_runs": [], "lookups": {}}
         runs = d["ingest_runs"]
         ev = "/".join(f"{x['events_per_cpu_s'] / 1e3:.0f}k" for x in runs)
         bl = "/".join(f"{x['blocks_per_cpu_s'] / 1e3:.0f}k" for x in runs)
-        lk = d["lookups"]
-        tr = lk.get("trace", {})
-        lg = lk.get("long", {})
+        tr = d["lookups"].get("trace", {})
+        lg = d["lookups"].get("long", {})
         g = r.get("gateway") or {}
         gi = g.get("ingest") or {}
         req = g.get("requests") or {}
-        print(f"{r['workers']:>5} {d['entries']:>9} {d['index_heap_bytes_per_entry']:>11} "
-              f"{d['ingest_state_bytes_per_entry']:>11} {d['ingest_state_bytes'] / 2**20:>9.0f} {ev:>9} {bl:>9} "
-              f"{tr.get('p50_ms', 0):>7.3f}/{tr.get('p99_ms', 0):<7.3f} {lg.get('p50_ms', 0):>7.2f}/{lg.get('p99_ms', 0):<7.2f} "
-              f"{gi.get('events_per_cpu_s', 0):>8.0f} {gi.get('rss_bytes_per_entry', 0):>8} "
-              f"{g.get('idle_cpu_ms_per_s', 0):>12} {req.get('cpu_ms_per_request', 0):>9} "
-              f"{r.get('largest_cluster_gateway', r.get('largest_cluster_direct', 0)):>6}")
-    print(f"(max N: workers whose events one core ingests at {rps} request/s per worker, from the gateway's "
-          f"CPU per event when measured, else the direct path's)")
+        lookup = f"{tr.get('p50_ms', 0):.3f}/{tr.get('p99_ms', 0):.3f}"
+        long_ = f"{lg.get('p50_ms', 0):.2f}/{lg.get('p99_ms', 0):.2f}"
+        max_n = f"{r.get('largest_cluster_gateway_ingest_only', r.get('largest_cluster_direct', 0))}"
+        if "largest_cluster_gateway_with_idle" in r:
+            max_n += f"/{r['largest_cluster_gateway_with_idle']}"
+        print(f"{r['workers']:>5} {d['entries']:>9} {d['index_heap_bytes_per_entry']:>9} "
+              f"{d['ingest_state_bytes_per_entry']:>9} {d['ingest_state_bytes'] / 2**20:>8.0f} {ev:>20} {bl:>20} "
+              f"{lookup:>17} {long_:>16} {gi.get('events_per_cpu_s_less_idle', 0):>11.0f} "
+              f"{gi.get('rss_bytes_per_entry', 0):>8} {g.get('idle_cpu_ms_per_s', 0):>12} "
+              f"{req.get('cpu_ms_per_request_less_idle', 0):>9} {max_n:>11}")
+    print(f"B/ent idx: the index's Python heap per (block, worker) entry; all: translators + index (RSS); "
+          f"gw: kvroute serve (events/cpu-s and ms/req less its idle CPU). max N: workers whose events one core "
+          f"ingests at {rps} request/s per worker (the gateway's rate when measured, else the direct path's; "
+          f"/ with the idle cost of following them)")
 
 
 if __name__ == "__main__":
