@@ -44,7 +44,7 @@ from typing import Any
 import xxhash
 
 from kvcore.block_keys import block_keys
-from kvcore.events import EventBatch, decode_batch, encode_batch
+from kvcore.events import BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
 from kvcore.index.base import KVIndex
 from kvcore.kv_events.ingest import write_ops
 from kvcore.kv_events.translate import EventTranslator
@@ -97,9 +97,11 @@ class TraceTokens:
 
 @dataclass
 class ScaleRequest:
-    """One replayed request: ``number`` in send order, trace ``copy`` and ``row``, arrival
-    ``arrival_s`` (seconds from the first), ``prompt_ids`` and ``output_tokens`` (tokens), and
-    the ``worker`` index it was routed to (set by :func:`build_streams`)."""
+    """One replayed request: ``number`` in send order, trace ``copy`` and ``row`` (-1 for the
+    concatenated long prompt), arrival ``arrival_s`` (seconds from the first), ``prompt_ids`` and
+    ``output_tokens`` (tokens), ``route_key`` (the bytes :func:`route_by_prefix` hashes: copy and
+    first two trace block ids) and the ``worker`` index it was routed to (set by
+    :func:`build_streams`)."""
 
     number: int
     copy: int
@@ -112,8 +114,8 @@ class ScaleRequest:
 
 
 def scale_requests(rows: Sequence[TraceRow], tokens: TraceTokens, n_requests: int,
-                   max_request_tokens: int) -> list[ScaleRequest]:
-    """The first ``n_requests`` requests of the trace repeated (module docstring): copy ``c`` of
+                   max_request_tokens: int, start: int = 0) -> list[ScaleRequest]:
+    """Requests ``start..n_requests-1`` of the trace repeated (module docstring): copy ``c`` of
     row ``i`` is request ``c * len(rows) + i``, arriving ``c`` trace spans later. Output lengths
     are the trace's, cut so prompt + output fit ``max_request_tokens``. Raises ValueError when
     ``rows`` is empty."""
@@ -122,7 +124,7 @@ def scale_requests(rows: Sequence[TraceRow], tokens: TraceTokens, n_requests: in
     t0 = rows[0].timestamp_ms
     span_s = (rows[-1].timestamp_ms - t0) / 1000.0 + 1.0
     out = []
-    for n in range(n_requests):
+    for n in range(start, n_requests):
         copy, i = divmod(n, len(rows))
         row = rows[i]
         prompt = tokens.prompt(row.hash_ids, row.input_length, copy, max_request_tokens // 2)
@@ -196,9 +198,9 @@ class VirtualWorker:
                 payloads.append(encode_batch(EventBatch(ts=ts, events=events, data_parallel_rank=None)))
                 self.events += len(events)
                 for ev in events:
-                    if type(ev).__name__ == "BlockStored":
+                    if isinstance(ev, BlockStored):
                         self.blocks_stored += len(ev.block_hashes)
-                    else:
+                    elif isinstance(ev, BlockRemoved):
                         self.blocks_removed += len(ev.block_hashes)
         pool.free(blocks)
         self.seq += len(payloads)
@@ -235,6 +237,7 @@ class EventStreams:
     generate_s: float = 0.0
 
     def worker_ids(self) -> list[str]:
+        """The workers' ids, by worker index."""
         return worker_ids(self.n_workers)
 
 
@@ -287,7 +290,7 @@ def build_streams(rows: Sequence[TraceRow], tokens: TraceTokens, n_workers: int,
     filled = False
     batch_size = len(rows)
     while stored < total_target:
-        batch = scale_requests(rows, tokens, number + batch_size, max_tokens)[number:]
+        batch = scale_requests(rows, tokens, number + batch_size, max_tokens, start=number)
         for req in batch:
             req.worker = route_by_prefix(req, n_workers)
             vw = streams.workers[req.worker]
