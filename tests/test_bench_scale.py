@@ -50,7 +50,7 @@ def test_quick_run_reports_what_the_streams_make(tmp_path):
             assert d[key] > 0, key
         run = d["ingest_runs"][0]
         assert run["events"] == r["events"] > 0 and run["blocks"] == r["blocks"] > 0
-        assert run["events_per_cpu_s"] > 0 and run["blocks_per_cpu_s"] > run["events_per_cpu_s"] * 0
+        assert 0 < run["events_per_cpu_s"] < run["blocks_per_cpu_s"]  # every event carries a block or more
         for kind in ("trace", "long"):
             assert d["lookups"][kind]["lookups"] > 0 and 0 < d["lookups"][kind]["p50_ms"] <= d["lookups"][kind]["p99_ms"]
         assert d["decode"]["wide_vocab_bytes_per_event"] > d["decode"]["test_vocab_bytes_per_event"] > 0
