@@ -10,8 +10,8 @@ hash ids share their first k x 512 tokens. To reach the size a cluster needs, th
 (:func:`scale_requests`): copy ``c`` replays the same rows shifted by ``c`` times the trace's span
 in time, with its block 0 drawn from another seed, so every copy is a disjoint set of
 conversations (another tenant with its own system prompt) with the trace's reuse inside it.
-Requests longer than ``max_request_blocks`` keep their leading blocks (a worker must hold a
-request whole).
+Prompts longer than half a worker's pool keep their leading trace blocks (a worker must hold a
+request whole; :func:`build_streams`).
 
 Routing (:func:`route_by_prefix`): by prefix, as a cache-aware router keeps a conversation where
 its history is: the worker is a stable hash of (copy, the request's first two trace blocks)
@@ -60,7 +60,7 @@ class TraceTokens:
     :class:`kvroute.bench.words.OneTokenWords` order; ``prefix_ids``: the ids the tokenizer puts
     before a completions prompt (a BOS, or none). Block ids of copy 0 give the ids
     ``expand_trace`` gives with ``block_tokens=512`` (salt ``"trace"``); copy ``c > 0`` draws its
-    block 0 from salt ``"trace-copy<c>"``. Blocks are cached (a few hundred bytes each)."""
+    block 0 from salt ``"trace-copy<c>"``. Each block's ids are made once and kept."""
 
     def __init__(self, word_ids: Sequence[int], prefix_ids: Sequence[int] = ()) -> None:
         if not word_ids:
