@@ -234,3 +234,25 @@ async def test_without_replay_socket_a_gap_resyncs(capture, setup_factory):
     assert st["gaps"] == 1 and st["resyncs"] == 1 and st["replays"] == 0
     assert await index.match(keys_of(capture, "completion_A")) == {}
     assert (await index.match(keys_of(capture, "completion_B_evicts")))["w0"].gpu == 16
+
+
+async def test_a_subscriber_that_cannot_open_its_sockets_is_logged(caplog):
+    """A context out of sockets (one allowed: the SUB opens, its monitor cannot) stops the
+    subscriber task at once; the ingestor says so instead of leaving the worker silently
+    unfollowed."""
+    import zmq
+    import zmq.asyncio
+
+    ctx = zmq.asyncio.Context()
+    ctx.set(zmq.MAX_SOCKETS, 1)
+    port = free_ports(1)[0]
+    ingestor = EventIngestor("w0", f"tcp://127.0.0.1:{port}", None, MemoryIndex(), "tiny", BS, ctx=ctx)
+    try:
+        with caplog.at_level("ERROR", logger="kvroute.kv_events"):
+            await ingestor.start()
+            await until(lambda: any("no longer followed" in r.getMessage() for r in caplog.records),
+                        what="the failure logged")
+        assert "kv-events-w0" in caplog.text
+    finally:
+        await ingestor.stop()
+        ctx.destroy(linger=0)

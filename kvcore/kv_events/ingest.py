@@ -123,6 +123,16 @@ class EventIngestor:
         await self._republish()
         self._tasks = [asyncio.create_task(self.subscriber.run(), name=f"kv-events-{self.worker_id}"),
                        asyncio.create_task(self._maintain(), name=f"kv-index-{self.worker_id}")]
+        for task in self._tasks:
+            task.add_done_callback(self._task_ended)
+
+    def _task_ended(self, task: asyncio.Task[None]) -> None:
+        """Log a task that stopped with an error (ERROR): nothing else would (a subscriber that
+        cannot open its sockets ends at once, and the worker's events are no longer followed)."""
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("%s: %s stopped; this worker's KV events are no longer followed: %r",
+                  self.worker_id, task.get_name(), task.exception())
 
     async def stop(self, purge: bool = False) -> None:
         """Stop subscribing; ``purge``: also drop the worker's index entries (best effort)."""

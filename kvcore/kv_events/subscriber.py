@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import resource
 import time
 from typing import Protocol
 
@@ -46,6 +48,36 @@ from kvcore.events import REPLAY_END_SEQ, EventBatch, EventDecodeError, decode_b
 log = logging.getLogger("kvroute.kv_events")
 
 
+_contexts: dict[int, zmq.asyncio.Context] = {}  # pid -> this process's subscriber context
+
+
+def default_context() -> zmq.asyncio.Context:
+    """This process's ZMQ context for subscribers, made on first use (again after a fork) with its
+    socket limit (``zmq.MAX_SOCKETS``) raised from libzmq's default to the process's open-file
+    limit: each subscriber holds three sockets (SUB, its monitor and the monitor's peer), so under
+    the default a gateway following a few hundred workers could not open the rest (their ingest
+    tasks failed and those workers never subscribed). The open-file limit itself is first raised
+    to the hard limit (at most 65,536) when it is lower. The limit can only be set before a
+    context's first socket, hence a context of our own rather than ``Context.instance()``."""
+    pid = os.getpid()
+    ctx = _contexts.get(pid)
+    if ctx is None:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = 1 << 16 if hard == resource.RLIM_INFINITY else min(hard, 1 << 16)
+        if soft != resource.RLIM_INFINITY and soft < want:  # e.g. 1,024: three sockets per worker
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+                soft = want
+            except (ValueError, OSError):
+                log.warning("open-file limit %d (hard %s): a gateway can follow about %d workers' "
+                            "KV events; raise it (ulimit -n)", soft, hard, soft // 4)
+        ctx = zmq.asyncio.Context()
+        ctx.set(zmq.MAX_SOCKETS, max(1023, soft if 0 < soft < 1 << 20 else 1 << 16))
+        _contexts.clear()
+        _contexts[pid] = ctx
+    return ctx
+
+
 class EventSink(Protocol):
     """Receiver of an ordered event stream (see the module docstring)."""
 
@@ -56,7 +88,8 @@ class EventSink(Protocol):
 
 class EventSubscriber:
     """Subscribe to ``events_url`` (``tcp://host:port``), repair gaps through ``replay_url``
-    (optional), deliver to ``sink``. ``topic``: SUB prefix filter (b"" = all).
+    (optional), deliver to ``sink``. ``topic``: SUB prefix filter (b"" = all). ``ctx``: the
+    context to make sockets in (default :func:`default_context`).
     ``replay_timeout_s``: longest wait for each replay answer. Run :meth:`run` as a task;
     :meth:`close` stops it. Counters are plain attributes (see :meth:`counters`)."""
 
@@ -68,7 +101,7 @@ class EventSubscriber:
         self.topic = topic
         self.replay_timeout_s = replay_timeout_s
         self.name = name or events_url
-        self._ctx = ctx or zmq.asyncio.Context.instance()
+        self._ctx = ctx or default_context()
         self._sub: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         self._suspect = False  # a disconnect happened: verify continuity at the next batch
