@@ -69,6 +69,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_probe_cpu import vllm_like_page  # noqa: E402
 from kvcore.events import seq_bytes  # noqa: E402
 from kvcore.index.base import KVIndex  # noqa: E402
+from kvcore.index.host import HostIndex  # noqa: E402
 from kvcore.index.memory import MemoryIndex  # noqa: E402
 from kvcore.tokenization import PromptTokenizer  # noqa: E402
 from kvroute.bench import scale  # noqa: E402
@@ -83,7 +84,18 @@ MODEL = "tiny"
 BLOCK_SIZE = 16
 DEADLINE_S = 1800  # every child process is killed after this
 SUBSCRIBE_TIMEOUT_S = 120.0  # for the gateway to subscribe to every worker's events
-INDEXES = {"memory": MemoryIndex}  # --index name -> () -> KVIndex; other backends plug in here
+def host_index() -> HostIndex:
+    """A fresh host index (kvcore/index/host.py) as the writer, in a file already unlinked from
+    /dev/shm (its memory goes with the index), sized for 1,024 workers' pools."""
+    path = Path(tempfile.mkdtemp(prefix="bench-scale-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)) / "index"
+    idx = HostIndex(path, max_keys=8_000_000, max_workers=1024, max_holder_sets=65_536)
+    idx.try_become_writer()
+    path.unlink()
+    path.parent.rmdir()
+    return idx
+
+
+INDEXES = {"memory": MemoryIndex, "host": host_index}  # --index name -> () -> KVIndex
 
 FLEET = r'''
 import asyncio, json, sys

@@ -234,6 +234,12 @@ class HostIndex(KVIndex):
         self._fd = -1
         self.writer = False
 
+    def __del__(self) -> None:
+        try:
+            self.close_sync()
+        except Exception:  # interpreter shutdown: the kernel closes what is left
+            pass
+
     def file_bytes(self) -> dict[str, int]:
         """``mapped``: the file's size; ``resident``: its pages in memory (tmpfs blocks)."""
         st = os.fstat(self._fd)
