@@ -121,13 +121,15 @@ def vllm_like_page() -> str:
     return "\n".join(lines) + "\n"
 
 
-def start(argv: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen(["timeout", "-s", "KILL", str(DEADLINE_S)] + argv, stdout=open(log, "w"),
+def start(argv: list[str], log: Path, env: dict | None = None, deadline_s: float = DEADLINE_S) -> subprocess.Popen:
+    """``argv`` in a session of its own, output to ``log``, killed after ``deadline_s``."""
+    return subprocess.Popen(["timeout", "-s", "KILL", str(deadline_s)] + argv, stdout=open(log, "w"),
                             stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "KVROUTE_ADMIN_TOKEN": "bench", **(env or {})})
 
 
 def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM ``proc``'s session, SIGKILL after 20 s."""
     try:
         os.killpg(proc.pid, 15)
         proc.wait(timeout=20)

@@ -66,7 +66,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_probe_cpu import vllm_like_page  # noqa: E402
+from bench_probe_cpu import start as start_bounded, stop, vllm_like_page  # noqa: E402
 from kvcore.events import seq_bytes  # noqa: E402
 from kvcore.index.base import KVIndex  # noqa: E402
 from kvcore.index.host import HostIndex  # noqa: E402
@@ -169,20 +169,7 @@ def tree_rss_bytes(pid: int) -> int:
 
 
 def start(argv: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen(["timeout", "-s", "KILL", str(DEADLINE_S)] + argv, stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "KVROUTE_ADMIN_TOKEN": "bench", **(env or {})})
-
-
-def stop(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, 15)
-        proc.wait(timeout=20)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, 9)
-        except ProcessLookupError:
-            pass
+    return start_bounded(argv, log, env, DEADLINE_S)
 
 
 # ---- direct ingest -----------------------------------------------------------------------------
