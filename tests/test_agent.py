@@ -52,7 +52,8 @@ async def test_agent_writes_the_gateway_keys_to_redis_and_stops_counting_when_ki
         async def holds(keys, n):
             return (await reader.match(keys)).get(worker) == TierMatch(n, 0, 0)
         await until(lambda: holds(keys_a, 18), timeout_s=30, what=f"agent state in Redis\n{agent.log_tail()}")
-        assert await holds(keys_chat, 6)
+        # the chat's batch follows completion_A's: applied in order, maybe a moment later
+        await until(lambda: holds(keys_chat, 6), timeout_s=10, what=f"the chat's blocks\n{agent.log_tail()}")
         for p in payloads[3:6]:  # completion_B, its decode block, then eviction + salted prompt
             await publisher.publish(p)
         await until(lambda: holds(keys_of(capture, "completion_A", salt="tenant-1"), 18), timeout_s=20,
