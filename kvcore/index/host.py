@@ -77,7 +77,7 @@ from typing import Callable
 import numpy as np
 
 from kvcore.index.base import TIERS, KVIndex, TierMatch, WorkerIndexStats, check_tier
-from kvcore.index.memory import MemoryIndex, drop_extra_copy, run_chains, tier_matches
+from kvcore.index.memory import MemoryIndex, drop_extra_copy, gpu_positions, run_chains, tier_matches
 
 MAGIC = 0x31_54_53_4F_48_52_56_4B  # "KVRHOST1" little-endian
 LAYOUT_VERSION = 1
@@ -783,22 +783,8 @@ class HostIndex(KVIndex):
         spec.expire_sync()
         ids, masks = self._snapshot(keys)
         get = spec._masks.get
-        sel = self._sel_all
-        by_bit: dict[int, int] = {}
-        for i, (sid, key) in enumerate(zip(ids.tolist(), keys)):
-            v = masks[sid] | get(key, 0)
-            g = (v | v >> 3) & sel
-            while g:
-                low = g & -g
-                by_bit[low] = by_bit.get(low, 0) | 1 << i
-                g ^= low
-        names = self._names_now()
-        out = {}
-        for low, positions in by_bit.items():
-            name = names.get((low.bit_length() - 1) // _STRIDE)
-            if name is not None:
-                out[name] = positions
-        return out
+        values = (masks[sid] | get(key, 0) for sid, key in zip(ids.tolist(), keys))
+        return gpu_positions(values, self._sel_all, self._names_now(), _STRIDE)
 
     async def stats(self) -> dict[str, WorkerIndexStats]:
         return self.stats_sync()

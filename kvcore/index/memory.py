@@ -434,23 +434,12 @@ class MemoryIndex(KVIndex):
         """Synchronous :meth:`gpu_holders`; ``hidden`` as in :meth:`match_sync`."""
         if self._spec_heap:
             self._expire(self._clock())
-        get = self._masks.get
-        sel = self._gpu_sel
-        by_bit: dict[int, int] = {}
-        for i, key in enumerate(keys):
-            v = get(key)
-            if not v:
-                continue
-            if hidden:
-                v &= ~hidden
-            g = (v | v >> 3) & sel
-            while g:
-                low = g & -g
-                by_bit[low] = by_bit.get(low, 0) | 1 << i
-                g ^= low
+        values = map(self._masks.get, keys)
+        if hidden:
+            keep = ~hidden
+            values = (None if v is None else v & keep for v in values)
         names = {slot: name for name, slot in self._slots.items()}
-        return {names[(low.bit_length() - 1) // _STRIDE]: mask for low, mask in by_bit.items()
-                if (low.bit_length() - 1) // _STRIDE in names}
+        return gpu_positions(values, self._gpu_sel, names, _STRIDE)
 
     async def stats(self) -> dict[str, WorkerIndexStats]:
         return self.stats_sync()
@@ -483,6 +472,28 @@ def drop_extra_copy(extra_refs: dict[tuple[int, int, int], int], ref: tuple[int,
     else:
         del extra_refs[ref]
     return True
+
+
+def gpu_positions(values: Iterable[int | None], sel: int, names: dict[int, str], stride: int) -> dict[str, int]:
+    """:meth:`KVIndex.gpu_holders` from each block's entry bits in prompt order (layout of
+    :class:`MemoryIndex`; None or 0: nobody holds it): per named worker holding some block in gpu
+    (or speculatively), a mask with bit ``i`` set when it holds block ``i``. ``sel``: bit
+    ``stride * slot`` of every slot; ``names``: slot -> worker id (other slots are left out)."""
+    by_bit: dict[int, int] = {}
+    for i, v in enumerate(values):
+        if not v:
+            continue
+        g = (v | v >> 3) & sel
+        while g:
+            low = g & -g
+            by_bit[low] = by_bit.get(low, 0) | 1 << i
+            g ^= low
+    out = {}
+    for low, positions in by_bit.items():
+        name = names.get((low.bit_length() - 1) // stride)
+        if name is not None:
+            out[name] = positions
+    return out
 
 
 def run_chains(v: int, steps: Iterable[tuple[int, int | None]], end: int,
