@@ -533,7 +533,9 @@ def test_prefill_timeout_falls_back_to_whole(pd):
         after = counts(pd)
         assert after == {**before, "prefill_failed": before["prefill_failed"] + 1}
         entry = next(e for e in admin(pd, "GET", "/admin/decisions").json()["decisions"] if e["request_id"] == rid)
-        assert entry["pd"]["prefill_outcome"] == "prefill_failed" and 1000.0 <= entry["pd"]["prefill_ms"] < 15000.0
+        # uvloop's timers count whole milliseconds from a loop time cached per iteration, so the
+        # timeout may fire up to 1 ms before a full second by perf_counter (CI saw 999.993 ms)
+        assert entry["pd"]["prefill_outcome"] == "prefill_failed" and 999.0 <= entry["pd"]["prefill_ms"] < 15000.0
         assert entry["worker"] == dworker
         idle(pd)
     finally:
