@@ -136,6 +136,17 @@ def cache_unsupported_reason(backend: Any) -> str | None:
     return None
 
 
+def encode_ids(backend: Any, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    """``[backend.encode(t, add_special_tokens=...).ids for t in texts]`` for a
+    ``tokenizers.Tokenizer``, through ``encode_batch_fast`` where the library has it (tokenizers
+    >= 0.21): the same pipeline and ids without the per-token offsets, which nothing here reads.
+    Raises what the tokenizer raises."""
+    fast = getattr(backend, "encode_batch_fast", None)
+    if fast is None:
+        return [backend.encode(t, add_special_tokens=add_special_tokens).ids for t in texts]
+    return [e.ids for e in fast(texts, add_special_tokens=add_special_tokens)]
+
+
 class PrefixTokenCache:
     """Exact ``backend.encode(text, add_special_tokens).ids`` with prefixes cached at special tokens.
 
@@ -182,9 +193,9 @@ class PrefixTokenCache:
         """``backend.encode(text, add_special_tokens=...).ids``, exactly; raises what the tokenizer
         raises. Ids are ``int`` in ``0..2**32-1``."""
         if add_special_tokens and self._wrap is None:
-            return self._backend.encode(text, add_special_tokens=True).ids
+            return encode_ids(self._backend, [text], True)[0]
         if len(text) < self.min_text_chars or self.max_tokens == 0:
-            return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+            return encode_ids(self._backend, [text], add_special_tokens)[0]
         ids = self._encode_raw(text)
         if add_special_tokens:
             head, tail = self._wrap  # type: ignore[misc]
@@ -256,7 +267,7 @@ class PrefixTokenCache:
         if base_i >= 0 and base_pos < len(text) and self._straddles(text, base_pos):
             with self._lock:
                 self._fallbacks += 1
-            return self._backend.encode(text, add_special_tokens=False).ids
+            return encode_ids(self._backend, [text], False)[0]
 
         out: list[int] = []
         for seg in segments:
@@ -275,15 +286,15 @@ class PrefixTokenCache:
         if base_i < len(cuts) - 1:
             store.append(len(cuts) - 1)
 
-        encode = self._backend.encode
         new: list[tuple[bytes, _Entry]] = []
         parent = keys[base_i] if base_i >= 0 else None
-        start = base_pos
-        for i in store:
-            seg = self._shared(encode(text[start:cuts[i]], add_special_tokens=False).ids)
+        bounds = [base_pos] + [cuts[i] for i in store]
+        pieces = encode_ids(self._backend, [text[a:b] for a, b in zip(bounds, bounds[1:])], False) if store else []
+        for i, ids in zip(store, pieces):
+            seg = self._shared(ids)
             out.extend(seg)
             new.append((keys[i], _Entry(parent, seg)))
-            parent, start = keys[i], cuts[i]
+            parent = keys[i]
 
         with self._lock:
             if base_i >= 0:

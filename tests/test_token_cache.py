@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer
 
-from kvcore.token_cache import ENTRY_OVERHEAD_TOKENS, PrefixTokenCache, UnsupportedTokenizer
+from kvcore.token_cache import ENTRY_OVERHEAD_TOKENS, PrefixTokenCache, UnsupportedTokenizer, encode_ids
 from kvcore.tokenization import PromptTokenizer
 from router.config import ModelConfig
 from router.metrics import GatewayMetrics
@@ -88,6 +88,19 @@ def _check_conversations(tok: PromptTokenizer, cache: PrefixTokenCache, conv) ->
         text = tok.render_chat(body)
         assert cache.encode(text, False) == _plain(tok, text), repr(text)
     assert cache.stats().size_tokens <= cache.max_tokens
+
+
+# ---- the batch encoder gives the plain encoder's ids ---------------------------------------------
+@SETTINGS
+@given(texts=st.lists(_text(24), min_size=1, max_size=4), special=st.booleans())
+def test_encode_ids_equals_plain_encode(tiny_tok, small_tok, texts, special):
+    """encode_ids (encode_batch_fast: no offsets) returns what Tokenizer.encode(...).ids does, for
+    both models' tokenizers, with and without the post-processor's special tokens, on texts mixing
+    chat markers, unicode and whitespace; and PromptTokenizer.encode_text (no cache) goes through it."""
+    for tok in (tiny_tok, small_tok):
+        want = [_plain(tok, t, special) for t in texts]
+        assert encode_ids(tok._backend, texts, special) == want
+        assert [tok.encode_text(t, special) for t in texts] == want
 
 
 # ---- exactness over random conversations ---------------------------------------------------------
