@@ -25,7 +25,9 @@ Keys are unsigned 64-bit ints (0 <= key < 2**64).
 """
 from __future__ import annotations
 
+import array
 import struct
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -37,6 +39,8 @@ with it). The Redis index stores it per namespace and refuses a process on anoth
 (:class:`kvcore.index.errors.IndexEncodingMismatch`)."""
 _ROOT_PREFIX = b"kvroute/v1\x00"
 _h = xxhash.xxh3_64_intdigest
+_U32 = next(c for c in "IL" if array.array(c).itemsize == 4)
+_SWAP = sys.byteorder == "big"
 
 
 @dataclass(frozen=True)
@@ -106,17 +110,20 @@ def block_keys(
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     n_blocks = len(token_ids) // block_size
     key = root_key(model) if parent is None else parent
-    fmt = struct.Struct(f"<Q{block_size}I")
+    try:
+        packed = array.array(_U32, token_ids[:n_blocks * block_size])
+    except (OverflowError, TypeError) as exc:
+        raise ValueError(f"token id out of range for block keys: {exc}") from None
+    if _SWAP:
+        packed.byteswap()
+    raw = packed.tobytes()  # u32 little-endian, block after block
+    step = 4 * block_size
     keys: list[int] = []
     plain = extras.is_empty()
-    try:
-        for i in range(n_blocks):
-            lo = i * block_size
-            data = fmt.pack(key, *token_ids[lo:lo + block_size])
-            if not plain:
-                data += _extras_for_block(extras, first_block_index + i, block_size)
-            key = _h(data)
-            keys.append(key)
-    except struct.error as exc:
-        raise ValueError(f"token id out of range for block keys: {exc}") from None
+    for i, lo in enumerate(range(0, n_blocks * step, step)):
+        data = key.to_bytes(8, "little") + raw[lo:lo + step]
+        if not plain:
+            data += _extras_for_block(extras, first_block_index + i, block_size)
+        key = _h(data)
+        keys.append(key)
     return keys

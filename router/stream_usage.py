@@ -102,7 +102,7 @@ def cached_tokens_of_body(body: bytes) -> int | None:
 
 
 def _usage_of_event(event: bytes) -> dict[str, Any] | None:
-    for line in event.split(b"\n"):
+    for line in event.splitlines():  # any SSE line end: LF, CRLF or CR
         if line.startswith(b"data:") and _USAGE.search(line):
             try:
                 obj = orjson.loads(line[5:].strip())
@@ -154,14 +154,20 @@ class UsageStrip:
         """Bytes to send now (possibly b""): every complete event so far, minus the usage one
         and the held ones."""
         data = self._pending + chunk if self._pending else chunk
-        events = _split_events(data)
-        self._pending = events.pop()
-        if not events:
-            return b""
-        done = b"".join(events)
+        if data[-2:] == b"\n\n" and data[-3:-2] not in (b"\n", b"\r"):
+            # ends exactly at an event's end (a match of _EVENT_END holds only line-end bytes, so
+            # none can reach back past data[-3]): the whole of it is complete events
+            events, done = None, data
+            self._pending = b""
+        else:
+            events = _split_events(data)
+            self._pending = events.pop()
+            if not events:
+                return b""
+            done = b"".join(events)
         if not self._held and not _FINISHED.search(done) and not (_USAGE_ONLY.search(done) and _USAGE.search(done)):
             return done  # the common case: content events only
-        return b"".join(self._event(e) for e in events)
+        return b"".join(self._event(e) for e in (events if events is not None else _split_events(data)[:-1]))
 
     def _event(self, event: bytes) -> bytes:
         if _USAGE_ONLY.search(event) and _USAGE.search(event):

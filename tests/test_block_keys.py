@@ -68,3 +68,17 @@ def test_bad_input_raises_value_error():
         block_keys([1, 2], 0, "m")
     with pytest.raises(ValueError):
         block_keys([-1] * 32, 32, "m")
+    with pytest.raises(ValueError):
+        block_keys([2**32] + [0] * 31, 32, "m")
+    with pytest.raises(ValueError):
+        block_keys([1.5] * 32, 32, "m")
+    assert block_keys([0] * 32 + [-1], 32, "m") == block_keys([0] * 32, 32, "m")  # a partial block is not read
+
+
+def test_any_sequence_of_ints_gives_the_same_keys():
+    import numpy as np
+    tokens = [7, 300, 65535, 2**32 - 1, 0, 1] * 20
+    want = _by_hand(tokens, 16, "tiny")
+    assert block_keys(tuple(tokens), 16, "tiny") == want
+    assert block_keys(np.array(tokens, dtype=np.uint32), 16, "tiny") == want
+    assert block_keys(np.array(tokens, dtype=np.int64), 16, "tiny") == want

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import orjson
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from router.stream_usage import UsageStrip, UsageTap, request_stream_usage
 
@@ -160,3 +162,22 @@ def test_the_tap_reads_the_agent_apis_stream_usage(events, cached):
     tap = UsageTap()
     out = b"".join(tap.feed(e) for e in events) + tap.finish()
     assert out == b"".join(events) and tap.cached_tokens == cached
+
+
+@settings(max_examples=200, deadline=None)
+@given(eol=st.sampled_from([b"\r\n", b"\r", b"\n"]), cuts=st.lists(st.integers(0, 4000), max_size=12),
+       extra_newlines=st.lists(st.integers(0, 3), min_size=0, max_size=30))
+def test_strip_output_does_not_depend_on_how_the_stream_is_cut(eol, cuts, extra_newlines):
+    """However the worker's bytes are cut into reads (inside events, at line ends, between the two
+    line ends of an event's end, with blank lines between events), the client gets the same bytes:
+    the one-read result, which is vLLM's stream without usage."""
+    events = (STREAMS / "chat_usage.sse").read_bytes().split(b"\n\n")[:-1]
+    stream = b"".join(e + eol + eol + eol * (extra_newlines[i] if i < len(extra_newlines) else 0)
+                      for i, e in enumerate(events))
+    whole = UsageStrip()
+    want = whole.feed(stream) + whole.finish()
+    strip = UsageStrip()
+    bounds = sorted({c % (len(stream) + 1) for c in cuts} | {0, len(stream)})
+    got = b"".join(strip.feed(stream[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a) + strip.finish()
+    assert got == want and strip.cached_tokens == whole.cached_tokens == 0
+    assert b'"choices":[]' not in got and b"[DONE]" in got
