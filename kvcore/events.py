@@ -8,13 +8,20 @@ name); vLLM <= 0.11 sent an array ``["BlockStored", field, ...]`` in declaration
 hashes are uint64 ints by default, or raw digest bytes with
 ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``. Fields still at their default are omitted on the wire.
 
+Decoding is per event where it must be: an event of a type we do not know (vLLM adds kinds every
+few releases, and a cluster's workers are upgraded one at a time), or a known one that does not
+decode (a required field missing, a field of another type), is left out of the batch and reported
+as a :class:`SkippedEvent`; the batch's other events still apply. Unknown keys of a known event
+(map-shaped) and extra trailing fields (array-shaped) are ignored. Map- and array-shaped events may
+be mixed in one batch.
+
 The replay socket (ROUTER, bound by vLLM) answers a DEALER's ``[b"", start_seq (8B)]`` with one
 ``[b"", topic, seq (8B), payload]`` per buffered batch with seq >= start_seq, then
 ``[b"", b"", (-1 as signed 8B), b""]``.
 """
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 import msgspec
 
@@ -82,12 +89,19 @@ class _OldBlockStored(msgspec.Struct, tag="BlockStored", array_like=True):
     lora_name: str | None = None
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
 
 
 class _OldBlockRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True):
     block_hashes: list[EngineHash]
     medium: str | None = None
     group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class _OldAllBlocksCleared(msgspec.Struct, tag="AllBlocksCleared", array_like=True):
@@ -100,29 +114,97 @@ class _OldEventBatch(msgspec.Struct, array_like=True):
     data_parallel_rank: int | None = None
 
 
+_OldEvent = Union[_OldBlockStored, _OldBlockRemoved, _OldAllBlocksCleared]
+
+
+class _RawEventBatch(msgspec.Struct, array_like=True):
+    """A batch whose events are left undecoded (the per-event path)."""
+
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
 _decoder = msgspec.msgpack.Decoder(EventBatch)
 _old_decoder = msgspec.msgpack.Decoder(_OldEventBatch)
+_raw_decoder = msgspec.msgpack.Decoder(_RawEventBatch)
+_event_decoder = msgspec.msgpack.Decoder(KVCacheEvent)
+_old_event_decoder = msgspec.msgpack.Decoder(_OldEvent)
+_any_decoder = msgspec.msgpack.Decoder()
 _encoder = msgspec.msgpack.Encoder()
+
+KNOWN_EVENT_TYPES = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
+UNKNOWN_TYPE = "unknown_type"
+MALFORMED = "malformed"
+_NO_TYPE = "?"
+_TYPE_NAME_MAX = 64
 
 
 class EventDecodeError(ValueError):
-    """A payload that is neither vLLM 0.32's map-shaped batch nor the older array-shaped one."""
+    """A payload that is not a batch ``[ts, [event, ...], data_parallel_rank]`` at all."""
 
 
-def _from_old(ev: _OldBlockStored | _OldBlockRemoved | _OldAllBlocksCleared) -> KVCacheEvent:
+class SkippedEvent(NamedTuple):
+    """An event :func:`decode_batch` left out of its batch.
+
+    ``type``: the event's type name (the map's ``type`` value, or an array's first item), cut to
+    64 characters; ``"?"`` when it has none. ``reason``: ``"unknown_type"`` (a type other than
+    BlockStored, BlockRemoved, AllBlocksCleared) or ``"malformed"`` (a known type that does not
+    decode, or no type at all). ``error``: msgspec's message for a malformed one, else ``""``."""
+
+    type: str
+    reason: str
+    error: str
+
+
+def _from_old(ev: _OldEvent) -> KVCacheEvent:
     if isinstance(ev, _OldBlockStored):
         return BlockStored(ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size,
-                           ev.lora_id, ev.medium, ev.lora_name, ev.extra_keys, ev.group_idx)
+                           ev.lora_id, ev.medium, ev.lora_name, ev.extra_keys, ev.group_idx,
+                           ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window, ev.locality,
+                           ev.ownership, ev.session_id)
     if isinstance(ev, _OldBlockRemoved):
-        return BlockRemoved(ev.block_hashes, ev.medium, ev.group_idx)
+        return BlockRemoved(ev.block_hashes, ev.medium, ev.group_idx, ev.locality, ev.ownership)
     return AllBlocksCleared()
 
 
-def decode_batch(payload: bytes) -> EventBatch:
+def decode_event(raw: bytes | msgspec.Raw) -> KVCacheEvent | SkippedEvent:
+    """One msgpack-encoded event, map-shaped (vLLM 0.32) or array-shaped (vLLM <= 0.11), as a
+    typed event, or a :class:`SkippedEvent` saying why it cannot be one."""
+    try:
+        return _event_decoder.decode(raw)
+    except msgspec.DecodeError as exc:
+        error = str(exc)
+    try:
+        return _from_old(_old_event_decoder.decode(raw))
+    except msgspec.DecodeError as exc:
+        old_error = str(exc)
+    try:
+        obj = _any_decoder.decode(raw)
+    except msgspec.DecodeError:
+        obj = None
+    if isinstance(obj, dict):
+        name = obj.get("type")
+    elif isinstance(obj, list) and obj:
+        name, error = obj[0], old_error
+    else:
+        name = None
+    if not isinstance(name, str):
+        return SkippedEvent(_NO_TYPE, MALFORMED, error)
+    name = name[:_TYPE_NAME_MAX]
+    if name in KNOWN_EVENT_TYPES:
+        return SkippedEvent(name, MALFORMED, error)
+    return SkippedEvent(name, UNKNOWN_TYPE, "")
+
+
+def decode_batch(payload: bytes, skipped: list[SkippedEvent] | None = None) -> EventBatch:
     """Decode one payload frame into an :class:`EventBatch` of typed events.
 
-    Accepts vLLM 0.32's map-shaped events and the older array-shaped ones; both come out as the
-    same types. Raises :class:`EventDecodeError` on anything else.
+    Accepts vLLM 0.32's map-shaped events and the older array-shaped ones, also mixed in one
+    batch; both come out as the same types. A batch whose events all decode is one msgspec decode
+    (two for an array-shaped one); otherwise each event is decoded on its own
+    (:func:`decode_event`) and those that cannot be are left out, in order, and appended to
+    ``skipped`` when given. Raises :class:`EventDecodeError` when the payload is not a batch.
     """
     try:
         return _decoder.decode(payload)
@@ -130,8 +212,22 @@ def decode_batch(payload: bytes) -> EventBatch:
         try:
             old = _old_decoder.decode(payload)
         except msgspec.DecodeError:
+            pass
+        else:
+            return EventBatch(old.ts, [_from_old(e) for e in old.events], old.data_parallel_rank)
+        try:
+            raw = _raw_decoder.decode(payload)
+        except msgspec.DecodeError:
             raise EventDecodeError(f"undecodable KV event batch: {first}") from None
-        return EventBatch(old.ts, [_from_old(e) for e in old.events], old.data_parallel_rank)
+    events: list[KVCacheEvent] = []
+    for item in raw.events:
+        ev = decode_event(item)
+        if isinstance(ev, SkippedEvent):
+            if skipped is not None:
+                skipped.append(ev)
+        else:
+            events.append(ev)
+    return EventBatch(raw.ts, events, raw.data_parallel_rank)
 
 
 def encode_batch(batch: EventBatch) -> bytes:

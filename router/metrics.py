@@ -28,6 +28,7 @@
 | kvroute_worker_event_gaps_total | counter | worker | sequence gaps in the worker's KV-event stream (embedded mode) |
 | kvroute_worker_event_replays_total | counter | worker | replay requests the worker's publisher answered, the first catch-up included (embedded mode) |
 | kvroute_worker_event_resyncs_total | counter | worker | full resyncs of the worker's index entries (embedded mode) |
+| kvroute_worker_event_skipped_total | counter | worker, type, reason | KV events left out of the worker's batches, the rest applied: ``unknown_type`` (a type this version does not know, named by ``type``) or ``malformed`` (a known type that does not decode) (embedded mode; absent until one is) |
 | kvroute_evidence_distrust_total | counter | worker | times a worker's evidence became distrusted |
 | kvroute_index_unavailable_total | counter | | lookups that found the shared index down (routed by load alone) |
 | kvroute_index_write_failures_total | counter | | speculative inserts of a routed prompt's keys that found the shared index down |
@@ -101,6 +102,10 @@ class _WorkerGauges(Collector):
             "Seconds since the last KV-event batch from the worker was applied (embedded mode)", labels=["worker"])
         event_counters = {key: CounterMetricFamily(f"kvroute_worker_event_{key}", doc, labels=["worker"])
                           for key, doc in _EVENT_COUNTERS.items()}
+        skipped = CounterMetricFamily(
+            "kvroute_worker_event_skipped",
+            "KV events left out of the worker's batches (unknown type or malformed), the rest applied "
+            "(embedded mode)", labels=["worker", "type", "reason"])
         for reg in self._workers():
             state = reg.event_state()
             if state is not None:
@@ -110,6 +115,9 @@ class _WorkerGauges(Collector):
                     events_age.add_metric([reg.id], state["last_event_age_s"])
                 for key, family in event_counters.items():
                     family.add_metric([reg.id], state[key])
+                for reason, by_type in state.get("events_not_decoded", {}).items():
+                    for kind, n in by_type.items():
+                        skipped.add_metric([reg.id, kind, reason], n)
             if reg.events_live is not None:
                 events_live.add_metric([reg.id], 1 if reg.events_live else 0)
             in_flight.add_metric([reg.id], reg.in_flight)
@@ -128,6 +136,7 @@ class _WorkerGauges(Collector):
         yield blocks
         yield events_age
         yield from event_counters.values()
+        yield skipped
 
 
 class _PeerLinks(Collector):

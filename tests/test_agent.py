@@ -1,6 +1,7 @@
 """``kvroute agent`` as a real process: the captured vLLM frames on a local PUB socket end up in
 Redis under the gateway's keys; a killed agent's worker stops counting after the heartbeat TTL; a
-stopped agent purges its entries; bad arguments exit 2."""
+stopped agent purges its entries; bad arguments exit 2; an unknown event kind in a batch is skipped
+and counted, and remote tier copies are not credited."""
 from __future__ import annotations
 
 import asyncio
@@ -128,3 +129,50 @@ def test_bad_arguments_exit_2(bad):
     r = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2
     assert "kvroute agent: error:" in r.stderr
+
+
+async def test_agent_skips_an_unknown_event_type_and_credits_no_remote_tier(procs, redis_url, publisher):
+    """A batch ``[BlockStored A, an unknown kind, BlockStored B, remote and local STORAGE copies]``
+    from the worker: the agent writes A and B, credits only the local ssd copy, logs the unknown
+    type once and publishes its count with the heartbeat."""
+    import msgspec
+
+    worker = f"agent-{uuid.uuid4().hex[:6]}"
+    reader = RedisIndex(redis_url, socket_timeout_s=5)
+    toks = list(range(700, 700 + 2 * BS))
+    keys = block_keys(toks, BS, "tiny")
+
+    def store(hashes, tokens, parent=None, medium="GPU", **extra):
+        return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
+                "block_size": BS, "lora_id": None, "medium": medium, "lora_name": None, **extra}
+
+    unknown = {"type": "BlockPinned", "block_hashes": [1]}
+    batch = [store([1], toks[:BS]), unknown, store([2], toks[BS:], parent=1),
+             store([1, 2], toks, medium="STORAGE", locality="REMOTE"),
+             store([1], toks[:BS], medium="STORAGE", locality="LOCAL")]
+    try:
+        agent = procs("agent", agent_argv(publisher, redis_url, worker, ttl_s=5))
+        await publisher.subscribed(timeout_s=30)
+        await publisher.publish(msgspec.msgpack.encode([1.0, batch, 0]))
+        await until(lambda: _has(reader, keys, worker), timeout_s=30, what=f"agent state\n{agent.log_tail()}")
+        assert (await reader.match(keys))[worker] == TierMatch(2, 0, 0)
+        gpu_removed = {"type": "BlockRemoved", "block_hashes": [1, 2], "medium": "GPU"}
+        await publisher.publish(msgspec.msgpack.encode([2.0, [unknown, gpu_removed], 0]))
+        await until(lambda: _gpu_gone(reader, keys, worker), timeout_s=30, what="the GPU copies removed")
+        assert (await reader.match(keys))[worker] == TierMatch(0, 0, 1)  # the local ssd copy of block 0
+        await until(lambda: _skipped(reader, worker), timeout_s=30, what="the agent's published state")
+        state = (await reader.worker_states())[worker]
+        assert state["remote_events"] == 1 and state["blocks"] == {"gpu": 0, "cpu": 0, "ssd": 1}
+        assert agent.log_path.read_text().count("skipping KV events of unknown type 'BlockPinned'") == 1
+    finally:
+        await reader.close()
+
+
+async def _gpu_gone(reader: RedisIndex, keys: list[int], worker: str) -> bool:
+    got = (await reader.match(keys)).get(worker)
+    return got is not None and got.gpu == 0
+
+
+async def _skipped(reader: RedisIndex, worker: str) -> bool:
+    state = (await reader.worker_states()).get(worker) or {}
+    return state.get("events_not_decoded") == {"unknown_type": {"BlockPinned": 2}}

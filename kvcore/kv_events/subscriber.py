@@ -27,7 +27,11 @@ How:
   restart can also hide behind a reconnect with seqs that keep growing; so after the SUB socket
   reports a disconnect, the next batch is checked against the replay socket as for a gap.
 - Batches that arrive live after a replay already applied them are skipped (``duplicates``).
-- An undecodable payload resets the sink (its events are lost).
+- An undecodable payload (not a batch at all) resets the sink (its events are lost). An event
+  inside a batch that does not decode (a type we do not know, or a known one malformed) is left
+  out and the rest of the batch applied (:func:`kvcore.events.decode_batch`); such events are
+  counted by reason and type (``events_not_decoded``) and each type is logged once (WARNING) per
+  subscriber.
 """
 from __future__ import annotations
 
@@ -36,16 +40,19 @@ import logging
 import os
 import resource
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 import xxhash
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from kvcore.events import REPLAY_END_SEQ, EventBatch, EventDecodeError, decode_batch, seq_bytes, seq_from_bytes
+from kvcore.events import (REPLAY_END_SEQ, UNKNOWN_TYPE, EventBatch, EventDecodeError, SkippedEvent, decode_batch,
+                           seq_bytes, seq_from_bytes)
 
 log = logging.getLogger("kvroute.kv_events")
+SKIPPED_TYPES_KEPT = 32  # distinct event types counted by name per reason (the rest: OTHER_TYPES)
+OTHER_TYPES = "(other)"
 
 
 _contexts: dict[int, zmq.asyncio.Context] = {}  # pid -> this process's subscriber context
@@ -121,6 +128,8 @@ class EventSubscriber:
         self.resyncs = 0
         self.duplicates = 0
         self.decode_errors = 0
+        # reason ("unknown_type" | "malformed") -> event type -> events left out of their batch
+        self.events_not_decoded: dict[str, dict[str, int]] = {}
 
     @property
     def continuous(self) -> bool:
@@ -128,14 +137,16 @@ class EventSubscriber:
         goes on (a restarted one would have dropped the connection)."""
         return self.connected and not self._suspect
 
-    def counters(self) -> dict[str, int | float | bool | None]:
-        """Stream counters and state for /admin."""
+    def counters(self) -> dict[str, Any]:
+        """Stream counters and state for /admin (JSON-serialisable); ``events_not_decoded``:
+        reason (``unknown_type``, ``malformed``) -> event type -> events left out of batches."""
         return {
             "connected": self.connected, "last_seq": self.last_seq,
             "batches_received": self.batches_received, "batches_applied": self.batches_applied,
             "gaps": self.gaps, "replays": self.replays, "replay_failures": self.replay_failures,
             "restarts": self.restarts, "resyncs": self.resyncs, "duplicates": self.duplicates,
             "decode_errors": self.decode_errors,
+            "events_not_decoded": {reason: dict(by_type) for reason, by_type in self.events_not_decoded.items()},
         }
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -310,15 +321,34 @@ class EventSubscriber:
         finally:
             sock.close(0)
 
+    def _count_skipped(self, seq: int, skipped: list[SkippedEvent]) -> None:
+        """Count events left out of batch ``seq``; log each (reason, type) the first time. Past
+        :data:`SKIPPED_TYPES_KEPT` types per reason the rest are counted as type ``"(other)"``."""
+        for ev in skipped:
+            by_type = self.events_not_decoded.setdefault(ev.reason, {})
+            kind = ev.type if ev.type in by_type or len(by_type) < SKIPPED_TYPES_KEPT else OTHER_TYPES
+            seen = by_type.get(kind, 0)
+            by_type[kind] = seen + 1
+            if not seen:
+                if ev.reason == UNKNOWN_TYPE:
+                    log.warning("%s: skipping KV events of unknown type %r (first at seq %d); the "
+                                "batches' other events still apply", self.name, kind, seq)
+                else:
+                    log.warning("%s: skipping malformed %r KV events (first at seq %d): %s", self.name,
+                                kind, seq, ev.error)
+
     async def _apply(self, seq: int, payload: bytes) -> None:
+        skipped: list[SkippedEvent] = []
         try:
-            batch = decode_batch(payload)
+            batch = decode_batch(payload, skipped)
         except EventDecodeError as exc:
             self.decode_errors += 1
             await self._reset(f"undecodable batch at seq {seq}: {exc}")
             self.last_seq = seq
             self._last_fingerprint = xxhash.xxh3_64_intdigest(payload)
             return
+        if skipped:
+            self._count_skipped(seq, skipped)
         await self.sink.on_batch(seq, batch)
         self.last_seq = seq
         self._last_fingerprint = xxhash.xxh3_64_intdigest(payload)

@@ -17,6 +17,17 @@ Rules (vLLM 0.32 semantics, see ``kvcore/events.py``):
   never produces: they never match (under-report, never over-report), yet chains through them stay
   consistent.
 - ``medium``: ``GPU``/None -> gpu, ``CPU`` -> cpu, ``STORAGE`` -> ssd; others are skipped.
+- ``locality`` (vLLM 0.32's secondary offloading tiers; ``vllm/distributed/kv_events.py``: "LOCAL
+  or REMOTE relative to the publisher; None means unspecified", values of
+  ``vllm/v1/kv_offload/base.py``'s ``Locality``): a ``REMOTE`` copy lives outside the worker (a
+  network file system or object store tier), so it is not this worker's cpu or ssd tier: its
+  ``BlockStored`` and ``BlockRemoved`` change nothing here (counted, ``remote_events``); in
+  particular a remote removal leaves the worker's local copy of the same medium alone. ``LOCAL``
+  and None (unspecified: what vLLM's GPU prefix cache, kvroute's own tiers connector and vLLMs
+  without the field send) are applied by ``medium``; another value is skipped
+  (``skipped_events``). ``ownership`` (the secondary tier that published the event) needs
+  nothing: vLLM stores and removes each (medium, ownership) residency with its own events, and
+  copies are counted (below).
 - Tokenless ``BlockStored`` (vLLM's CPU-offload placeholders: ``token_ids`` empty, ``block_size``
   0) are resolved through the map; unknown hashes are counted (``unresolved_tokenless``).
 - ``BlockRemoved``: through the map; a hash not held in that tier is counted (``unknown_removals``)
@@ -79,6 +90,7 @@ class TranslatorCounters:
     unknown_parents: int = 0
     unresolved_tokenless: int = 0
     skipped_events: int = 0
+    remote_events: int = 0
     clears: int = 0
 
 
@@ -140,12 +152,16 @@ class EventTranslator:
         later: list[BlockStored | BlockRemoved] = []  # window-group events, after the others
         for ev in batch.events:
             if isinstance(ev, BlockStored):
-                if ev.kv_cache_spec_kind == WINDOW_KIND:
+                if ev.locality is not None and not self._local(ev.locality):
+                    pass
+                elif ev.kv_cache_spec_kind == WINDOW_KIND:
                     later.append(ev)
                 else:
                     self._stored(ev, ops)
             elif isinstance(ev, BlockRemoved):
-                if self.windows.owns(ev.group_idx):
+                if ev.locality is not None and not self._local(ev.locality):
+                    pass
+                elif self.windows.owns(ev.group_idx):
                     later.append(ev)
                 else:
                     self._removed(ev, ops)
@@ -181,6 +197,21 @@ class EventTranslator:
         if why not in self._warned:
             self._warned.add(why)
             log.warning("skipping KV events: %s", why)
+
+    def _local(self, locality: str) -> bool:
+        """Whether an event with this (not None) ``locality`` is about the worker's own copy;
+        counts the others."""
+        if locality == "LOCAL":
+            return True
+        if locality == "REMOTE":
+            self.counters.remote_events += 1
+            if "remote" not in self._warned:
+                self._warned.add("remote")
+                log.info("not indexing KV blocks with locality REMOTE (stored outside the worker, "
+                         "not its own cpu/ssd tier)")
+        else:
+            self._skip(f"unknown locality {locality!r}")
+        return False
 
     def _tier(self, medium: str | None) -> int | None:
         tier = TIER_OF_MEDIUM.get(medium)
