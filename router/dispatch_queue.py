@@ -241,10 +241,22 @@ class DispatchQueue:
         for reg in self.registry.all():
             reg.on_prefill_done = self._schedule_pump
         backlog: dict[str, float] = {}  # worker id -> prefill tokens of requests ahead waiting for it
+        routable: dict[str, list[WorkerRegistration]] = {}  # model -> its routable workers, this pump
+        is_open: dict[tuple[str, bool], bool] = {}  # (worker id, holder) -> open; a dispatch there drops it
+
+        def open_now(r: WorkerRegistration, holder: bool) -> bool:
+            got = is_open.get((r.id, holder))
+            if got is None:
+                got = is_open[(r.id, holder)] = _is_open(r, now, settings, holder)
+            return got
+
         for entry in sorted(self._entries, key=lambda e: e.order(now, settings)):
             if entry.future.done():  # cancelled: its waiter removes it when it runs
                 continue
-            regs = self.registry.routable(entry.plan.model.name)
+            model = entry.plan.model.name
+            regs = routable.get(model)
+            if regs is None:
+                regs = routable[model] = self.registry.routable(model)
             if entry.pool is not None:
                 regs = [r for r in regs if r.id in entry.pool]
             if not regs:
@@ -252,7 +264,7 @@ class DispatchQueue:
                 entry.future.set_exception(no_healthy_worker(entry.plan.model.name))
                 continue
             holders = _holders(entry, regs)
-            ready = [r for r in regs if _is_open(r, now, settings, r.id in holders)]
+            ready = [r for r in regs if open_now(r, r.id in holders)]
             if not ready:
                 continue
             affinity_wait_s = entry.affinity_wait_s(settings)
@@ -276,6 +288,8 @@ class DispatchQueue:
                 if not _is_open(reg, now, settings, reg.id in holders):
                     continue
                 reservation = Reservation(reg, end_s, self._schedule_pump, now)
+            is_open.pop((reg.id, False), None)
+            is_open.pop((reg.id, True), None)
             self._entries.remove(entry)
             entry.future.set_result((plan, reservation))
         if self._entries:
