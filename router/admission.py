@@ -9,7 +9,9 @@ when the request leaves; a request that would wait past ``queue_timeout_s``, or 
 ``max_queued`` ahead of it, gets 429 with ``Retry-After`` (OpenAI's status for "slow down", in
 its error shape) at once instead of a late answer.
 
-Pure asyncio, one event loop; no I/O. Off when ``max_in_flight_per_worker`` is 0 (the default:
+Pure asyncio, one event loop; no I/O. With ``kvroute serve --processes N`` the gateway's
+processes count slots and queue together instead (:class:`router.shared_admission.GroupAdmission`,
+same answers). Off when ``max_in_flight_per_worker`` is 0 (the default:
 a drop-in gateway does not shed until told the cluster's capacity).
 """
 from __future__ import annotations
@@ -108,6 +110,9 @@ class Admission:
         held_s = self._clock() - admitted_at
         self._service_s += _SERVICE_EWMA_ALPHA * (held_s - self._service_s)
         self._free_one()
+
+    def close(self) -> None:
+        """Nothing to stop alone (:class:`router.shared_admission.GroupAdmission` stops its poller)."""
 
     def _free_one(self) -> None:
         self.in_flight -= 1

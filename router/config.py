@@ -263,7 +263,8 @@ class AdmissionConfig(_Strict):
     """Admission control (:mod:`router.admission`): at most ``max_in_flight_per_worker`` x
     routable workers requests in flight through the gateway (0: no limit, the default); up to
     ``max_queued`` more wait in arrival order, each at most ``queue_timeout_s``; beyond either,
-    429 with ``Retry-After``."""
+    429 with ``Retry-After``. Both counts are the whole gateway's: with ``kvroute serve
+    --processes N`` every process's slots and waiters together (:mod:`router.shared_admission`)."""
 
     max_in_flight_per_worker: int = Field(0, ge=0)
     max_queued: int = Field(1024, ge=0)

@@ -27,6 +27,7 @@ from router.dispatch_queue import DispatchQueue
 from router.config import GatewayConfig, WorkerConfig, load_config, same_target
 from router.decision_log import DecisionLog
 from router.embedded_events import embedded_ingest_task
+from router.shared_admission import GroupAdmission
 from router.shared_ingest import BOARD_FILE, IngestBoard, publish_loop
 from router.metrics import GatewayMetrics
 from router.peer_pull import PeerPoller, PeerTable
@@ -79,8 +80,11 @@ class Gateway:
         self.router = Router(cfg.models, self.tokenizers, self.index, self.registry, self.policy,
                              self.metrics, cfg.routing, self.peers)
         self.upstream = Upstream(cfg.timeouts, cfg.health, self.metrics)
-        self.admission = Admission(cfg.admission, lambda: sum(1 for r in self.registry.all() if r.routable),
-                                   self.metrics)
+        routable = lambda: sum(1 for r in self.registry.all() if r.routable)  # noqa: E731
+        if group is not None and group.admission is not None:  # slots and queue for the whole gateway
+            self.admission: Admission = GroupAdmission(cfg.admission, routable, self.metrics, group.admission)
+        else:
+            self.admission = Admission(cfg.admission, routable, self.metrics)
         self.metrics.watch_admission(lambda: self.admission.in_flight, lambda: self.admission.queued)
         self.dispatch_queue = DispatchQueue(self.router, self.registry, self.metrics,
                                             lambda: self.policy.policy.queue)
@@ -189,6 +193,7 @@ class Gateway:
         if self.discovery is not None:
             await self.discovery.stop()
         self.dispatch_queue.close()
+        self.admission.close()
         await self.registry.close()
         await self.upstream.close()
         await self.index.close()

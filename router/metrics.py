@@ -34,7 +34,7 @@
 | kvroute_index_write_failures_total | counter | | speculative inserts of a routed prompt's keys that found the shared index down |
 | kvroute_admission_rejected_total | counter | reason | requests answered 429 by admission control (``queue_full``, ``queue_timeout``) |
 | kvroute_admission_wait_seconds | histogram | | time a request waited for an admission slot |
-| kvroute_admission_in_flight, kvroute_admission_queued | gauge | | admitted requests in flight; requests waiting for a slot |
+| kvroute_admission_in_flight, kvroute_admission_queued | gauge | | admitted requests in flight; requests waiting for a slot (this process's: with ``--processes N`` the sum over ``process`` is the gateway's, which the limits bound) |
 | kvroute_dispatch_queue_wait_seconds | histogram | | time a request waited in the dispatch queue (policy ``queue``) for an open worker |
 | kvroute_dispatch_queue_queued | gauge | | requests waiting in the dispatch queue now |
 | kvroute_dispatch_queue_rematches_total | counter | change | index lookups again for a waiting request (``queue.rematch_ms``): ``gained`` (a worker holds more of its prompt than before), ``lost`` (one holds less), ``none``; a lookup with both counts both |
@@ -240,9 +240,9 @@ class GatewayMetrics:
 
     def watch_admission(self, in_flight: Callable[[], float], queued: Callable[[], float]) -> None:
         """Expose admission control's slots in use and queue length, read at scrape time."""
-        Gauge("kvroute_admission_in_flight", "Admitted requests in flight",
+        Gauge("kvroute_admission_in_flight", "Admitted requests in flight (this process's)",
               registry=self.registry).set_function(in_flight)
-        Gauge("kvroute_admission_queued", "Requests waiting for an admission slot",
+        Gauge("kvroute_admission_queued", "Requests waiting for an admission slot (this process's)",
               registry=self.registry).set_function(queued)
 
     def watch_tokenize_cache(self, totals: Callable[[], dict[str, int]]) -> None:

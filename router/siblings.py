@@ -10,6 +10,8 @@ hashes new connections over them). What must agree across processes goes as foll
   writer's event streams on a board (:mod:`router.shared_ingest`), and one of them takes the
   writing over if the writer dies;
 - in-flight load: through the shared table (:mod:`router.shared_load`);
+- admission control's slots and queue (``admission``): counted for the whole gateway in
+  ``<run dir>/admission`` (:mod:`router.shared_admission`), so every limit holds whatever N;
 - the workers' health probes and load scrapes: the live process of lowest index makes them and
   the others apply its results (:mod:`router.shared_probes`), so a worker answers them once per
   interval whatever the process count;
@@ -35,6 +37,7 @@ from typing import Any
 
 import aiohttp
 
+from router.shared_admission import AdmissionTable
 from router.shared_load import SharedLoadTable
 from router.shared_probes import SharedProbeTable
 
@@ -47,6 +50,7 @@ ENV_SHARED_LOAD = "KVROUTE_SHARED_LOAD"  # "off": each process sees only its own
 SIBLING_HEADER = "x-kvroute-sibling"
 LOAD_FILE = "load"
 PROBES_FILE = "probes"
+ADMISSION_FILE = "admission"  # admission control's slots and queue (router.shared_admission)
 INDEX_FILE = "index"  # the host index (kvcore.index.host), made by the first process to open it
 FANOUT_TIMEOUT_S = 10.0
 
@@ -85,7 +89,9 @@ class ProcessGroup:
     supervisor's folder (the load and probe tables, the Unix sockets); ``probes``: the shared
     probe table (None when ``table`` is); ``table``: the shared load table (None
     with ``KVROUTE_SHARED_LOAD=off``: each process then sees the others' requests only in the
-    engines' scraped queues, as any other client's; kept for measuring the table's worth)."""
+    engines' scraped queues, as any other client's; kept for measuring the table's worth);
+    ``admission``: the shared admission table (always shared: it enforces limits, not a
+    routing signal; None only when built by hand without one)."""
 
     index: int
     processes: int
@@ -93,6 +99,7 @@ class ProcessGroup:
     table: SharedLoadTable | None
     probes: SharedProbeTable | None = None
     admin_token: str | None = None
+    admission: AdmissionTable | None = None
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> ProcessGroup | None:
@@ -105,7 +112,8 @@ class ProcessGroup:
         run_dir = Path(env[ENV_RUN_DIR])
         table = None if env.get(ENV_SHARED_LOAD) == "off" else SharedLoadTable(run_dir / LOAD_FILE, processes, index)
         probes = SharedProbeTable(run_dir / PROBES_FILE) if table is not None else None
-        return cls(index, processes, run_dir, table, probes)
+        admission = AdmissionTable(run_dir / ADMISSION_FILE, processes, index)
+        return cls(index, processes, run_dir, table, probes, admission=admission)
 
     def is_prober(self) -> bool:
         """Whether this process makes the workers' probes and scrapes for all
@@ -123,6 +131,8 @@ class ProcessGroup:
             self.table.close()
         if self.probes is not None:
             self.probes.close()
+        if self.admission is not None:
+            self.admission.close()
 
     async def _one(self, index: int, method: str, path: str, body: bytes | None,
                    headers: dict[str, str]) -> tuple[int, int, bytes]:

@@ -2,8 +2,9 @@
 processes on one port (:mod:`router.siblings` says how they share the work) and keeps them up.
 
 - Makes the run folder (under ``/dev/shm`` when present: the shared load table lives there, in
-  memory), the load table (:func:`router.shared_load.create_table`) and the probe table
-  (:func:`router.shared_probes.create_table`), and holds an exclusive
+  memory), the load table (:func:`router.shared_load.create_table`), the probe table
+  (:func:`router.shared_probes.create_table`) and the admission table
+  (:func:`router.shared_admission.create_table`), and holds an exclusive
   ``flock`` on the folder's ``owner.lock`` for its whole life. A supervisor killed with
   ``SIGKILL`` cannot remove its folder, but the kernel drops its lock, so the next supervisor
   to start removes every ``kvroute-serve-*`` folder whose lock it can take
@@ -32,9 +33,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from router.shared_admission import create_table as create_admission_table
 from router.shared_load import create_table
 from router.shared_probes import create_table as create_probe_table
-from router.siblings import ENV_INDEX, ENV_PROCESSES, ENV_RUN_DIR, LOAD_FILE, PROBES_FILE
+from router.siblings import ADMISSION_FILE, ENV_INDEX, ENV_PROCESSES, ENV_RUN_DIR, LOAD_FILE, PROBES_FILE
 
 log = logging.getLogger("kvroute.supervisor")
 
@@ -127,6 +129,7 @@ class Supervisor:
         self._owner_fd = _take_lock(self.run_dir / OWNER_LOCK)
         create_table(self.run_dir / LOAD_FILE, processes)
         create_probe_table(self.run_dir / PROBES_FILE)
+        create_admission_table(self.run_dir / ADMISSION_FILE, processes)
         self.children: list[subprocess.Popen | None] = [None] * processes
         self.started_at = [0.0] * processes
         self.backoff_s = [BACKOFF_MIN_S] * processes
