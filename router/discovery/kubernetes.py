@@ -269,8 +269,8 @@ class KubernetesDiscovery:
                 problem = "the watch ended at once without events"  # a server that keeps closing
             except ApiException as exc:
                 if watching and cursor_unservable(exc):
-                    log.info("kubernetes discovery: resourceVersion %s cannot be watched from (%s %s): "
-                             "listing again", self.resource_version, exc.status, exc.reason)
+                    why = "is gone (410)" if exc.status == 410 else f"is too large for the server ({exc.status})"
+                    log.info("kubernetes discovery: resourceVersion %s %s: listing again", self.resource_version, why)
                     self.relists_gone += 1
                     self.resource_version = None
                     failed_watches = 0
