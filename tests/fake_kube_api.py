@@ -10,7 +10,13 @@ real ``kubernetes`` client and no cluster.
   A resourceVersion older than the last :meth:`FakeKubeAPI.compact` gets the ``ERROR`` event
   with a 410 ``Status`` (or, with ``gone_as_status``, the HTTP status 410), as a real server
   does once etcd has compacted it; :meth:`compact` also ends open watches that way.
-- :meth:`FakeKubeAPI.fail_next` answers the next requests with an error status.
+  As a real server's watch cache does, a pod that comes to match the selector is ``ADDED`` and
+  one that stops matching is ``DELETED`` (its last matching state, the new resourceVersion).
+- :meth:`FakeKubeAPI.fail_next` answers the next requests with an error status;
+  :meth:`FakeKubeAPI.refuse_watches` answers every watch with one until called with None (a
+  watch that cannot reconnect, or a server that cannot serve the cursor: 504 "Too large resource
+  version", in the stream or as the HTTP status); :meth:`FakeKubeAPI.drop_watches` ends the open
+  watches now, cleanly or by cutting the connection (``open_watches`` counts them).
 
 Changes made with ``record=False`` advance the resourceVersion without an event: with
 :meth:`compact` they stand for what a client misses while its watch is broken, which only a
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import json
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -29,9 +36,12 @@ from urllib.parse import parse_qs, urlsplit
 
 def make_pod(name: str, port: int, *, ready: bool = True, labels: dict[str, str] | None = None,
              ip: str | None = "127.0.0.1", namespace: str = "default", phase: str = "Running",
-             port_name: str = "http", extra_ports: dict[str, int] | None = None) -> dict[str, Any]:
+             port_name: str = "http", extra_ports: dict[str, int] | None = None, uid: str | None = None,
+             reason: str | None = None, deletion_timestamp: str | None = None) -> dict[str, Any]:
     """A Pod object as the API serves it: one container declaring ``port`` under ``port_name``
-    (and ``extra_ports`` name -> number), status with ``podIP`` and a Ready condition."""
+    (and ``extra_ports`` name -> number), status with ``podIP`` (none when ``ip`` is None) and a
+    Ready condition; ``uid`` (default ``uid-<name>``: another one is a new pod of the same name),
+    ``status.reason`` (e.g. ``Evicted``) and ``metadata.deletionTimestamp`` when given."""
     ports = [{"name": port_name, "containerPort": port, "protocol": "TCP"}]
     ports += [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in (extra_ports or {}).items()]
     status: dict[str, Any] = {
@@ -44,10 +54,15 @@ def make_pod(name: str, port: int, *, ready: bool = True, labels: dict[str, str]
     if ip:
         status["podIP"] = ip
         status["podIPs"] = [{"ip": ip}]
+    if reason:
+        status["reason"] = reason
+        status["message"] = f"The pod was {reason.lower()}."
+    meta: dict[str, Any] = {"name": name, "namespace": namespace, "uid": uid or f"uid-{name}",
+                            "labels": dict(labels or {"app.kubernetes.io/name": "vllm-worker"})}
+    if deletion_timestamp:
+        meta["deletionTimestamp"] = deletion_timestamp
     return {
-        "kind": "Pod", "apiVersion": "v1",
-        "metadata": {"name": name, "namespace": namespace, "uid": f"uid-{name}",
-                     "labels": dict(labels or {"app.kubernetes.io/name": "vllm-worker"})},
+        "kind": "Pod", "apiVersion": "v1", "metadata": meta,
         "spec": {"containers": [{"name": "vllm", "image": "vllm/vllm-openai:v0.32.0", "ports": ports}]},
         "status": status,
     }
@@ -88,9 +103,14 @@ class FakeKubeAPI:
         self._rv = start_rv
         self._compacted_rv = 0  # a watch from a version below this gets 410
         self._pods: dict[tuple[str, str], dict[str, Any]] = {}
-        self._events: list[tuple[int, str, dict[str, Any]]] = []
+        # (resourceVersion, type, object, the object before the change: None for ADDED, DELETED)
+        self._events: list[tuple[int, str, dict[str, Any], dict[str, Any] | None]] = []
         self._gone_as_status = False
         self._fail: list[int] = []
+        self._refuse: tuple[int, str, str, bool] | None = None  # refuse_watches' answer
+        self._drop_gen = 0  # drop_watches() counts up; a watch opened under an older one ends
+        self._drop_clean = True
+        self.open_watches = 0
         self._closing = False
         self.requests: list[tuple[str, dict[str, str]]] = []
         self.request_times: list[float] = []  # time.monotonic() of each, in the same order
@@ -144,10 +164,11 @@ class FakeKubeAPI:
         with self._cond:
             self._rv += 1
             meta["resourceVersion"] = str(self._rv)
-            kind = "MODIFIED" if key in self._pods else "ADDED"
+            prev = self._pods.get(key)
+            kind = "MODIFIED" if prev is not None else "ADDED"
             self._pods[key] = pod
             if record:
-                self._events.append((self._rv, kind, copy.deepcopy(pod)))
+                self._events.append((self._rv, kind, copy.deepcopy(pod), copy.deepcopy(prev)))
             self._cond.notify_all()
             return meta["resourceVersion"]
 
@@ -158,7 +179,7 @@ class FakeKubeAPI:
             self._rv += 1
             pod["metadata"]["resourceVersion"] = str(self._rv)
             if record:
-                self._events.append((self._rv, "DELETED", copy.deepcopy(pod)))
+                self._events.append((self._rv, "DELETED", copy.deepcopy(pod), None))
             self._cond.notify_all()
 
     def compact(self, gone_as_status: bool = False, end_open_watches: bool = True) -> None:
@@ -178,6 +199,24 @@ class FakeKubeAPI:
         """Answer the next ``n`` requests with ``status`` and a ``Status`` body."""
         with self._cond:
             self._fail.extend([status] * n)
+
+    def refuse_watches(self, status: int | None = 503, message: str = "watch refused",
+                       reason: str = "ServiceUnavailable", in_stream: bool = False) -> None:
+        """From now on answer every watch request with ``status`` and a ``Status`` body (lists are
+        served), until called with ``status=None``; ``in_stream``: as the ``ERROR`` event of a 200
+        stream instead, as a real server answers a watch it cannot serve. E.g. ``504``,
+        ``"Too large resource version: ..."``, ``"Timeout"`` for a cursor the server is behind."""
+        with self._cond:
+            self._refuse = None if status is None else (status, reason, message, in_stream)
+
+    def drop_watches(self, clean: bool = False) -> None:
+        """End every open watch now, without sending the changes still pending for it:
+        ``clean`` with the stream's last chunk (a watch that ends normally), else by cutting the
+        connection mid-stream (the client sees an error and reconnects)."""
+        with self._cond:
+            self._drop_gen += 1
+            self._drop_clean = clean
+            self._cond.notify_all()
 
     def count(self, watch: bool) -> int:
         """How many list (``watch=False``) or watch requests were served so far."""
@@ -205,11 +244,25 @@ class FakeKubeAPI:
         with self._cond:
             too_old = rv < self._compacted_rv
             as_status = self._gone_as_status
+            gen = self._drop_gen
+            refuse = self._refuse
+        if refuse is not None:
+            code, reason, message, in_stream = refuse
+            if not in_stream:
+                handler.send_json(code, _status(code, reason, message))
+                return
+            handler.start_stream()
+            handler.send_line({"type": "ERROR", "object": _status(code, reason, message)})
+            handler.end_stream()
+            return
         if too_old and as_status:
             self.gone_sent.append("status")
             handler.send_json(410, _status(410, "Expired", f"too old resource version: {rv} ({self._compacted_rv})"))
             return
         handler.start_stream()
+        cut = False
+        with self._cond:
+            self.open_watches += 1
         try:
             if too_old:
                 self.gone_sent.append("event")
@@ -217,9 +270,11 @@ class FakeKubeAPI:
                 return
             while True:
                 with self._cond:
-                    pending = [(v, k, p) for v, k, p in self._events if v > cursor]
+                    pending = [(v, k, p, b) for v, k, p, b in self._events if v > cursor]
                     outcome = None
-                    if not pending:
+                    if self._drop_gen != gen:
+                        pending, outcome, cut = [], "dropped", not self._drop_clean
+                    elif not pending:
                         if self._closing:
                             outcome = "closing"
                         elif cursor < self._compacted_rv and self._end_open:
@@ -230,11 +285,23 @@ class FakeKubeAPI:
                             self._cond.wait(min(end - time.monotonic(), 0.5))
                             continue
                     current = self._rv
-                for v, k, p in pending:
+                for v, k, p, before in pending:
                     cursor = v
                     meta = p["metadata"]
-                    if meta.get("namespace", "default") == namespace and _selector_matches(
-                            selector, meta.get("labels") or {}):
+                    if meta.get("namespace", "default") != namespace:
+                        continue
+                    now_in = _selector_matches(selector, meta.get("labels") or {})
+                    was_in = before is not None and _selector_matches(
+                        selector, before["metadata"].get("labels") or {})
+                    if k == "MODIFIED" and now_in != was_in:  # into or out of the selection
+                        if now_in:
+                            handler.send_line({"type": "ADDED", "object": p})
+                        else:
+                            assert before is not None
+                            gone = copy.deepcopy(before)
+                            gone["metadata"]["resourceVersion"] = str(v)
+                            handler.send_line({"type": "DELETED", "object": gone})
+                    elif now_in:
                         handler.send_line({"type": k, "object": p})
                 if outcome == "gone":
                     self.gone_sent.append("event")
@@ -245,7 +312,12 @@ class FakeKubeAPI:
                 if outcome is not None:
                     return
         finally:
-            handler.end_stream()
+            with self._cond:
+                self.open_watches -= 1
+            if cut:
+                handler.cut()
+            else:
+                handler.end_stream()
 
 
 def _is_watch(query: dict[str, str]) -> bool:
@@ -278,6 +350,14 @@ class _Handler(BaseHTTPRequestHandler):
         data = json.dumps(obj).encode() + b"\n"
         self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
         self.wfile.flush()
+
+    def cut(self) -> None:
+        """Close the connection mid-stream: no last chunk, so the client sees a broken response."""
+        self.close_connection = True
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def end_stream(self) -> None:
         try:

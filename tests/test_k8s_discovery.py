@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from fake_kube_api import FakeKubeAPI, make_pod
-from router.config import WorkerConfig, parse_config
+from router.config import WorkerConfig, parse_config, same_target
 from router.discovery.config import KubernetesDiscoveryConfig
 from router.discovery.kubernetes import KubernetesDiscovery
 from router.discovery.pods import map_pod, resolve_port
@@ -56,6 +56,10 @@ def test_ipv6_pod_ip_in_brackets():
     (lambda p: p["metadata"].update(deletionTimestamp="2026-01-01T00:00:00Z"), "gone", "terminating"),
     (lambda p: p["status"].update(phase="Failed"), "gone", "phase Failed"),
     (lambda p: p["status"].update(phase="Succeeded"), "gone", "phase Succeeded"),
+    # a kubelet eviction: phase Failed, reason Evicted, the IP cleared; the reason alone is enough
+    (lambda p: (p["status"].update(phase="Failed", reason="Evicted"), p["status"].pop("podIP")),
+     "gone", "phase Failed (Evicted)"),
+    (lambda p: p["status"].update(reason="Evicted"), "gone", "evicted"),
 ])
 def test_pods_that_do_not_serve(change, state, reason):
     pod = make_pod("p", 8000)
@@ -137,6 +141,8 @@ class StandInGateway:
     async def add_worker(self, wcfg: WorkerConfig):
         if wcfg.id in self.registry:
             raise WorkerExists(wcfg.id)
+        if any(same_target(r.cfg, wcfg) for r in self.registry.all()):  # as Gateway.add_worker
+            raise WorkerExists(f"another worker serves {wcfg.url}")
         self.changes.append(("add", wcfg.id))
         return self.registry.add(wcfg)
 
@@ -398,3 +404,192 @@ async def test_kubeconfig_context_gives_server_and_namespace(fake, tmp_path, mon
         await d.stop()
     with pytest.raises(ValueError, match="cannot load a Kubernetes client configuration"):
         await KubernetesDiscovery(gw, k8s_cfg(kubeconfig=str(tmp_path / "missing"))).start()
+
+
+# ---- ghosts: workers whose pod is gone must not stay ------------------------------------------
+# not_ready_remove_s is long in these: a removal they wait for is never the not-ready timer's
+LONG = 600
+
+
+def owned_registered(d: KubernetesDiscovery, gw: StandInGateway) -> bool:
+    """The discovery's own account of its workers agrees with the registry."""
+    return set(d.state()["workers"]) == gw.ids()
+
+
+async def test_evicted_pod_whose_ip_was_cleared_is_removed_at_once(fake, discovered):
+    """production-stack #1008: the kubelet evicts a pod and clears its IP in one status write;
+    the phase may say Failed only later. No engine is left at the worker's address: it goes at
+    once, not after not_ready_remove_s."""
+    for name, ip in (("a", "10.0.0.1"), ("b", "10.0.0.2"), ("c", "10.0.0.3")):
+        fake.put_pod(make_pod(name, 8000, namespace="ns1", ip=ip))
+    d, gw = await discovered(not_ready_remove_s=LONG)
+    await until(lambda: gw.ids() == {"a", "b", "c"}, what="a, b, c added")
+    fake.put_pod(make_pod("a", 8000, namespace="ns1", ip=None, ready=False))  # Running, no IP
+    await until(lambda: gw.ids() == {"b", "c"}, what="a removed once its IP was cleared")
+    fake.put_pod(make_pod("b", 8000, namespace="ns1", ip=None, ready=False, phase="Failed", reason="Evicted"))
+    await until(lambda: gw.ids() == {"c"}, what="b removed (phase Failed, Evicted)")
+    # not Ready with another IP: the old address is dead too; Ready there: added at it
+    fake.put_pod(make_pod("c", 8000, namespace="ns1", ip="10.0.0.9", ready=False))
+    await until(lambda: gw.ids() == set(), what="c removed once its IP changed")
+    fake.put_pod(make_pod("c", 8000, namespace="ns1", ip="10.0.0.9"))
+    await until(lambda: gw.ids() == {"c"}, what="c back at its new IP")
+    assert gw.registry.get("c").url == "http://10.0.0.9:8000"
+    assert gw.changes == [("add", "a"), ("add", "b"), ("add", "c"), ("remove", "a"), ("remove", "b"),
+                          ("remove", "c"), ("add", "c")]
+    assert owned_registered(d, gw) and d.state()["pods"] == {"a": "not_ready", "c": "ready"}
+    # a not-ready spell that keeps the IP still only drains
+    fake.put_pod(make_pod("c", 8000, namespace="ns1", ip="10.0.0.9", ready=False))
+    await until(lambda: gw.registry.get("c").draining, what="c drained")
+    assert gw.ids() == {"c"}
+
+
+@pytest.mark.parametrize("compacted", [False, True], ids=["history-kept", "compacted-410"])
+@pytest.mark.parametrize("clean", [False, True], ids=["cut", "clean-end"])
+async def test_changes_while_no_watch_is_open(fake, discovered, compacted, clean):
+    """production-stack #1091: the watch drops (cut mid-stream, or ended by the server) and
+    cannot reconnect for a while; meanwhile a pod is deleted and another is deleted and created
+    again under its name (a StatefulSet pod; its new incarnation not Ready yet, at the same
+    address). Resuming (the server replays the gap, or answers 410 and discovery lists again)
+    must leave neither worker: the recreated pod is not the engine whose cache was indexed."""
+    fake.put_pod(make_pod("a", 8101, namespace="ns1"))
+    fake.put_pod(make_pod("b", 8102, namespace="ns1"))
+    fake.put_pod(make_pod("c", 8103, namespace="ns1"))
+    d, gw = await discovered(not_ready_remove_s=LONG)
+    await until(lambda: gw.ids() == {"a", "b", "c"} and fake.open_watches == 1, what="a, b, c added, watching")
+    old_b = gw.registry.get("b")
+    fake.refuse_watches(503)
+    fake.drop_watches(clean=clean)
+    await until(lambda: fake.open_watches == 0, what="the watch ended")
+    fake.delete_pod("a", namespace="ns1")
+    fake.delete_pod("b", namespace="ns1")
+    fake.put_pod(make_pod("b", 8102, namespace="ns1", ready=False, uid="uid-b-2"))
+    if compacted:
+        fake.compact()
+    fake.refuse_watches(None)
+    await until(lambda: gw.ids() == {"c"}, what="a and the old b removed")
+    assert d.state()["pods"] == {"b": "not_ready", "c": "ready"} and owned_registered(d, gw)
+    fake.put_pod(make_pod("b", 8102, namespace="ns1", uid="uid-b-2"))
+    await until(lambda: gw.ids() == {"b", "c"}, what="the new b added")
+    assert gw.registry.get("b") is not old_b and not gw.registry.get("b").draining
+    if compacted:
+        assert fake.gone_sent or d.state()["relists_after_errors"] >= 1
+
+
+async def test_pod_replaced_in_a_relist_is_a_new_worker_even_at_the_same_address(fake, discovered):
+    """The same name, another uid, Ready at the same address, seen only in a re-list: the old
+    registration (and the index entries of the old engine's cache) must go; a new one comes."""
+    fake.put_pod(make_pod("a", 8101, namespace="ns1"))
+    d, gw = await discovered(not_ready_remove_s=LONG)
+    await until(lambda: gw.ids() == {"a"} and fake.open_watches == 1, what="a added, watching")
+    old = gw.registry.get("a")
+    fake.delete_pod("a", namespace="ns1", record=False)
+    fake.put_pod(make_pod("a", 8101, namespace="ns1", uid="uid-a-2"), record=False)
+    fake.compact()
+    await until(lambda: gw.registry.get("a") is not None and gw.registry.get("a") is not old,
+                what="a registered anew")
+    assert gw.changes == [("add", "a"), ("remove", "a"), ("add", "a")] and old.removed
+
+
+@pytest.mark.parametrize("refusal", [
+    (504, "Timeout", "Too large resource version: 1010, current: 1005", True),
+    (504, "Timeout", "Too large resource version: 1010, current: 1005", False),
+    (500, "InternalError", "etcdserver: request timed out", False),
+], ids=["too-large-rv-event", "too-large-rv-status", "always-500"])
+async def test_a_watch_that_cannot_resume_lists_again(fake, discovered, refusal):
+    """A server that cannot serve the cursor (behind it after a failover: "Too large resource
+    version"), or a watch that fails every time while lists work: discovery must not retry the
+    same cursor forever while the pods it shows as workers are deleted."""
+    status, reason, message, in_stream = refusal
+    fake.put_pod(make_pod("a", 8101, namespace="ns1"))
+    fake.put_pod(make_pod("b", 8102, namespace="ns1"))
+    d, gw = await discovered(not_ready_remove_s=LONG, backoff_max_s=0.1)
+    await until(lambda: gw.ids() == {"a", "b"} and fake.open_watches == 1, what="a, b added, watching")
+    fake.refuse_watches(status, message, reason, in_stream=in_stream)
+    fake.drop_watches()
+    fake.delete_pod("a", namespace="ns1")
+    await until(lambda: gw.ids() == {"b"}, what="a removed by a re-list")
+    state = d.state()
+    if status == 504:
+        assert state["relists_gone"] >= 1
+    else:
+        assert state["relists_after_errors"] >= 1 and "500" in state["last_error"]
+    fake.refuse_watches(None)
+    fake.put_pod(make_pod("c", 8103, namespace="ns1"))
+    await until(lambda: gw.ids() == {"b", "c"}, what="c added once watches work again")
+
+
+async def test_ready_pod_at_the_address_of_another_discovered_worker_replaces_it(fake, discovered):
+    """An evicted pod's IP went to a new pod before the eviction reached us (the old pod is not
+    Ready, its status still shows the IP): the new Ready pod at that address is the engine there;
+    the old worker is removed and the new pod added, not refused as a duplicate URL."""
+    fake.put_pod(make_pod("a", 8000, namespace="ns1", ip="10.0.0.5"))
+    d, gw = await discovered(not_ready_remove_s=LONG)
+    await until(lambda: gw.ids() == {"a"}, what="a added")
+    fake.put_pod(make_pod("a", 8000, namespace="ns1", ip="10.0.0.5", ready=False))
+    await until(lambda: gw.registry.get("a").draining, what="a drained")
+    fake.put_pod(make_pod("b", 8000, namespace="ns1", ip="10.0.0.5"))
+    await until(lambda: gw.ids() == {"b"}, what="a replaced by b at 10.0.0.5")
+    assert gw.registry.get("b").url == "http://10.0.0.5:8000" and owned_registered(d, gw)
+    fake.put_pod(make_pod("a", 8000, namespace="ns1", ip=None, ready=False, phase="Failed", reason="Evicted"))
+    last = fake.put_pod(make_pod("b", 8000, namespace="ns1", ip="10.0.0.5", labels={**WORKER_LABELS, "x": "1"}))
+    await until(lambda: d._pods["b"].resource_version == last, what="both events applied")
+    assert gw.ids() == {"b"}
+
+
+async def test_pod_leaving_the_selector_is_removed_and_coming_back_is_added(fake, discovered):
+    """A real API server's watch sends DELETED for a pod whose labels stop matching the selector
+    (and ADDED when they match again); the fake does too now."""
+    fake.put_pod(make_pod("a", 8101, namespace="ns1"))
+    fake.put_pod(make_pod("b", 8102, namespace="ns1"))
+    d, gw = await discovered(not_ready_remove_s=LONG)
+    await until(lambda: gw.ids() == {"a", "b"}, what="a, b added")
+    fake.put_pod(make_pod("a", 8101, namespace="ns1", labels={"app.kubernetes.io/name": "maintenance"}))
+    await until(lambda: gw.ids() == {"b"}, what="a removed once out of the selector")
+    fake.put_pod(make_pod("a", 8101, namespace="ns1"))
+    await until(lambda: gw.ids() == {"a", "b"}, what="a back in the selector")
+
+
+class FlakyGateway(StandInGateway):
+    """Adding ``bad`` fails with an error discovery does not expect."""
+
+    def __init__(self, bad: str) -> None:
+        super().__init__()
+        self.bad = bad
+
+    async def add_worker(self, wcfg: WorkerConfig):
+        if wcfg.id == self.bad:
+            raise RuntimeError("boom")
+        return await super().add_worker(wcfg)
+
+
+async def test_one_pod_failing_to_apply_does_not_stop_the_rest_of_a_relist(fake):
+    fake.put_pod(make_pod("b", 8102, namespace="ns1"))
+    gw = FlakyGateway("a")
+    d = KubernetesDiscovery(gw, k8s_cfg(api_server=fake.url, namespace="ns1", not_ready_remove_s=LONG,
+                                        backoff_initial_s=0.05, backoff_max_s=0.2))
+    await d.start()
+    try:
+        await until(lambda: gw.ids() == {"b"} and fake.open_watches == 1, what="b added, watching")
+        # seen only in the re-list, in this order: a (whose add fails), then b evicted
+        fake.put_pod(make_pod("a", 8101, namespace="ns1"), record=False)
+        fake.put_pod(make_pod("b", 8102, namespace="ns1", ip=None, ready=False, phase="Failed", reason="Evicted"),
+                     record=False)
+        fake.compact()
+        await until(lambda: gw.ids() == set(), what="b removed despite a's failure")
+        assert d.state()["lists"] == 2
+    finally:
+        await d.stop()
+
+
+async def test_worker_added_by_hand_under_a_discovered_id_is_not_discoverys(fake, discovered):
+    """A discovered worker removed through the admin API and added again by hand (another URL)
+    is the operator's: the pod's deletion leaves it alone, and discovery does not report it."""
+    fake.put_pod(make_pod("a", 8101, namespace="ns1"))
+    d, gw = await discovered(not_ready_remove_s=LONG)
+    await until(lambda: gw.ids() == {"a"}, what="a added")
+    await gw.remove_worker("a")
+    by_hand = gw.registry.add(WorkerConfig(id="a", url="http://127.0.0.1:9999", model="tiny"))
+    assert not d.owns("a") and d.state()["workers"] == []
+    fake.delete_pod("a", namespace="ns1")
+    await until(lambda: "a" not in d.state()["pods"], what="the deletion applied")
+    assert gw.registry.get("a") is by_hand

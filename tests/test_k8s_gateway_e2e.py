@@ -4,7 +4,9 @@ real `kvroute sim` workers standing in for the pods: each fake pod's IP is 127.0
 containerPort named ``http`` is one simulator's port. Checked through ``GET /admin/workers`` and
 requests made with the ``openai`` SDK (``x-kvroute-worker``): a pod becomes a worker when Ready,
 is drained when it turns not Ready and removed when that lasts, comes back when Ready, is removed
-when deleted or missing from the re-list after 410 Gone, and SIGHUP keeps discovered workers."""
+when deleted or missing from the re-list after 410 Gone, and SIGHUP keeps discovered workers; with
+a second gateway whose not-ready removal is far off, no ghost workers: an evicted pod whose IP was
+cleared, and pods deleted or replaced while the watch was down, leave the worker set at once."""
 from __future__ import annotations
 
 import signal
@@ -62,8 +64,9 @@ def k8s_cluster(tmp_path_factory, tiny_model):
         fake.stop()
 
 
-def pod(name: str, sims: dict[str, int], ready: bool = True, labels: dict[str, str] | None = None) -> dict:
-    return make_pod(name, sims[name], ready=ready, namespace=NS, labels=labels or LABELS)
+def pod(name: str, sims: dict[str, int], ready: bool = True, labels: dict[str, str] | None = None,
+        **kw) -> dict:
+    return make_pod(name, sims[name], ready=ready, namespace=NS, labels=labels or LABELS, **kw)
 
 
 def workers(base: str) -> dict[str, dict]:
@@ -137,3 +140,70 @@ def test_pods_become_workers_and_go(k8s_cluster):
     assert httpx.get(base + "/health/ready", timeout=10).status_code == 503
     log = gw.log_path.read_text(errors="replace")
     assert "resourceVersion" in log and "is gone (410): listing again" in log
+
+
+@pytest.fixture(scope="module")
+def k8s_ghosts(k8s_cluster, tmp_path_factory, tiny_model):
+    """A second gateway on the same simulators, with its own fake API and not_ready_remove_s
+    600: a removal seen within a test's wait is never the not-ready timer's.
+    ``(base URL, fake API, sim ports by pod name, gateway Proc)``."""
+    _, _, sims, _, _ = k8s_cluster
+    log_dir = tmp_path_factory.mktemp("k8s-ghosts")
+    fake = FakeKubeAPI().start()
+    gw = None
+    try:
+        (port,) = free_ports(1)
+        cfg = {
+            "listen": {"host": "127.0.0.1", "port": port},
+            "admin": {"token_env": "KVROUTE_ADMIN_TOKEN"},
+            "models": [{"name": "tiny", "tokenizer": str(tiny_model), "block_size": BLOCK}],
+            "index": {"backend": "memory"},
+            "policy": {"name": "kv_aware"},
+            "health": {"interval_s": 0.5, "rise_threshold": 1},
+            "discovery": {"kubernetes": {
+                "api_server": fake.url, "namespace": NS, "label_selector": SELECTOR, "model": "tiny",
+                "port": "http", "not_ready_remove_s": 600, "watch_timeout_s": 30,
+                "backoff_initial_s": 0.1, "backoff_max_s": 0.5}},
+        }
+        path = log_dir / "gateway.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        gw = Proc("gateway-ghosts", kvroute_argv("serve", "--config", str(path), "--log-level", "info"), log_dir)
+        yield f"http://127.0.0.1:{port}", fake, sims, gw
+    finally:
+        if gw is not None:
+            gw.stop()
+        fake.stop()
+
+
+def test_no_ghost_workers(k8s_ghosts):
+    base, fake, sims, gw = k8s_ghosts
+    fake.put_pod(pod("vllm-a", sims))
+    fake.put_pod(pod("vllm-b", sims))
+    wait_http(base + "/health", gw, timeout_s=180)
+    wait_until(lambda: set(workers(base)) == {"vllm-a", "vllm-b"}, what="both discovered")
+    wait_until(lambda: all(w["healthy"] for w in workers(base).values()), what="both healthy")
+
+    # production-stack #1008: the kubelet evicts vllm-a and clears its IP (the phase may say
+    # Failed only later): no engine is left there, so the worker goes now, not in 600 s
+    fake.put_pod(pod("vllm-a", sims, ready=False, ip=None))
+    wait_until(lambda: set(workers(base)) == {"vllm-b"}, what="evicted vllm-a removed")
+    assert {routed_to(base, f"after eviction {i}") for i in range(3)} == {"vllm-b"}
+    fake.put_pod(pod("vllm-a", sims, uid="uid-vllm-a-2"))  # its replacement, Ready
+    wait_until(lambda: set(workers(base)) == {"vllm-a", "vllm-b"}, what="vllm-a's replacement added")
+
+    # production-stack #1091: the watch is cut and cannot reconnect for a while; meanwhile
+    # vllm-a is deleted and vllm-b deleted and created again (not Ready yet, same address), and
+    # the history is compacted: on resume the gateway lists again (410) and keeps neither
+    fake.refuse_watches(503)
+    fake.drop_watches()
+    wait_until(lambda: fake.open_watches == 0, what="the watch cut")
+    fake.delete_pod("vllm-a", namespace=NS)
+    fake.delete_pod("vllm-b", namespace=NS)
+    fake.put_pod(pod("vllm-b", sims, ready=False, uid="uid-vllm-b-2"))
+    fake.compact()
+    fake.refuse_watches(None)
+    wait_until(lambda: workers(base) == {}, what="vllm-a and the old vllm-b removed")
+    fake.put_pod(pod("vllm-b", sims, uid="uid-vllm-b-2"))
+    wait_until(lambda: set(workers(base)) == {"vllm-b"} and workers(base)["vllm-b"]["healthy"],
+               what="the new vllm-b added")
+    assert routed_to(base, "after the gap") == "vllm-b"

@@ -18,7 +18,9 @@ a ``SIGHUP`` reload leaves discovery (and the workers it found) as they are::
         role_label: kvroute.io/role  # the pod label naming its role: prefill | decode | both
                                      # (absent: both; another value: the pod is skipped, logged)
         not_ready_remove_s: 30       # a Ready pod that turns not Ready is drained at once and
-                                     # removed when still not Ready after this long (0: at once)
+                                     # removed when still not Ready after this long (0: at once);
+                                     # one whose IP was cleared or changed (an eviction) or that
+                                     # was replaced (another uid) is removed at once regardless
         api_server: null             # e.g. http://127.0.0.1:8001 (`kubectl proxy`): no auth;
         kubeconfig: null             #   else in-cluster config when in a pod, else this kubeconfig
         context: null                #   file ($KUBECONFIG / ~/.kube/config when null) and context

@@ -11,10 +11,14 @@ reflector does:
   ``BOOKMARK`` events advance it) and runs ``watch_timeout_s`` on the server, then the next
   watch resumes from there;
 - ``410 Gone`` (an ``ERROR`` event in the stream or the HTTP status: the version was compacted
-  away) lists again at once; the list replaces the whole picture, so pods that went during the
-  gap are removed;
+  away) or ``504`` "Too large resource version" (an API server behind the cursor, e.g. after a
+  failover) lists again at once; the list replaces the whole picture, so pods that went during the
+  gap are removed (every worker discovery owns whose pod is not in the list);
 - any other failure (connection refused or reset, 5xx, 403, a bad body) waits
-  ``backoff_initial_s``, doubling up to ``backoff_max_s``, reset by the next watch that works.
+  ``backoff_initial_s``, doubling up to ``backoff_max_s``, reset by the next watch that works;
+  the next watch resumes from the cursor (the server replays what happened meanwhile, deletions
+  included), but after ``RELIST_AFTER_FAILED_WATCHES`` failed watches in a row it lists again
+  instead: a cursor that cannot be served must not keep the workers of deleted pods forever.
 
 The client is synchronous (urllib3), so listing and watching run in one daemon thread that hands
 each result to the event loop; the gateway is changed only on the loop, one change at a time.
@@ -26,16 +30,29 @@ What a pod's state does (:func:`router.discovery.pods.map_pod`), worker id = pod
 - **not Ready** (readiness probe failing, restarting container): drained at once (no new
   requests; requests in flight finish; its index entries stay, so a short blip loses no cache
   knowledge) and removed if still not Ready ``not_ready_remove_s`` later (0: removed at once).
+  A not Ready pod whose IP was cleared (a kubelet eviction clears it) or changed has no engine
+  left at the worker's address: removed at once.
 - **gone** (``DELETED`` event, missing from a re-list, ``deletionTimestamp`` set, phase
-  Succeeded/Failed, labels no longer matching): removed with ``Gateway.remove_worker`` at once:
-  its index entries are purged and requests in flight on it finish.
+  Succeeded/Failed, ``status.reason`` Evicted, labels no longer matching): removed with
+  ``Gateway.remove_worker`` at once: its index entries are purged and requests in flight on it
+  finish.
+- **replaced** (the pod of a worker's name shows another ``metadata.uid``: deleted and created
+  again, e.g. a StatefulSet pod, while the watch was away): the old worker is removed at once
+  (its index entries were the old engine's cache), whatever the new pod's state; the new pod is a
+  new worker when Ready.
+- **address taken over** (a Ready pod has the URL of another pod's discovered worker: that pod's
+  IP went to this one before its own change arrived): the other worker is removed at once.
+
+Every removal goes through ``Gateway.remove_worker`` (index entries purged, requests in flight
+finish), and one pod that fails to apply does not stop the rest of a list from applying.
 - **skipped** (its role label, ``role_label``, is not prefill, decode or both): a WARNING
   (once per pod and value), and treated as gone. A Ready pod's role follows its label: a
   changed label changes the worker's role in place (no re-registration; its index entries and
   counts stay); a role set through the admin API holds until the pod's next change.
 
-Only workers discovery added are touched: a configured or admin-added worker with a pod's name
-is left alone (logged). An operator's drain of a discovered worker is kept (discovery undrains
+Only workers discovery added are touched (the registration it made, not just the id): a
+configured or admin-added worker with a pod's name is left alone (logged), also one added by hand
+after the discovered one was removed through the admin API. An operator's drain of a discovered worker is kept (discovery undrains
 only what it drained); a discovered worker removed through the admin API comes back on its pod's
 next change while the pod is Ready.
 """
@@ -47,6 +64,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +73,7 @@ from router.discovery.pods import PodView, map_pod, pod_name
 
 if TYPE_CHECKING:
     from router.gateway import Gateway
+    from router.registry import WorkerRegistration
 
 log = logging.getLogger("kvroute.discovery.kubernetes")
 
@@ -62,6 +81,7 @@ SA_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespac
 CONNECT_TIMEOUT_S = 10.0
 LIST_READ_TIMEOUT_S = 60.0
 WATCH_READ_GRACE_S = 30.0  # a watch's read timeout: its server-side timeout plus this
+RELIST_AFTER_FAILED_WATCHES = 3  # failed watches in a row after which the next attempt lists again
 STOP_WAIT_S = 3.0  # how long stop() waits for the thread to notice
 
 
@@ -96,6 +116,27 @@ def make_api_client(cfg: KubernetesDiscoveryConfig) -> tuple[Any, str]:
     return client.ApiClient(conf), namespace or "default"
 
 
+def cursor_unservable(exc: Any) -> bool:
+    """Whether an ``ApiException`` says the watch cannot resume from its resourceVersion: 410
+    Gone (compacted away) or the API server's "Too large resource version" (504, cause
+    ``ResourceVersionTooLarge``: the server is behind the cursor, e.g. after a failover or an
+    etcd restore); either way only a new list helps."""
+    if exc.status == 410:
+        return True
+    text = f"{exc.reason or ''} {exc.body or ''}".lower()
+    return exc.status == 504 and ("too large resource version" in text or "resourceversiontoolarge" in text)
+
+
+@dataclass(frozen=True)
+class _Owned:
+    """A worker discovery registered: the registration it made (a worker of the same id added
+    by other hands later is not discovery's), and the pod's uid and IP it was made from."""
+
+    reg: "WorkerRegistration"
+    uid: str | None
+    ip: str | None
+
+
 class KubernetesDiscovery:
     """Keeps the gateway's discovered workers equal to the Ready pods of ``cfg.label_selector``.
 
@@ -118,7 +159,7 @@ class KubernetesDiscovery:
         self._stop = threading.Event()
         self._watch: Any = None  # the kubernetes.watch.Watch streaming now, for stop()
         self._pods: dict[str, PodView] = {}  # the last view of every pod the API showed
-        self._owned: set[str] = set()  # worker ids discovery registered
+        self._owned: dict[str, _Owned] = {}  # worker id -> the registration discovery made
         self._drained: set[str] = set()  # of those, the ones discovery drained
         self._not_ready_since: dict[str, float] = {}  # monotonic s a registered pod turned not Ready
         self._conflicts: set[str] = set()  # pod names taken by a worker discovery does not own
@@ -127,6 +168,7 @@ class KubernetesDiscovery:
         self.lists = 0
         self.watches = 0
         self.relists_gone = 0
+        self.relists_after_errors = 0
         self.errors = 0
         self.last_error: str | None = None
         self.resource_version: str | None = None
@@ -169,18 +211,29 @@ class KubernetesDiscovery:
             await asyncio.gather(self._apply_task, return_exceptions=True)
 
     def owns(self, worker_id: str) -> bool:
-        """Whether ``worker_id`` is a worker this discovery registered (config reloads keep it)."""
-        return worker_id in self._owned
+        """Whether the registered worker ``worker_id`` is one this discovery registered (config
+        reloads keep it): the very registration, so a worker re-added by other hands under the
+        id of a discovered one that was removed through the admin API is not."""
+        return self._mine(worker_id) is not None
+
+    def _mine(self, name: str) -> "WorkerRegistration | None":
+        owned = self._owned.get(name)
+        if owned is None or self.gateway.registry.get(name) is not owned.reg:
+            return None
+        return owned.reg
 
     def state(self) -> dict[str, Any]:
         """For operators: namespace, selector, counters (``lists``, ``watches``,
-        ``relists_gone``: re-lists after 410 Gone, ``errors``), ``last_error``, the last
-        ``resource_version``, the discovered ``workers`` (sorted) and the ``pods`` seen with
-        their state."""
+        ``relists_gone``: re-lists after 410 Gone or a too large resource version,
+        ``relists_after_errors``: after ``RELIST_AFTER_FAILED_WATCHES`` failed watches in a row,
+        ``errors``), ``last_error``, the last ``resource_version``, the discovered ``workers``
+        registered now (sorted) and the ``pods`` seen with their state."""
         return {"namespace": self.namespace, "label_selector": self.cfg.label_selector,
                 "lists": self.lists, "watches": self.watches, "relists_gone": self.relists_gone,
+                "relists_after_errors": self.relists_after_errors,
                 "errors": self.errors, "last_error": self.last_error,
-                "resource_version": self.resource_version, "workers": sorted(self._owned),
+                "resource_version": self.resource_version,
+                "workers": sorted(n for n in self._owned if self._mine(n) is not None),
                 "pods": {n: v.state for n, v in sorted(self._pods.items())}}
 
     # ---- the thread: list, then watch from the list's resourceVersion -------------------------
@@ -200,22 +253,27 @@ class KubernetesDiscovery:
         # advances it, so a watch broken mid-stream resumes after its last event
         self.resource_version = None
         backoff_s = self.cfg.backoff_initial_s
+        failed_watches = 0  # in a row; a watch that works resets it
         while not self._stop.is_set():
+            watching = False
             try:
                 if self.resource_version is None:
                     self._list()
+                watching = True
                 started = time.monotonic()
                 events = self._watch_once()
                 if events or time.monotonic() - started >= 1.0:
                     backoff_s = self.cfg.backoff_initial_s
+                    failed_watches = 0
                     continue
                 problem = "the watch ended at once without events"  # a server that keeps closing
             except ApiException as exc:
-                if exc.status == 410:
-                    log.info("kubernetes discovery: resourceVersion %s is gone (410): listing again",
-                             self.resource_version)
+                if watching and cursor_unservable(exc):
+                    why = "is gone (410)" if exc.status == 410 else f"is too large for the server ({exc.status})"
+                    log.info("kubernetes discovery: resourceVersion %s %s: listing again", self.resource_version, why)
                     self.relists_gone += 1
                     self.resource_version = None
+                    failed_watches = 0
                     continue
                 problem = f"API error {exc.status}: {exc.reason}"
             except Exception as exc:  # connection errors, timeouts, a body that is not JSON
@@ -224,6 +282,19 @@ class KubernetesDiscovery:
                 break
             self.errors += 1
             self.last_error = problem
+            if watching:
+                failed_watches += 1
+                if failed_watches >= RELIST_AFTER_FAILED_WATCHES:
+                    # the server may never serve this cursor (or a proxy breaks every watch):
+                    # a list shows what went meanwhile, deletions included
+                    log.warning("kubernetes discovery: %d watches failed in a row (last: %s); listing "
+                                "again in %.1fs", failed_watches, problem, backoff_s)
+                    self.relists_after_errors += 1
+                    self.resource_version = None
+                    failed_watches = 0
+                    self._stop.wait(backoff_s)
+                    backoff_s = min(backoff_s * 2, self.cfg.backoff_max_s)
+                    continue
             log.warning("kubernetes discovery: %s; retrying in %.1fs", problem, backoff_s)
             self._stop.wait(backoff_s)
             backoff_s = min(backoff_s * 2, self.cfg.backoff_max_s)
@@ -267,6 +338,8 @@ class KubernetesDiscovery:
                 if self._stop.is_set():
                     w.stop()
                     break
+                if not isinstance(event, dict):  # a blank or unparsable line: the client yields None
+                    continue
                 kind = event.get("type")
                 obj = event.get("raw_object") or {}
                 events += 1
@@ -304,11 +377,20 @@ class KubernetesDiscovery:
         listed = {(pod.get("metadata") or {}).get("name") for pod in pods}
         for name in [n for n in self._skipped if n not in listed]:
             del self._skipped[name]
-        for name in sorted((set(self._pods) | self._owned) - set(views)):
+        # each pod on its own: one that fails (logged) must not leave the rest as they were
+        for name in sorted((set(self._pods) | set(self._owned)) - set(views)):
             self._pods.pop(name, None)
-            await self._remove(name, "not in the pod list any more")
+            await self._guarded(self._remove(name, "not in the pod list any more"), name)
         for view in views.values():
-            await self._apply(view)
+            await self._guarded(self._apply(view), view.name)
+
+    async def _guarded(self, change: Any, name: str) -> None:
+        try:
+            await change
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("kubernetes discovery: applying pod %s failed", name)
 
     async def _event(self, kind: str, pod: dict[str, Any]) -> None:
         if kind == "DELETED":
@@ -344,6 +426,11 @@ class KubernetesDiscovery:
     async def _apply(self, view: PodView) -> None:
         before = self._pods.get(view.name)
         self._pods[view.name] = view
+        owned = self._owned.get(view.name)
+        if owned is not None and owned.uid and view.uid and owned.uid != view.uid:
+            # deleted and created again under its name while we did not look (a missed DELETED,
+            # a re-list): nothing of the old engine is left, whatever state the new pod is in
+            await self._remove(view.name, f"pod replaced (uid {owned.uid} -> {view.uid})")
         if view.state == "gone":
             self._pods.pop(view.name, None)
             await self._remove(view.name, view.reason)
@@ -359,7 +446,7 @@ class KubernetesDiscovery:
         assert wcfg is not None
         self._not_ready_since.pop(name, None)
         reg = self.gateway.registry.get(name)
-        if reg is not None and name not in self._owned:
+        if reg is not None and self._mine(name) is None:
             if name not in self._conflicts:
                 self._conflicts.add(name)
                 log.warning("kubernetes discovery: pod %s is Ready but a worker of that id was configured "
@@ -377,23 +464,36 @@ class KubernetesDiscovery:
             return
         if reg is not None:  # same pod, new address (a restarted sandbox): register it anew
             await self._remove(name, f"address changed to {wcfg.url}")
+        # a pod's IP is its own while it lives: another discovered worker at this URL is a pod
+        # whose loss of the address has not reached us yet (an eviction's status write, a
+        # deletion still to come): its engine is not there
+        for other in [n for n, o in self._owned.items() if n != name and o.reg.url == wcfg.url]:
+            if self._mine(other) is not None:
+                await self._remove(other, f"its address {wcfg.url} is now pod {name}'s")
         from router.gateway import WorkerExists
 
         try:
-            await self.gateway.add_worker(wcfg)
+            added = await self.gateway.add_worker(wcfg)
         except (WorkerExists, ValueError) as exc:
             if name not in self._conflicts:
                 self._conflicts.add(name)
                 log.warning("kubernetes discovery: pod %s not added: %s", name, exc)
             return
         self._conflicts.discard(name)
-        self._owned.add(name)
+        self._owned[name] = _Owned(added, view.uid, view.ip)
         log.info("kubernetes discovery: pod %s is Ready: worker added at %s", name, wcfg.url)
 
     async def _not_ready(self, view: PodView) -> None:
         name = view.name
-        reg = self.gateway.registry.get(name)
-        if name not in self._owned or reg is None:
+        reg = self._mine(name)
+        if reg is None:
+            return
+        owned_ip = self._owned[name].ip
+        if view.ip != owned_ip:
+            # the kubelet clears the IP of a pod it evicts (the phase may say Failed only later,
+            # or never reach us): no engine is left at the worker's address to drain
+            await self._remove(name, f"pod IP {'cleared' if not view.ip else f'changed to {view.ip}'} "
+                                     f"({view.reason})")
             return
         if self.cfg.not_ready_remove_s == 0:
             await self._remove(name, view.reason)
@@ -418,14 +518,16 @@ class KubernetesDiscovery:
         await self._remove(name, f"not ready for {self.cfg.not_ready_remove_s:.0f}s ({view.reason})")
 
     async def _remove(self, name: str, reason: str) -> None:
+        """Remove discovery's worker ``name`` (index entries purged, requests in flight finish);
+        nothing when it has none registered (never one added by other hands)."""
         self._not_ready_since.pop(name, None)
         self._drained.discard(name)
         self._conflicts.discard(name)
-        if name not in self._owned:
-            return
-        self._owned.discard(name)
+        owned = self._owned.pop(name, None)
+        if owned is None or self.gateway.registry.get(name) is not owned.reg:
+            return  # none, or removed (maybe re-added by hand) through the admin API meanwhile
         try:
             await self.gateway.remove_worker(name)
         except KeyError:
-            return  # removed through the admin API meanwhile
+            return
         log.info("kubernetes discovery: worker %s removed: %s", name, reason)

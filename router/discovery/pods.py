@@ -10,8 +10,13 @@ lists and watches. A pod is
   configured; role ``both`` when the pod has no ``role_label`` label);
 - ``not_ready``: alive but not serving (starting, readiness probe failing, no IP yet, or a named
   port its containers do not declare);
-- ``gone``: being deleted (``metadata.deletionTimestamp`` set) or finished (phase Succeeded or
-  Failed): it will not serve again.
+- ``gone``: being deleted (``metadata.deletionTimestamp`` set), finished (phase Succeeded or
+  Failed) or evicted (``status.reason`` ``Evicted``, whatever the phase says): it will not serve
+  again.
+
+Each view carries the pod's ``uid`` and ``podIP`` too: discovery tells by them that the pod behind
+a worker was replaced (same name, another uid) or lost its address (IP cleared or changed), which
+leaves nothing of the registered worker to keep.
 
 Port fields of the config take a number (used as is) or a containerPort ``name`` looked up in the
 pod's ``spec.containers[*].ports`` (first match in container order), so pods may publish different
@@ -37,13 +42,16 @@ class PodView:
     """What one pod means to the gateway. ``name``: the pod name (the worker id); ``state``: see
     the module docstring; ``worker``: the worker to register (only when ``state == "ready"``);
     ``reason``: why it is not ready or gone ("" when ready); ``resource_version``: the pod's
-    ``metadata.resourceVersion`` (None when absent)."""
+    ``metadata.resourceVersion``, ``uid``: its ``metadata.uid``, ``ip``: its ``status.podIP``
+    (each None when absent)."""
 
     name: str
     state: PodState
     worker: WorkerConfig | None
     reason: str
     resource_version: str | None
+    uid: str | None = None
+    ip: str | None = None
 
 
 def pod_name(pod: dict[str, Any]) -> str:
@@ -96,21 +104,25 @@ def map_pod(pod: dict[str, Any], cfg: KubernetesDiscoveryConfig) -> PodView:
     meta = pod.get("metadata") or {}
     status = pod.get("status") or {}
     rv = meta.get("resourceVersion")
+    uid = meta.get("uid") if isinstance(meta.get("uid"), str) and meta.get("uid") else None
+    ip = status.get("podIP") if isinstance(status.get("podIP"), str) and status.get("podIP") else None
 
     def view(state: PodState, reason: str, worker: WorkerConfig | None = None) -> PodView:
-        return PodView(name, state, worker, reason, rv)
+        return PodView(name, state, worker, reason, rv, uid, ip)
 
     if meta.get("deletionTimestamp"):
         return view("gone", "terminating")
     phase = status.get("phase")
     if phase in ("Succeeded", "Failed"):
-        return view("gone", f"phase {phase}")
+        why = f" ({status['reason']})" if isinstance(status.get("reason"), str) and status.get("reason") else ""
+        return view("gone", f"phase {phase}{why}")
+    if status.get("reason") == "Evicted":
+        return view("gone", "evicted")
     role = pod_role(pod, cfg.role_label)
     if phase not in (None, "Running"):
         return view("not_ready", f"phase {phase}")
     if not _is_ready(status):
         return view("not_ready", "condition Ready is not True")
-    ip = status.get("podIP")
     if not ip:
         return view("not_ready", "no pod IP")
     ports: dict[str, int | None] = {}
