@@ -42,6 +42,7 @@ class EvidenceTrust:
         self.distrust_below = distrust_below
         self.trust_at = trust_at
         self._pairs: deque[tuple[int, int]] = deque(maxlen=window)
+        self._agreement: float | None = None  # of the window as it stands (it changes in observe only)
         self.trusted = True
         self.changes = 0
 
@@ -51,7 +52,12 @@ class EvidenceTrust:
         if predicted_tokens <= 0:
             return None
         self._pairs.append((predicted_tokens, max(0, reported_tokens)))
-        ratio = self.agreement
+        predicted = sum(p for p, _ in self._pairs)
+        if len(self._pairs) < MIN_PREDICTED_REQUESTS or predicted < MIN_PREDICTED_TOKENS:
+            self._agreement = None
+        else:
+            self._agreement = sum(min(p, r) for p, r in self._pairs) / predicted
+        ratio = self._agreement
         if ratio is None:
             return None
         if self.trusted and ratio < self.distrust_below:
@@ -67,10 +73,7 @@ class EvidenceTrust:
     def agreement(self) -> float | None:
         """``sum(min(reported, predicted)) / sum(predicted)`` over the window, None until enough
         has been predicted to judge."""
-        predicted = sum(p for p, _ in self._pairs)
-        if len(self._pairs) < MIN_PREDICTED_REQUESTS or predicted < MIN_PREDICTED_TOKENS:
-            return None
-        return sum(min(p, r) for p, r in self._pairs) / predicted
+        return self._agreement
 
     @property
     def credit_weight(self) -> float:
