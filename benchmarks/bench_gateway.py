@@ -7,7 +7,12 @@ tokenization, index lookup, speculative insert), and through sglang-router
 (``--policy round_robin``) when it is installed (``pip install sglang-router``). For a short chat
 and an ~8k-token chat, at concurrency 1 and 32, the targets take turns in rounds (so drift hits
 all alike) and the table prints p50/p99 latency and what each proxy adds over the straight path.
-Last, each target's most requests per second at concurrency 64 (short chat) for a few seconds.
+Then each target's most requests per second at concurrency 64 (short chat) for a few seconds.
+Last (``--stream-seconds``, 0 to skip), the relay of a token stream at a worker's real pace: a
+second sim with the GPU timing preset (no speedup), fresh ~600-token completions streamed back
+46 tokens each (46 reads per request), concurrency 8, through a kvroute gateway (kv_aware) and
+sglang-router in front of it, in alternating rounds: CPU per streamed request, the cost that
+grows with the output length.
 ``--processes 1,2`` adds a ``kvroute serve --processes N`` target per N > 1 ("kvroute xN"); CPU
 is then summed over the gateway's processes, and the CPU-bound ceiling is what N processes on N
 free cores would serve.
@@ -21,7 +26,8 @@ concurrency and target: ``p50_ms``, ``p99_ms``, ``added_p50_ms``, ``added_p99_ms
 ``proxy_cpu_per_request_ms``) and table ``throughput`` (per target: ``requests_per_s``,
 ``proxy_busy_cpu_share``, ``ceiling_requests_per_s_per_cpu``...). ``--plot DIR`` draws
 ``latency.png`` (p50/p99 per target and workload, log scale), ``added_latency.png`` and
-``throughput.png``.
+``throughput.png``. With ``--stream-seconds``, table ``stream`` (per target: ``requests``,
+``reads_per_request``, ``proxy_cpu_per_request_ms``).
 """
 from __future__ import annotations
 
@@ -186,6 +192,85 @@ async def run(targets: dict[str, str], procs: dict[str, subprocess.Popen | None]
             print(f"  {t:<14} {rps:>8.0f} requests/s{note}")
 
 
+async def stream_rounds(targets: dict[str, str], procs: dict[str, subprocess.Popen], seconds: float,
+                        rounds: int, fig: dict) -> None:
+    """Streamed completions at concurrency 8 through each target for ``seconds`` per round, the
+    targets alternating each round; prints and records proxy CPU per request (table ``stream``)."""
+    rnd = random.Random(11)
+    done = {t: 0 for t in targets}
+    reads = {t: 0 for t in [*targets, "warm"]}
+    cpu = {t: 0.0 for t in targets}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=120)) as session:
+        async def one(url: str, t: str) -> None:
+            body = {"model": "tiny", "prompt": " ".join(rnd.choice(WORDS) for _ in range(300)), "max_tokens": 46,
+                    "stream": True, "ignore_eos": True}
+            async with session.post(url + "/v1/completions", json=body) as r:
+                async for _ in r.content.iter_any():
+                    reads[t] += 1
+                if r.status != 200:
+                    raise RuntimeError(f"{url}: {r.status}")
+
+        for url in targets.values():  # warm the paths (not counted)
+            for _ in range(2):
+                await one(url, "warm")
+        order = list(targets)
+        for r in range(rounds):
+            for t in order[r % len(order):] + order[:r % len(order)]:
+                end = time.perf_counter() + seconds
+                c0 = cpu_seconds(procs[t])
+                n0, r0 = done[t], reads[t]
+
+                async def client(t=t, end=end):
+                    while time.perf_counter() < end:
+                        await one(targets[t], t)
+                        done[t] += 1
+
+                await asyncio.gather(*[client() for _ in range(8)])
+                cpu[t] += cpu_seconds(procs[t]) - c0
+                print(f"  round {r + 1} {t:<14} {done[t] - n0:>4} requests, {(reads[t] - r0) / max(1, done[t] - n0):.0f} "
+                      f"reads each", flush=True)
+    print(f"\nstreamed completions at a real-time worker (~600-token prompts, 46 tokens streamed, concurrency 8, "
+          f"{rounds} rounds x {seconds:g} s per target)")
+    for t in targets:
+        per = cpu[t] / max(1, done[t]) * 1e3
+        add_table(fig, "stream", [{"target": t, "requests": done[t], "reads_per_request": reads[t] / max(1, done[t]),
+                                   "proxy_cpu_per_request_ms": per}])
+        print(f"  {t:<14} {done[t]:>5} requests  proxy CPU {per:.3f} ms per request")
+
+
+def stream_phase(args, fig: dict, tmp: Path) -> None:
+    """Start a real-time sim, a kvroute gateway and sglang-router (when installed) in front of it,
+    run :func:`stream_rounds`, stop them."""
+    procs: list[subprocess.Popen] = []
+    try:
+        sim_port, gw_port, sg_port = free_ports(3)
+        sim_url = f"http://127.0.0.1:{sim_port}"
+        procs.append(start([sys.executable, "-m", "kvroute", "sim", "--model", str(TINY), "--served-model-name",
+                            "tiny", "--host", "127.0.0.1", "--port", str(sim_port), "--block-size", "16",
+                            "--max-model-len", "16384", "--timing-preset", "gpu"], tmp / "sim-rt.log"))
+        wait_ready(sim_url + "/health", procs[-1], tmp / "sim-rt.log", 90)
+        cfg = {"listen": {"host": "127.0.0.1", "port": gw_port},
+               "models": [{"name": "tiny", "tokenizer": str(TINY), "block_size": 16}],
+               "workers": [{"id": "w0", "url": sim_url, "model": "tiny"}], "policy": {"name": "kv_aware"}}
+        (tmp / "gateway-rt.yaml").write_text(json.dumps(cfg))
+        procs.append(start([sys.executable, "-m", "kvroute", "serve", "--config", str(tmp / "gateway-rt.yaml")],
+                           tmp / "gateway-rt.log"))
+        wait_ready(f"http://127.0.0.1:{gw_port}/health", procs[-1], tmp / "gateway-rt.log", 90)
+        targets = {"kvroute": f"http://127.0.0.1:{gw_port}"}
+        target_procs = {"kvroute": procs[-1]}
+        if importlib.util.find_spec("sglang_router") is not None:
+            procs.append(start([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                                "--port", str(sg_port), "--worker-urls", sim_url, "--policy", "round_robin",
+                                "--log-level", "warn"], tmp / "sglang-rt.log"))
+            wait_ready(f"http://127.0.0.1:{sg_port}/health", procs[-1], tmp / "sglang-rt.log", 60)
+            targets["sglang-router"] = f"http://127.0.0.1:{sg_port}"
+            target_procs["sglang-router"] = procs[-1]
+        asyncio.run(stream_rounds(targets, target_procs, args.stream_seconds, args.rounds, fig))
+    finally:
+        stop_groups(procs)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=200, help="requests per target per round per cell")
@@ -193,6 +278,8 @@ def main() -> int:
     ap.add_argument("--rps-seconds", type=float, default=5.0)
     ap.add_argument("--speedup", type=float, default=1e6, help="the sim's --speedup (large: near-instant)")
     ap.add_argument("--processes", default="1", help="comma-separated gateway process counts to compare (e.g. 1,2)")
+    ap.add_argument("--stream-seconds", type=float, default=10.0,
+                    help="seconds per target per round of streamed completions at a real-time worker (0: skip)")
     add_output_args(ap)
     args = ap.parse_args()
     fig = new_figures("bench_gateway", args)
@@ -245,6 +332,8 @@ def main() -> int:
         asyncio.run(run(targets, target_procs, args, fig))
     finally:
         stop_groups(procs)
+    if args.stream_seconds > 0:
+        stream_phase(args, fig, tmp)
     title = f"one sim worker (--speedup {args.speedup:g}), {args.rounds} rounds x {args.requests} requests per cell"
     add_chart(fig, "bars", "latency.png", table="latency", group_by=["workload", "concurrency"], series_by="target",
               values=["p50_ms", "p99_ms"], ylabel="ms", log_y=True, title=f"latency per target; {title}")
