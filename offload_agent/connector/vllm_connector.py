@@ -865,7 +865,7 @@ class _AgentPuller:
             got = self.link.pull(peer, part, self.digest, left_ms, into[done * bb:(done + len(part)) * bb])
             done += got.blocks
             if got.blocks < len(part):
-                if not wait:
+                if not wait or _no_retry(got.error):
                     return done, got.error
                 if time.monotonic() + pause >= give_up:
                     return done, f"{got.error}{_tries(retries)}"
@@ -877,6 +877,16 @@ class _AgentPuller:
         if retries:
             logger.info("kvroute tiers: pull from %s: all %d blocks after %d retries", peer, len(keys), retries)
         return done, None
+
+
+RETRY_KINDS = frozenset({"miss", "busy", "room"})  # a P/D pull asks again after these (blocks may land late)
+
+
+def _no_retry(error: str | None) -> bool:
+    """Whether a P/D pull that fell short with ``error`` must not ask again before its deadline: the
+    peer is unreachable or broken (its agent's breaker answers ``breaker: ...`` at once while the
+    peer is skipped; asking again would spin until the deadline), not merely without the blocks yet."""
+    return (error or "").split(":", 1)[0] not in RETRY_KINDS
 
 
 def _tries(retries: int) -> str:

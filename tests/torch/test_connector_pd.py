@@ -257,3 +257,20 @@ def test_a_waiting_pull_gives_up_at_its_deadline_and_a_plain_one_at_once():
     link = LateLink(lambda k: k[0] <= 3)
     assert _puller(link, 200)("p0", keys, memoryview(bytearray(len(keys) * BB))) == (3, "miss: not held")
     assert len(link.calls) == 1
+
+
+@pytest.mark.parametrize("error", ["breaker: peer 'p0' skipped for 3.0 s more after 2 failed pulls in a row",
+                                   "connection: connect to 10.0.0.9:7000: refused", "deadline: handshake timed out"])
+def test_a_waiting_pull_does_not_ask_again_a_peer_that_is_down(error):
+    """A P/D pull asks again only while the peer lacks the blocks (``miss``: the prefill side's saves
+    may land late); a peer its agent skips (``breaker``) or cannot reach ends it at once, instead of
+    asking again until the deadline."""
+    class DownLink(LateLink):
+        def pull(self, peer, keys, digest, deadline_ms, into):
+            self.calls.append(list(keys))
+            return LinkPull(0, error, None)
+
+    link = DownLink(lambda k: False)
+    keys = [bytes([i]) * 16 for i in range(1, 9)]
+    assert _puller(link, 60_000)("p0", keys, memoryview(bytearray(len(keys) * BB)), wait=True) == (0, error)
+    assert len(link.calls) == 1
