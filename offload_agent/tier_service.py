@@ -33,7 +33,14 @@ gateways to credit peer blocks): ``serve`` (host:port or None), ``pull`` (bool),
 ones hold interchangeable blocks), ``fingerprints`` (hex of every shard served),
 ``link_bytes_per_s`` and ``pull_overhead_ms`` (measured over its recent pulls by
 :class:`offload_agent.peer.client.PeerClient`, None before), ``pulls``, ``pulled_blocks``,
-``failed_pulls``.
+``failed_pulls``, ``breakers`` (:meth:`PeerBreaker.state`: the peers being skipped after failed
+pulls); the ``"tiers"`` key carries the counters, ``breaker_opens`` (failed pulls that opened or
+kept open a peer's breaker) and ``breaker_skips`` (pulls answered at once because of one) among them.
+
+Dead peers (:class:`PeerBreaker`): a pull from a peer that died or stopped answering costs its
+deadline once; after that the peer's pulls are answered at once (``breaker: ...``, 0 blocks, so the
+connector recomputes) and ``locate`` does not offer it, for a back-off from ``BREAKER_FIRST_S``
+doubling to ``BREAKER_MAX_S``; then one pull tries it again; a pull that brings blocks resets it.
 """
 from __future__ import annotations
 
@@ -55,8 +62,7 @@ from kvcore.index.base import KVIndex, SupportsWorkerStates
 from kvcore.index.errors import IndexUnavailable
 from offload_agent.agent_link import (AgentLinkError, create_pull_area, decode_header, encode_frame, header_length,
                                       pull_area_path)
-from offload_agent.peer.client import (ERR_AUTH, ERR_CHECKSUM, ERR_CONNECTION, ERR_DEADLINE, ERR_PROTOCOL,
-                                       ERR_SOURCE, PeerClient)
+from offload_agent.peer.client import ERR_CONNECTION, ERR_DEADLINE, PeerClient
 from offload_agent.peer.server import BlockSource, PeerServer
 from offload_agent.tiers.keys import KEY_BYTES
 from offload_agent.tiers.shm_slab import ROW_BYTES, ShmSlab
@@ -70,7 +76,7 @@ MAX_SHARDS = 1 << 10  # most ranks of one parallel dimension a hello may name
 PEERS_TTL_S = 1.0
 BREAKER_FIRST_S = 1.0   # a peer whose pull failed is skipped this long, doubling per failure in a row
 BREAKER_MAX_S = 30.0    # ... up to this
-BREAKER_KINDS = frozenset({ERR_CONNECTION, ERR_DEADLINE, ERR_PROTOCOL, ERR_AUTH, ERR_CHECKSUM, ERR_SOURCE})
+BREAKER_KINDS = frozenset({ERR_CONNECTION, ERR_DEADLINE})  # a peer unreachable or not answering
 STOP_WAIT_S = 1.0  # how long a stop waits for the connector's requests in progress
 _ROW = np.dtype([("key", "V16"), ("seq", "<u8"), ("pad", "<u8")])  # a slot table row (shm_slab)
 _ZERO_KEY = bytes(KEY_BYTES)
@@ -79,16 +85,20 @@ _ZERO_KEY = bytes(KEY_BYTES)
 class PeerBreaker:
     """Remembers pulls that failed per peer (a circuit breaker), so that after a peer dies or stops
     answering, later pulls from it do not each wait out their deadline: after a failed pull (no
-    block came and the error says the peer or the link is at fault: ``connection``, ``deadline``,
-    ``protocol``, ``auth``, ``checksum``, ``source``) the peer is skipped for a back-off that starts
-    at ``first_s`` and doubles with each failure in a row up to ``max_s``; the first pull after it
-    is tried (one at a time: others keep being skipped while it runs); a pull that brings blocks,
-    or ends for a reason that shows the peer alive (``miss``, ``busy``, ``refused``), closes it.
+    block came and the peer could not be reached or did not answer in time: ``connection``,
+    ``deadline``) the peer is skipped for a back-off that starts at ``first_s`` and doubles with
+    each failure in a row up to ``max_s``; the first pull after it is tried (one at a time: others
+    keep being skipped while it runs); a pull that brings blocks, or ends for a reason that shows
+    the peer alive (``miss``, ``busy``, ``refused``; ``checksum``, ``protocol``, ``source`` and
+    ``auth`` too: a bad transfer or a set-up fault, which waiting out a back-off does not mend),
+    closes it.
     A peer that moves to another address starts afresh. Times from ``clock`` (monotonic)."""
 
-    def __init__(self, first_s: float = BREAKER_FIRST_S, max_s: float = BREAKER_MAX_S,
+    def __init__(self, first_s: float | None = None, max_s: float | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.first_s, self.max_s, self.clock = first_s, max_s, clock
+        self.first_s = BREAKER_FIRST_S if first_s is None else first_s
+        self.max_s = BREAKER_MAX_S if max_s is None else max_s
+        self.clock = clock
         self._peers: dict[str, dict[str, Any]] = {}  # peer -> addr, failures, open_until, trying
 
     def allow(self, peer: str, addr: str) -> float | None:

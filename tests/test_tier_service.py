@@ -659,6 +659,7 @@ def test_a_peer_that_stops_answering_is_skipped_for_a_growing_back_off_then_retr
     pull after it is tried again, a second failure doubles the back-off, and a pull that brings
     blocks closes the breaker. A locate does not offer a peer being skipped."""
     monkeypatch.setattr(tier_service, "PEERS_TTL_S", 0.0)
+    monkeypatch.setattr(tier_service, "BREAKER_FIRST_S", 60.0, raising=False)   # open for the whole first part
     deadline_ms = 2000
     keys = [bytes([i + 1]) * 16 for i in range(4)]
 
@@ -668,16 +669,9 @@ def test_a_peer_that_stops_answering_is_skipped_for_a_growing_back_off_then_retr
         addr = await gate.start()
         svc = TierService("b", "tiny", BS, tmp_path / "b.sock", tmp_path / "b.shm", 64 * BLOCK_BYTES,
                           PeerIndex(addr), peer_pull_max_bytes=PULL_BYTES)
-        svc.breaker.first_s = 0.5
         svc.client.connect_timeout_s = 30.0         # the handshake waits for the whole deadline
         await svc.start()
         link = AgentLink(str(tmp_path / "b.sock"), timeout_s=30)
-
-        async def pull():
-            t0 = time.monotonic()
-            got = await asyncio.to_thread(link.pull, "p", keys, FP.digest(), deadline_ms)
-            return got, time.monotonic() - t0
-
         tokens = list(range(100, 100 + 4 * BS))
         svc.index.store_sync("p", "cpu", block_keys(tokens, BS, "tiny"))   # the peer holds the prompt
 
@@ -685,37 +679,42 @@ def test_a_peer_that_stops_answering_is_skipped_for_a_growing_back_off_then_retr
             return link.call({"op": "locate", "start_block": 0, "max_blocks": 4, "cache_salt": None},
                              memoryview(array.array("I", tokens)).cast("B"))
 
+        async def pull():
+            t0 = time.monotonic()
+            got = await asyncio.to_thread(link.pull, "p", keys, FP.digest(), deadline_ms)
+            return got, time.monotonic() - t0
+
         try:
             assert (await asyncio.to_thread(hello, link))["ok"]
             assert await asyncio.to_thread(locate) == {"ok": True, "peer": "p", "blocks": 4}
             got, _ = await pull()
-            assert (got.blocks, got.error) == (4, None) and svc.breaker.state() == {}
+            assert (got.blocks, got.error) == (4, None)
             gate.answering = False
             await svc.client.close()                # the kept connection goes: the next pull connects again
             got, waited = await pull()              # the first pull from the dead peer waits its deadline
             assert got.blocks == 0 and got.error.startswith("deadline") and waited >= deadline_ms / 1000 * 0.9
-            st = svc.breaker.state()["p"]
-            assert st["failures"] == 1 and st["addr"] == addr and not st["trying"]
-            assert svc.counters["breaker_opens"] == 1
             tried = gate.connections
-            svc.breaker.first_s = 60.0              # (kept open for the next pulls whatever the machine's pace)
-            svc.breaker._peers["p"]["open_until"] = time.monotonic() + 60.0
             for _ in range(5):                      # skipped: answered at once, no connection tried
                 got, took = await pull()
-                assert got.blocks == 0 and got.error.startswith("breaker: peer 'p' skipped for ")
-                assert took < deadline_ms / 1000 / 2
-            assert svc.counters["breaker_skips"] == 5 and gate.connections == tried
+                assert took < deadline_ms / 1000 / 2 and got.blocks == 0
+                assert got.error.startswith("breaker: peer 'p' skipped for ")
+            assert gate.connections == tried
+            st = svc.breaker.state()["p"]
+            assert st["failures"] == 1 and st["addr"] == addr and not st["trying"] and st["open_s"] > 20
+            assert svc.counters["breaker_opens"] == 1 and svc.counters["breaker_skips"] == 5
             assert svc.counters["failed_pulls"] == 1 + 5
             assert svc.state()["peer"]["breakers"]["p"]["failures"] == 1
             assert await asyncio.to_thread(locate) == {"ok": True, "peer": None, "blocks": 0}   # not offered
 
-            svc.breaker.first_s = 0.5               # the back-off ends: the next pull is tried again
-            svc.breaker._peers["p"]["open_until"] = time.monotonic() + 0.5
-            await until(lambda: svc.breaker.state()["p"]["open_s"] == 0)
-            got, waited = await pull()
+            skew = [0.0]                            # the back-off ends (its clock moved past it) ...
+            svc.breaker.clock = lambda: time.monotonic() + skew[0]
+            svc.breaker.first_s, svc.breaker.max_s = 0.25, 0.5
+            skew[0] = 61.0
+            assert svc.breaker.state()["p"]["open_s"] == 0
+            got, waited = await pull()              # ... so the next pull is tried again, and fails again
             assert got.error.startswith("deadline") and gate.connections == tried + 1
             st = svc.breaker.state()["p"]
-            assert st["failures"] == 2 and 0.5 < st["open_s"] <= 1.0   # doubled: 1 s
+            assert st["failures"] == 2 and 0 < st["open_s"] <= 0.5   # doubled (0.25 x 2), here capped at 0.5
             assert svc.counters["breaker_opens"] == 2
 
             gate.answering = True                   # the peer is back: after the back-off a pull brings it all
@@ -737,7 +736,7 @@ def test_the_breaker_counts_only_failures_that_blame_the_peer() -> None:
     now = [100.0]
     b = tier_service.PeerBreaker(first_s=1.0, max_s=4.0, clock=lambda: now[0])
     assert b.allow("p", "h:1") is None
-    for kind in ("miss", "busy", "refused", None):      # the peer is alive: nothing remembered
+    for kind in ("miss", "busy", "refused", "checksum", "protocol", "auth", "source", None):   # alive: not remembered
         assert not b.record("p", "h:1", 0, kind) and b.state() == {}
     assert not b.record("p", "h:1", 3, "deadline")      # blocks came: alive
     opens = [b.record("p", "h:1", 0, "connection") for _ in range(4)]

@@ -879,14 +879,12 @@ class _AgentPuller:
         return done, None
 
 
-RETRY_KINDS = frozenset({"miss", "busy", "room"})  # a P/D pull asks again after these (blocks may land late)
-
-
 def _no_retry(error: str | None) -> bool:
-    """Whether a P/D pull that fell short with ``error`` must not ask again before its deadline: the
-    peer is unreachable or broken (its agent's breaker answers ``breaker: ...`` at once while the
-    peer is skipped; asking again would spin until the deadline), not merely without the blocks yet."""
-    return (error or "").split(":", 1)[0] not in RETRY_KINDS
+    """Whether a P/D pull that fell short with ``error`` must not ask again before its deadline: its
+    agent skips the peer after pulls that found it unreachable or silent (``breaker: ...``,
+    answered at once; asking again would spin until the deadline). Anything else (blocks not
+    saved yet, a transfer corrupted on the wire, a first connection failure) is asked again."""
+    return (error or "").split(":", 1)[0] == "breaker"
 
 
 def _tries(retries: int) -> str:
