@@ -33,7 +33,14 @@ gateways to credit peer blocks): ``serve`` (host:port or None), ``pull`` (bool),
 ones hold interchangeable blocks), ``fingerprints`` (hex of every shard served),
 ``link_bytes_per_s`` and ``pull_overhead_ms`` (measured over its recent pulls by
 :class:`offload_agent.peer.client.PeerClient`, None before), ``pulls``, ``pulled_blocks``,
-``failed_pulls``.
+``failed_pulls``, ``breakers`` (:meth:`PeerBreaker.state`: the peers being skipped after failed
+pulls); the ``"tiers"`` key carries the counters, ``breaker_opens`` (failed pulls that opened or
+kept open a peer's breaker) and ``breaker_skips`` (pulls answered at once because of one) among them.
+
+Dead peers (:class:`PeerBreaker`): a pull from a peer that died or stopped answering costs its
+deadline once; after that the peer's pulls are answered at once (``breaker: ...``, 0 blocks, so the
+connector recomputes) and ``locate`` does not offer it, for a back-off from ``BREAKER_FIRST_S``
+doubling to ``BREAKER_MAX_S``; then one pull tries it again; a pull that brings blocks resets it.
 """
 from __future__ import annotations
 
@@ -55,7 +62,7 @@ from kvcore.index.base import KVIndex, SupportsWorkerStates
 from kvcore.index.errors import IndexUnavailable
 from offload_agent.agent_link import (AgentLinkError, create_pull_area, decode_header, encode_frame, header_length,
                                       pull_area_path)
-from offload_agent.peer.client import PeerClient
+from offload_agent.peer.client import ERR_CONNECTION, ERR_DEADLINE, PeerClient
 from offload_agent.peer.server import BlockSource, PeerServer
 from offload_agent.tiers.keys import KEY_BYTES
 from offload_agent.tiers.shm_slab import ROW_BYTES, ShmSlab
@@ -67,9 +74,77 @@ MAX_PULL_KEYS = 1 << 16
 PROGRESS_EVERY_BYTES = 1 << 20  # a streamed pull's progress frame at most this often (and per block)
 MAX_SHARDS = 1 << 10  # most ranks of one parallel dimension a hello may name
 PEERS_TTL_S = 1.0
+BREAKER_FIRST_S = 1.0   # a peer whose pull failed is skipped this long, doubling per failure in a row
+BREAKER_MAX_S = 30.0    # ... up to this
+BREAKER_KINDS = frozenset({ERR_CONNECTION, ERR_DEADLINE})  # a peer unreachable or not answering
 STOP_WAIT_S = 1.0  # how long a stop waits for the connector's requests in progress
 _ROW = np.dtype([("key", "V16"), ("seq", "<u8"), ("pad", "<u8")])  # a slot table row (shm_slab)
 _ZERO_KEY = bytes(KEY_BYTES)
+
+
+class PeerBreaker:
+    """Remembers pulls that failed per peer (a circuit breaker), so that after a peer dies or stops
+    answering, later pulls from it do not each wait out their deadline: after a failed pull (no
+    block came and the peer could not be reached or did not answer in time: ``connection``,
+    ``deadline``) the peer is skipped for a back-off that starts at ``first_s`` and doubles with
+    each failure in a row up to ``max_s``; the first pull after it is tried (one at a time: others
+    keep being skipped while it runs); a pull that brings blocks, or ends for a reason that shows
+    the peer alive (``miss``, ``busy``, ``refused``; ``checksum``, ``protocol``, ``source`` and
+    ``auth`` too: a bad transfer or a set-up fault, which waiting out a back-off does not mend),
+    closes it.
+    A peer that moves to another address starts afresh. Times from ``clock`` (monotonic)."""
+
+    def __init__(self, first_s: float | None = None, max_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.first_s = BREAKER_FIRST_S if first_s is None else first_s
+        self.max_s = BREAKER_MAX_S if max_s is None else max_s
+        self.clock = clock
+        self._peers: dict[str, dict[str, Any]] = {}  # peer -> addr, failures, open_until, trying
+
+    def allow(self, peer: str, addr: str) -> float | None:
+        """None when a pull from ``peer`` at ``addr`` may go now (then :meth:`record` must follow),
+        else the seconds it is still skipped for."""
+        st = self._peers.get(peer)
+        if st is None or st["addr"] != addr:
+            self._peers.pop(peer, None)
+            return None
+        now = self.clock()
+        if st["trying"] or now < st["open_until"]:
+            return max(0.0, st["open_until"] - now) if not st["trying"] else 0.0
+        st["trying"] = True  # the retry after the back-off: one pull at a time
+        return None
+
+    def record(self, peer: str, addr: str, blocks: int, error_kind: str | None) -> bool:
+        """Note how a pull ended; True when it opened (or kept open) the breaker."""
+        if blocks or error_kind not in BREAKER_KINDS:
+            self._peers.pop(peer, None)
+            return False
+        st = self._peers.get(peer)
+        if st is None or st["addr"] != addr:
+            st = self._peers[peer] = {"addr": addr, "failures": 0, "open_until": 0.0, "trying": False}
+        st["failures"] += 1
+        st["trying"] = False
+        st["open_until"] = self.clock() + min(self.max_s, self.first_s * 2 ** (st["failures"] - 1))
+        return True
+
+    def abandon(self, peer: str) -> None:
+        """A pull :meth:`allow` let go ended without a verdict (the connector left): let the next try."""
+        st = self._peers.get(peer)
+        if st is not None:
+            st["trying"] = False
+
+    def is_open(self, peer: str) -> bool:
+        """Whether ``peer`` is being skipped now (a locate does not offer it)."""
+        st = self._peers.get(peer)
+        return st is not None and (st["trying"] or self.clock() < st["open_until"])
+
+    def state(self) -> dict[str, dict[str, Any]]:
+        """Per peer with failures in a row: ``addr``, ``failures``, ``open_s`` (seconds it is still
+        skipped for, 0 once a retry may go), ``trying`` (a retry is running)."""
+        now = self.clock()
+        return {peer: {"addr": st["addr"], "failures": st["failures"],
+                       "open_s": round(max(0.0, st["open_until"] - now), 3), "trying": st["trying"]}
+                for peer, st in self._peers.items()}
 
 
 class SlabSource:
@@ -270,7 +345,8 @@ class TierService:
         self.client = PeerClient(secret=secret)
         self._pulled_from: set[str] = set()
         self.counters = {"hellos": 0, "locates": 0, "located_blocks": 0, "pulls": 0, "pulled_blocks": 0,
-                         "failed_pulls": 0, "pulled_bytes": 0}
+                         "failed_pulls": 0, "pulled_bytes": 0, "breaker_opens": 0, "breaker_skips": 0}
+        self.breaker = PeerBreaker()
         self._server: asyncio.AbstractServer | None = None
         self._links: dict[asyncio.StreamWriter, asyncio.Task] = {}  # the connector's connections
         self._peers: dict[str, dict[str, Any]] = {}
@@ -373,7 +449,7 @@ class TierService:
                      "link_bytes_per_s": round(bytes_per_s, 1) if bytes_per_s else None,
                      "pull_overhead_ms": round(overhead_ms, 3) if overhead_ms is not None else None,
                      "pulls": self.counters["pulls"], "pulled_blocks": self.counters["pulled_blocks"],
-                     "failed_pulls": self.counters["failed_pulls"],
+                     "failed_pulls": self.counters["failed_pulls"], "breakers": self.breaker.state(),
                      "served": self.peer_server.stats() if self.peer_server else None},
         }
 
@@ -525,6 +601,8 @@ class TierService:
             return {"ok": True, "peer": None, "blocks": 0}
         best, best_total = None, first
         for wid in sorted(peers):
+            if self.breaker.is_open(wid):  # its pulls fail lately: do not send the request waiting for it
+                continue
             total = matches[wid].total if wid in matches else 0
             if total > best_total:
                 best, best_total = wid, total
@@ -553,6 +631,14 @@ class TierService:
         if peer not in peers:
             self.counters["failed_pulls"] += 1
             return {"ok": True, "blocks": 0, "error": f"peer {peer!r} does not serve this layout"}, b""
+        addr = peers[peer]["serve"]
+        skipped_s = self.breaker.allow(peer, addr)
+        if skipped_s is not None:  # failed lately: answered at once instead of waiting out the deadline again
+            self.counters["breaker_skips"] += 1
+            self.counters["failed_pulls"] += 1
+            st = self.breaker.state().get(peer, {})
+            return {"ok": True, "blocks": 0, "error": f"breaker: peer {peer!r} skipped for {skipped_s:.1f} s more "
+                    f"after {st.get('failures', 0)} failed pulls in a row"}, b""
         bb = shard.shm.block_bytes
         room = shard.pull_area.nbytes // bb
         short = f"room: the pull area holds {room} blocks of {len(keys)}" if len(keys) > room else None
@@ -572,13 +658,22 @@ class TierService:
         loop = asyncio.get_running_loop()
         end = loop.time() + deadline_s
         async with shard.pull_lock:  # one pull at a time writes a shard's pull area
-            self._pulled_from.add(peers[peer]["serve"])
+            self._pulled_from.add(addr)
             try:
-                result = await self.client.pull(peers[peer]["serve"], shard.shm.fingerprint_digest, bb, keys,
+                result = await self.client.pull(addr, shard.shm.fingerprint_digest, bb, keys,
                                                 max(0.0, end - loop.time()), on_block, into=shard.pull_area)
             except _LinkGone:
                 log.info("connector link dropped during a pull from %s", peer)
+                self.breaker.abandon(peer)
                 return None, None
+            except BaseException:
+                self.breaker.abandon(peer)
+                raise
+        if self.breaker.record(peer, addr, result.blocks, result.kind):
+            self.counters["breaker_opens"] += 1
+            st = self.breaker.state()[peer]
+            log.warning("peer %s (%s): pull failed (%s); skipping it for %.1f s (%d failures in a row)", peer, addr,
+                        result.error, st["open_s"], st["failures"])
         self.counters["pulls"] += 1
         self.counters["pulled_blocks"] += result.blocks
         self.counters["pulled_bytes"] += result.blocks * bb

@@ -604,3 +604,147 @@ def test_a_pull_area_that_cannot_be_made_turns_peer_pull_off_for_its_shard(tmp_p
         finally:
             await svc.stop()
     asyncio.run(main())
+
+
+class Gate:
+    """A real listening socket in front of a peer's server: while ``answering`` it relays each
+    connection to the peer; while not (a peer that died behind a socket the kernel still accepts
+    on, or hung) it takes connections and never answers. Counts the connections it took."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target, self.answering, self.connections = target, True, 0
+        self._held: list[asyncio.StreamWriter] = []
+        self._server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> str:
+        self._server = await asyncio.start_server(self._conn, "127.0.0.1", 0)
+        host, port = self._server.sockets[0].getsockname()[:2]
+        return f"{host}:{port}"
+
+    async def _conn(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        if not self.answering:
+            self._held.append(writer)       # silent until the test ends
+            return
+        up_r, up_w = await asyncio.open_connection(*self.target)
+
+        async def relay(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(1 << 16):
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, OSError):
+                pass
+            finally:
+                dst.close()
+        await asyncio.gather(relay(reader, up_w), relay(up_r, writer))
+
+    async def close(self) -> None:
+        for w in self._held:
+            w.close()
+        self._server.close()
+
+
+async def until(cond, timeout_s: float = 30.0) -> None:
+    end = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < end, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+def test_a_peer_that_stops_answering_is_skipped_for_a_growing_back_off_then_retried(tmp_path: Path,
+                                                                                    monkeypatch) -> None:
+    """After a pull from a peer that stopped answering waited out its deadline, the next pulls from
+    it are answered at once (the breaker: no connection is even tried) until the back-off ends; the
+    pull after it is tried again, a second failure doubles the back-off, and a pull that brings
+    blocks closes the breaker. A locate does not offer a peer being skipped."""
+    monkeypatch.setattr(tier_service, "PEERS_TTL_S", 0.0)
+    monkeypatch.setattr(tier_service, "BREAKER_FIRST_S", 60.0, raising=False)   # open for the whole first part
+    deadline_ms = 2000
+    keys = [bytes([i + 1]) * 16 for i in range(4)]
+
+    async def main():
+        server = PeerServer(HeldSource(keys))
+        gate = Gate(await server.start())
+        addr = await gate.start()
+        svc = TierService("b", "tiny", BS, tmp_path / "b.sock", tmp_path / "b.shm", 64 * BLOCK_BYTES,
+                          PeerIndex(addr), peer_pull_max_bytes=PULL_BYTES)
+        svc.client.connect_timeout_s = 30.0         # the handshake waits for the whole deadline
+        await svc.start()
+        link = AgentLink(str(tmp_path / "b.sock"), timeout_s=30)
+        tokens = list(range(100, 100 + 4 * BS))
+        svc.index.store_sync("p", "cpu", block_keys(tokens, BS, "tiny"))   # the peer holds the prompt
+
+        def locate() -> dict:
+            return link.call({"op": "locate", "start_block": 0, "max_blocks": 4, "cache_salt": None},
+                             memoryview(array.array("I", tokens)).cast("B"))
+
+        async def pull():
+            t0 = time.monotonic()
+            got = await asyncio.to_thread(link.pull, "p", keys, FP.digest(), deadline_ms)
+            return got, time.monotonic() - t0
+
+        try:
+            assert (await asyncio.to_thread(hello, link))["ok"]
+            assert await asyncio.to_thread(locate) == {"ok": True, "peer": "p", "blocks": 4}
+            got, _ = await pull()
+            assert (got.blocks, got.error) == (4, None)
+            gate.answering = False
+            await svc.client.close()                # the kept connection goes: the next pull connects again
+            got, waited = await pull()              # the first pull from the dead peer waits its deadline
+            assert got.blocks == 0 and got.error.startswith("deadline") and waited >= deadline_ms / 1000 * 0.9
+            tried = gate.connections
+            for _ in range(5):                      # skipped: answered at once, no connection tried
+                got, took = await pull()
+                assert took < deadline_ms / 1000 / 2 and got.blocks == 0
+                assert got.error.startswith("breaker: peer 'p' skipped for ")
+            assert gate.connections == tried
+            st = svc.breaker.state()["p"]
+            assert st["failures"] == 1 and st["addr"] == addr and not st["trying"] and st["open_s"] > 20
+            assert svc.counters["breaker_opens"] == 1 and svc.counters["breaker_skips"] == 5
+            assert svc.counters["failed_pulls"] == 1 + 5
+            assert svc.state()["peer"]["breakers"]["p"]["failures"] == 1
+            assert await asyncio.to_thread(locate) == {"ok": True, "peer": None, "blocks": 0}   # not offered
+
+            skew = [0.0]                            # the back-off ends (its clock moved past it) ...
+            svc.breaker.clock = lambda: time.monotonic() + skew[0]
+            svc.breaker.first_s, svc.breaker.max_s = 0.25, 0.5
+            skew[0] = 61.0
+            assert svc.breaker.state()["p"]["open_s"] == 0
+            got, waited = await pull()              # ... so the next pull is tried again, and fails again
+            assert got.error.startswith("deadline") and gate.connections == tried + 1
+            st = svc.breaker.state()["p"]
+            assert st["failures"] == 2 and 0 < st["open_s"] <= 0.5   # doubled (0.25 x 2), here capped at 0.5
+            assert svc.counters["breaker_opens"] == 2
+
+            gate.answering = True                   # the peer is back: after the back-off a pull brings it all
+            await until(lambda: svc.breaker.state()["p"]["open_s"] == 0)
+            await svc.client.close()
+            got, _ = await pull()
+            assert (got.blocks, got.error) == (4, None)
+            assert svc.breaker.state() == {} and svc.counters["breaker_skips"] == 5
+            assert await asyncio.to_thread(locate) == {"ok": True, "peer": "p", "blocks": 4}
+        finally:
+            link.close()
+            await svc.stop()
+            await gate.close()
+            await server.close()
+    asyncio.run(main())
+
+
+def test_the_breaker_counts_only_failures_that_blame_the_peer() -> None:
+    now = [100.0]
+    b = tier_service.PeerBreaker(first_s=1.0, max_s=4.0, clock=lambda: now[0])
+    assert b.allow("p", "h:1") is None
+    for kind in ("miss", "busy", "refused", "checksum", "protocol", "auth", "source", None):   # alive: not remembered
+        assert not b.record("p", "h:1", 0, kind) and b.state() == {}
+    assert not b.record("p", "h:1", 3, "deadline")      # blocks came: alive
+    opens = [b.record("p", "h:1", 0, "connection") for _ in range(4)]
+    assert opens == [True] * 4 and b.state()["p"]["open_s"] == 4.0   # 1, 2, 4, 4 (capped)
+    assert b.allow("p", "h:1") == 4.0 and b.is_open("p")
+    now[0] += 4.0
+    assert b.allow("p", "h:1") is None                   # the retry goes, one at a time
+    assert b.allow("p", "h:1") == 0.0 and b.is_open("p")
+    b.abandon("p")
+    assert b.allow("p", "h:1") is None
+    assert b.allow("p", "h:2") is None and b.state() == {}   # moved: starts afresh

@@ -865,7 +865,7 @@ class _AgentPuller:
             got = self.link.pull(peer, part, self.digest, left_ms, into[done * bb:(done + len(part)) * bb])
             done += got.blocks
             if got.blocks < len(part):
-                if not wait:
+                if not wait or _no_retry(got.error):
                     return done, got.error
                 if time.monotonic() + pause >= give_up:
                     return done, f"{got.error}{_tries(retries)}"
@@ -877,6 +877,14 @@ class _AgentPuller:
         if retries:
             logger.info("kvroute tiers: pull from %s: all %d blocks after %d retries", peer, len(keys), retries)
         return done, None
+
+
+def _no_retry(error: str | None) -> bool:
+    """Whether a P/D pull that fell short with ``error`` must not ask again before its deadline: its
+    agent skips the peer after pulls that found it unreachable or silent (``breaker: ...``,
+    answered at once; asking again would spin until the deadline). Anything else (blocks not
+    saved yet, a transfer corrupted on the wire, a first connection failure) is asked again."""
+    return (error or "").split(":", 1)[0] == "breaker"
 
 
 def _tries(retries: int) -> str:

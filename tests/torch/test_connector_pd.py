@@ -257,3 +257,39 @@ def test_a_waiting_pull_gives_up_at_its_deadline_and_a_plain_one_at_once():
     link = LateLink(lambda k: k[0] <= 3)
     assert _puller(link, 200)("p0", keys, memoryview(bytearray(len(keys) * BB))) == (3, "miss: not held")
     assert len(link.calls) == 1
+
+
+@pytest.mark.parametrize("first", [None, "connection: connect to 10.0.0.9:7000: refused",
+                                   "deadline: handshake timed out at the pull's deadline"])
+def test_a_waiting_pull_stops_asking_a_peer_its_agent_skips(first):
+    """A P/D pull asks again while the peer lacks the blocks or a transfer failed, but once its
+    agent answers that it skips the peer (``breaker``: the peer stopped answering), it ends at once
+    instead of asking again until the deadline."""
+    breaker = "breaker: peer 'p0' skipped for 1.0 s more after 1 failed pulls in a row"
+
+    class DownLink(LateLink):
+        def pull(self, peer, keys, digest, deadline_ms, into):
+            self.calls.append(list(keys))
+            return LinkPull(0, first if first and len(self.calls) == 1 else breaker, None)
+
+    link = DownLink(lambda k: False)
+    keys = [bytes([i]) * 16 for i in range(1, 9)]
+    got, error = _puller(link, 5_000)("p0", keys, memoryview(bytearray(len(keys) * BB)), wait=True)
+    assert got == 0 and error.startswith(breaker)
+    assert len(link.calls) == (2 if first else 1)
+
+
+def test_a_waiting_pull_asks_again_after_a_corrupted_transfer():
+    keys = [bytes([i]) * 16 for i in range(1, 9)]
+
+    class CorruptOnce(LateLink):
+        def pull(self, peer, keys, digest, deadline_ms, into):
+            if not self.calls:
+                self.calls.append(list(keys))
+                return LinkPull(2, "checksum: block 2 differs", None)
+            return super().pull(peer, keys, digest, deadline_ms, into)
+
+    link = CorruptOnce(lambda k: True)
+    into = bytearray(len(keys) * BB)
+    assert _puller(link, 5_000)("p0", keys, memoryview(into), wait=True) == (8, None)
+    assert link.calls[1] == keys[2:]
