@@ -200,7 +200,9 @@ def _agent_schemas() -> dict[str, Any]:
         "fingerprint": {"type": ["string", "null"], "description": "hex digest of the KV layout"},
         "link_bytes_per_s": opt_num, "pull_overhead_ms": opt_num,
         "pulls": {"type": "integer", "minimum": 0}, "pulled_blocks": {"type": "integer", "minimum": 0},
-        "failed_pulls": {"type": "integer", "minimum": 0}}}
+        "failed_pulls": {"type": "integer", "minimum": 0},
+        "skipping": {"type": "array", "items": {"type": "string"},
+                     "description": "peers its agent skips now after failed pulls (no credit from them)"}}}
     return {
         "IndexMatchRequest": {"anyOf": [
             {"type": "object", "required": ["keys"], "properties": {

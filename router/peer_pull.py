@@ -133,6 +133,21 @@ def _count(value: Any) -> int:
     return int(value) if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 
 
+def _skipping(breakers: Any) -> frozenset[str]:
+    """The peers an agent's published ``breakers`` (peer id -> ``open_s``, ``trying``, ...) say
+    it skips now; anything malformed counts as not skipped."""
+    if not isinstance(breakers, Mapping):
+        return frozenset()
+    out = set()
+    for peer, st in breakers.items():
+        if isinstance(peer, str) and isinstance(st, Mapping):
+            open_s = st.get("open_s")
+            if st.get("trying") is True or (isinstance(open_s, (int, float)) and not isinstance(open_s, bool)
+                                             and open_s > 0):
+                out.add(peer)
+    return frozenset(out)
+
+
 @dataclass(frozen=True)
 class PeerInfo:
     """One worker's peer-pull state as its agent last published it (module docstring).
@@ -142,7 +157,9 @@ class PeerInfo:
     of one block, None when not said; ``fingerprint``: hex digest of its KV layout (blocks move
     only between equal ones), None when not said; ``link_bytes_per_s`` and ``pull_overhead_ms``: measured
     over its recent pulls, None until measured; ``pulls``, ``pulled_blocks``, ``failed_pulls``:
-    its counters."""
+    its counters; ``skipping``: worker ids of the peers its agent skips now after failed pulls
+    (its breaker, ``peer.breakers`` entries with ``open_s`` > 0 or ``trying``): no credit from them
+    for this worker until the agent tries them again."""
 
     serve: str | None = None
     pull: bool = False
@@ -154,6 +171,7 @@ class PeerInfo:
     pulls: int = 0
     pulled_blocks: int = 0
     failed_pulls: int = 0
+    skipping: frozenset[str] = frozenset()
 
     @classmethod
     def from_state(cls, state: Any) -> PeerInfo | None:
@@ -175,7 +193,7 @@ class PeerInfo:
                    link_bytes_per_s=_positive(peer.get("link_bytes_per_s")),
                    pull_overhead_ms=_non_negative(peer.get("pull_overhead_ms")),
                    pulls=_count(peer.get("pulls")), pulled_blocks=_count(peer.get("pulled_blocks")),
-                   failed_pulls=_count(peer.get("failed_pulls")))
+                   failed_pulls=_count(peer.get("failed_pulls")), skipping=_skipping(peer.get("breakers")))
 
     def as_dict(self) -> dict[str, Any]:
         """For ``GET /admin/workers`` (the published shape)."""
@@ -183,7 +201,8 @@ class PeerInfo:
                 "block_size": self.block_size, "fingerprint": self.fingerprint,
                 "link_bytes_per_s": self.link_bytes_per_s,
                 "pull_overhead_ms": self.pull_overhead_ms, "pulls": self.pulls,
-                "pulled_blocks": self.pulled_blocks, "failed_pulls": self.failed_pulls}
+                "pulled_blocks": self.pulled_blocks, "failed_pulls": self.failed_pulls,
+                "skipping": sorted(self.skipping)}
 
 
 @dataclass(frozen=True)
@@ -230,7 +249,8 @@ def peer_blocks_by_worker(candidates: Iterable[tuple[str, TierMatch]], matches: 
     ``(prompt_tokens - 1) // block_size``; ``distrusted(worker id)``: True for a worker whose
     index entries the gateway does not credit (never a peer). The peer is the server with the
     longest match among those of the candidate's layout fingerprint (any, when the candidate's
-    agent publishes none), ties to the lower worker id. O(servers log servers) plus, per
+    agent publishes none) that the candidate's agent is not skipping (``PeerInfo.skipping``),
+    ties to the lower worker id. O(servers log servers) plus, per
     candidate, a scan that stops at the first server that fits (the first or second one when
     every agent has one layout)."""
     if creditable_blocks <= 0:
@@ -245,8 +265,8 @@ def peer_blocks_by_worker(candidates: Iterable[tuple[str, TierMatch]], matches: 
         info = peers.get(wid)
         if info is None or not info.pull:
             continue
-        best = next((s for s in servers if s[1] != wid and (info.fingerprint is None or s[2] == info.fingerprint)),
-                    None)
+        best = next((s for s in servers if s[1] != wid and s[1] not in info.skipping
+                     and (info.fingerprint is None or s[2] == info.fingerprint)), None)
         if best is None:
             continue
         n = min(best[0], creditable_blocks) - own.total

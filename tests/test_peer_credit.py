@@ -82,7 +82,14 @@ def test_pricing_sources_measured_prior_config_unknown():
 
 def test_peer_info_reads_the_published_state_and_ignores_bad_fields():
     info = PeerInfo.from_state({"worker": "w", "gaps": 0, "peer": {**FAST, "served": {"requests": 3}}})
-    assert info.as_dict() == FAST
+    assert info.as_dict() == {**FAST, "skipping": []}
+    # the agent's breaker (offload_agent.tier_service.PeerBreaker.state): skipped while open or trying
+    broken = PeerInfo.from_state({"peer": {**FAST, "breakers": {
+        "v": {"addr": "a:1", "failures": 2, "open_s": 1.5, "trying": False},
+        "u": {"addr": "b:1", "failures": 1, "open_s": 0.0, "trying": True},
+        "x": {"addr": "c:1", "failures": 3, "open_s": 0.0, "trying": False},  # its retry may go
+        "y": {"open_s": True}, 7: {"open_s": 9}, "z": "open"}}})
+    assert broken.skipping == {"v", "u"} and broken.as_dict()["skipping"] == ["u", "v"]
     assert PeerInfo.from_state({"worker": "w"}) is None  # an agent without peer pull
     assert PeerInfo.from_state({"peer": "yes"}) is None
     assert PeerInfo.from_state(None) is None
@@ -113,6 +120,10 @@ def test_peer_blocks_are_the_best_other_servers_run_beyond_ones_own():
           "w": PeerInfo(pull=True, fingerprint="f2"), "x": PeerInfo(pull=True)}
     assert peer_blocks_by_worker(cands, matches, fp, 40) == {"w": (7, "u"), "x": (40, "v")}  # x: any layout
     # the best server's ties go to the lower worker id
+    # a server the puller's agent skips after failed pulls (its breaker) is no peer of that puller
+    # (the next best serves it), and still one of the others
+    skip = {**peers, "w": PeerInfo(pull=True, skipping=frozenset({"v"}))}
+    assert peer_blocks_by_worker(cands, matches, skip, 40) == {"w": (7, "u"), "u": (28, "v")}
     tie = {"b": TierMatch(gpu=9), "a": TierMatch(gpu=9)}
     assert peer_blocks_by_worker([("w", TierMatch())], tie, {"a": PeerInfo(serve="a:1"), "b": PeerInfo(serve="b:1"),
                                                             "w": PeerInfo(pull=True)}, 40) == {"w": (9, "a")}
@@ -337,6 +348,15 @@ async def test_router_puts_peer_blocks_on_candidates_and_explains_them(rig):
     plan = await router.plan("completion", body, [], orjson.dumps(body), explain=True)
     assert all("peer_blocks" not in c for c in plan.explain()["candidates"])
     registry.get("v").evidence.trusted = True
+    # the puller's agent skips v after failed pulls: no credit from it until the agent retries
+    peers.update({"v": {"peer": HOLDER}, "w": {"peer": {**FAST, "breakers": {
+        "v": {"addr": HOLDER["serve"], "failures": 1, "open_s": 0.8, "trying": False}}}}})
+    plan = await router.plan("completion", body, [], orjson.dumps(body), explain=True)
+    assert plan.decision.worker_id == "v" and all("peer_blocks" not in c for c in plan.explain()["candidates"])
+    peers.update({"v": {"peer": HOLDER}, "w": {"peer": {**FAST, "breakers": {
+        "v": {"addr": HOLDER["serve"], "failures": 1, "open_s": 0.0, "trying": False}}}}})
+    plan = await router.plan("completion", body, [], orjson.dumps(body), explain=True)
+    assert plan.decision.worker_id == "w" and plan.explain()["candidates"][0]["peer_blocks"] == 40
     peers.update({"v": {"peer": {**HOLDER, "serve": None}}, "w": {"peer": FAST}})
     plan = await router.plan("completion", body, [], orjson.dumps(body), explain=True)
     assert plan.decision.worker_id == "v" and all("peer_blocks" not in c for c in plan.explain()["candidates"])
@@ -395,7 +415,7 @@ def test_gateway_over_redis_credits_the_peer_and_explains_it(tmp_path_factory, t
                                                                                                    "measured")
         assert by["w0"]["predicted_ttft_ms"] == pytest.approx(25 + 0.1 * PROMPT)
         workers = {w["id"]: w for w in httpx.get(base + "/admin/workers", headers=AUTH, timeout=10).json()["workers"]}
-        assert workers["w1"]["peer"] == {**FAST, "serve": "127.0.0.1:7601"}
+        assert workers["w1"]["peer"] == {**FAST, "serve": "127.0.0.1:7601", "skipping": []}
         assert workers["w0"]["peer"]["link_bytes_per_s"] == 1e6
         metrics = httpx.get(base + "/metrics", timeout=10).text
         assert 'kvroute_worker_peer_link_bytes_per_second{worker="w1"} 1e+09' in metrics
