@@ -192,6 +192,48 @@ async def run(targets: dict[str, str], procs: dict[str, subprocess.Popen | None]
             print(f"  {t:<14} {rps:>8.0f} requests/s{note}")
 
 
+def start_sim(port: int, log: Path, *flags: str) -> subprocess.Popen:
+    """A ``kvroute sim`` of the tiny model on ``port`` with ``flags`` added, ready."""
+    proc = start([sys.executable, "-m", "kvroute", "sim", "--model", str(TINY), "--served-model-name", "tiny",
+                  "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "16384", *flags], log)
+    wait_ready(f"http://127.0.0.1:{port}/health", proc, log, 90)
+    return proc
+
+
+def start_gateway(cfg: dict, path: Path, processes: int = 1) -> subprocess.Popen:
+    """``kvroute serve`` of ``cfg`` (written to ``path``; its log beside it), ready."""
+    path.write_text(json.dumps(cfg))
+    argv = [sys.executable, "-m", "kvroute", "serve", "--config", str(path)]
+    log = path.with_suffix(".log")
+    proc = start(argv + (["--processes", str(processes)] if processes > 1 else []), log)
+    wait_ready(f"http://127.0.0.1:{cfg['listen']['port']}/health", proc, log, 90)
+    return proc
+
+
+def start_sglang(port: int, sim_url: str, log: Path) -> subprocess.Popen | None:
+    """sglang-router (round robin) in front of ``sim_url`` on ``port``, ready; None (said why)
+    when it is not installed or does not start (the process is then stopped)."""
+    if importlib.util.find_spec("sglang_router") is None:
+        print("sglang-router not installed (pip install sglang-router): left out")
+        return None
+    proc = start([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+                  "--worker-urls", sim_url, "--policy", "round_robin", "--log-level", "warn"], log)
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/health", proc, log, 60)
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"sglang-router did not start, left out: {exc}")
+        stop_groups([proc])
+        return None
+    return proc
+
+
+def gateway_config(port: int, sim_url: str, block_size: int) -> dict:
+    """One kv_aware gateway on ``port`` in front of the one sim worker."""
+    return {"listen": {"host": "127.0.0.1", "port": port},
+            "models": [{"name": "tiny", "tokenizer": str(TINY), "block_size": block_size}],
+            "workers": [{"id": "w0", "url": sim_url, "model": "tiny"}], "policy": {"name": "kv_aware"}}
+
+
 async def stream_rounds(targets: dict[str, str], procs: dict[str, subprocess.Popen], seconds: float,
                         rounds: int, fig: dict) -> None:
     """Streamed completions at concurrency 8 through each target for ``seconds`` per round, the
@@ -246,26 +288,15 @@ def stream_phase(args, fig: dict, tmp: Path) -> None:
     try:
         sim_port, gw_port, sg_port = free_ports(3)
         sim_url = f"http://127.0.0.1:{sim_port}"
-        procs.append(start([sys.executable, "-m", "kvroute", "sim", "--model", str(TINY), "--served-model-name",
-                            "tiny", "--host", "127.0.0.1", "--port", str(sim_port), "--block-size", "16",
-                            "--max-model-len", "16384", "--timing-preset", "gpu"], tmp / "sim-rt.log"))
-        wait_ready(sim_url + "/health", procs[-1], tmp / "sim-rt.log", 90)
-        cfg = {"listen": {"host": "127.0.0.1", "port": gw_port},
-               "models": [{"name": "tiny", "tokenizer": str(TINY), "block_size": 16}],
-               "workers": [{"id": "w0", "url": sim_url, "model": "tiny"}], "policy": {"name": "kv_aware"}}
-        (tmp / "gateway-rt.yaml").write_text(json.dumps(cfg))
-        procs.append(start([sys.executable, "-m", "kvroute", "serve", "--config", str(tmp / "gateway-rt.yaml")],
-                           tmp / "gateway-rt.log"))
-        wait_ready(f"http://127.0.0.1:{gw_port}/health", procs[-1], tmp / "gateway-rt.log", 90)
+        procs.append(start_sim(sim_port, tmp / "sim-rt.log", "--block-size", "16", "--timing-preset", "gpu"))
+        procs.append(start_gateway(gateway_config(gw_port, sim_url, 16), tmp / "gateway-rt.yaml"))
         targets = {"kvroute": f"http://127.0.0.1:{gw_port}"}
         target_procs = {"kvroute": procs[-1]}
-        if importlib.util.find_spec("sglang_router") is not None:
-            procs.append(start([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                                "--port", str(sg_port), "--worker-urls", sim_url, "--policy", "round_robin",
-                                "--log-level", "warn"], tmp / "sglang-rt.log"))
-            wait_ready(f"http://127.0.0.1:{sg_port}/health", procs[-1], tmp / "sglang-rt.log", 60)
+        sglang = start_sglang(sg_port, sim_url, tmp / "sglang-rt.log")
+        if sglang is not None:
+            procs.append(sglang)
             targets["sglang-router"] = f"http://127.0.0.1:{sg_port}"
-            target_procs["sglang-router"] = procs[-1]
+            target_procs["sglang-router"] = sglang
         asyncio.run(stream_rounds(targets, target_procs, args.stream_seconds, args.rounds, fig))
     finally:
         stop_groups(procs)
@@ -294,40 +325,22 @@ def main() -> int:
     try:
         sim_port, gw_port, sg_port, *more_ports = free_ports(3 + len(counts))
         sim_url = f"http://127.0.0.1:{sim_port}"
-        procs.append(start([sys.executable, "-m", "kvroute", "sim", "--model", str(TINY), "--served-model-name",
-                            "tiny", "--host", "127.0.0.1", "--port", str(sim_port), "--block-size", "32",
-                            "--max-model-len", "16384", "--num-gpu-blocks-override", "4096",
-                            "--enable-prompt-tokens-details", "--speedup", str(args.speedup)], tmp / "sim.log"))
-        wait_ready(sim_url + "/health", procs[-1], tmp / "sim.log", 90)
-        cfg = {"listen": {"host": "127.0.0.1", "port": gw_port},
-               "models": [{"name": "tiny", "tokenizer": str(TINY), "block_size": 32}],
-               "workers": [{"id": "w0", "url": sim_url, "model": "tiny"}], "policy": {"name": "kv_aware"}}
-        (tmp / "gateway.yaml").write_text(json.dumps(cfg))
-        procs.append(start([sys.executable, "-m", "kvroute", "serve", "--config", str(tmp / "gateway.yaml")],
-                           tmp / "gateway.log"))
-        wait_ready(f"http://127.0.0.1:{gw_port}/health", procs[-1], tmp / "gateway.log", 90)
+        procs.append(start_sim(sim_port, tmp / "sim.log", "--block-size", "32", "--num-gpu-blocks-override", "4096",
+                               "--enable-prompt-tokens-details", "--speedup", str(args.speedup)))
+        cfg = gateway_config(gw_port, sim_url, 32)
+        procs.append(start_gateway(cfg, tmp / "gateway.yaml"))
         targets = {"direct": sim_url, "kvroute": f"http://127.0.0.1:{gw_port}"}
         target_procs: dict[str, subprocess.Popen | None] = {"direct": None, "kvroute": procs[-1]}
         for n, port in zip([c for c in counts if c > 1], more_ports):
-            path = tmp / f"gateway-x{n}.yaml"
-            path.write_text(json.dumps({**cfg, "listen": {"host": "127.0.0.1", "port": port}}))
-            procs.append(start([sys.executable, "-m", "kvroute", "serve", "--config", str(path), "--processes", str(n)],
-                               tmp / f"gateway-x{n}.log"))
-            wait_ready(f"http://127.0.0.1:{port}/health", procs[-1], tmp / f"gateway-x{n}.log", 90)
+            procs.append(start_gateway({**cfg, "listen": {"host": "127.0.0.1", "port": port}},
+                                       tmp / f"gateway-x{n}.yaml", processes=n))
             targets[f"kvroute x{n}"] = f"http://127.0.0.1:{port}"
             target_procs[f"kvroute x{n}"] = procs[-1]
-        if importlib.util.find_spec("sglang_router") is not None:
-            procs.append(start([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                                "--port", str(sg_port), "--worker-urls", sim_url, "--policy", "round_robin",
-                                "--log-level", "warn"], tmp / "sglang.log"))
-            try:
-                wait_ready(f"http://127.0.0.1:{sg_port}/health", procs[-1], tmp / "sglang.log", 60)
-                targets["sglang-router"] = f"http://127.0.0.1:{sg_port}"
-                target_procs["sglang-router"] = procs[-1]
-            except (RuntimeError, TimeoutError) as exc:
-                print(f"sglang-router did not start, left out: {exc}")
-        else:
-            print("sglang-router not installed (pip install sglang-router): left out")
+        sglang = start_sglang(sg_port, sim_url, tmp / "sglang.log")
+        if sglang is not None:
+            procs.append(sglang)
+            targets["sglang-router"] = f"http://127.0.0.1:{sg_port}"
+            target_procs["sglang-router"] = sglang
         print(f"machine: {os.cpu_count()} CPUs; one sim worker (--speedup {args.speedup:g}); logs in {tmp}")
         asyncio.run(run(targets, target_procs, args, fig))
     finally:

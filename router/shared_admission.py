@@ -48,7 +48,6 @@ from __future__ import annotations
 import asyncio
 import fcntl
 import math
-import mmap
 import os
 import struct
 import time
@@ -61,6 +60,7 @@ from pathlib import Path
 from router.admission import _SERVICE_EWMA_ALPHA, Admission, overloaded
 from router.config import AdmissionConfig
 from router.metrics import GatewayMetrics
+from router.shared_file import create_zeroed, map_whole
 
 HEADER_BYTES = 64
 ROW_BYTES = 32
@@ -80,9 +80,7 @@ def create_table(path: Path, processes: int) -> Path:
     ValueError when ``processes`` < 1, OSError when the file cannot be made."""
     if processes < 1:
         raise ValueError("processes must be >= 1")
-    with open(path, "wb") as f:
-        f.truncate(table_bytes(processes))
-    return path
+    return create_zeroed(path, table_bytes(processes))
 
 
 def life_path(path: Path, row: int) -> Path:
@@ -117,12 +115,7 @@ class AdmissionTable:
         self.path = Path(path)
         self.processes = processes
         self.row = row
-        self._fd = os.open(self.path, os.O_RDWR)
-        size = os.fstat(self._fd).st_size
-        if size != table_bytes(processes):
-            os.close(self._fd)
-            raise ValueError(f"{self.path} has {size} bytes, not the {table_bytes(processes)} of {processes} rows")
-        self._mm = mmap.mmap(self._fd, size)
+        self._fd, self._mm = map_whole(self.path, table_bytes(processes), f"{processes} rows")
         self._life_fds: dict[int, int] = {}  # other rows' life files, opened on first check
         self._own_life = os.open(life_path(self.path, row), os.O_RDWR | os.O_CREAT, 0o600)
         end = time.monotonic() + LIFE_WAIT_S

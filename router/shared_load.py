@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import fcntl
 import math
-import mmap
 import os
 import struct
 import time
@@ -47,6 +46,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from router.shared_file import create_zeroed, map_whole
 
 MAX_WORKERS = 4096
 SLOT_NAME_BYTES = 128
@@ -67,9 +68,7 @@ def create_table(path: Path, processes: int) -> Path:
     Raises ValueError when ``processes`` < 1, OSError when the file cannot be made."""
     if processes < 1:
         raise ValueError("processes must be >= 1")
-    with open(path, "wb") as f:
-        f.truncate(table_bytes(processes))
-    return path
+    return create_zeroed(path, table_bytes(processes))
 
 
 @dataclass(frozen=True)
@@ -97,12 +96,7 @@ class SharedLoadTable:
         self.path = Path(path)
         self.processes = processes
         self.row = row
-        self._fd = os.open(self.path, os.O_RDWR)
-        size = os.fstat(self._fd).st_size
-        if size != table_bytes(processes):
-            os.close(self._fd)
-            raise ValueError(f"{self.path} has {size} bytes, not the {table_bytes(processes)} of {processes} rows")
-        self._mm = mmap.mmap(self._fd, size)
+        self._fd, self._mm = map_whole(self.path, table_bytes(processes), f"{processes} rows")
         self._slots: dict[str, int] = {}
         self._fields_at = NAMES_BYTES + 8 * processes
         self.clear_row()

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import fcntl
 import math
-import mmap
 import os
 import struct
 import time
@@ -37,6 +36,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from router.shared_file import create_zeroed, map_whole
 from router.shared_load import MAX_WORKERS
 
 _PROBE = struct.Struct("<Qdd")            # seq, ok (1.0/0.0), at (monotonic s)
@@ -57,9 +57,7 @@ def table_bytes() -> int:
 def create_table(path: Path) -> Path:
     """Create (or truncate) the file at ``path``, zero-filled (every record unwritten). Raises
     OSError when it cannot be made."""
-    with open(path, "wb") as f:
-        f.truncate(table_bytes())
-    return path
+    return create_zeroed(path, table_bytes())
 
 
 def stale_after_s(interval_s: float, timeout_s: float) -> float:
@@ -105,12 +103,7 @@ class SharedProbeTable:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._fd = os.open(self.path, os.O_RDWR)
-        size = os.fstat(self._fd).st_size
-        if size != table_bytes():
-            os.close(self._fd)
-            raise ValueError(f"{self.path} has {size} bytes, not {table_bytes()}")
-        self._mm = mmap.mmap(self._fd, size)
+        self._fd, self._mm = map_whole(self.path, table_bytes(), f"{MAX_WORKERS} workers' records")
 
     def close(self) -> None:
         self._mm.close()
