@@ -81,6 +81,9 @@ async def prefill_leg(gw: Gateway, send, state: ClientState, method: str, path: 
                 resp = await gw.upstream.http.request(method, reg.url + path, leg_headers, payload)
                 answer = await resp.read()
         except TimeoutError:  # a connect timeout too (as aiohttp's ConnectionTimeoutError was)
+            # the leg's connection is closed; its transport lets the worker know on the loop's next
+            # turn: let it, so the worker sees the cancel before the decode leg goes out
+            await asyncio.sleep(0)
             return _failed(request_id, reg.id, f"no answer in {timeout_s:g} s")
         except UpstreamConnectError as exc:
             health = gw.upstream.health
