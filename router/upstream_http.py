@@ -447,7 +447,7 @@ class _Pool:
 
     def put(self, conn: _Conn) -> None:
         idle = self.idle
-        if len(idle) >= self.client.max_idle_per_host:
+        if len(idle) >= self.client.max_idle_per_host or self.client._closed:
             conn.close()
             return
         conn.idle_since = self.client.loop_time()
