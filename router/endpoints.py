@@ -21,6 +21,7 @@ from router.errors import GatewayError, bad_request, body_too_large, upstream_fa
 from router.pd import DECODE_POLICY, decode_body, prefill_policy
 from router.pd_relay import PrefillResult, prefill_leg
 from router.proxy import ClientState, upstream_headers
+from router.upstream_http import UpstreamError
 from router.registry import InFlight
 from router.stream_usage import request_stream_usage
 from router.tokenize import AGENT_KINDS
@@ -340,7 +341,7 @@ class ProxyEndpoint:
                 # makes the server close the connection, so the client sees a truncated response
                 log.warning("request %s: response from %s broken: %r", request_id, ranked[0].id, exc)
                 return
-            if isinstance(exc, aiohttp.ClientError):
+            if isinstance(exc, (aiohttp.ClientError, UpstreamError)):
                 err = upstream_failed(ranked[0].id, f"{type(exc).__name__}: {exc}")
             else:
                 log.exception("request %s failed", request_id)

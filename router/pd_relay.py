@@ -27,12 +27,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
-
 from router.pd import prefill_body, transfer_params
 from router.proxy import ClientState, client_headers, for_rank, upstream_headers
 from router.registry import InFlight
 from router.stream_usage import cached_tokens_of_body
+from router.upstream_http import UpstreamConnectError, UpstreamError, UpstreamResponse
 
 if TYPE_CHECKING:
     from router.gateway import Gateway
@@ -73,21 +72,24 @@ async def prefill_leg(gw: Gateway, send, state: ClientState, method: str, path: 
     handle = reg.begin(pplan.uncached_tokens(reg.id), pplan.predicted_ttft_ms(reg.id))
     if on_begin is not None:
         on_begin()
-    resp: aiohttp.ClientResponse | None = None
+    resp: UpstreamResponse | None = None
     done = False
     try:
         try:
             async with asyncio.timeout(timeout_s):
                 leg_headers = for_rank(upstream_headers(headers, f"{request_id}-prefill"), reg)
-                resp = await gw.upstream.session.request(method, reg.url + path, data=payload, headers=leg_headers)
+                resp = await gw.upstream.http.request(method, reg.url + path, leg_headers, payload)
                 answer = await resp.read()
-        except aiohttp.ClientConnectorError as exc:
+        except TimeoutError:  # a connect timeout too (as aiohttp's ConnectionTimeoutError was)
+            # the leg's connection is closed; its transport lets the worker know on the loop's next
+            # turn: let it, so the worker sees the cancel before the decode leg goes out
+            await asyncio.sleep(0)
+            return _failed(request_id, reg.id, f"no answer in {timeout_s:g} s")
+        except UpstreamConnectError as exc:
             health = gw.upstream.health
             reg.record_probe(False, health.fail_threshold, health.rise_threshold, str(exc))
             return _failed(request_id, reg.id, f"{type(exc).__name__}: {exc}")
-        except TimeoutError:
-            return _failed(request_id, reg.id, f"no answer in {timeout_s:g} s")
-        except aiohttp.ClientError as exc:
+        except UpstreamError as exc:
             return _failed(request_id, reg.id, f"{type(exc).__name__}: {exc}")
         done = True
         handle.first_byte()

@@ -1,15 +1,20 @@
-"""The upstream client: one pooled ``aiohttp.ClientSession`` and the relay of one request.
+"""The upstream clients and the relay of one request: routed requests go through the lean
+HTTP/1.1 client of :mod:`router.upstream_http` (``Upstream.http``); the pooled
+``aiohttp.ClientSession`` (``Upstream.session``) serves everything else (probes, scrapes,
+``/v1/models``, render, siblings).
 
 What reaches the worker: the client's body bytes unchanged (except the streaming usage option,
 see :mod:`router.stream_usage`), every client header but hop-by-hop ones, ``Host``,
-``Content-Length`` (recomputed) and ``Accept-Encoding`` (we ask for ``identity`` so a copy of the
-body can be read); ``x-request-id`` is the client's or a new one.
+``Content-Length`` (recomputed), ``Accept: */*`` when the client sent none, and
+``Accept-Encoding`` (we ask for ``identity`` so a copy of the body can be read); ``x-request-id``
+is the client's or a new one (what aiohttp sent; :mod:`router.upstream_http`).
 
 What reaches the client: the worker's status, headers (minus hop-by-hop, a stale
 ``Content-Length`` and ``Access-Control-*``, which the gateway's own CORS policy sets; ``Content-Encoding`` is kept because the body is passed raw) plus
 ``x-kvroute-worker`` and ``x-request-id``; the body as it arrives (``iter_any``: each read is
 forwarded at once, never re-chunked). A connect failure before any byte reached the client is
-retried once on the next-best worker. Cancelling the relay (the client went away) closes the
+retried once on the next-best worker (a pooled connection the worker closed as the request went
+out is first retried once on a new connection to the same worker). Cancelling the relay (the client went away) closes the
 upstream connection, which makes vLLM abort the request; in-flight counts are released in every
 path.
 """
@@ -28,6 +33,8 @@ from router.errors import GatewayError, upstream_failed, upstream_timeout
 from router.metrics import GatewayMetrics
 from router.registry import InFlight, WorkerRegistration
 from router.stream_usage import UsageStrip, UsageTap, cached_tokens_of_body
+from router.upstream_http import (UpstreamConnectError, UpstreamDisconnected, UpstreamError, UpstreamHTTP,
+                                  UpstreamPayloadError, UpstreamResponse)
 from router import tracing
 
 log = logging.getLogger("kvroute.proxy")
@@ -129,13 +136,21 @@ class Upstream:
         self.health = health
         self.metrics = metrics
         self._session: aiohttp.ClientSession | None = None
+        self._http: UpstreamHTTP | None = None
 
     @property
     def session(self) -> aiohttp.ClientSession:
-        """The shared session (also used by health probes). Raises RuntimeError before start()."""
+        """The aiohttp session (health probes, scrapes, model lists, render). Raises RuntimeError before start()."""
         if self._session is None:
             raise RuntimeError("Upstream.start() not called")
         return self._session
+
+    @property
+    def http(self) -> UpstreamHTTP:
+        """The relay's client (:mod:`router.upstream_http`). Raises RuntimeError before start()."""
+        if self._http is None:
+            raise RuntimeError("Upstream.start() not called")
+        return self._http
 
     async def start(self) -> None:
         """Open the pooled session (unbounded pool, keep-alive, raw bodies)."""
@@ -148,8 +163,14 @@ class Upstream:
         self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, auto_decompress=False,
                                               cookie_jar=aiohttp.DummyCookieJar(),
                                               skip_auto_headers=("User-Agent", "Content-Type"))
+        # the relay's: the same timeouts, keep-alive and unbounded pool, the same default TLS context
+        self._http = UpstreamHTTP(connect_timeout_s=self.timeouts.connect_s, total_s=self.timeouts.total_s,
+                                  keepalive_s=4.0)
 
     async def close(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -228,27 +249,27 @@ class Upstream:
         """One attempt on ``reg`` (see :meth:`relay`); ``span``: the attempt's span (its HTTP
         status goes on it); ``trace_cached(n)``: puts the worker's cached tokens on the spans,
         called before the last byte reaches the client (the ASGI server span ends there)."""
-        session = self.session
+        http = self.http
         first_byte_s = self.timeouts.first_byte_s
-        resp: aiohttp.ClientResponse | None = None
+        resp: UpstreamResponse | None = None
         try:
             try:
                 with tracing.span("kvroute.ttfb"):
                     async with asyncio.timeout(first_byte_s) as deadline:
                         try:
-                            resp = await session.request(method, reg.url + path, data=body or None,
-                                                         headers=for_rank(headers, reg))
-                        except aiohttp.ClientConnectorError as exc:
-                            raise _Retryable(f"{type(exc).__name__}: {exc}", True) from None
-                        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+                            resp = await http.request(method, reg.url + path, for_rank(headers, reg), body)
+                        except UpstreamConnectError as exc:
+                            raise _Retryable("connect timeout" if isinstance(exc, TimeoutError)
+                                             else f"{type(exc).__name__}: {exc}", True) from None
+                        except UpstreamDisconnected as exc:
                             raise _Retryable(f"{type(exc).__name__}: {exc}", False) from None
                         stream = resp.content_type == "text/event-stream"
-                        first = await (resp.content.readany() if stream else resp.read())
+                        first = await (resp.readany() if stream else resp.read())
             except TimeoutError:
                 if deadline.expired():
                     raise upstream_timeout(reg.id, first_byte_s) from None
                 raise _Retryable("connect timeout", True) from None
-            except aiohttp.ClientError as exc:
+            except UpstreamError as exc:
                 raise upstream_failed(reg.id, f"{type(exc).__name__}: {exc}") from None
             status = resp.status
             tracing.set_http_status(span, status)
@@ -288,7 +309,7 @@ class Upstream:
             if resp is not None:
                 resp.close() if not state.response_done else resp.release()
 
-    async def _relay_stream(self, send, state: ClientState, resp: aiohttp.ClientResponse,
+    async def _relay_stream(self, send, state: ClientState, resp: UpstreamResponse,
                             reg: WorkerRegistration, handle: InFlight, first: bytes, request_id: str,
                             on_cached_tokens,
                             strip_usage: bool, trace_cached: Callable[[int], None] | None = None,
@@ -318,16 +339,16 @@ class Upstream:
                         after_first()
                         after_first = None
                     async with asyncio.timeout(idle_s):
-                        chunk = await resp.content.readany()
+                        chunk = await resp.readany()
                 rest = watcher.finish() if watcher is not None else b""
-            except (aiohttp.ClientError, TimeoutError) as exc:
+            except (UpstreamError, TimeoutError) as exc:
                 # the worker died or went silent mid-stream: end the stream cleanly, with an
                 # error event and [DONE] as vLLM ends a stream that fails (a truncated HTTP body
                 # would leave clients guessing)
                 timed_out = isinstance(exc, TimeoutError)
                 if timed_out:
                     detail = f"no data for {idle_s} s"
-                elif isinstance(exc, (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError)):
+                elif isinstance(exc, (UpstreamPayloadError, UpstreamDisconnected)):
                     detail = "the worker closed the stream before its end"
                 else:
                     detail = f"{type(exc).__name__}: {exc}"
