@@ -1,9 +1,9 @@
 """A lean HTTP/1.1 client for the relay to workers (:mod:`router.proxy`, :mod:`router.pd_relay`).
 
 An ``asyncio.Protocol`` per connection with an ``httptools.HttpResponseParser``; a keep-alive
-pool per (scheme, host, port). It costs a fraction of aiohttp's CPU per request (a streamed
-completion's 46 reads: ~0.8 ms less per request), which is the gateway's main cost. Everything
-else the gateway calls (probes, scrapes, ``/v1/models``, render, siblings) stays on aiohttp.
+pool per (scheme, host, port). It spends less CPU per request than aiohttp's client (figures in
+the README's scale-out section); everything else the gateway calls (probes, scrapes,
+``/v1/models``, render, siblings) stays on aiohttp.
 
 What the worker sees is what aiohttp sent for ``session.request(method, url, data=body or None,
 headers=headers)`` with the gateway's session (``skip_auto_headers=("User-Agent",
