@@ -21,12 +21,12 @@ from router.errors import GatewayError, bad_request, body_too_large, upstream_fa
 from router.pd import DECODE_POLICY, decode_body, prefill_policy
 from router.pd_relay import PrefillResult, prefill_leg
 from router.proxy import ClientState, upstream_headers
-from router.upstream_http import UpstreamError
 from router.registry import InFlight
 from router.stream_usage import request_stream_usage
 from router.tokenize import AGENT_KINDS
 from router.tracing import span as trace_span  # OpenTelemetry (router/tracing.py)
 from router.ttft_model import work_tokens
+from router.upstream_http import UpstreamError
 
 if TYPE_CHECKING:  # the gateway owns its endpoints: imported for types only
     from router.gateway import Gateway

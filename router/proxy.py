@@ -38,6 +38,7 @@ from router.upstream_http import (UpstreamConnectError, UpstreamDisconnected, Up
 from router import tracing
 
 log = logging.getLogger("kvroute.proxy")
+KEEPALIVE_S = 4.0  # idle connections to a worker close before vLLM's uvicorn closes them (5 s)
 
 _HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-connection", b"proxy-authenticate",
                          b"proxy-authorization", b"te", b"trailer", b"trailers", b"transfer-encoding",
@@ -156,7 +157,7 @@ class Upstream:
         """Open the pooled session (unbounded pool, keep-alive, raw bodies)."""
         # idle connections are dropped before vLLM's uvicorn drops them (its keep-alive is 5 s), so
         # a request rarely meets a connection the worker just closed
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=4,
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=KEEPALIVE_S,
                                          ttl_dns_cache=300, enable_cleanup_closed=True)
         timeout = aiohttp.ClientTimeout(total=self.timeouts.total_s, connect=None,
                                         sock_connect=self.timeouts.connect_s)
@@ -165,7 +166,7 @@ class Upstream:
                                               skip_auto_headers=("User-Agent", "Content-Type"))
         # the relay's: the same timeouts, keep-alive and unbounded pool, the same default TLS context
         self._http = UpstreamHTTP(connect_timeout_s=self.timeouts.connect_s, total_s=self.timeouts.total_s,
-                                  keepalive_s=4.0)
+                                  keepalive_s=KEEPALIVE_S)
 
     async def close(self) -> None:
         if self._http is not None:
