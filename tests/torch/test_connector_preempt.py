@@ -17,6 +17,7 @@ its load is in flight:
 Runs in vLLM's interpreter (the connector imports vLLM)."""
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -38,7 +39,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-from conftest import REPO  # noqa: E402
+from model_cache import ensure_model  # noqa: E402
 
 BS = 4
 GPU_BLOCKS = 20
@@ -90,9 +91,9 @@ class Gate:
 class Engine:
     """vLLM's scheduler with our connector, and a worker step around our worker-side connector."""
 
-    def __init__(self, tmp_path, monkeypatch) -> None:
+    def __init__(self, model_dir, tmp_path, monkeypatch) -> None:
         monkeypatch.setattr(vc, "_parallel_rank", lambda name: 0)
-        model = ModelConfig(model=str(REPO / ".cache/models/tiny-seed0"), dtype="bfloat16", max_model_len=256, seed=0)
+        model = ModelConfig(model=str(model_dir), dtype="bfloat16", max_model_len=256, seed=0)
         block_bytes = 2 * BS * HEADS * DIM * 2 * len(LAYERS)
         extra = {"cpu_tier_bytes": 2 * block_bytes, "ssd_tier_dir": str(tmp_path / "ssd"),
                  "ssd_tier_bytes": 200 * (block_bytes + 4096)}
@@ -224,9 +225,16 @@ def _prompt(seed: int, n: int) -> list[int]:
     return [10 + (seed * 97 + i * 13 + i * i) % 380 for i in range(n)]
 
 
+@pytest.fixture(scope="module")
+def model_dir():
+    """The generated "tiny" model (tools/make_model.py, made with this interpreter when missing):
+    vLLM's ModelConfig reads its config.json and tokenizer."""
+    return ensure_model("tiny", sys.executable)
+
+
 @pytest.fixture
-def engine(tmp_path, monkeypatch):
-    e = Engine(tmp_path, monkeypatch)
+def engine(model_dir, tmp_path, monkeypatch):
+    e = Engine(model_dir, tmp_path, monkeypatch)
     yield e
     e.close()
 
