@@ -339,8 +339,7 @@ class Upstream:
                     if after_first is not None and not opening:
                         after_first()
                         after_first = None
-                    async with asyncio.timeout(idle_s):
-                        chunk = await resp.readany()
+                    chunk = await resp.readany(idle_s)
                 rest = watcher.finish() if watcher is not None else b""
             except (UpstreamError, TimeoutError) as exc:
                 # the worker died or went silent mid-stream: end the stream cleanly, with an

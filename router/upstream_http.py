@@ -17,8 +17,9 @@ ALPN ``http/1.1``; verified against the system's CAs, ``SSL_CERT_FILE``/``SSL_CE
 honoured), SNI the host name.
 
 A response: ``status``, ``raw_headers`` (name and value bytes as sent), ``content_type``,
-``readany()`` (what has arrived since the last read, waiting for the next piece; ``b""`` at the
-end), ``read()`` (the whole body), ``close()`` (drops the connection), ``release()`` (returns
+``readany(idle_s=None)`` (what has arrived since the last read, waiting for the next piece;
+``b""`` at the end; with ``idle_s``, :class:`UpstreamIdleTimeout` when that wait passes
+``idle_s`` seconds), ``read()`` (the whole body), ``close()`` (drops the connection), ``release()`` (returns
 it to the pool only after the whole body was read and the server keeps the connection alive).
 More than :data:`HIGH_WATER` bytes unread pause the socket's reading until the reader drains
 them.
@@ -27,7 +28,12 @@ Errors (:class:`UpstreamError`): :class:`UpstreamConnectError` could not connect
 unreachable, DNS, TLS handshake; :class:`UpstreamConnectTimeout` past ``connect_s``, also a
 ``TimeoutError``); :class:`UpstreamDisconnected` the server closed the connection before the
 response's head; :class:`UpstreamPayloadError` a malformed response or a body cut short;
-:class:`UpstreamTimeout` (also a ``TimeoutError``) the ``total_s`` limit passed.
+:class:`UpstreamTimeout` (also a ``TimeoutError``) the ``total_s`` limit passed;
+:class:`UpstreamIdleTimeout` (an ``UpstreamTimeout``) no body bytes for a read's ``idle_s``.
+
+A stream's idle limit is one timer per response, not one per read: each wait notes its deadline
+and the timer, when it fires before that deadline, re-arms for it; a read that finds bytes
+waiting touches no timer.
 
 Pool hygiene: a connection the server closes leaves the pool at once; idle ones are closed after
 ``keepalive_s`` (4 s: vLLM's uvicorn closes its idle keep-alive after 5 s); at most
@@ -71,6 +77,10 @@ class UpstreamPayloadError(UpstreamError):
 
 class UpstreamTimeout(UpstreamError, TimeoutError):
     """The request's total time limit passed."""
+
+
+class UpstreamIdleTimeout(UpstreamTimeout):
+    """A read waited ``idle_s`` seconds without a body byte (``readany(idle_s=...)``)."""
 
 
 _ssl_context: ssl.SSLContext | None = None
@@ -143,7 +153,8 @@ class UpstreamResponse:
     """One response (see the module docstring)."""
 
     __slots__ = ("status", "raw_headers", "_conn", "_loop", "_head", "_chunks", "_size", "_done", "_exc",
-                 "_waiter", "_paused", "_keep_alive", "_head_only", "_interim", "_got_bytes", "_body", "_timer")
+                 "_waiter", "_paused", "_keep_alive", "_head_only", "_interim", "_got_bytes", "_body", "_timer",
+                 "_idle_timer", "_idle_until", "_idle_s")
 
     def __init__(self, conn: _Conn, method: str, loop: asyncio.AbstractEventLoop) -> None:
         self.status: int = 0
@@ -163,6 +174,9 @@ class UpstreamResponse:
         self._got_bytes = False
         self._body: bytes | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._idle_until = 0.0
+        self._idle_s = 0.0
 
     @property
     def content_type(self) -> str:
@@ -253,11 +267,28 @@ class UpstreamResponse:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+
+    def _idle_check(self) -> None:
+        """The idle timer: fail the pending read past its deadline, re-arm for a later one, or
+        stop when no read waits (the next wait arms it again)."""
+        self._idle_timer = None
+        w = self._waiter
+        if w is None or w.done():
+            return
+        if self._loop.time() < self._idle_until:
+            self._idle_timer = self._loop.call_at(self._idle_until, self._idle_check)
+            return
+        w.set_exception(UpstreamIdleTimeout(f"no data for {self._idle_s} s"))
 
     # -- reader side --
 
-    async def readany(self) -> bytes:
-        """What has arrived since the last read (waiting for the next piece); ``b""`` at the end."""
+    async def readany(self, idle_s: float | None = None) -> bytes:
+        """What has arrived since the last read (waiting for the next piece); ``b""`` at the end.
+        ``idle_s``: raise :class:`UpstreamIdleTimeout` when the wait for the next piece passes it
+        (the response stays open: the caller closes it)."""
         chunks = self._chunks
         while not chunks:
             if self._exc is not None:
@@ -265,6 +296,11 @@ class UpstreamResponse:
             if self._done:
                 return b""
             self._waiter = w = self._loop.create_future()
+            if idle_s is not None:
+                self._idle_s = idle_s
+                self._idle_until = self._loop.time() + idle_s
+                if self._idle_timer is None:
+                    self._idle_timer = self._loop.call_at(self._idle_until, self._idle_check)
             try:
                 await w
             finally:

@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from router.upstream_http import (HIGH_WATER, UpstreamConnectError, UpstreamDisconnected, UpstreamHTTP,
-                                  UpstreamPayloadError, UpstreamTimeout)
+                                  UpstreamIdleTimeout, UpstreamPayloadError, UpstreamTimeout)
 
 
 async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes] | None:
@@ -388,6 +388,47 @@ async def test_the_total_time_limit():
         resp = await http.request("GET", server.url + "/", [])
         with pytest.raises(UpstreamTimeout):
             await resp.read()
+        await asyncio.wait_for(server.lost_event.wait(), 2)
+
+
+async def test_a_stream_longer_than_the_idle_limit_is_read_whole_and_a_silence_past_it_fails():
+    """``readany(idle_s)``: the limit is per wait (a stream of 30 pieces 50 ms apart outlasts a
+    1 s limit), a timer that fires while nothing waits fails nothing, and a wait of 1 s raises."""
+    sent_all = asyncio.Event()
+    second_written = asyncio.Event()
+
+    async def stream(server, reader, writer, n):
+        await server.next_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        for i in range(30):
+            writer.write(b"a\r\ndata: %02d\n\n\r\n" % i)
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        sent_all.set()
+        await asyncio.sleep(0.4)  # the worker stalls, with one more piece to come after
+        writer.write(b"a\r\ndata: 30\n\n\r\n")
+        await writer.drain()
+        second_written.set()
+        await reader.read()  # then silence until the client goes
+
+    loop = asyncio.get_running_loop()
+    async with RawServer(stream) as server, client() as http:
+        resp = await http.request("POST", server.url + "/v1/completions", [], b"{}")
+        got = []
+        while len(got) < 30:
+            got.append(await resp.readany(idle_s=1.0))
+        assert b"".join(got) == b"".join(b"data: %02d\n\n" % i for i in range(30))
+        # the reader is busy elsewhere while the limit's timer (armed by a wait) comes due
+        t = loop.time()
+        await sent_all.wait()
+        await second_written.wait()
+        assert loop.time() - t > 0.3
+        assert await resp.readany(idle_s=0.3) == b"data: 30\n\n"
+        t = loop.time()
+        with pytest.raises(UpstreamIdleTimeout, match="no data for 1.0 s"):
+            await resp.readany(idle_s=1.0)
+        assert loop.time() - t >= 0.99
+        resp.close()
         await asyncio.wait_for(server.lost_event.wait(), 2)
 
 
