@@ -181,3 +181,18 @@ def test_strip_output_does_not_depend_on_how_the_stream_is_cut(eol, cuts, extra_
     got = b"".join(strip.feed(stream[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a) + strip.finish()
     assert got == want and strip.cached_tokens == whole.cached_tokens == 0
     assert b'"choices":[]' not in got and b"[DONE]" in got
+
+
+def test_a_read_ending_inside_a_crlf_pair_holds_the_event_until_the_lf():
+    """A read that ends with the ``\\r`` of an event's last ``\\r\\n``: the event is not complete
+    yet (the next read begins with its ``\\n``), so the dropped usage event leaves no stray
+    ``\\n`` behind (a case the cut-anywhere property found)."""
+    events = (STREAMS / "chat_usage.sse").read_bytes().split(b"\n\n")[:-1]
+    stream = b"".join(e + b"\r\n\r\n" for e in events)
+    whole = UsageStrip()
+    want = whole.feed(stream) + whole.finish()
+    usage_end = stream.index(b"data: [DONE]")
+    strip = UsageStrip()
+    got = strip.feed(stream[:usage_end - 1]) + strip.feed(stream[usage_end - 1:]) + strip.finish()
+    assert got == want and got.endswith(b'"}\r\n\r\ndata: [DONE]\r\n\r\n')
+    assert b'"choices":[]' not in got and strip.cached_tokens == 0
