@@ -146,12 +146,7 @@ class ProbeSharing:
     workers and publish; in the other processes those loops call a worker only when its record is
     too old, and :meth:`follow` (one task per process) applies the prober's results. ``calls``:
     the probes and scrapes this process made itself, by kind (``health``, ``scrape``);
-    ``applied``: the prober's results it applied.
-
-    A follower's per-worker loops do not wake every interval to find a fresh record: each sleeps
-    until its worker's record would turn stale (:meth:`follower_delay_s`) or until :meth:`follow`
-    sees this process become the prober (:meth:`wait_as_follower`), so a follower's idle cost
-    does not grow with one wake-up per worker per interval."""
+    ``applied``: the prober's results it applied."""
 
     table: SharedProbeTable
     is_prober: Callable[[], bool]
@@ -161,28 +156,6 @@ class ProbeSharing:
         self.applied = {"health": 0, "scrape": 0}
         self._seen: dict[str, weakref.WeakKeyDictionary] = {"health": weakref.WeakKeyDictionary(),
                                                            "scrape": weakref.WeakKeyDictionary()}
-        self._promoted: asyncio.Future | None = None  # resolved when this process becomes the prober
-
-    def follower_delay_s(self, kind: str, reg: WorkerRegistration, cfg: HealthConfig | LoadScrapeConfig) -> float | None:
-        """For ``reg``'s ``kind`` loop (``health`` | ``scrape``) after a step: seconds until the
-        prober's record turns stale (at least ``cfg.interval_s``); None when this process is the
-        prober or ``reg`` has no slot (the loop keeps its interval)."""
-        if reg.shared is None or self.is_prober():
-            return None
-        slot = reg.shared[1]
-        result = self.table.read_probe(slot) if kind == "health" else self.table.read_scrape(slot)
-        if result is None:
-            return cfg.interval_s
-        # a hair past the limit, so the record is stale when the loop wakes (unless rewritten)
-        until_stale = result.at + stale_after_s(cfg.interval_s, cfg.timeout_s) - time.monotonic() + 0.01
-        return max(cfg.interval_s, until_stale)
-
-    async def wait_as_follower(self, delay_s: float) -> None:
-        """Sleep ``delay_s`` seconds, or less when :meth:`follow` sees this process become the
-        prober first."""
-        if self._promoted is None or self._promoted.done():
-            self._promoted = asyncio.get_running_loop().create_future()
-        await asyncio.wait((self._promoted,), timeout=delay_s)
 
     @staticmethod
     def stale(result, cfg: HealthConfig | LoadScrapeConfig) -> bool:
@@ -230,10 +203,7 @@ class ProbeSharing:
         period = min(health.interval_s, scrape.interval_s if scrape is not None else health.interval_s) / 2
         await asyncio.sleep(0)  # the workers' own tasks first (each KV-event ingestor attaches itself at once)
         while True:
-            if self.is_prober():
-                if self._promoted is not None and not self._promoted.done():
-                    self._promoted.set_result(None)  # the sleeping loops: probe and scrape now
-            else:
+            if not self.is_prober():
                 for reg in workers():
                     if reg.shared is not None and not reg.removed:
                         try:
@@ -279,20 +249,14 @@ async def shared_scrape_once(session: aiohttp.ClientSession, reg: WorkerRegistra
                               session, reg, cfg, sharing)
 
 
-def periodic_task(step, session: aiohttp.ClientSession, cfg: HealthConfig | LoadScrapeConfig,
-                  sharing: ProbeSharing | None = None, kind: str = "health"):
+def periodic_task(step, session: aiohttp.ClientSession, cfg: HealthConfig | LoadScrapeConfig):
     """A registry task factory running ``step(session, reg, cfg)`` at once and then every
-    ``cfg.interval_s`` seconds, for as long as the worker is registered; with ``sharing``, in a
-    follower, as :meth:`ProbeSharing.follower_delay_s` says for ``kind``."""
+    ``cfg.interval_s`` seconds, for as long as the worker is registered."""
 
     async def run(reg: WorkerRegistration) -> None:
         while True:
             await step(session, reg, cfg)
-            delay_s = sharing.follower_delay_s(kind, reg, cfg) if sharing is not None else None
-            if delay_s is None:
-                await asyncio.sleep(cfg.interval_s)
-            else:
-                await sharing.wait_as_follower(delay_s)
+            await asyncio.sleep(cfg.interval_s)
 
     return run
 
@@ -313,7 +277,7 @@ def health_probe_task(session: aiohttp.ClientSession, cfg: HealthConfig,
         if on_change is not None and before is not None and reg.healthy is not before:
             await on_change(reg)
 
-    return periodic_task(step, session, cfg, sharing, "health")
+    return periodic_task(step, session, cfg)
 
 
 def load_scrape_task(session: aiohttp.ClientSession, cfg: LoadScrapeConfig, sharing: ProbeSharing | None = None):
@@ -325,4 +289,4 @@ def load_scrape_task(session: aiohttp.ClientSession, cfg: LoadScrapeConfig, shar
     async def step(session: aiohttp.ClientSession, reg: WorkerRegistration, cfg: LoadScrapeConfig) -> None:
         await shared_scrape_once(session, reg, cfg, sharing)
 
-    return periodic_task(step, session, cfg, sharing, "scrape")
+    return periodic_task(step, session, cfg)

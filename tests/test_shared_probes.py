@@ -14,7 +14,7 @@ from router.config import HealthConfig, LoadScrapeConfig, WorkerConfig
 from router.registry import WorkerRegistration
 from router.shared_load import STALE_S, SharedLoadTable, create_table as create_load_table
 from router.shared_probes import RECORD_BYTES, SharedProbeTable, create_table, stale_after_s
-from router.worker_probes import ProbeSharing, health_probe_task, shared_probe_once, shared_scrape_once
+from router.worker_probes import ProbeSharing, shared_probe_once, shared_scrape_once
 
 METRICS = ('# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
            '# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{engine="0",model_name="m"} 1.0\n'
@@ -157,55 +157,5 @@ def test_one_process_calls_the_worker_and_the_other_applies_each_result_once(tmp
             for reg, sharing in procs:
                 reg.shared[0].close()
                 sharing.table.close()
-
-    asyncio.run(run())
-
-
-def test_a_followers_loop_sleeps_until_the_record_turns_stale_and_wakes_when_it_becomes_the_prober(tmp_path):
-    """A follower's health loop does not wake each interval: it sleeps until the prober's record
-    would be stale (ProbeSharing.follower_delay_s); when process 0 stops beating, follow() sees
-    this process become the prober and the loop probes at once, long before that record ages."""
-    load_path = create_load_table(tmp_path / "load", 2)
-    probe_path = create_table(tmp_path / "probes")
-    health = HealthConfig(interval_s=1, timeout_s=30)  # a record turns stale after 32 s
-    assert stale_after_s(1, 30) == 32
-
-    async def run() -> None:
-        worker = Worker()
-        runner, url = await _serve(worker)
-        load0, load1 = SharedLoadTable(load_path, 2, 0), SharedLoadTable(load_path, 2, 1)
-        p0 = ProbeSharing(SharedProbeTable(probe_path), lambda: load0.first_live_row() == 0)
-        p1 = ProbeSharing(SharedProbeTable(probe_path), lambda: load1.first_live_row() == 1)
-        reg1 = WorkerRegistration(WorkerConfig(id="w0", url=url, model="m"))
-        reg1.shared = (load1, load1.slot("w0"))
-        slot = reg1.shared[1]
-        tasks = []
-        try:
-            assert p1.follower_delay_s("health", reg1, health) == 1  # no record yet: the interval
-            p0.table.write_probe(slot, True, None, now=time.monotonic() - 31.5)
-            assert 1 <= p1.follower_delay_s("health", reg1, health) < 1.1  # stale in 0.5 s: the interval
-            p0.table.write_probe(slot, True, None)
-            assert 31.9 < p1.follower_delay_s("health", reg1, health) <= 32.02
-            assert p0.follower_delay_s("health", reg1, health) is None  # the prober keeps its interval
-            async with aiohttp.ClientSession() as session:
-                loop = asyncio.get_running_loop()
-                tasks.append(loop.create_task(health_probe_task(session, health, sharing=p1)(reg1)))
-                tasks.append(loop.create_task(p1.follow(lambda: [reg1], health, None)))
-                await asyncio.sleep(0)
-                assert worker.calls["/health"] == 0 and p1.calls["health"] == 0  # a fresh record: followed
-                load0.heartbeat(now=time.monotonic() - STALE_S - 1)  # process 0 stops beating
-                load1.heartbeat()
-                deadline = time.monotonic() + 10
-                while worker.calls["/health"] == 0 and time.monotonic() < deadline:
-                    await asyncio.sleep(0.02)
-                assert worker.calls["/health"] >= 1 and p1.calls["health"] >= 1
-                assert p1.table.read_probe(slot).seq >= 4  # the new prober publishes its result
-        finally:
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await runner.cleanup()
-            for t in (load0, load1, p0.table, p1.table):
-                t.close()
 
     asyncio.run(run())
