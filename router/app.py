@@ -194,7 +194,7 @@ async def _union_models(gateway: Gateway) -> dict[str, Any]:
     ``kvroute_worker_call_failures_total{call="models"}``) and never delays the others' cards."""
     regs = sorted((r for r in gateway.registry.all() if r.healthy), key=lambda r: r.id)
     timeout_s = gateway.cfg.timeouts.worker_call_s
-    answers = await asyncio.gather(*[worker_models(gateway.upstream.session, r, timeout_s) for r in regs])
+    answers = await asyncio.gather(*[worker_models(gateway.upstream.http, r, timeout_s) for r in regs])
     seen: dict[str, dict[str, Any]] = {}
     for reg, cards in zip(regs, answers):
         if isinstance(cards, str):
@@ -211,7 +211,7 @@ async def _first_worker_answer(gateway: Gateway, path: str) -> Response:
     bounded by ``timeouts.worker_call_s``; failures counted as for the models listing); its
     JSON body. 503 in the OpenAI shape when none answers."""
     for reg in sorted((r for r in gateway.registry.all() if r.healthy), key=lambda r: r.id):
-        got = await worker_get(gateway.upstream.session, reg, path, gateway.cfg.timeouts.worker_call_s)
+        got = await worker_get(gateway.upstream.http, reg, path, gateway.cfg.timeouts.worker_call_s)
         if isinstance(got, bytes):
             return Response(got, media_type="application/json", headers={"x-kvroute-worker": reg.id})
         log.warning("GET %s%s (worker %s) failed: %s", reg.url, path, reg.id, got)

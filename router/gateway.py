@@ -122,14 +122,14 @@ class Gateway:
         await self.tokenizers.load()
         await self.upstream.start()
         self.router.render_session = lambda: self.upstream.session
-        session = self.upstream.session
+        client = self.upstream.http  # probes and scrapes (router.worker_probes)
         sharing = None  # with siblings, one process probes and scrapes for all (router.shared_probes)
         if self.group is not None and self.group.probes is not None:
             sharing = ProbeSharing(self.group.probes, self.group.is_prober)
             self.metrics.watch_worker_calls(lambda: dict(sharing.calls), lambda: dict(sharing.applied))
-        self.registry.add_task_factory(health_probe_task(session, self.cfg.health, self._health_changed, sharing))
+        self.registry.add_task_factory(health_probe_task(client, self.cfg.health, self._health_changed, sharing))
         if self.cfg.load_scrape.enabled:
-            self.registry.add_task_factory(load_scrape_task(session, self.cfg.load_scrape, sharing))
+            self.registry.add_task_factory(load_scrape_task(client, self.cfg.load_scrape, sharing))
         if self.cfg.index.backend == "memory":
             blocks = {m.name: m.block_size for m in self.cfg.models}
             board = None

@@ -1,7 +1,7 @@
-"""The upstream clients and the relay of one request: routed requests go through the lean
-HTTP/1.1 client of :mod:`router.upstream_http` (``Upstream.http``); the pooled
-``aiohttp.ClientSession`` (``Upstream.session``) serves everything else (probes, scrapes,
-``/v1/models``, render, siblings).
+"""The upstream clients and the relay of one request: routed requests, health probes, load
+scrapes and ``/v1/models`` go through the lean HTTP/1.1 client of :mod:`router.upstream_http`
+(``Upstream.http``), forwarded paths included; the pooled ``aiohttp.ClientSession``
+(``Upstream.session``) serves render calls.
 
 What reaches the worker: the client's body bytes unchanged (except the streaming usage option,
 see :mod:`router.stream_usage`), every client header but hop-by-hop ones, ``Host``,
@@ -141,7 +141,7 @@ class Upstream:
 
     @property
     def session(self) -> aiohttp.ClientSession:
-        """The aiohttp session (health probes, scrapes, model lists, render). Raises RuntimeError before start()."""
+        """The aiohttp session (render calls). Raises RuntimeError before start()."""
         if self._session is None:
             raise RuntimeError("Upstream.start() not called")
         return self._session

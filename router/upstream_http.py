@@ -1,9 +1,10 @@
-"""A lean HTTP/1.1 client for the relay to workers (:mod:`router.proxy`, :mod:`router.pd_relay`).
+"""A lean HTTP/1.1 client for the relay to workers (:mod:`router.proxy`, :mod:`router.pd_relay`)
+and the gateway's probes and scrapes (:mod:`router.worker_probes`).
 
 An ``asyncio.Protocol`` per connection with an ``httptools.HttpResponseParser``; a keep-alive
 pool per (scheme, host, port). It spends less CPU per request than aiohttp's client (figures in
-the README's scale-out section); everything else the gateway calls (probes, scrapes,
-``/v1/models``, render, siblings) stays on aiohttp.
+the README's scale-out section); the gateway's other calls (render, siblings) stay on
+aiohttp.
 
 What the worker sees is what aiohttp sent for ``session.request(method, url, data=body or None,
 headers=headers)`` with the gateway's session (``skip_auto_headers=("User-Agent",

@@ -2,27 +2,34 @@
 engine-load scrape) and the ``GET /v1/models`` listing. Every call is bounded by a timeout.
 
 Both are registry task factories (``factory(registration) -> coroutine``) bound to the gateway's
-shared aiohttp session. Among the processes of ``kvroute serve --processes N`` one makes the calls
-for all and the others apply its results (:class:`ProbeSharing`, :mod:`router.shared_probes`). The load comes from vLLM's Prometheus text at ``/metrics``:
-``vllm:num_requests_running``, ``vllm:num_requests_waiting`` (summed over label sets, e.g. DP
-engines) and ``vllm:kv_cache_usage_perc`` (0..1, the maximum over label sets); a worker that is one
-data parallel rank reads only its own ``engine="<rank>"`` label sets.
+lean HTTP client (:class:`router.upstream_http.UpstreamHTTP`, the relay's: keep-alive per worker,
+less CPU per call than aiohttp's). Each call asks for ``Accept-Encoding: identity`` (a gzip or
+deflate answer is decompressed all the same) and follows no redirect (a 3xx is a failed call).
+Among the processes of ``kvroute serve --processes N`` one makes the calls for all and the others
+apply its results (:class:`ProbeSharing`, :mod:`router.shared_probes`).
+
+The load comes from vLLM's Prometheus text at ``/metrics``: ``vllm:num_requests_running``,
+``vllm:num_requests_waiting`` (summed over label sets, e.g. DP engines) and
+``vllm:kv_cache_usage_perc`` (0..1, the maximum over label sets); a worker that is one data
+parallel rank reads only its own ``engine="<rank>"`` label sets.
 """
 from __future__ import annotations
 
 import asyncio
+import gzip
 import logging
 import time
 import weakref
+import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-import aiohttp
 import orjson
 
 from router.config import HealthConfig, LoadScrapeConfig
 from router.registry import WorkerRegistration
 from router.shared_probes import SharedProbeTable, stale_after_s
+from router.upstream_http import UpstreamError, UpstreamHTTP
 
 log = logging.getLogger("kvroute.probes")
 
@@ -81,18 +88,34 @@ def _lines_of(text: str):
             at = -1 if end == -1 else text.find(needle, end)
 
 
-async def _get(session: aiohttp.ClientSession, url: str, timeout_s: float) -> tuple[int, bytes] | str:
-    """``(status, body)`` of a GET, or the error text when it failed."""
+_IDENTITY = (("Accept-Encoding", "identity"),)
+
+
+async def _get(client: UpstreamHTTP, url: str, timeout_s: float) -> tuple[int, bytes] | str:
+    """``(status, body)`` of a GET within ``timeout_s`` seconds (the whole call; the body
+    decompressed when the answer was gzip or deflate anyway), or the error text when it failed."""
+    resp = None
     try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            return resp.status, await resp.read()
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        async with asyncio.timeout(timeout_s):
+            resp = await client.request("GET", url, _IDENTITY)
+            body = await resp.read()
+        encoding = next((v.strip().lower() for k, v in resp.raw_headers if k.lower() == b"content-encoding"), b"")
+        if encoding in (b"gzip", b"x-gzip"):
+            body = gzip.decompress(body)
+        elif encoding == b"deflate":
+            body = zlib.decompress(body)
+        resp.release()
+        return resp.status, body
+    except (UpstreamError, TimeoutError, OSError, EOFError, zlib.error) as exc:
         return f"{type(exc).__name__}: {exc}"
+    finally:
+        if resp is not None:
+            resp.release()  # closes it unless the whole body was read (a no-op when released)
 
 
-async def probe_once(session: aiohttp.ClientSession, reg: WorkerRegistration, cfg: HealthConfig) -> bool:
+async def probe_once(client: UpstreamHTTP, reg: WorkerRegistration, cfg: HealthConfig) -> bool:
     """One ``GET {url}{path}``; records the result on ``reg``; returns whether it answered 200."""
-    got = await _get(session, reg.url + cfg.path, cfg.timeout_s)
+    got = await _get(client, reg.url + cfg.path, cfg.timeout_s)
     ok = not isinstance(got, str) and got[0] == 200
     error = None if ok else (got if isinstance(got, str) else f"status {got[0]}")
     reg.record_probe(ok, cfg.fail_threshold, cfg.rise_threshold, error)
@@ -100,10 +123,10 @@ async def probe_once(session: aiohttp.ClientSession, reg: WorkerRegistration, cf
     return ok
 
 
-async def scrape_once(session: aiohttp.ClientSession, reg: WorkerRegistration, cfg: LoadScrapeConfig) -> bool:
+async def scrape_once(client: UpstreamHTTP, reg: WorkerRegistration, cfg: LoadScrapeConfig) -> bool:
     """One ``GET {url}/metrics``; stores the engine load on ``reg``; returns success. A failed
     scrape forgets the last figures (a dead worker's last queue must not weigh on routing)."""
-    got = await _get(session, reg.url + cfg.path, cfg.timeout_s)
+    got = await _get(client, reg.url + cfg.path, cfg.timeout_s)
     if isinstance(got, str) or got[0] != 200:
         reg.forget_scrape()
         return False
@@ -111,22 +134,22 @@ async def scrape_once(session: aiohttp.ClientSession, reg: WorkerRegistration, c
     return True
 
 
-async def worker_get(session: aiohttp.ClientSession, reg: WorkerRegistration, path: str,
+async def worker_get(client: UpstreamHTTP, reg: WorkerRegistration, path: str,
                      timeout_s: float) -> bytes | str:
     """The body of ``GET {url}{path}`` when it answered 200 within ``timeout_s`` seconds (the
     whole call), else the error text."""
-    got = await _get(session, reg.url + path, timeout_s)
+    got = await _get(client, reg.url + path, timeout_s)
     if isinstance(got, str):
         return got
     return got[1] if got[0] == 200 else f"status {got[0]}"
 
 
-async def worker_models(session: aiohttp.ClientSession, reg: WorkerRegistration,
+async def worker_models(client: UpstreamHTTP, reg: WorkerRegistration,
                         timeout_s: float) -> list[dict] | str:
     """The model cards of ``GET {url}/v1/models`` (OpenAI list shape ``{"data": [card, ...]}``),
     the whole call bounded by ``timeout_s`` seconds; the error text when it failed, timed out,
     answered non-200 or not that shape."""
-    body = await worker_get(session, reg, "/v1/models", timeout_s)
+    body = await worker_get(client, reg, "/v1/models", timeout_s)
     if isinstance(body, str):
         return body
     try:
@@ -213,7 +236,7 @@ class ProbeSharing:
             await asyncio.sleep(period)
 
 
-async def _shared_call(kind: str, call, read, publish, session: aiohttp.ClientSession, reg: WorkerRegistration,
+async def _shared_call(kind: str, call, read, publish, client: UpstreamHTTP, reg: WorkerRegistration,
                        cfg: HealthConfig | LoadScrapeConfig, sharing: ProbeSharing) -> bool:
     """The prober makes ``call`` and publishes its result (``publish(slot, ok)``); another process
     makes it only when the prober's record for ``reg`` (``read(slot)``) is too old
@@ -223,70 +246,70 @@ async def _shared_call(kind: str, call, read, publish, session: aiohttp.ClientSe
     if not prober and not sharing.stale(read(slot), cfg):
         return False
     sharing.calls[kind] += 1
-    ok = await call(session, reg, cfg)
+    ok = await call(client, reg, cfg)
     if prober and slot is not None:
         publish(slot, ok)
         sharing.take_new(kind, reg, read(slot), cfg)  # its own result: applied
     return True
 
 
-async def shared_probe_once(session: aiohttp.ClientSession, reg: WorkerRegistration, cfg: HealthConfig,
+async def shared_probe_once(client: UpstreamHTTP, reg: WorkerRegistration, cfg: HealthConfig,
                             sharing: ProbeSharing) -> bool:
     """:func:`probe_once` made by the prober for every process (:func:`_shared_call`)."""
     table = sharing.table
     return await _shared_call("health", probe_once, table.read_probe,
                               lambda slot, ok: table.write_probe(slot, ok, reg.last_probe_error),
-                              session, reg, cfg, sharing)
+                              client, reg, cfg, sharing)
 
 
-async def shared_scrape_once(session: aiohttp.ClientSession, reg: WorkerRegistration, cfg: LoadScrapeConfig,
+async def shared_scrape_once(client: UpstreamHTTP, reg: WorkerRegistration, cfg: LoadScrapeConfig,
                              sharing: ProbeSharing) -> bool:
     """:func:`scrape_once` made by the prober for every process (:func:`_shared_call`)."""
     table = sharing.table
     return await _shared_call("scrape", scrape_once, table.read_scrape,
                               lambda slot, ok: table.write_scrape(slot, ok, reg.engine_running, reg.engine_waiting,
                                                                   reg.kv_usage),
-                              session, reg, cfg, sharing)
+                              client, reg, cfg, sharing)
 
 
-def periodic_task(step, session: aiohttp.ClientSession, cfg: HealthConfig | LoadScrapeConfig):
-    """A registry task factory running ``step(session, reg, cfg)`` at once and then every
+def periodic_task(step, client: UpstreamHTTP, cfg: HealthConfig | LoadScrapeConfig):
+    """A registry task factory running ``step(client, reg, cfg)`` at once and then every
     ``cfg.interval_s`` seconds, for as long as the worker is registered."""
 
     async def run(reg: WorkerRegistration) -> None:
         while True:
-            await step(session, reg, cfg)
+            await step(client, reg, cfg)
             await asyncio.sleep(cfg.interval_s)
 
     return run
 
 
-def health_probe_task(session: aiohttp.ClientSession, cfg: HealthConfig,
+def health_probe_task(client: UpstreamHTTP, cfg: HealthConfig,
                       on_change: Callable[[WorkerRegistration], Awaitable[None]] | None = None,
                       sharing: ProbeSharing | None = None):
     """Task factory: :func:`probe_once` every ``cfg.interval_s`` (with ``sharing``:
     :func:`shared_probe_once`); ``on_change(reg)`` is awaited after a probe that turned the
     worker up or down (not after its first probe)."""
 
-    async def step(session: aiohttp.ClientSession, reg: WorkerRegistration, cfg: HealthConfig) -> None:
+    async def step(client: UpstreamHTTP, reg: WorkerRegistration, cfg: HealthConfig) -> None:
         before = reg.healthy
         if sharing is None:
-            await probe_once(session, reg, cfg)
+            await probe_once(client, reg, cfg)
         else:
-            await shared_probe_once(session, reg, cfg, sharing)
+            await shared_probe_once(client, reg, cfg, sharing)
         if on_change is not None and before is not None and reg.healthy is not before:
             await on_change(reg)
 
-    return periodic_task(step, session, cfg)
+    return periodic_task(step, client, cfg)
 
 
-def load_scrape_task(session: aiohttp.ClientSession, cfg: LoadScrapeConfig, sharing: ProbeSharing | None = None):
+def load_scrape_task(client: UpstreamHTTP, cfg: LoadScrapeConfig, sharing: ProbeSharing | None = None):
     """Task factory: :func:`scrape_once` every ``cfg.interval_s`` (with ``sharing``:
     :func:`shared_scrape_once`)."""
     if sharing is None:
-        return periodic_task(scrape_once, session, cfg)
+        return periodic_task(scrape_once, client, cfg)
 
-    async def step(session: aiohttp.ClientSession, reg: WorkerRegistration, cfg: LoadScrapeConfig) -> None:
-        await shared_scrape_once(session, reg, cfg, sharing)
+    async def step(client: UpstreamHTTP, reg: WorkerRegistration, cfg: LoadScrapeConfig) -> None:
+        await shared_scrape_once(client, reg, cfg, sharing)
 
-    return periodic_task(step, session, cfg)
+    return periodic_task(step, client, cfg)

@@ -6,15 +6,17 @@ import asyncio
 import struct
 import time
 
-import aiohttp
+import contextlib
+import gzip
 import pytest
 from aiohttp import web
 
 from router.config import HealthConfig, LoadScrapeConfig, WorkerConfig
 from router.registry import WorkerRegistration
+from router.upstream_http import UpstreamHTTP
 from router.shared_load import STALE_S, SharedLoadTable, create_table as create_load_table
 from router.shared_probes import RECORD_BYTES, SharedProbeTable, create_table, stale_after_s
-from router.worker_probes import ProbeSharing, shared_probe_once, shared_scrape_once
+from router.worker_probes import ProbeSharing, scrape_once, shared_probe_once, shared_scrape_once
 
 METRICS = ('# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
            '# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{engine="0",model_name="m"} 1.0\n'
@@ -78,6 +80,16 @@ class Worker:
         return web.Response(status=self.status)
 
 
+@contextlib.asynccontextmanager
+async def lean_client():
+    """The gateway's client for probes and scrapes (router.upstream_http)."""
+    client = UpstreamHTTP()
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
 async def _serve(worker: Worker) -> tuple[web.AppRunner, str]:
     app = web.Application()
     app.router.add_get("/health", worker.handle)
@@ -115,7 +127,7 @@ def test_one_process_calls_the_worker_and_the_other_applies_each_result_once(tmp
             changes.append(reg.healthy)
 
         try:
-            async with aiohttp.ClientSession() as session:
+            async with lean_client() as session:
                 async def both() -> None:
                     assert await shared_probe_once(session, reg0, health, p0) is True
                     assert await shared_probe_once(session, reg1, health, p1) is False  # a fresh record: no call
@@ -157,5 +169,40 @@ def test_one_process_calls_the_worker_and_the_other_applies_each_result_once(tmp
             for reg, sharing in procs:
                 reg.shared[0].close()
                 sharing.table.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("always_gzip", [False, True])
+def test_a_scrape_asks_for_identity_and_reads_a_gzipped_page_all_the_same(always_gzip):
+    """vLLM's /metrics (prometheus_client's ASGI app) gzips its page for a client that accepts
+    gzip: the scrape asks for ``identity`` and gets the text; a server that gzips regardless
+    (``always_gzip``) is decompressed. Either way the three gauges are read."""
+    seen: list[str | None] = []
+
+    async def metrics(request: web.Request) -> web.Response:
+        accept = request.headers.get("Accept-Encoding")
+        seen.append(accept)
+        if always_gzip or "gzip" in (accept or ""):
+            return web.Response(body=gzip.compress(METRICS.encode()), headers={"Content-Encoding": "gzip"},
+                                content_type="text/plain")
+        return web.Response(text=METRICS)
+
+    async def run() -> None:
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        reg = WorkerRegistration(WorkerConfig(id="w0", url=url, model="m"))
+        try:
+            async with lean_client() as client:
+                assert await scrape_once(client, reg, LoadScrapeConfig(interval_s=1, timeout_s=5)) is True
+        finally:
+            await runner.cleanup()
+        assert seen == ["identity"]
+        assert (reg.engine_running, reg.engine_waiting, reg.kv_usage) == (3, 1, 0.25)
 
     asyncio.run(run())

@@ -17,6 +17,8 @@ import httpx
 import orjson
 import pytest
 
+from conftest import wait_until
+
 from .bodies import MODEL
 
 _VOLATILE = re.compile(rb'"(id|created)":("[^"]*"|\d+)')
@@ -182,3 +184,18 @@ def test_odd_requests_get_the_answer_vllm_gives(cluster, name, method, path, hea
     direct = httpx.request(method, cluster.workers[worker].url + path, headers=headers, content=body,
                            timeout=60, follow_redirects=False)
     assert _answer(via) == _answer(direct), f"gateway {via.text[:300]!r} vs vLLM {direct.text[:300]!r}"
+
+
+def test_the_gateway_reads_each_workers_engine_load_from_its_metrics_page(cluster):
+    """vLLM's ``/metrics`` (prometheus_client's ASGI app) gzips its page for a client that
+    accepts gzip: the gateway's scrape must still read the three gauges, so every worker's
+    ``engine`` figures in ``GET /admin/workers`` are numbers, not None."""
+    def loads():
+        ws = cluster.admin("GET", "/admin/workers").json()["workers"]
+        return {w["id"]: w["engine"] for w in ws}
+
+    wait_until(lambda: all(isinstance(e["running"], int) and isinstance(e["waiting"], int)
+                           and isinstance(e["kv_cache_usage"], float) for e in loads().values()), 30,
+               "every worker's engine load read from its /metrics")
+    direct = httpx.get(next(iter(cluster.workers.values())).url + "/metrics", timeout=30)
+    assert "vllm:num_requests_running" in direct.text  # the page the scrape reads
