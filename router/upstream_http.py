@@ -221,13 +221,13 @@ class UpstreamResponse:
             return
         self._done = True
         self._keep_alive = keep_alive
-        self._cancel_timer()
+        self._cancel_timers()
         w = self._waiter
         if w is not None and not w.done():
             w.set_result(None)
 
     def _fail(self, exc: BaseException) -> None:
-        self._cancel_timer()
+        self._cancel_timers()
         if self._exc is None and not self._done:
             self._exc = exc
         if not self._head.done():
@@ -264,7 +264,7 @@ class UpstreamResponse:
         self._fail(UpstreamTimeout("the request's total time limit passed"))
         self.close()
 
-    def _cancel_timer(self) -> None:
+    def _cancel_timers(self) -> None:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -337,7 +337,7 @@ class UpstreamResponse:
 
     def close(self) -> None:
         """Drop the connection (the server sees it close)."""
-        self._cancel_timer()
+        self._cancel_timers()
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.resp = None

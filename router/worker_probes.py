@@ -104,13 +104,12 @@ async def _get(client: UpstreamHTTP, url: str, timeout_s: float) -> tuple[int, b
             body = gzip.decompress(body)
         elif encoding == b"deflate":
             body = zlib.decompress(body)
-        resp.release()
         return resp.status, body
     except (UpstreamError, TimeoutError, OSError, EOFError, zlib.error) as exc:
         return f"{type(exc).__name__}: {exc}"
     finally:
         if resp is not None:
-            resp.release()  # closes it unless the whole body was read (a no-op when released)
+            resp.release()  # back to the pool when the whole body was read, else closed
 
 
 async def probe_once(client: UpstreamHTTP, reg: WorkerRegistration, cfg: HealthConfig) -> bool:
