@@ -17,11 +17,12 @@ of our own; header strings encoded as UTF-8; the target is yarl's ``raw_path_qs`
 ALPN ``http/1.1``; verified against the system's CAs, ``SSL_CERT_FILE``/``SSL_CERT_DIR``
 honoured), SNI the host name.
 
-A response: ``status``, ``raw_headers`` (name and value bytes as sent), ``content_type``,
-``readany(idle_s=None)`` (what has arrived since the last read, waiting for the next piece;
-``b""`` at the end; with ``idle_s``, :class:`UpstreamIdleTimeout` when that wait passes
-``idle_s`` seconds), ``read()`` (the whole body), ``close()`` (drops the connection), ``release()`` (returns
-it to the pool only after the whole body was read and the server keeps the connection alive).
+A response: ``status``, ``raw_headers`` (name and value bytes as sent), ``header(name)``,
+``content_type``, ``readany(idle_s=None)`` (what has arrived since the last read, waiting for
+the next piece; ``b""`` at the end; with ``idle_s``, :class:`UpstreamIdleTimeout` when that wait
+passes ``idle_s`` seconds), ``read()`` (the whole body), ``close()`` (drops the connection),
+``release()`` (returns it to the pool only after the whole body was read and the server keeps the
+connection alive).
 More than :data:`HIGH_WATER` bytes unread pause the socket's reading until the reader drains
 them.
 
@@ -179,13 +180,18 @@ class UpstreamResponse:
         self._idle_until = 0.0
         self._idle_s = 0.0
 
+    def header(self, name: bytes) -> bytes | None:
+        """The first value of header ``name`` (lowercase bytes) as sent, None when absent."""
+        for k, v in self.raw_headers:
+            if len(k) == len(name) and k.lower() == name:
+                return v
+        return None
+
     @property
     def content_type(self) -> str:
         """The media type, lowercased (``application/octet-stream`` when none was given), as aiohttp's."""
-        for k, v in self.raw_headers:
-            if len(k) == 12 and k.lower() == b"content-type":
-                return v.split(b";", 1)[0].strip().lower().decode("latin-1")
-        return "application/octet-stream"
+        v = self.header(b"content-type")
+        return "application/octet-stream" if v is None else v.split(b";", 1)[0].strip().lower().decode("latin-1")
 
     # -- parser side (called by _Conn) --
 

@@ -99,7 +99,7 @@ async def _get(client: UpstreamHTTP, url: str, timeout_s: float) -> tuple[int, b
         async with asyncio.timeout(timeout_s):
             resp = await client.request("GET", url, _IDENTITY)
             body = await resp.read()
-        encoding = next((v.strip().lower() for k, v in resp.raw_headers if k.lower() == b"content-encoding"), b"")
+        encoding = (resp.header(b"content-encoding") or b"").strip().lower()
         if encoding in (b"gzip", b"x-gzip"):
             body = gzip.decompress(body)
         elif encoding == b"deflate":
