@@ -256,3 +256,50 @@ async def test_a_subscriber_that_cannot_open_its_sockets_is_logged(caplog):
     finally:
         await ingestor.stop()
         ctx.destroy(linger=0)
+
+
+async def test_batches_that_come_while_the_sink_is_busy_are_read_in_order_without_watching_the_socket():
+    """The live socket is read without a future per message: a sink that holds the first batch
+    while 40 more arrive gets them all, in order, once it lets go; while it holds, the socket's
+    FD (signalled by the arrivals) is no longer watched, so the event loop does not spin on it."""
+    import asyncio
+
+    from kvcore.events import BlockRemoved, EventBatch
+    from kvcore.kv_events.subscriber import EventSubscriber
+
+    release = asyncio.Event()
+    seen: list[tuple[int, list[int]]] = []
+
+    class HoldingSink:
+        async def on_batch(self, seq, batch):
+            seen.append((seq, batch.events[0].block_hashes))
+            if seq == 0:
+                await release.wait()
+
+        async def on_reset(self, reason):
+            raise AssertionError(f"unexpected reset: {reason}")
+
+    port = free_ports(1)[0]
+    pub = ReplayPublisher(port, None)
+    sub = EventSubscriber(f"tcp://127.0.0.1:{port}", None, HoldingSink())
+    task = asyncio.create_task(sub.run())
+    try:
+        await until(lambda: sub.connected, what="SUB connected")
+        await pub.subscribed()
+        for i in range(41):
+            await pub.publish_batch(EventBatch(ts=0.0, events=[BlockRemoved(block_hashes=[i], medium=None)]))
+        await until(lambda: len(seen) == 1, what="the first batch delivered")
+        await until(lambda: sub._reader_fd is None, what="the FD unwatched while the sink holds")
+        release.set()
+        await until(lambda: len(seen) == 41, what="all batches delivered")
+        assert seen == [(i, [i]) for i in range(41)]
+        assert sub.last_seq == 40 and sub.batches_applied == 41 and sub.duplicates == 0
+        await pub.publish_batch(EventBatch(ts=0.0, events=[BlockRemoved(block_hashes=[99], medium=None)]))
+        await until(lambda: len(seen) == 42, what="a batch after the queue drained")
+        assert seen[-1] == (41, [99])
+        assert sub._reader_fd is not None  # waiting again, on the FD
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await pub.close()
+    assert sub._reader_fd is None and sub._sub is None

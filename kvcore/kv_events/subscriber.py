@@ -51,6 +51,7 @@ from kvcore.events import (REPLAY_END_SEQ, UNKNOWN_TYPE, EventBatch, EventDecode
                            seq_bytes, seq_from_bytes)
 
 log = logging.getLogger("kvroute.kv_events")
+_NOBLOCK, _EVENTS, _FD, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.FD), int(zmq.POLLIN)
 SKIPPED_TYPES_KEPT = 32  # distinct event types counted by name per reason (the rest: OTHER_TYPES)
 OTHER_TYPES = "(other)"
 
@@ -85,6 +86,11 @@ def default_context() -> zmq.asyncio.Context:
     return ctx
 
 
+def _set_done(future: asyncio.Future[None] | None) -> None:
+    if future is not None and not future.done():
+        future.set_result(None)
+
+
 class EventSink(Protocol):
     """Receiver of an ordered event stream (see the module docstring)."""
 
@@ -112,7 +118,9 @@ class EventSubscriber:
         self._sub: zmq.asyncio.Socket | None = None
         self._monitor: zmq.asyncio.Socket | None = None
         self._suspect = False  # a disconnect happened: verify continuity at the next batch
-        self._reconnected = asyncio.Event()  # set on a connect that follows a disconnect
+        self._reconnect_pending = False  # set on a connect that follows a disconnect
+        self._wake: asyncio.Future[None] | None = None  # what the run loop waits on, if it waits
+        self._reader_fd: tuple[asyncio.AbstractEventLoop, int] | None = None  # the FD watched
         self.connected = False
         self.last_seq = -1  # last applied seq of the current history (-1: none)
         self._last_fingerprint: int | None = None
@@ -151,7 +159,12 @@ class EventSubscriber:
 
     # ---- lifecycle ----------------------------------------------------------------------------
     async def run(self) -> None:
-        """Subscribe and deliver until cancelled or :meth:`close` is called."""
+        """Subscribe and deliver until cancelled or :meth:`close` is called.
+
+        Live batches are read without a future each: a plain socket on the same libzmq socket
+        (``zmq.Socket.shadow``) takes every queued message with ``NOBLOCK``, and only when the
+        queue is empty does the loop wait, on the socket's ``ZMQ_FD`` through the event loop's
+        reader (:meth:`_wait_readable`)."""
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
@@ -159,36 +172,63 @@ class EventSubscriber:
         self._monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sub.connect(self.events_url)
         self._sub = sub
+        reader = zmq.Socket.shadow(sub.underlying)  # the same socket, read without futures
         monitor_task = asyncio.create_task(self._watch_connection())
-        recv: asyncio.Future | None = None
-        reconnect: asyncio.Future | None = None  # kept across messages: one wait task per reconnect
         try:
             if self.replay_url:
                 await self._catch_up()
             while True:
-                if recv is None:
-                    recv = asyncio.ensure_future(sub.recv_multipart())  # done at once when one is queued
-                if reconnect is None:
-                    reconnect = asyncio.ensure_future(self._reconnected.wait())
-                if not recv.done() and not reconnect.done():
-                    await asyncio.wait({recv, reconnect}, return_when=asyncio.FIRST_COMPLETED)
-                if reconnect.done():
-                    reconnect = None
-                    self._reconnected.clear()
+                if self._reconnect_pending:
+                    self._reconnect_pending = False
                     await self._verify_after_reconnect()
-                if not recv.done():
+                if not reader.getsockopt(_EVENTS) & _POLLIN:  # also clears the FD's signal
+                    await self._wait_readable(reader)
                     continue
-                frames, recv = recv.result(), None
+                try:
+                    frames = reader.recv_multipart(_NOBLOCK)
+                except zmq.Again:
+                    continue
                 if len(frames) != 3:
                     log.warning("%s: ignoring a message with %d frames", self.name, len(frames))
                     continue
                 await self._on_message(seq_from_bytes(frames[1]), frames[2])
         finally:
-            for pending in (recv, reconnect):
-                if pending is not None:
-                    pending.cancel()
             monitor_task.cancel()
             self.close()
+
+    async def _wait_readable(self, reader: zmq.Socket) -> None:
+        """Return once ``reader``'s ``ZMQ_FD`` is signalled (a message may have come: the caller
+        reads ``ZMQ_EVENTS`` first, which clears the signal) or a reconnect is pending. The FD
+        stays watched between waits; signalled while nothing waits (a batch is being applied),
+        it is unwatched at once, so the event loop does not spin on it, and watched again at the
+        next wait."""
+        if self._reconnect_pending:
+            return
+        loop = asyncio.get_running_loop()
+        wake = loop.create_future()
+        self._wake = wake
+        if self._reader_fd is None:
+            fd = reader.getsockopt(_FD)
+            loop.add_reader(fd, self._on_readable)
+            self._reader_fd = (loop, fd)
+        try:
+            await wake
+        finally:
+            self._wake = None
+
+    def _on_readable(self) -> None:
+        wake = self._wake
+        if wake is None:
+            self._drop_reader()
+        elif not wake.done():
+            wake.set_result(None)
+
+    def _drop_reader(self) -> None:
+        if self._reader_fd is not None:
+            loop, fd = self._reader_fd
+            self._reader_fd = None
+            if not loop.is_closed():
+                loop.remove_reader(fd)
 
     async def _verify_after_reconnect(self) -> None:
         """The publisher's socket came back after a disconnect: ask its replay buffer at once
@@ -204,6 +244,7 @@ class EventSubscriber:
 
     def close(self) -> None:
         """Close the sockets (idempotent)."""
+        self._drop_reader()
         if self._sub is not None:
             try:
                 self._sub.disable_monitor()
@@ -226,7 +267,8 @@ class EventSubscriber:
             if event == zmq.EVENT_CONNECTED:
                 self.connected = True
                 if self._suspect:
-                    self._reconnected.set()  # the run loop verifies the history at once
+                    self._reconnect_pending = True  # the run loop verifies the history at once
+                    _set_done(self._wake)
             elif event == zmq.EVENT_DISCONNECTED:
                 self.connected = False
                 self._suspect = True
