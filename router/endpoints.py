@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-import uuid
 from typing import TYPE_CHECKING, Any, Literal
 
 import aiohttp
@@ -86,11 +86,12 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
 
 
 def request_id_of(headers: list[tuple[bytes, bytes]]) -> str:
-    """The client's ``x-request-id``, or a new random one."""
+    """The client's ``x-request-id``, or a new random one (32 hex digits from ``os.urandom``,
+    without building a ``uuid.UUID``)."""
     for name, value in headers:
         if name == b"x-request-id" and value:
             return value.decode("latin-1")
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()
 
 
 async def send_json(send, status: int, body: bytes, request_id: str | None = None,
@@ -205,7 +206,7 @@ class ProxyEndpoint:
             pool = frozenset(plan.workers) if gw.router.policy.policy.pd.applies_to(plan.model.name) else None
             plan, reservation = await gw.dispatch_queue.take_turn(plan, pool)
         if plan.pd is not None and not plan.pd.split:
-            gw.metrics.pd_requests.labels(plan.model.name, "whole").inc()
+            gw.metrics.child(gw.metrics.pd_requests, plan.model.name, "whole").inc()
         gw.router.record_decision(plan)
         logged = gw.decisions.record(plan, request_id, (time.monotonic() - queued_s) * 1000.0)
         strip = False
@@ -282,7 +283,7 @@ class ProxyEndpoint:
             split = result.params is not None
             outcome = "prefill_rejected" if result.answered else "split" if split else "prefill_failed"
             DecisionLog.prefill(logged, leg_s * 1000.0, outcome, result.cached_tokens)
-            gw.metrics.pd_requests.labels(plan.model.name, outcome).inc()
+            gw.metrics.child(gw.metrics.pd_requests, plan.model.name, outcome).inc()
             if result.answered:
                 return
             if split:

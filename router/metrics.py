@@ -237,6 +237,17 @@ class GatewayMetrics:
                                    ["model", "outcome"], registry=r)
         r.register(_WorkerGauges(workers))
         self._response_children: dict[tuple[str, int], tuple[Any, Any]] = {}
+        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
+
+    def child(self, metric: Any, *values: str) -> Any:
+        """``metric.labels(*values)``, made once per label values and kept (``labels()`` checks
+        and locks on every call, costing more than the update; every label value here comes
+        from a bounded set: worker ids, models, policies, reasons, outcomes)."""
+        key = (metric, values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found
 
     def watch_admission(self, in_flight: Callable[[], float], queued: Callable[[], float]) -> None:
         """Expose admission control's slots in use and queue length, read at scrape time."""
@@ -280,15 +291,15 @@ class GatewayMetrics:
 
     def record_cached_tokens(self, worker_id: str, predicted: int, actual: int) -> None:
         """One request's predicted vs actual prefix-hit tokens."""
-        self.predicted_cached.labels(worker_id).observe(predicted)
-        self.actual_cached.labels(worker_id).observe(actual)
-        self.cached_error.labels(worker_id).observe(abs(actual - predicted))
+        self.child(self.predicted_cached, worker_id).observe(predicted)
+        self.child(self.actual_cached, worker_id).observe(actual)
+        self.child(self.cached_error, worker_id).observe(abs(actual - predicted))
 
     def record_ttft_prediction(self, worker_id: str, predicted_ms: float, observed_ms: float) -> None:
         """One streamed request's predicted and observed TTFT, both from dispatch."""
-        self.predicted_ttft_s.labels(worker_id).observe(predicted_ms / 1000.0)
+        self.child(self.predicted_ttft_s, worker_id).observe(predicted_ms / 1000.0)
         if predicted_ms > 0:
-            self.ttft_prediction_ratio.labels(worker_id).observe(observed_ms / predicted_ms)
+            self.child(self.ttft_prediction_ratio, worker_id).observe(observed_ms / predicted_ms)
 
     def exposition(self) -> bytes:
         """The Prometheus text format of every metric."""

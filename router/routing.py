@@ -457,10 +457,11 @@ class Router:
     def record_decision(self, plan: RoutePlan) -> None:
         """Count a real (not explained) decision, and whether it went past the longest holder;
         with tracing on, put it on the current (the request's) span."""
-        self.metrics.route_decisions.labels(plan.policy_name, plan.decision.reason).inc()
+        self.metrics.child(self.metrics.route_decisions, plan.policy_name, plan.decision.reason).inc()
         chosen_score = plan._score(plan.decision.worker_id)
         if chosen_score is not None and chosen_score.peer_credit_blocks > 0:
-            self.metrics.peer_credit_blocks.labels(plan.decision.worker_id).inc(chosen_score.peer_blocks)
+            self.metrics.child(self.metrics.peer_credit_blocks, plan.decision.worker_id).inc(
+                chosen_score.peer_blocks)
         if tracing.enabled():
             tracing.set_attributes(tracing.current_span(), plan.trace_attributes())
         held = [m.total for w, m in plan.matches.items() if w in plan.workers]
@@ -468,7 +469,7 @@ class Router:
             longest = max(held)
             chosen = plan.matches.get(plan.decision.worker_id)
             if (chosen.total if chosen is not None else 0) < longest:
-                self.metrics.off_longest_prefix.labels(plan.policy_name, plan.decision.reason).inc()
+                self.metrics.child(self.metrics.off_longest_prefix, plan.policy_name, plan.decision.reason).inc()
 
     async def commit(self, plan: RoutePlan, reg: WorkerRegistration, count_use: bool = True) -> None:
         """Record the prompt's keys as speculative entries on the worker the request went to, and

@@ -178,6 +178,19 @@ class ProbeSharing:
         self.applied = {"health": 0, "scrape": 0}
         self._seen: dict[str, weakref.WeakKeyDictionary] = {"health": weakref.WeakKeyDictionary(),
                                                            "scrape": weakref.WeakKeyDictionary()}
+        self._turn: asyncio.Future[None] | None = None  # what idle per-worker loops wait on
+
+    async def wait_turn(self) -> None:
+        """Wait until :meth:`follow` finds that this process must call workers itself: it became
+        the prober, or a record went stale. A follower's per-worker loops wait here instead of
+        waking every interval to find nothing to do."""
+        if self._turn is None or self._turn.done():
+            self._turn = asyncio.get_running_loop().create_future()
+        await asyncio.shield(self._turn)  # one loop cancelled (its worker removed) leaves the others waiting
+
+    def _wake_turns(self) -> None:
+        if self._turn is not None and not self._turn.done():
+            self._turn.set_result(None)
 
     @staticmethod
     def stale(result, cfg: HealthConfig | LoadScrapeConfig) -> bool:
@@ -193,13 +206,15 @@ class ProbeSharing:
         return True
 
     async def apply(self, reg: WorkerRegistration, health: HealthConfig, scrape: LoadScrapeConfig | None,
-                    on_change: Callable[[WorkerRegistration], Awaitable[None]] | None = None) -> None:
+                    on_change: Callable[[WorkerRegistration], Awaitable[None]] | None = None) -> bool:
         """Apply the prober's new results for ``reg`` (each once): its health probe through
         :meth:`~router.registry.WorkerRegistration.record_probe` (``on_change`` awaited when
         that turned the worker up or down), its scrape through ``record_scrape``; then judge this
-        process's own KV-event stream (``check_events``)."""
+        process's own KV-event stream (``check_events``). Returns whether a record was too old to
+        follow (:meth:`stale`: this process's own loop for ``reg`` must call the worker)."""
         slot = reg.shared[1]
         result = self.table.read_probe(slot)
+        stale = self.stale(result, health)
         if self.take_new("health", reg, result, health):
             self.applied["health"] += 1
             before = reg.healthy
@@ -208,6 +223,7 @@ class ProbeSharing:
                 await on_change(reg)
         if scrape is not None:
             got = self.table.read_scrape(slot)
+            stale = stale or self.stale(got, scrape)
             if self.take_new("scrape", reg, got, scrape):
                 self.applied["scrape"] += 1
                 if got.ok:
@@ -215,23 +231,28 @@ class ProbeSharing:
                 else:
                     reg.forget_scrape()
         reg.check_events(time.monotonic())
+        return stale
 
     async def follow(self, workers: Callable[[], list[WorkerRegistration]], health: HealthConfig,
                      scrape: LoadScrapeConfig | None,
                      on_change: Callable[[WorkerRegistration], Awaitable[None]] | None = None) -> None:
         """Run until cancelled: every half of the shorter interval, while this process is not the
         prober, :meth:`apply` for every worker with a slot (a half interval: no result is
-        overwritten before it is read)."""
+        overwritten before it is read); when this process is the prober, or a record was too
+        old, wake the per-worker loops waiting in :meth:`wait_turn`."""
         period = min(health.interval_s, scrape.interval_s if scrape is not None else health.interval_s) / 2
         await asyncio.sleep(0)  # the workers' own tasks first (each KV-event ingestor attaches itself at once)
         while True:
-            if not self.is_prober():
+            wake = self.is_prober()
+            if not wake:
                 for reg in workers():
                     if reg.shared is not None and not reg.removed:
                         try:
-                            await self.apply(reg, health, scrape, on_change)
+                            wake = await self.apply(reg, health, scrape, on_change) or wake
                         except Exception:  # one worker's trouble must not stop the others' results
                             log.exception("applying the prober's results for worker %s failed", reg.id)
+            if wake:
+                self._wake_turns()
             await asyncio.sleep(period)
 
 
@@ -271,14 +292,21 @@ async def shared_scrape_once(client: UpstreamHTTP, reg: WorkerRegistration, cfg:
                               client, reg, cfg, sharing)
 
 
-def periodic_task(step, client: UpstreamHTTP, cfg: HealthConfig | LoadScrapeConfig):
+def periodic_task(step, client: UpstreamHTTP, cfg: HealthConfig | LoadScrapeConfig,
+                  sharing: ProbeSharing | None = None, read=None):
     """A registry task factory running ``step(client, reg, cfg)`` at once and then every
-    ``cfg.interval_s`` seconds, for as long as the worker is registered."""
+    ``cfg.interval_s`` seconds, for as long as the worker is registered. With ``sharing``
+    (``read(slot)``: the prober's record of the worker), a process that is not the prober and
+    holds a fresh record waits in :meth:`ProbeSharing.wait_turn` instead of the interval."""
 
     async def run(reg: WorkerRegistration) -> None:
         while True:
             await step(client, reg, cfg)
-            await asyncio.sleep(cfg.interval_s)
+            if (sharing is not None and reg.shared is not None and not sharing.is_prober()
+                    and not sharing.stale(read(reg.shared[1]), cfg)):
+                await sharing.wait_turn()
+            else:
+                await asyncio.sleep(cfg.interval_s)
 
     return run
 
@@ -299,7 +327,7 @@ def health_probe_task(client: UpstreamHTTP, cfg: HealthConfig,
         if on_change is not None and before is not None and reg.healthy is not before:
             await on_change(reg)
 
-    return periodic_task(step, client, cfg)
+    return periodic_task(step, client, cfg, sharing, sharing.table.read_probe if sharing is not None else None)
 
 
 def load_scrape_task(client: UpstreamHTTP, cfg: LoadScrapeConfig, sharing: ProbeSharing | None = None):
@@ -311,4 +339,4 @@ def load_scrape_task(client: UpstreamHTTP, cfg: LoadScrapeConfig, sharing: Probe
     async def step(client: UpstreamHTTP, reg: WorkerRegistration, cfg: LoadScrapeConfig) -> None:
         await shared_scrape_once(client, reg, cfg, sharing)
 
-    return periodic_task(step, client, cfg)
+    return periodic_task(step, client, cfg, sharing, sharing.table.read_scrape)

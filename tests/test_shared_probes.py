@@ -206,3 +206,55 @@ def test_a_scrape_asks_for_identity_and_reads_a_gzipped_page_all_the_same(always
         assert (reg.engine_running, reg.engine_waiting, reg.kv_usage) == (3, 1, 0.25)
 
     asyncio.run(run())
+
+
+def test_a_followers_worker_loop_waits_while_the_prober_is_live_and_calls_once_its_records_go_stale(tmp_path):
+    """The per-worker health loops of two processes (``health_probe_task``) with
+    ``ProbeSharing.follow`` running in the follower: while process 0 probes, the follower's loop
+    waits in ``wait_turn`` (it calls nothing and does not wake every interval); once process 0
+    stops probing and its record is older than ``stale_after_s``, follow wakes the loop and the
+    follower probes the worker itself."""
+    from kv_replay_publisher import until
+
+    from router.worker_probes import health_probe_task
+
+    load_path = create_load_table(tmp_path / "load", 2)
+    probe_path = create_table(tmp_path / "probes")
+    health = HealthConfig(interval_s=0.2, timeout_s=0.2)
+
+    async def run() -> None:
+        worker = Worker()
+        runner, url = await _serve(worker)
+        procs = []
+        for row in (0, 1):
+            load = SharedLoadTable(load_path, 2, row)
+            reg = WorkerRegistration(WorkerConfig(id="w0", url=url, model="m"))
+            reg.shared = (load, load.slot("w0"))
+            sharing = ProbeSharing(SharedProbeTable(probe_path), lambda row=row: row == 0)
+            procs.append((reg, sharing))
+        (reg0, p0), (reg1, p1) = procs
+        tasks = []
+        try:
+            async with lean_client() as client:
+                prober = asyncio.create_task(health_probe_task(client, health, None, p0)(reg0))
+                await until(lambda: p0.calls["health"] >= 1, what="the prober's first probe")
+                tasks = [prober, asyncio.create_task(health_probe_task(client, health, None, p1)(reg1)),
+                         asyncio.create_task(p1.follow(lambda: [reg1], health, None))]
+                await until(lambda: p0.calls["health"] >= 6, what="the prober probing on")
+                assert p1.calls["health"] == 0 and p1.applied["health"] >= 1 and reg1.healthy is True
+                assert p1._turn is not None and not p1._turn.done()  # the follower's loop is waiting
+                prober.cancel()  # process 0 stops probing (hung, not dead: it stays the prober)
+                stopped = time.monotonic()
+                await until(lambda: p1.calls["health"] >= 1, what="the follower probing itself")
+                assert time.monotonic() - stopped >= stale_after_s(health.interval_s, health.timeout_s) - 0.3
+                assert worker.calls["/health"] == p0.calls["health"] + p1.calls["health"]
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await runner.cleanup()
+            for reg, sharing in procs:
+                reg.shared[0].close()
+                sharing.table.close()
+
+    asyncio.run(run())
