@@ -102,6 +102,18 @@ async def _serve(worker: Worker) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{port}"
 
 
+def _two_processes(load_path, probe_path, url: str, is_prober) -> list[tuple[WorkerRegistration, ProbeSharing]]:
+    """Rows 0 and 1 of the shared tables, each with its registration of worker ``w0`` at ``url``
+    and its ProbeSharing (``is_prober(load_table, row)``)."""
+    procs = []
+    for row in (0, 1):
+        load = SharedLoadTable(load_path, 2, row)
+        reg = WorkerRegistration(WorkerConfig(id="w0", url=url, model="m"))
+        reg.shared = (load, load.slot("w0"))
+        procs.append((reg, ProbeSharing(SharedProbeTable(probe_path), lambda load=load, row=row: is_prober(load, row))))
+    return procs
+
+
 def test_one_process_calls_the_worker_and_the_other_applies_each_result_once(tmp_path):
     """Process 0 probes and scrapes; process 1 calls nothing and follows (ProbeSharing.apply):
     the same health transitions (3 failures to go down, its callback awaited once) and the same
@@ -113,13 +125,7 @@ def test_one_process_calls_the_worker_and_the_other_applies_each_result_once(tmp
     async def run() -> None:
         worker = Worker()
         runner, url = await _serve(worker)
-        procs = []
-        for row in (0, 1):
-            load = SharedLoadTable(load_path, 2, row)
-            reg = WorkerRegistration(WorkerConfig(id="w0", url=url, model="m"))
-            reg.shared = (load, load.slot("w0"))
-            sharing = ProbeSharing(SharedProbeTable(probe_path), lambda load=load, row=row: load.first_live_row() == row)
-            procs.append((reg, sharing))
+        procs = _two_processes(load_path, probe_path, url, lambda load, row: load.first_live_row() == row)
         (reg0, p0), (reg1, p1) = procs
         changes: list[bool] = []
 
@@ -225,13 +231,7 @@ def test_a_followers_worker_loop_waits_while_the_prober_is_live_and_calls_once_i
     async def run() -> None:
         worker = Worker()
         runner, url = await _serve(worker)
-        procs = []
-        for row in (0, 1):
-            load = SharedLoadTable(load_path, 2, row)
-            reg = WorkerRegistration(WorkerConfig(id="w0", url=url, model="m"))
-            reg.shared = (load, load.slot("w0"))
-            sharing = ProbeSharing(SharedProbeTable(probe_path), lambda row=row: row == 0)
-            procs.append((reg, sharing))
+        procs = _two_processes(load_path, probe_path, url, lambda load, row: row == 0)
         (reg0, p0), (reg1, p1) = procs
         tasks = []
         try:
