@@ -43,6 +43,7 @@ _PROBE = struct.Struct("<Qdd")            # seq, ok (1.0/0.0), at (monotonic s)
 _SCRAPE = struct.Struct("<Qdddddd")       # seq, ok, running, waiting, kv_usage (NaN: absent), at, spare
 ERROR_BYTES = 160
 _SCRAPE_AT = _PROBE.size
+_SEQ = struct.Struct("<Q")
 _ERROR_AT = _SCRAPE_AT + _SCRAPE.size
 RECORD_BYTES = 256
 assert _ERROR_AT + ERROR_BYTES <= RECORD_BYTES
@@ -141,6 +142,13 @@ class SharedProbeTable:
                               time.monotonic() if now is None else now, 0.0)
 
     # ---- reads (every process) -----------------------------------------------------------------
+    def seqs(self, slot: int) -> tuple[int, int]:
+        """The sequence numbers of ``slot``'s probe and scrape records (0: none yet; odd: a write
+        in progress), read alone: a reader compares them with those it applied before reading a
+        record whole."""
+        at = slot * RECORD_BYTES
+        return _SEQ.unpack_from(self._mm, at)[0], _SEQ.unpack_from(self._mm, at + _SCRAPE_AT)[0]
+
     def read_probe(self, slot: int) -> ProbeResult | None:
         """The last health probe published for ``slot``; None when none was, or no stable read
         came in a few tries (a write in progress)."""

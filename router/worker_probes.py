@@ -179,6 +179,8 @@ class ProbeSharing:
         self._seen: dict[str, weakref.WeakKeyDictionary] = {"health": weakref.WeakKeyDictionary(),
                                                            "scrape": weakref.WeakKeyDictionary()}
         self._turn: asyncio.Future[None] | None = None  # what idle per-worker loops wait on
+        # slot -> (registration, probe seq, its time, scrape seq, its time) as last applied here
+        self._applied_at: dict[int, tuple[WorkerRegistration, int, float, int, float]] = {}
 
     async def wait_turn(self) -> None:
         """Wait until :meth:`follow` finds that this process must call workers itself: it became
@@ -213,6 +215,14 @@ class ProbeSharing:
         process's own KV-event stream (``check_events``). Returns whether a record was too old to
         follow (:meth:`stale`: this process's own loop for ``reg`` must call the worker)."""
         slot = reg.shared[1]
+        last = self._applied_at.get(slot)
+        if last is not None and last[0] is reg:  # nothing new since then: two 8-byte reads
+            probe_seq, scrape_seq = self.table.seqs(slot)
+            if probe_seq == last[1] and (scrape is None or scrape_seq == last[3]):
+                now = time.monotonic()
+                reg.check_events(now)
+                return (now - last[2] > stale_after_s(health.interval_s, health.timeout_s)
+                        or (scrape is not None and now - last[4] > stale_after_s(scrape.interval_s, scrape.timeout_s)))
         result = self.table.read_probe(slot)
         stale = self.stale(result, health)
         if self.take_new("health", reg, result, health):
@@ -221,6 +231,7 @@ class ProbeSharing:
             reg.record_probe(result.ok, health.fail_threshold, health.rise_threshold, result.error)
             if on_change is not None and before is not None and reg.healthy is not before:
                 await on_change(reg)
+        got = None
         if scrape is not None:
             got = self.table.read_scrape(slot)
             stale = stale or self.stale(got, scrape)
@@ -230,6 +241,9 @@ class ProbeSharing:
                     reg.record_scrape(got.running, got.waiting, got.kv_usage)
                 else:
                     reg.forget_scrape()
+        if result is not None and (scrape is None or got is not None):
+            self._applied_at[slot] = (reg, result.seq, result.at, got.seq if got is not None else 0,
+                                      got.at if got is not None else 0.0)
         reg.check_events(time.monotonic())
         return stale
 
