@@ -217,11 +217,10 @@ class EventSubscriber:
             self._wake = None
 
     def _on_readable(self) -> None:
-        wake = self._wake
-        if wake is None:
+        if self._wake is None:
             self._drop_reader()
-        elif not wake.done():
-            wake.set_result(None)
+        else:
+            _set_done(self._wake)
 
     def _drop_reader(self) -> None:
         if self._reader_fd is not None:
