@@ -86,6 +86,7 @@ def test_token_ids_and_block_keys_match_vllm(cluster, prompt_tokenizer, name, ki
         assert ours == vllm_completion_ids(ref_url, body), f"{name}: ours vs vLLM /tokenize"
     total = sum(len(ids) for ids in ours)
 
+    cluster.wait_idle()
     explained = cluster.explain(body)
     assert explained["prompt_tokens"] == total
     assert explained["blocks"] == len(ours[0]) // BLOCK_SIZE

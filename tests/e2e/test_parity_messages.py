@@ -83,6 +83,7 @@ def test_messages_token_ids_match_vllm(cluster, prompt_tokenizer, vllm_chat_bodi
     assert counted.status_code == 200, counted.text
     assert counted.json()["input_tokens"] == len(ours), f"{name}: ours vs vLLM's count_tokens"
 
+    cluster.wait_idle()
     explained = cluster.explain(body, "/v1/messages")
     assert (explained["prompt_tokens"], explained["blocks"]) == (len(ours), len(ours) // BLOCK_SIZE)
     client = anthropic.Anthropic(base_url=cluster.base, api_key="x", max_retries=0)

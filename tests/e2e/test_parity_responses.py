@@ -38,6 +38,7 @@ def test_responses_token_ids_match_vllm(cluster, prompt_tokenizer, index):
     rendered = httpx.post(cluster.workers["w0"].url + "/v1/responses/render", json=body, timeout=60)
     assert rendered.status_code == 200, rendered.text
     assert ours == rendered.json()["token_ids"], f"{name}: ours vs vLLM's render"
+    cluster.wait_idle()
     explained = cluster.explain(body, "/v1/responses")
     assert (explained["prompt_tokens"], explained["blocks"]) == (len(ours), len(ours) // BLOCK_SIZE)
     raw = send(cluster, body)

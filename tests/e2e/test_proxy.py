@@ -46,10 +46,12 @@ def test_streaming_through_the_gateway(cluster):
     # counted in token ids (vLLM's return_token_ids puts each event's own): a random-weight model's
     # text can be held back by vLLM's detokenizer (incomplete UTF-8) until the last event (seen in
     # CI: 16 tokens, one non-empty text), its tokens never are
-    comp = cli.completions.create(model=MODEL, prompt="Count: one two", max_tokens=16, stream=True,
+    # vLLM merges the outputs its API server has not sent yet into one event (RequestOutputCollector):
+    # on a starved machine all 16 tokens of a tiny model once came as one event, so 64 are asked
+    comp = cli.completions.create(model=MODEL, prompt="Count: one two", max_tokens=64, stream=True,
                                   temperature=0.0, extra_body={"ignore_eos": True, "return_token_ids": True})
     per_event = [len(getattr(c.choices[0], "token_ids", None) or []) for c in comp if c.choices]
-    assert sum(per_event) == 16 and len([n for n in per_event if n]) >= 2, per_event
+    assert sum(per_event) == 64 and len([n for n in per_event if n]) >= 2, per_event
 
 
 def test_client_disconnect_aborts_the_vllm_request(cluster):
