@@ -46,8 +46,8 @@ def test_streaming_through_the_gateway(cluster):
     # counted in token ids (vLLM's return_token_ids puts each event's own): a random-weight model's
     # text can be held back by vLLM's detokenizer (incomplete UTF-8) until the last event (seen in
     # CI: 16 tokens, one non-empty text), its tokens never are
-    # vLLM merges the outputs its API server has not sent yet into one event (RequestOutputCollector):
-    # on a starved machine all 16 tokens of a tiny model once came as one event, so 64 are asked
+    # vLLM merges the outputs its API server has not sent yet into one event (RequestOutputCollector),
+    # so on a starved machine a short stream can arrive whole: 64 tokens leave room for several events
     comp = cli.completions.create(model=MODEL, prompt="Count: one two", max_tokens=64, stream=True,
                                   temperature=0.0, extra_body={"ignore_eos": True, "return_token_ids": True})
     per_event = [len(getattr(c.choices[0], "token_ids", None) or []) for c in comp if c.choices]
