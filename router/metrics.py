@@ -236,7 +236,6 @@ class GatewayMetrics:
         self.pd_requests = Counter("kvroute_pd_requests", "Requests of a model with P/D on, by outcome",
                                    ["model", "outcome"], registry=r)
         r.register(_WorkerGauges(workers))
-        self._response_children: dict[tuple[str, int], tuple[Any, Any]] = {}
         self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
 
     def child(self, metric: Any, *values: str) -> Any:
@@ -280,14 +279,9 @@ class GatewayMetrics:
               registry=self.registry).set_function(queued)
 
     def record_response(self, worker_id: str, status: int, ttft_s: float) -> None:
-        """A worker answered with ``status`` after ``ttft_s`` seconds (first body byte); the
-        labelled children are cached, since ``labels()`` costs more than the update."""
-        children = self._response_children.get((worker_id, status))
-        if children is None:
-            children = (self.requests.labels(worker_id, str(status)), self.ttft_s.labels(worker_id))
-            self._response_children[(worker_id, status)] = children
-        children[0].inc()
-        children[1].observe(ttft_s)
+        """A worker answered with ``status`` after ``ttft_s`` seconds (first body byte)."""
+        self.child(self.requests, worker_id, str(status)).inc()
+        self.child(self.ttft_s, worker_id).observe(ttft_s)
 
     def record_cached_tokens(self, worker_id: str, predicted: int, actual: int) -> None:
         """One request's predicted vs actual prefix-hit tokens."""

@@ -160,6 +160,11 @@ async def worker_models(client: UpstreamHTTP, reg: WorkerRegistration,
     return [card for card in data if isinstance(card, dict) and isinstance(card.get("id"), str)]
 
 
+def _too_old(at: float, cfg: HealthConfig | LoadScrapeConfig, now: float) -> bool:
+    """Whether a record written at ``at`` (monotonic s) is past :func:`router.shared_probes.stale_after_s`."""
+    return now - at > stale_after_s(cfg.interval_s, cfg.timeout_s)
+
+
 @dataclass
 class ProbeSharing:
     """This process's part in probing for its sibling processes (:mod:`router.shared_probes`):
@@ -198,7 +203,7 @@ class ProbeSharing:
     def stale(result, cfg: HealthConfig | LoadScrapeConfig) -> bool:
         """Whether ``result`` is missing or too old to follow
         (:func:`router.shared_probes.stale_after_s`): then this process calls the worker itself."""
-        return result is None or time.monotonic() - result.at > stale_after_s(cfg.interval_s, cfg.timeout_s)
+        return result is None or _too_old(result.at, cfg, time.monotonic())
 
     def take_new(self, kind: str, reg: WorkerRegistration, result, cfg: HealthConfig | LoadScrapeConfig) -> bool:
         """Whether ``result`` is fresh and not applied here yet (then it counts as applied)."""
@@ -221,8 +226,7 @@ class ProbeSharing:
             if probe_seq == last[1] and (scrape is None or scrape_seq == last[3]):
                 now = time.monotonic()
                 reg.check_events(now)
-                return (now - last[2] > stale_after_s(health.interval_s, health.timeout_s)
-                        or (scrape is not None and now - last[4] > stale_after_s(scrape.interval_s, scrape.timeout_s)))
+                return _too_old(last[2], health, now) or (scrape is not None and _too_old(last[4], scrape, now))
         result = self.table.read_probe(slot)
         stale = self.stale(result, health)
         if self.take_new("health", reg, result, health):
