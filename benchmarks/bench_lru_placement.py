@@ -34,7 +34,7 @@ from kvroute.bench.capacity import capacity_hit_rate  # noqa: E402
 from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures  # noqa: E402
 from kvroute.bench.lru_replay import best_static_placement, longest_prefix_replay, replay  # noqa: E402
 from kvroute.bench.words import OneTokenWords  # noqa: E402
-from router.tokenize import PromptTokenizer  # noqa: E402
+from router.route.prompt_blocks import PromptTokenizer  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What an idle gateway spends following its workers, by process count: health probes and load
 scrapes made by every process (``KVROUTE_SHARED_LOAD=off``, as before one prober per host) against
-one process probing for all (:mod:`router.shared_probes`), side by side in one run.
+one process probing for all (:mod:`router.shared.probe_table`), side by side in one run.
 
 N virtual workers are served by one aiohttp process on N ports (``/health`` answers 200,
 ``/metrics`` a page shaped like vLLM 0.32's: the three gauges the gateway reads among ~48 kB of

@@ -74,7 +74,7 @@ CONVERGE_S = 60.0  # longest wait for any re-convergence; past it the fault coun
 CLIENT_TIMEOUT_S = 120.0
 WORDS = "oak elm ash fir yew pine palm teak birch cedar maple alder".split()
 MIB = 1024 * 1024
-UPSTREAM_KEEPALIVE_S = 4  # router/proxy.py's pool
+UPSTREAM_KEEPALIVE_S = 4  # router/relay/upstream.py's pool
 
 
 # ---- processes -----------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ Several conversations advance turn by turn, interleaved, as concurrent users wou
 Two measurements, each repeated ``--repeats`` times with new conversations, cache off and on taking
 turns (so drift hits both alike):
 
-- ``tokenize path``: the gateway's tokenization step in this process (``router.tokenize``: chat
+- ``tokenize path``: the gateway's tokenization step in this process (``router.route.prompt_blocks``: chat
   template, encode, block keys), CPU time (``time.process_time``) per request;
 - ``gateway process``: the same bodies sent to two ``kvroute serve`` processes over one simulated
   worker (``kvroute sim``, near-instant), one with ``routing.tokenize_cache_max_tokens: 0``, one
@@ -52,8 +52,8 @@ from kvcore.tokenization import PromptTokenizer
 from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures
 from kvroute.bench.workers import stop_groups, wait_ready
 from kvroute.up import free_ports
-from router.config import ModelConfig
-from router.tokenize import _prompt_blocks
+from router.config.schema import ModelConfig
+from router.route.prompt_blocks import _prompt_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tests/fixtures/tiny-model"
@@ -205,7 +205,7 @@ def main() -> int:
             got = run_tokenize_path(toks[mode], model, reqs)
             for k, v in got.items():
                 rows[mode][k].append(v)
-    print_table("tokenize path (router.tokenize: template + encode + block keys), CPU ms per request", rows)
+    print_table("tokenize path (router.route.prompt_blocks: template + encode + block keys), CPU ms per request", rows)
     add_table(fig, "cpu", table_rows("tokenize path", rows))
     st = toks["on"].cache_stats()
     print(f"cache: {st.hits} hits, {st.misses} misses, {st.fallbacks} fallbacks; {st.entries} entries, "

@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""What OpenTelemetry tracing (router/tracing.py) adds to the gateway's latency: on vs off.
+"""What OpenTelemetry tracing (router/telemetry/tracing.py) adds to the gateway's latency: on vs off.
 
 One simulated worker (``kvroute sim`` with a huge ``--speedup``: it answers almost at once) is
 reached four ways: straight; through ``kvroute serve`` with tracing off (no ``OTEL_*``
 variables); through a second ``kvroute serve`` with tracing on, exporting every span over
 OTLP/HTTP protobuf to a receiver process on loopback (tests/otlp_receiver.py, which decodes only
-at the end so it takes no CPU from the run; the batch processor as router/tracing.py sets it up);
+at the end so it takes no CPU from the run; the batch processor as router/telemetry/tracing.py sets it up);
 and through a third one sampling 10% of the traces (``OTEL_TRACES_SAMPLER=parentbased_traceidratio``,
 ``OTEL_TRACES_SAMPLER_ARG=0.1``; the requests carry no client trace). Each repeat sends
 ``--requests`` sequential small chat requests (non-streamed, then streamed) to each target in

@@ -15,7 +15,7 @@ vLLM 0.32's path (``renderers/online_renderer.py`` -> ``renderers/hf.py``, ``cha
 
 Media parts (images, audio, video) raise :class:`kvcore.prompt_errors.MultimodalPrompt`: their
 token ids depend on the model's processor, so the gateway has vLLM render them
-(:mod:`router.render`). Other inputs we cannot reproduce exactly (files, prompt embeddings) raise
+(:mod:`router.route.render`). Other inputs we cannot reproduce exactly (files, prompt embeddings) raise
 :class:`UnsupportedPrompt`; the gateway then routes by load and counts a fallback.
 
 Text is encoded through a :class:`kvcore.token_cache.PrefixTokenCache` (exact: it cuts only where
@@ -37,7 +37,7 @@ from kvcore.anthropic_messages import messages_to_chat
 from kvcore.prompt_errors import BadPrompt, MultimodalPrompt, UnsupportedPrompt
 from kvcore.responses_input import responses_to_chat
 from kvcore.token_cache import (DEFAULT_MAX_TOKENS, PrefixTokenCache, TokenCacheStats, UnsupportedTokenizer,
-                                 encode_ids)
+                                encode_ids)
 
 log = logging.getLogger("kvroute.tokenization")
 

@@ -46,7 +46,7 @@ def vllm_argv(args: argparse.Namespace, port: int, events_cfg: dict) -> list[str
     """The vLLM OpenAI server's command line (run by ``--vllm-python``; the ``vllm`` console script
     is avoided because some builds' package metadata breaks it): prefix caching, KV events with a
     replay endpoint, ``usage.prompt_tokens_details`` and the block size, ``--enable-scale-out`` for a
-    multimodal model (its render endpoints, :mod:`router.render`), plus ``--vllm-args``."""
+    multimodal model (its render endpoints, :mod:`router.route.render`), plus ``--vllm-args``."""
     argv = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(Path(args.model).resolve()), "--served-model-name", args.served_model_name,
             "--host", "127.0.0.1", "--port", str(port), "--block-size", str(args.block_size),

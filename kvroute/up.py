@@ -392,7 +392,7 @@ def model_window_tokens(model: str) -> int | None:
 
 def model_has_media_inputs(model: str) -> bool:
     """Whether the model directory's ``config.json`` has a vision or audio tower (a multimodal
-    model: its workers get vLLM's render endpoints, :mod:`router.render`)."""
+    model: its workers get vLLM's render endpoints, :mod:`router.route.render`)."""
     try:
         hf_config = json.loads((Path(model) / "config.json").read_text())
     except (OSError, ValueError):

@@ -1,6 +1,6 @@
 """``kvroute serve --config FILE [--processes N]``: the gateway, on uvicorn with uvloop and
 httptools; with N > 1, N gateway processes on one port under a supervisor
-(:mod:`router.supervisor`, :mod:`router.siblings`)."""
+(:mod:`router.processes.supervisor`, :mod:`router.processes.group`)."""
 from __future__ import annotations
 
 import argparse
@@ -28,11 +28,11 @@ def run(args: argparse.Namespace) -> int:
     bad config or a bad ``--processes``."""
     import uvicorn
 
-    from router.app import create_app
-    from router.config import load_config
+    from router.edge.app import create_app
+    from router.config.schema import load_config
     from router.gateway import Gateway
-    from router.siblings import ProcessGroup, reuse_port_socket, socket_path, unix_socket
-    from router.tokenize import check_sliding_window
+    from router.processes.group import ProcessGroup, reuse_port_socket, socket_path, unix_socket
+    from router.route.prompt_blocks import check_sliding_window
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         print("kvroute serve: --processes must be >= 1", file=sys.stderr)
         return 2
     if args.processes > 1:
-        from router.supervisor import Supervisor
+        from router.processes.supervisor import Supervisor
 
         child = [sys.executable, "-m", "kvroute", "serve", "--config", args.config, "--log-level", args.log_level]
         return Supervisor(child, args.processes, cfg.timeouts.shutdown_grace_s).run()

@@ -67,3 +67,7 @@ def upstream_timeout(worker_id: str, timeout_s: float) -> GatewayError:
     """504: no first byte from the worker within ``timeout_s``."""
     return GatewayError(504, f"Upstream worker {worker_id} sent no response within {timeout_s} s.",
                         "upstream_error", "upstream_timeout")
+
+
+class WorkerExists(ValueError):
+    """A worker of that id, or at that address, is already registered."""

@@ -22,30 +22,29 @@ from kvcore.index.base import SupportsWorkerStates
 from kvcore.index.errors import IndexEncodingMismatch, IndexUnavailable
 from kvcore.index.host import HostIndex
 from kvcore.kv_events import EventIngestor
-from router.admission import Admission
-from router.dispatch_queue import DispatchQueue
-from router.config import GatewayConfig, WorkerConfig, load_config, same_target
-from router.decision_log import DecisionLog
-from router.embedded_events import embedded_ingest_task
-from router.shared_admission import GroupAdmission
-from router.shared_ingest import BOARD_FILE, IngestBoard, publish_loop
-from router.metrics import GatewayMetrics
-from router.peer_pull import PeerPoller, PeerTable
-from router.peer_states import PeerStateSource, PublishedPeerStates
-from router.proxy import Upstream
-from router.registry import TaskFactory, WorkerRegistration, WorkerRegistry
-from router.routing import PolicyHolder, Router
-from router.siblings import INDEX_FILE, ProcessGroup
-from router.stored_responses import StoredResponses
-from router.tokenize import TokenizerPool
-from router.worker_probes import ProbeSharing, health_probe_task, load_scrape_task
+from router.config.schema import GatewayConfig, WorkerConfig, load_config, same_target
+from router.errors import WorkerExists
+from router.processes.group import INDEX_FILE, ProcessGroup
+from router.relay.upstream import Upstream
+from router.route.admission import Admission
+from router.route.decision_log import DecisionLog
+from router.route.dispatch_queue import DispatchQueue
+from router.route.feedback import Feedback
+from router.route.planner import PolicyHolder, Router
+from router.route.prompt_blocks import TokenizerPool
+from router.route.shared_admission import GroupAdmission
+from router.route.stored_responses import StoredResponses
+from router.shared.ingest import BOARD_FILE, IngestBoard, publish_loop
+from router.telemetry.metrics import GatewayMetrics
+from router.workers.discovery.kubernetes import KubernetesDiscovery
+from router.workers.embedded_events import embedded_ingest_task
+from router.workers.peer_states import PeerStateSource, PublishedPeerStates
+from router.workers.peers import PeerPoller, PeerTable
+from router.workers.probes import ProbeSharing, health_probe_task, load_scrape_task
+from router.workers.registry import TaskFactory, WorkerRegistration, WorkerRegistry
 
-HEARTBEAT_S = 1.0  # the shared load table's liveness beat (router.shared_load.STALE_S is 5 s)
+HEARTBEAT_S = 1.0  # the shared load table's liveness beat (router.shared.load_table.STALE_S is 5 s)
 log = logging.getLogger("kvroute.gateway")
-
-
-class WorkerExists(ValueError):
-    """A worker of that id is already registered."""
 
 
 class Gateway:
@@ -65,12 +64,13 @@ class Gateway:
         self.index = make_index(cfg.index.model_dump(), host_path=host_path)
         self.registry = WorkerRegistry(shared_load=group.table if group is not None else None)
         self.metrics = GatewayMetrics(self.registry.all)
+        self.feedback = Feedback(self.registry, self.metrics)  # what answers teach (router.route.feedback)
         self.tokenizers = TokenizerPool(cfg.models, cfg.routing.tokenize_threads,
                                         cfg.routing.tokenize_cache_max_tokens)
         self.metrics.watch_tokenize_cache(self.tokenizers.cache_totals)
         self.policy = PolicyHolder(cfg.policy)
-        # workers' peer-pull states (router.peer_pull): polled from a shared index's agent states
-        # and from the states agents publish here (PUT /admin/workers/{id}/peer, router.peer_states)
+        # workers' peer-pull states (router.workers.peers): polled from a shared index's agent states
+        # and from the states agents publish here (PUT /admin/workers/{id}/peer, router.workers.peer_states)
         self.peers = PeerTable()
         self.published_peers = PublishedPeerStates()
         self.peer_source = PeerStateSource(
@@ -96,7 +96,7 @@ class Gateway:
         self._heartbeat: asyncio.Task | None = None
         self._follower: asyncio.Task | None = None
         self._board_publisher: asyncio.Task | None = None
-        self.discovery: Any = None  # router.discovery.kubernetes.KubernetesDiscovery when configured
+        self.discovery: KubernetesDiscovery | None = None  # when the config has discovery.kubernetes
 
     @property
     def model_names(self) -> set[str]:
@@ -109,9 +109,9 @@ class Gateway:
         encoding (the gateway must not start: its keys would never match); an index that is
         down only means routing on load until it answers. The agents' peer-pull states (those
         of a shared index's agents, Redis, and those published to this gateway,
-        :mod:`router.peer_states`) are polled every second into ``self.peers``
-        (:mod:`router.peer_pull`). With ``discovery.kubernetes`` it then
-        starts the pod watch (:mod:`router.discovery.kubernetes`; ``self.discovery``), raising
+        :mod:`router.workers.peer_states`) are polled every second into ``self.peers``
+        (:mod:`router.workers.peers`). With ``discovery.kubernetes`` it then
+        starts the pod watch (:mod:`router.workers.discovery.kubernetes`; ``self.discovery``), raising
         ValueError when no Kubernetes client configuration loads."""
         try:
             await self.index.open()
@@ -122,8 +122,8 @@ class Gateway:
         await self.tokenizers.load()
         await self.upstream.start()
         self.router.render_session = lambda: self.upstream.session
-        client = self.upstream.http  # probes and scrapes (router.worker_probes)
-        sharing = None  # with siblings, one process probes and scrapes for all (router.shared_probes)
+        client = self.upstream.http  # probes and scrapes (router.workers.probes)
+        sharing = None  # with siblings, one process probes and scrapes for all (router.shared.probe_table)
         if self.group is not None and self.group.probes is not None:
             sharing = ProbeSharing(self.group.probes, self.group.is_prober)
             self.metrics.watch_worker_calls(lambda: dict(sharing.calls), lambda: dict(sharing.applied))
@@ -150,13 +150,11 @@ class Gateway:
                                self._health_changed), name="probe-follower")
         if self.group is not None and self.group.table is not None:  # a silent row counts as a dead process
             self._heartbeat = asyncio.get_running_loop().create_task(self._beat(self.group), name="load-heartbeat")
-        # agents publish their peer-pull states in a shared index and/or here (router.peer_states)
+        # agents publish their peer-pull states in a shared index and/or here (router.workers.peer_states)
         self._peer_poller = PeerPoller(self.peer_source, self.peers)
         self._peer_poller.start()
         await self._wait_first_probe(regs)
         if self.cfg.discovery.kubernetes is not None:  # pods become workers as they turn Ready
-            from router.discovery.kubernetes import KubernetesDiscovery
-
             self.discovery = KubernetesDiscovery(self, self.cfg.discovery.kubernetes)
             await self.discovery.start()
 

@@ -16,19 +16,37 @@ NixlConnector), and NixlConnector's ``vllm:nixl_xfer_time_seconds`` (simulated s
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-if TYPE_CHECKING:
-    from simulator.app import SimServer
+from simulator.block_pool import BlockPool
+from simulator.config import SimConfig
+from simulator.engine import Engine
+
+
+class RankView(Protocol):
+    """What the collector reads of one data parallel rank (:class:`simulator.app.SimRank`)."""
+
+    rank: int
+    pool: BlockPool
+    engine: Engine
+
+
+class ServerView(Protocol):
+    """What the collector reads of a server (:class:`simulator.app.SimServer`)."""
+
+    cfg: SimConfig
+    model: str
+    ranks: Sequence[RankView]
 
 
 class _EngineCollector:
     """A prometheus-client collector reading one server's engine and block pool."""
 
-    def __init__(self, server: "SimServer") -> None:
+    def __init__(self, server: ServerView) -> None:
         self.server = server
 
     def collect(self):
@@ -106,7 +124,7 @@ class _EngineCollector:
         yield g
 
 
-def make_registry(server: "SimServer") -> CollectorRegistry:
+def make_registry(server: ServerView) -> CollectorRegistry:
     """A fresh registry holding one collector for ``server``."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_EngineCollector(server))

@@ -1,4 +1,4 @@
-"""Admission control (router.admission) on its own: slots, the FIFO queue, 429 with Retry-After,
+"""Admission control (router.route.admission) on its own: slots, the FIFO queue, 429 with Retry-After,
 cancelled waits, and slots that follow the routable workers."""
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from router.admission import Admission
-from router.config import AdmissionConfig
+from router.config.schema import AdmissionConfig
 from router.errors import GatewayError
-from router.metrics import GatewayMetrics
+from router.route.admission import Admission
+from router.telemetry.metrics import GatewayMetrics
 
 
 def make(per_worker: int = 1, workers: list[int] | None = None, max_queued: int = 2,

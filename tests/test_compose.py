@@ -19,7 +19,7 @@ import yaml
 from e2e.conftest import vllm_python
 from kvroute.cli import build_parser
 from offload_agent.connector.config import CONNECTOR_CLASS, CONNECTOR_MODULE, TierSettings
-from router.config import load_config
+from router.config.schema import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = REPO / "docker-compose.yml"

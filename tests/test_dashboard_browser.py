@@ -1,4 +1,4 @@
-"""The operator dashboard (``GET /dashboard``, router/dashboard.py) and the summary it draws
+"""The operator dashboard (``GET /dashboard``, router/edge/dashboard.py) and the summary it draws
 (``GET /admin/summary``), against a real gateway over two `kvroute sim` workers (policy ttft)
 driven by the ``openai`` SDK; the page in a real browser: headless Chromium (Debian's
 ``chromium``; ``KVR_CHROMIUM`` names another binary) driven by Playwright for Python.

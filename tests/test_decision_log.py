@@ -1,4 +1,4 @@
-"""The decision log (``router/decision_log.py``) and ``GET /admin/decisions``: the ring alone
+"""The decision log (``router/route/decision_log.py``) and ``GET /admin/decisions``: the ring alone
 (bounded, newest first, filters, candidates cut) and its summary (windowed counts in time
 buckets: ``GET /admin/summary``, tested over HTTP in test_dashboard_browser.py), then a real
 gateway over two `kvroute sim` workers driven by the ``openai`` SDK: every decision of real
@@ -13,10 +13,10 @@ import pytest
 
 from conftest import ADMIN_TOKEN, wait_until
 from kvcore.index.base import TierMatch
-from router.config import ModelConfig
-from router.decision_log import MAX_CANDIDATES, DecisionLog, SummaryWindowError, merge_summaries
+from router.config.schema import ModelConfig
 from router.policies.base import CandidateScore, Decision, RouteRequest
-from router.routing import RoutePlan
+from router.route.decision_log import MAX_CANDIDATES, DecisionLog, SummaryWindowError, merge_summaries
+from router.route.planner import RoutePlan
 from test_gateway_e2e import BLOCK, assert_openai_error, chat_body, running_two_sim_gateway
 
 

@@ -16,9 +16,9 @@ import httpx
 import pytest
 
 from conftest import Proc, free_ports, kvroute_argv, metric, serve_gateway, wait_http, wait_until
-from router.config import WorkerConfig
-from router.dispatch_queue import Reservation
-from router.registry import WorkerRegistration
+from router.config.schema import WorkerConfig
+from router.route.dispatch_queue import Reservation
+from router.workers.registry import WorkerRegistration
 
 BLOCK = 32
 ADMIN = {"authorization": "Bearer queue-admin"}

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from conftest import ADMIN_TOKEN, Proc, free_ports, kvroute_argv, serve_gateway, wait_http
-from router.config import parse_config
+from router.config.schema import parse_config
 from router.gateway import Gateway
 
 BLOCK = 32

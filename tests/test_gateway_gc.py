@@ -1,4 +1,4 @@
-"""The gateway process freezes what start-up made out of the cyclic GC's reach (router/app.py),
+"""The gateway process freezes what start-up made out of the cyclic GC's reach (router/edge/app.py),
 so a full collection walks only what requests created since."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import gc
 from starlette.testclient import TestClient
 
 from conftest import free_ports
-from router.app import create_app
-from router.config import parse_config
+from router.config.schema import parse_config
+from router.edge.app import create_app
 from router.gateway import Gateway
 
 

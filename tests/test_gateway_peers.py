@@ -26,7 +26,7 @@ from kvcore.block_keys import ENCODING_VERSION, block_keys
 from kvcore.index.base import TierMatch
 from offload_agent.agent_link import AgentLink, pull_area_path
 from offload_agent.tiers.shm_slab import ShmSlab
-from router.peer_states import PeerStateSource, PublishedPeerStates
+from router.workers.peer_states import PeerStateSource, PublishedPeerStates
 
 BLOCK = 32
 BLOCK_BYTES = 512

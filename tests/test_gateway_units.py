@@ -8,11 +8,11 @@ import orjson
 import pytest
 
 from kvcore.index import MemoryIndex, make_index
-from router.config import WorkerConfig, parse_config
+from router.config.schema import WorkerConfig, parse_config
 from router.errors import body_too_large, no_healthy_worker, unknown_model
-from router.registry import WorkerRegistry
-from router.stream_usage import UsageStrip, UsageTap, cached_tokens_of_body, request_stream_usage
-from router.worker_probes import parse_engine_load
+from router.relay.stream_usage import UsageStrip, UsageTap, cached_tokens_of_body, request_stream_usage
+from router.workers.probes import parse_engine_load
+from router.workers.registry import WorkerRegistry
 
 
 def _cfg(**over):

@@ -1,5 +1,5 @@
 """Kubernetes worker discovery without a cluster: the pure pod -> worker mapping, the config
-section, and :class:`router.discovery.kubernetes.KubernetesDiscovery` with the real
+section, and :class:`router.workers.discovery.kubernetes.KubernetesDiscovery` with the real
 ``kubernetes`` client against the fake API server of tests/fake_kube_api.py (list, watch from
 the list's resourceVersion, 410 Gone as an event and as a status, API errors with backoff,
 prompt stop, role labels), changing a stand-in gateway that has the real worker registry. The gateway
@@ -13,12 +13,12 @@ import pytest
 import yaml
 
 from fake_kube_api import FakeKubeAPI, make_pod
-from router.config import WorkerConfig, parse_config, same_target
-from router.discovery.config import KubernetesDiscoveryConfig
-from router.discovery.kubernetes import KubernetesDiscovery
-from router.discovery.pods import map_pod, resolve_port
-from router.gateway import WorkerExists
-from router.registry import WorkerRegistry
+from router.config.discovery import KubernetesDiscoveryConfig
+from router.config.schema import WorkerConfig, parse_config, same_target
+from router.errors import WorkerExists
+from router.workers.discovery.kubernetes import KubernetesDiscovery
+from router.workers.discovery.pods import map_pod, resolve_port
+from router.workers.registry import WorkerRegistry
 
 SELECTOR = "app.kubernetes.io/name=vllm-worker"
 

@@ -26,7 +26,7 @@ from kubernetes_validate.utils import ValidationError as SchemaError
 from e2e.conftest import vllm_python
 from kvroute.cli import build_parser
 from offload_agent.connector.config import CONNECTOR_CLASS, CONNECTOR_MODULE, TierSettings
-from router.config import parse_config
+from router.config.schema import parse_config
 from test_compose import _VLLM_CHECK, _flags
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ from conftest import free_port, running_up
 from kvcore.block_keys import BlockExtras, block_keys
 from kvcore.events import BlockStored, EventBatch, decode_batch
 from kvcore.kv_events import EventTranslator
-from router.render import RenderedPrompt, parse_rendered
+from router.route.render import RenderedPrompt, parse_rendered
 
 BS, MODEL = 32, "vlm"
 AUTH = {"Authorization": "Bearer mm-token"}

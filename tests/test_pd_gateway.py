@@ -1,4 +1,4 @@
-"""The gateway's prefill-decode path (router/pd.py, router/pd_relay.py, the endpoints): the legs'
+"""The gateway's prefill-decode path (router/route/pd.py, router/edge/prefill_leg.py, the endpoints): the legs'
 choice (pure, over candidates) and, through a real ``kvroute serve`` and the openai SDK, the
 two-leg relay in front of small aiohttp stand-ins that answer as vLLM does (a prefill leg answers
 ``kv_transfer_params``; the decode leg streams) and record what each leg received: bodies,
@@ -25,9 +25,9 @@ from openai import OpenAI
 from conftest import ADMIN_TOKEN, Proc, free_ports, serve_gateway, wait_http, wait_until
 from kvcore.index.base import TierMatch
 from kvroute.bench.workers import samples_by_source
-from router.pd import PREFILL_KV_TRANSFER_PARAMS, choose_decode, decode_body, prefill_body, prefill_policy, \
-    split_or_whole
 from router.policies import Candidate, RouteRequest, WorkerLoad, describe, make_policy
+from router.route.pd import PREFILL_KV_TRANSFER_PARAMS, choose_decode, decode_body, prefill_body, prefill_policy, \
+    split_or_whole
 from test_gateway_e2e import _sim_argv, metric_value, system_prompt
 
 BLOCK = 32

@@ -1,4 +1,4 @@
-"""Peer pull on the router side (``router/peer_pull.py``): the worth of a pulled block, which
+"""Peer pull on the router side (``router/workers/peers.py``): the worth of a pulled block, which
 blocks a candidate can pull, the ``kv_aware`` and ``ttft`` policies weighing a pull against a busy
 holder, the config keys, the poller that reads the agents' states, the explain fields and the
 metric through the in-process router, and one gateway over a real ``redis-server`` and two
@@ -23,14 +23,15 @@ from kvcore.index.base import TierMatch
 from kvcore.index.errors import IndexUnavailable
 from kvcore.index.memory import MemoryIndex
 from kvcore.index.redis import RedisIndex
-from router.config import ModelConfig, RoutingConfig, WorkerConfig
-from router.metrics import GatewayMetrics
-from router.peer_pull import (PeerInfo, PeerPoller, PeerPricing, PeerTable, gbit_s_to_bytes_per_s,
-                              peer_blocks_by_worker, peer_credit_per_block)
+from router.config.schema import ModelConfig, RoutingConfig, WorkerConfig
+from router.estimates.peer_credit import (PeerInfo, PeerPricing, gbit_s_to_bytes_per_s, peer_blocks_by_worker,
+                                          peer_credit_per_block)
 from router.policies import Candidate, RouteRequest, WorkerLoad, describe, make_policy
-from router.registry import WorkerRegistry
-from router.routing import PolicyHolder, Router
-from router.tokenize import TokenizerPool
+from router.route.planner import PolicyHolder, Router
+from router.route.prompt_blocks import TokenizerPool
+from router.telemetry.metrics import GatewayMetrics
+from router.workers.peers import PeerPoller, PeerTable
+from router.workers.registry import WorkerRegistry
 from test_gateway_e2e import running_two_sim_gateway
 
 BS = 32
@@ -339,7 +340,7 @@ async def test_router_puts_peer_blocks_on_candidates_and_explains_them(rig):
     assert plan.uncached_tokens("w") == PROMPT - 860 and plan.uncached_tokens("v") == 1
     real = await router.plan("completion", body, [], orjson.dumps(body))
     router.record_decision(real)
-    text = router.metrics.exposition().decode()
+    text = router.telemetry.metrics.exposition().decode()
     assert 'kvroute_peer_credit_blocks_total{worker="w"} 40.0' in text
     assert 'kvroute_worker_peer_link_bytes_per_second{worker="w"} 1e+09' in text
     assert 'kvroute_route_decisions_total{policy="ttft",reason="peer_pull"} 1.0' in text

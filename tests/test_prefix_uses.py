@@ -1,11 +1,11 @@
-"""Recent uses per block key (router.prefix_uses): counts, the idle window, the bound. What the
+"""Recent uses per block key (router.estimates.prefix_uses): counts, the idle window, the bound. What the
 router makes of them: tests/test_dispatch_queue_rules.py (a conversation's follow-up waits
 longer than a hot prefix)."""
 from __future__ import annotations
 
 import pytest
 
-from router.prefix_uses import PrefixUses
+from router.estimates.prefix_uses import PrefixUses
 
 
 class Clock:

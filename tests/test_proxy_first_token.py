@@ -1,5 +1,5 @@
 """The relay passes a stream's first bytes to the client before the first token's bookkeeping
-(``router/proxy.py``): on a busy host the gateway waits for CPU, and that work (learning the
+(``router/relay/upstream.py``): on a busy host the gateway waits for CPU, and that work (learning the
 worker's TTFT line, the decision log) must not delay the client's first token. A real aiohttp
 server streams the events; the relay writes through a recording ASGI ``send``."""
 from __future__ import annotations
@@ -10,10 +10,10 @@ import time
 
 from aiohttp import web
 
-from router.config import HealthConfig, TimeoutsConfig, WorkerConfig
-from router.metrics import GatewayMetrics
-from router.proxy import ClientState, Upstream, opening_only
-from router.registry import WorkerRegistration
+from router.config.schema import HealthConfig, TimeoutsConfig, WorkerConfig
+from router.relay.upstream import ClientState, RelayHooks, RelayRequest, Upstream, opening_only
+from router.telemetry.metrics import GatewayMetrics
+from router.workers.registry import WorkerRegistration
 
 EVENTS = [b'data: {"choices": [{"delta": {"content": "a"}}]}\n\n',
           b'data: {"choices": [{"delta": {"content": "b"}}]}\n\n',
@@ -63,9 +63,9 @@ async def test_first_chunk_reaches_the_client_before_the_first_token_bookkeeping
             assert handle.reg is reg and handle.ttft_ms is not None and handle.ttft_ms > 0
             seen.append(("first_token", None))
 
-        await asyncio.wait_for(upstream.relay(
-            send, ClientState(), "POST", "/v1/chat/completions", b"{}", [], "r1", [reg],
-            t0=time.perf_counter(), on_first_token=on_first_token), timeout=30)
+        req = RelayRequest("POST", "/v1/chat/completions", b"{}", [], "r1", time.perf_counter())
+        await asyncio.wait_for(upstream.relay(send, ClientState(), req, [reg], RelayHooks(on_first_token=on_first_token)),
+                               timeout=30)
     bodies = [b for kind, b in seen if kind == "body"]
     assert b"".join(bodies) == b"".join(EVENTS)  # the stream, whole and in order
     assert seen[0] == ("body", EVENTS[0]) and seen[1] == ("first_token", None)  # first bytes, then bookkeeping
@@ -110,9 +110,9 @@ async def test_a_responses_stream_counts_as_prefilled_at_its_first_token_not_its
             if message["type"] == "http.response.body" and message["body"]:
                 seen.append((message["body"], reg.decoding))
 
-        await asyncio.wait_for(upstream.relay(
-            send, ClientState(), "POST", "/v1/responses", b"{}", [], "r1", [reg], t0=time.perf_counter(),
-            on_first_token=lambda handle: seen.append(("ttft_ms", handle.ttft_ms))), timeout=30)
+        req = RelayRequest("POST", "/v1/responses", b"{}", [], "r1", time.perf_counter())
+        hooks = RelayHooks(on_first_token=lambda handle: seen.append(("ttft_ms", handle.ttft_ms)))
+        await asyncio.wait_for(upstream.relay(send, ClientState(), req, [reg], hooks), timeout=30)
     assert seen[0] == (RESPONSES_EVENTS[0], 0)  # relayed at once, still in prefill
     assert seen[1][0] == RESPONSES_EVENTS[1] and seen[2][0] == "ttft_ms"
     assert seen[2][1] >= PREFILL_S * 1000 * 0.9  # the first token's time, not the opening's

@@ -314,7 +314,7 @@ async def test_a_shard_restart_fails_lookups_then_the_agent_republishes_and_the_
 def test_the_cluster_config_key_is_checked_by_the_config_and_the_factory():
     from pydantic import ValidationError
 
-    from router.config import IndexConfig
+    from router.config.schema import IndexConfig
     assert IndexConfig(backend="redis", url="redis://h:1/0", cluster=True).model_dump()["cluster"] is True
     with pytest.raises(ValidationError, match="cluster must be true or false"):
         IndexConfig(backend="redis", cluster="yes")

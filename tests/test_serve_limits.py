@@ -1,5 +1,5 @@
 """Every limit of ``admission`` holds for the gateway as a whole with ``kvroute serve
---processes 2`` (router.shared_admission), end to end: one worker (tests/bad_worker.py ``slow``:
+--processes 2`` (router.route.shared_admission), end to end: one worker (tests/bad_worker.py ``slow``:
 it holds each request 2 s and counts how many it holds at once) behind a real 2-process gateway,
 10 concurrent requests on new connections (the kernel spreads connections over the processes):
 

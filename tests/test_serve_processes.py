@@ -17,12 +17,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import ADMIN_TOKEN, Proc, free_ports, kvroute_argv, wait_http, wait_until
-from router.config import WorkerConfig
-from router.registry import WorkerRegistry
-from router.shared_load import MAX_WORKERS, STALE_S, SharedLoadTable, create_table, prefill_end_of
-from router import supervisor
-from router.siblings import ENV_RUN_DIR, LOAD_FILE, merge_metrics
-from router.supervisor import sweep_stale_run_dirs
+from router.config.schema import WorkerConfig
+from router.processes import supervisor
+from router.processes.group import ENV_RUN_DIR, LOAD_FILE, merge_metrics
+from router.processes.supervisor import sweep_stale_run_dirs
+from router.shared.load_table import MAX_WORKERS, STALE_S, SharedLoadTable, create_table, prefill_end_of
+from router.workers.registry import WorkerRegistry
 from test_gateway_e2e import BLOCK, Sim, _sim_argv, chat_body
 
 
@@ -268,7 +268,7 @@ def test_admin_changes_reach_every_process(two_procs):
 
 
 def test_one_process_probes_and_scrapes_the_workers_for_both(two_procs):
-    """Process 0 calls the workers; process 1 only applies its results (router.shared_probes)."""
+    """Process 0 calls the workers; process 1 only applies its results (router.shared.probe_table)."""
     base, _, _ = two_procs
 
     def counts() -> tuple[dict, dict]:

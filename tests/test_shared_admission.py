@@ -1,4 +1,4 @@
-"""Admission control counted for the gateway as a whole (router.shared_admission): the slots and
+"""Admission control counted for the gateway as a whole (router.route.shared_admission): the slots and
 the queue of every process in one table, taken under one lock (no two processes take the last
 slot, even hammered by several at once), a FIFO order across processes, and the rows of a
 killed process released at once. The end-to-end checks with a real ``kvroute serve --processes
@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from conftest import wait_until
-from router.config import AdmissionConfig
+from router.config.schema import AdmissionConfig
 from router.errors import GatewayError
-from router.metrics import GatewayMetrics
-from router.shared_admission import AdmissionTable, GroupAdmission, create_table, life_path
+from router.route.shared_admission import AdmissionTable, GroupAdmission, create_table, life_path
+from router.telemetry.metrics import GatewayMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -110,10 +110,10 @@ async def test_a_timed_out_or_cancelled_waiter_leaves_the_gateway_queue(tmp_path
 
 _HAMMER = textwrap.dedent("""
     import asyncio, sys, time
-    from router.config import AdmissionConfig
+    from router.config.schema import AdmissionConfig
     from router.errors import GatewayError
-    from router.metrics import GatewayMetrics
-    from router.shared_admission import AdmissionTable, GroupAdmission
+    from router.telemetry.metrics import GatewayMetrics
+    from router.route.shared_admission import AdmissionTable, GroupAdmission
 
     path, rows, row, limit, n, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
 
@@ -185,9 +185,9 @@ def test_processes_hammering_at_once_never_hold_more_than_the_limit(tmp_path):
 
 _HOLDER = textwrap.dedent("""
     import asyncio, sys
-    from router.config import AdmissionConfig
-    from router.metrics import GatewayMetrics
-    from router.shared_admission import AdmissionTable, GroupAdmission
+    from router.config.schema import AdmissionConfig
+    from router.telemetry.metrics import GatewayMetrics
+    from router.route.shared_admission import AdmissionTable, GroupAdmission
 
     async def main():
         cfg = AdmissionConfig(max_in_flight_per_worker=2, max_queued=1, queue_timeout_s=300)

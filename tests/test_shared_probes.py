@@ -1,4 +1,4 @@
-"""One prober per host (``router.shared_probes``): the file's records, who probes, and two
+"""One prober per host (``router.shared.probe_table``): the file's records, who probes, and two
 processes' probe steps against a real HTTP worker stand-in that counts its calls."""
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import gzip
 import pytest
 from aiohttp import web
 
-from router.config import HealthConfig, LoadScrapeConfig, WorkerConfig
-from router.registry import WorkerRegistration
+from router.config.schema import HealthConfig, LoadScrapeConfig, WorkerConfig
+from router.shared.load_table import STALE_S, SharedLoadTable, create_table as create_load_table
+from router.shared.probe_table import RECORD_BYTES, SharedProbeTable, create_table, stale_after_s
 from router.upstream_http import UpstreamHTTP
-from router.shared_load import STALE_S, SharedLoadTable, create_table as create_load_table
-from router.shared_probes import RECORD_BYTES, SharedProbeTable, create_table, stale_after_s
-from router.worker_probes import ProbeSharing, scrape_once, shared_probe_once, shared_scrape_once
+from router.workers.probes import ProbeSharing, scrape_once, shared_probe_once, shared_scrape_once
+from router.workers.registry import WorkerRegistration
 
 METRICS = ('# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
            '# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{engine="0",model_name="m"} 1.0\n'
@@ -222,7 +222,7 @@ def test_a_followers_worker_loop_waits_while_the_prober_is_live_and_calls_once_i
     follower probes the worker itself."""
     from kv_replay_publisher import until
 
-    from router.worker_probes import health_probe_task
+    from router.workers.probes import health_probe_task
 
     load_path = create_load_table(tmp_path / "load", 2)
     probe_path = create_table(tmp_path / "probes")

@@ -26,8 +26,8 @@ from kvcore.index.redis import RedisIndex
 from kvcore.index.redis_mirror import RedisMirrorIndex
 from kvcore.kv_events import EventTranslator, write_ops
 from kvcore.sliding_window import declared_window_tokens, window_blocks, window_hits, window_key, window_keys
-from router.config import ModelConfig
-from router.tokenize import check_sliding_window
+from router.config.schema import ModelConfig
+from router.route.prompt_blocks import check_sliding_window
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "hybrid_sw64_events.json").read_text())
 BS, WINDOW, MODEL = 32, 64, "tiny-hybrid"
@@ -44,7 +44,7 @@ def removed(hashes, group):
 
 
 async def predicted_hits(index: MemoryIndex, prompt: list[int]) -> dict[str, int]:
-    """The gateway's rule (router.routing.Router._window_limited) in blocks, per worker."""
+    """The gateway's rule (router.route.planner.Router._window_limited) in blocks, per worker."""
     keys = block_keys(prompt, BS, MODEL)
     cap = (len(prompt) - 1) // BS
     full = {w: min(m.gpu, cap) for w, m in (await index.match(keys)).items()}

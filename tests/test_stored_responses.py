@@ -1,9 +1,9 @@
-"""router.stored_responses: response ids read from a worker's first answer bytes, bounded."""
+"""router.route.stored_responses: response ids read from a worker's first answer bytes, bounded."""
 from __future__ import annotations
 
 import pytest
 
-from router.stored_responses import StoredResponses
+from router.route.stored_responses import StoredResponses
 
 
 def test_ids_from_a_body_and_a_stream_first_event_and_the_oldest_dropped():

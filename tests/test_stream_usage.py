@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.stream_usage import UsageStrip, UsageTap, request_stream_usage
+from router.relay.stream_usage import UsageStrip, UsageTap, request_stream_usage
 
 STREAMS = Path(__file__).parent / "fixtures" / "vllm_streams"
 _VOLATILE = re.compile(rb'"(id|created)":("[^"]*"|\d+)')

@@ -23,9 +23,9 @@ from tokenizers import AddedToken, Tokenizer
 
 from kvcore.token_cache import ENTRY_OVERHEAD_TOKENS, PrefixTokenCache, UnsupportedTokenizer, encode_ids
 from kvcore.tokenization import PromptTokenizer
-from router.config import ModelConfig
-from router.metrics import GatewayMetrics
-from router.tokenize import TokenizerPool
+from router.config.schema import ModelConfig
+from router.route.prompt_blocks import TokenizerPool
+from router.telemetry.metrics import GatewayMetrics
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))

@@ -1,4 +1,4 @@
-"""The gateway's tokenization step (router/tokenize.py) against real vLLM's /tokenize answers in the
+"""The gateway's tokenization step (router/route/prompt_blocks.py) against real vLLM's /tokenize answers in the
 capture, and the block keys it derives (salt and LoRA mixed in, fallbacks, bad prompts)."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 
 from kvcore.block_keys import BlockExtras, block_keys
 from kvcore.tokenization import BadPrompt
-from router.config import ModelConfig
-from router.tokenize import TokenizerPool
+from router.config.schema import ModelConfig
+from router.route.prompt_blocks import TokenizerPool
 
 BLOCK = 32
 

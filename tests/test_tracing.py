@@ -1,4 +1,4 @@
-"""OpenTelemetry tracing of the gateway (router/tracing.py), end to end with real parts: `kvroute
+"""OpenTelemetry tracing of the gateway (router/telemetry/tracing.py), end to end with real parts: `kvroute
 serve` as a subprocess exporting over OTLP/HTTP protobuf to a receiver this test runs
 (tests/otlp_receiver.py), two `kvroute sim` workers, the `openai` SDK as the client with its own
 W3C ``traceparent``. Checked: the spans' names and parent links, the trace continuing the
@@ -24,7 +24,7 @@ from openai import OpenAI
 
 from conftest import Proc, free_ports, kvroute_argv, wait_http, wait_until
 from otlp_receiver import OtlpReceiver, SpanRecord
-from router import tracing
+from router.telemetry import tracing
 
 BLOCK = 16
 ROOT = Path(__file__).resolve().parents[1]
@@ -256,8 +256,8 @@ def test_disabled_sdk_exports_nothing_and_passes_the_client_traceparent_through(
 
 _PROBE = textwrap.dedent("""
     import json, sys
-    from router.app import create_app
-    from router.config import load_config
+    from router.edge.app import create_app
+    from router.config.schema import load_config
     from router.gateway import Gateway
     from opentelemetry import trace
     app = create_app(Gateway(load_config(sys.argv[1])))

@@ -12,12 +12,12 @@ import statistics
 import pytest
 
 from kvcore.index.base import TierMatch
-from router.evidence import EvidenceTrust
+from router.config.schema import WorkerConfig
+from router.estimates.evidence import EvidenceTrust
+from router.estimates.prefill_rate import DECODE_INTERFERENCE_TOKENS, PrefillRate, PrefillRateEstimator, theil_sen
 from router.policies.base import Candidate, RouteRequest, WorkerLoad
-from router.config import WorkerConfig
 from router.policies.factory import DEFAULT_POLICY, describe, make_policy
-from router.registry import WorkerRegistration
-from router.ttft_model import DECODE_INTERFERENCE_TOKENS, PrefillRate, PrefillRateEstimator, theil_sen
+from router.workers.registry import WorkerRegistration
 
 BS = 16
 

@@ -188,7 +188,7 @@ def test_up_pd_plans_prefill_then_decode_workers_and_a_pd_gateway_config(tmp_pat
     validation. --workers N: w0.., no roles, no pd (today's config)."""
     from kvroute.cli import build_parser
     from kvroute.up import WorkerPlan, gateway_config, plan_workers
-    from router.config import parse_config
+    from router.config.schema import parse_config
 
     def parse(*flags: str):
         return build_parser().parse_args(["up", "--model", str(tmp_path), "--served-model-name", "m", *flags])

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from conftest import ADMIN_TOKEN, Proc, free_port, free_ports, metric, wait_http
-from router.config import WorkerConfig
+from router.config.schema import WorkerConfig
 from test_gateway_e2e import BLOCK, _sim_argv, assert_openai_error, start_gateway
 
 

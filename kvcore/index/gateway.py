@@ -3,7 +3,7 @@ index already holds every worker's blocks (it subscribes to their KV events), so
 its worker's tiers asks it where a prompt's blocks are and which peers serve them, and publishes
 its own peer-pull state there (``kvroute agent --index http://GATEWAY``).
 
-:class:`GatewayIndex` speaks to the admin routes of :mod:`router.admin_peers` with the admin
+:class:`GatewayIndex` speaks to the admin routes of :mod:`router.edge.admin_peers` with the admin
 bearer token, over one keep-alive connection pool:
 
 - :meth:`GatewayIndex.match` -> ``POST /admin/index/match`` ``{"keys": [...]}``: per worker the

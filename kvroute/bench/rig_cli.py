@@ -35,7 +35,7 @@ def pd_roles(pd: tuple[int, int]) -> list[str]:
 
 def add_rig_parser(sub: argparse._SubParsersAction) -> None:
     """Add ``kvroute bench rig`` to the ``bench`` subparsers."""
-    from kvroute.bench.cli import _positive_int, add_workload_flags
+    from kvroute.bench.flags import add_workload_flags, positive_int
     from simulator.timing import PRESETS
 
     p = sub.add_parser(
@@ -45,7 +45,7 @@ def add_rig_parser(sub: argparse._SubParsersAction) -> None:
                     "workers' prefix caches between routers, replay the same requests in the same order "
                     "through each, and print one table.")
     r = p.add_argument_group("rig")
-    r.add_argument("--workers", type=_positive_int, default=None,
+    r.add_argument("--workers", type=positive_int, default=None,
                    help="number of workers (default 2, or P+D with --pd)")
     r.add_argument("--pd", type=pd_split, default=None, metavar="P:D",
                    help="prefill-decode disaggregation: workers 0..P-1 get role prefill, the next D decode, and "
@@ -69,7 +69,7 @@ def add_rig_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--policy-config", action="append", default=[], metavar="LABEL=JSON",
                    help="a kvroute policy variant, e.g. 'kv_nolw={\"name\": \"kv_aware\", \"load_weight\": 0}', "
                         "then named kvroute:kv_nolw in --routers; repeatable")
-    r.add_argument("--num-gpu-blocks-override", type=_positive_int, default=None, metavar="N",
+    r.add_argument("--num-gpu-blocks-override", type=positive_int, default=None, metavar="N",
                    help="KV blocks per worker (default: the engine's own, or sized by --kv-pressure)")
     r.add_argument("--max-model-len", type=int, default=None, help="workers' context length (vLLM's flag)")
     r.add_argument("--timing-preset", choices=sorted(PRESETS), default="gpu",
@@ -83,11 +83,11 @@ def add_rig_parser(sub: argparse._SubParsersAction) -> None:
                    help="vllm engine: interpreter with vLLM (default $KVR_VLLM_PYTHON)")
     r.add_argument("--vllm-args", default="", metavar="'ARGS'",
                    help="vllm engine: extra flags for each server, one shell-quoted string")
-    r.add_argument("--cpu-tier-bytes", type=_positive_int, default=None, metavar="BYTES",
+    r.add_argument("--cpu-tier-bytes", type=positive_int, default=None, metavar="BYTES",
                    help="vllm engine: give each worker a CPU tier of this many bytes behind kvroute's KV "
                         "connector (as kvroute up does): blocks evicted from the engine's cache are kept there "
                         "and loaded back; emptied with the prefix caches between routers")
-    r.add_argument("--repeats", type=_positive_int, default=1,
+    r.add_argument("--repeats", type=positive_int, default=1,
                    help="run the whole sequence of routers this many times (interleaved: every router once, "
                         "then again, each round starting one router later, so no router is always the first "
                         "after the workers start); the table shows medians, the JSON every run (default 1)")
@@ -174,7 +174,7 @@ def _rig(args: argparse.Namespace) -> int:
     import httpx
 
     from kvcore.tokenization import UnsupportedPrompt
-    from kvroute.bench.cli import arrivals_from_args, finish_report, prepare_outputs, workload_from_args
+    from kvroute.bench.flags import arrivals_from_args, finish_report, prepare_outputs, workload_from_args
     from kvroute.bench.report import capacity_note
     from kvroute.bench.rig import WARM_UP_REQUESTS, RigSpec, run_router, start_workers, warm_up
     from kvroute.bench.runner import RunSettings

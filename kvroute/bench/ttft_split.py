@@ -1,7 +1,7 @@
 """Where a kvroute gateway's TTFT went, request by request (pure; no I/O).
 
 A client's TTFT through a kvroute gateway is four parts in a row, each read from the gateway's
-decision log (:mod:`router.decision_log`) except the last:
+decision log (:mod:`router.route.decision_log`) except the last:
 
 - ``gateway``: arrival to the send upstream, less the time queued (``gateway_ms``: parse,
   admission, tokenize, lookup, choose, and any wait for the gateway's CPU);

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcore.index.base import TierMatch
-from router.peer_pull import PeerInfo
+from router.estimates.peer_credit import PeerInfo
+from router.estimates.prefill_rate import PrefillRate
 from router.policies.pd import PDSettings
 from router.policies.queue import QueueSettings
-from router.ttft_model import PrefillRate
 
 
 @dataclass
@@ -43,23 +43,23 @@ class WorkerLoad:
 class Candidate:
     """One healthy, non-draining worker serving the request's model.
 
-    ``prefill_rate``: the worker's learned TTFT line (:mod:`router.ttft_model`), None before it
+    ``prefill_rate``: the worker's learned TTFT line (:mod:`router.estimates.prefill_rate`), None before it
     has been learned; ``evidence_trusted``: False while the worker's reported cached tokens run
-    well below the index's predictions (:mod:`router.evidence`): policies then give its matches
+    well below the index's predictions (:mod:`router.estimates.evidence`): policies then give its matches
     no credit; ``evidence_weight`` (0..1): the share of its predicted hits it has been realising
-    (:attr:`router.evidence.EvidenceTrust.credit_weight`).
+    (:attr:`router.estimates.evidence.EvidenceTrust.credit_weight`).
 
-    Peer pull (:mod:`router.peer_pull`): ``peer``: what the worker's agent publishes about
+    Peer pull (:mod:`router.estimates.peer_credit`): ``peer``: what the worker's agent publishes about
     pulling (its link measurements), None without peer pull; ``peer_blocks``: prompt blocks past
     its own matched run that it can pull from another worker, ``peer_worker`` (0 / None: none).
 
     ``model_prefill_rate``: the TTFT line learned from every worker of the request's model (the
     same for every candidate), None before it has been learned; ``prefill_speed``: this
     worker's ``(speed factor, samples)`` against that line
-    (:meth:`router.ttft_model.PrefillRateEstimator.speed_factor`), None until it has enough.
+    (:meth:`router.estimates.prefill_rate.PrefillRateEstimator.speed_factor`), None until it has enough.
 
     ``prefix_uses``: how many of the gateway's recent requests passed through the last block of
-    this candidate's matched prefix (:mod:`router.prefix_uses`; 0 without a match): 0 or 1 for a
+    this candidate's matched prefix (:mod:`router.estimates.prefix_uses`; 0 without a match): 0 or 1 for a
     conversation's history, more for a prefix many requests share.
     """
 
@@ -103,9 +103,9 @@ class CandidateScore:
     """How a policy scored one candidate: ``cost`` (lower wins; None when not scored) and
     ``load`` (the policy's load figure), plus a note (e.g. "overloaded", "evidence distrusted");
     ``predicted_ttft_ms``: the policy's TTFT prediction from dispatch, when it makes one, and
-    ``work_tokens``, the work it predicted from (:func:`router.ttft_model.work_tokens`).
+    ``work_tokens``, the work it predicted from (:func:`router.estimates.prefill_rate.work_tokens`).
     Peer pull: ``peer_blocks`` blocks from ``peer_worker``, each credited ``peer_credit`` (0..1)
-    of a block, the weight's ``peer_credit_source`` (:mod:`router.peer_pull`: ``config``,
+    of a block, the weight's ``peer_credit_source`` (:mod:`router.estimates.peer_credit`: ``config``,
     ``measured``, ``prior``, ``unknown_block_bytes``)."""
 
     worker_id: str

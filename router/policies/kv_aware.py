@@ -11,13 +11,13 @@ Cost of a candidate, in blocks (lower wins)::
 the worker's outstanding work in blocks (:mod:`router.policies.load`: predicted prefill tokens
 in flight, in-flight requests x ``decode_tokens_per_request``, the engine's queue when scraped).
 Absolute blocks, not a match ratio, so a long prompt's hit outweighs a short one's (GIE #2561).
-A candidate whose evidence is distrusted (:mod:`router.evidence`) gets no credit.
+A candidate whose evidence is distrusted (:mod:`router.estimates.evidence`) gets no credit.
 The default tier credits (gpu 1.0, cpu 0.75, ssd 0.25) are Dynamo's device/host/disk weights.
 
-Peer pull (:mod:`router.peer_pull`): ``peer_blocks`` are the prompt blocks past the candidate's
+Peer pull (:mod:`router.estimates.peer_credit`): ``peer_blocks`` are the prompt blocks past the candidate's
 own run that another worker's agent can serve and the candidate's connector pulls (0 without peer
 pull, which leaves the cost above as it was). ``peer_credit`` (0..1) is ``tier_credit.peer`` when
-configured, else the pull's measured worth: :func:`router.peer_pull.peer_credit_per_block` from the
+configured, else the pull's measured worth: :func:`router.estimates.peer_credit.peer_credit_per_block` from the
 candidate's measured link speed and pull overhead (until measured: ``peer_link_gbit_s``, default
 10, and ``peer_pull_overhead_ms``, default 1) against its prefill rate (the learned one, else
 0.1 ms per token). So a busy holder can lose the request to an idle worker that pulls. The peer
@@ -51,13 +51,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvcore.index.base import TIERS, TierMatch
-from router.peer_pull import (DEFAULT_PEER_LINK_GBIT_S, DEFAULT_PEER_PULL_OVERHEAD_MS, PeerPricing,
-                              gbit_s_to_bytes_per_s)
+from router.estimates.peer_credit import (DEFAULT_PEER_LINK_GBIT_S, DEFAULT_PEER_PULL_OVERHEAD_MS, PeerPricing,
+                                          gbit_s_to_bytes_per_s)
+from router.estimates.prefill_rate import DEFAULT_PREFILL_MS_PER_TOKEN
 from router.policies._config import boolean, check_keys, mapping, number
 from router.policies.base import Candidate, CandidateScore, Decision, Policy, RouteRequest
 from router.policies.load import LOAD_KEYS, LoadModel
 from router.policies.ranking import EPS, chosen_first, lowest, softmax_pick
-from router.ttft_model import DEFAULT_PREFILL_MS_PER_TOKEN
 
 DEFAULT_TIER_CREDIT = {"gpu": 1.0, "cpu": 0.75, "ssd": 0.25}
 PEER = "peer"  # the tier_credit key of a block pulled from a peer (absent: weighed by the pull's cost)
@@ -78,7 +78,7 @@ def tier_credit_from_config(cfg: Mapping[str, Any]) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class PeerSettings:
-    """The peer-pull keys of a policy config (:mod:`router.peer_pull`): ``fixed_credit``
+    """The peer-pull keys of a policy config (:mod:`router.estimates.peer_credit`): ``fixed_credit``
     (``tier_credit.peer``, 0..1: every peer block weighs that much), ``link_gbit_s``
     (``peer_link_gbit_s``, > 0) and ``pull_overhead_ms`` (``peer_pull_overhead_ms``, >= 0): the
     priors for a worker that has not measured its pulls yet. None: not set in the config (the
@@ -121,7 +121,7 @@ def peer_credit(candidate: Candidate, pricing: PeerPricing, request: RouteReques
                 ms_per_token: float) -> tuple[int, float, str]:
     """``(peer blocks, credit per block, source)`` of ``candidate``: its peer blocks (at most the
     prompt's creditable blocks, ``(prompt_tokens - 1) // block_size``, beyond its own run) and their
-    weight (:meth:`router.peer_pull.PeerPricing.credit`) at ``ms_per_token`` ms per prefill token.
+    weight (:meth:`router.estimates.peer_credit.PeerPricing.credit`) at ``ms_per_token`` ms per prefill token.
     ``(0, 0.0, "")`` without peer blocks or exact tokens."""
     if candidate.peer_blocks <= 0 or not request.prompt_tokens:
         return 0, 0.0, ""

@@ -9,7 +9,7 @@ prefill leg is skipped); ``prefill_timeout_s``: seconds the gateway waits for th
 worker's whole answer before it gives the leg up and the decode worker serves the request whole
 (outcome ``prefill_failed``; the leg's connection is closed, so vLLM aborts it); null: the
 gateway's ``timeouts.first_byte_s``. Which workers serve which leg is the workers' ``role``
-(:class:`router.config.WorkerConfig`); the legs are chosen by :mod:`router.pd`.
+(:class:`router.config.schema.WorkerConfig`); the legs are chosen by :mod:`router.route.pd`.
 """
 from __future__ import annotations
 

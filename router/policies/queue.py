@@ -1,5 +1,5 @@
 """The ``queue`` key of any policy config: the gateway's dispatch queue (late binding,
-shortest prefill first), which :mod:`router.dispatch_queue` runs.
+shortest prefill first), which :mod:`router.route.dispatch_queue` runs.
 
     policy: {name: ttft, queue: {enabled: true, worker_prefills: 1, holder_prefills: 2,
                                  worker_queue_ms: 50, settle_ms: 50, affinity: policy,
@@ -72,7 +72,7 @@ shortest prefill first), which :mod:`router.dispatch_queue` runs.
   948 / 3379 / 0.107 and 948 / 3150 / 0.102 with ``settle_ms: 0`` (vllm-router
   1386 / 4333 and 1359 / 3885). Gateway processes take a worker under one lock, so two of
   them woken by the same event never both send it a request
-  (:meth:`~router.shared_load.SharedLoadTable.claim`).
+  (:meth:`~router.shared.load_table.SharedLoadTable.claim`).
 - ``affinity`` (``policy``): which workers a request waits for. ``holder``: those holding its
   longest cached prefix (within one block); ``policy``: the one the policy would choose among all
   routable workers, busy ones included (a busy holder is waited for only while that beats

@@ -1,5 +1,5 @@
 """``ttft`` (the default policy): send a request to the worker that will give it its first token
-soonest. Its dispatch queue (:mod:`router.dispatch_queue`, ``queue.enabled`` true by default for
+soonest. Its dispatch queue (:mod:`router.route.dispatch_queue`, ``queue.enabled`` true by default for
 this policy only) holds requests in the gateway until a worker is free for them, shortest prefill
 first; the choice below is then made among the free workers, or the request waits while this
 policy prefers a busy one (``queue.affinity_wait_s``, 5 s for this policy); its queue defaults
@@ -10,7 +10,7 @@ measurements). On the 8-worker Mooncake sim rig (2 runs, side by side) this gave
 0.099) for sglang's cache-aware router, which sends every follow-up to its holder whatever the
 wait.
 
-Predicted TTFT of a candidate, in milliseconds from dispatch (:mod:`router.ttft_model`)::
+Predicted TTFT of a candidate, in milliseconds from dispatch (:mod:`router.estimates.prefill_rate`)::
 
     credit_tokens = min(gpu x tier_credit.gpu + cpu x tier_credit.cpu + ssd x tier_credit.ssd,
                         (prompt_tokens - 1) // block_size) x block_size x evidence_weight
@@ -21,7 +21,7 @@ Predicted TTFT of a candidate, in milliseconds from dispatch (:mod:`router.ttft_
     ttft_ms       = rate.overhead_ms + rate.ms_per_token x work_tokens(queued, own, decoding)
 
 ``rate`` (:meth:`TTFTPolicy.rate_of`, ``learn_prefill_rate``) is the
-:class:`~router.ttft_model.PrefillRate` line learned from the observed TTFTs of all of the model's
+:class:`~router.estimates.prefill_rate.PrefillRate` line learned from the observed TTFTs of all of the model's
 workers together, times the worker's own speed factor against that line (the median of its
 observed / predicted TTFTs, shrunk toward 1 while it has few samples); the configured prior
 (``prefill_overhead_ms``, ``prefill_ms_per_token``) until the model's line is learned. A line of
@@ -29,17 +29,17 @@ the worker's own (two figures fitted to a few dozen noisy TTFTs) ranked identica
 by more than a cached prefix saves; one factor per worker does not, and still tells a slower
 worker from a faster one.
 ``evidence_weight`` is the share of its predicted hits the worker has been realising
-(:mod:`router.evidence`: 0 while distrusted; under heavy KV pressure a worker evicts part of a
+(:mod:`router.estimates.evidence`: 0 while distrusted; under heavy KV pressure a worker evicts part of a
 matched prefix before its prefill, and crediting all of it sends it more than it can take). ``gpu``/``cpu``/``ssd`` are matched blocks by tier; the
 ``(prompt_tokens - 1) // block_size`` cap is vLLM's (the last prompt token is always computed).
 The tier credits say how much of a block's prefill a tier hit saves (default gpu 1.0, cpu 0.75,
 ssd 0.25, Dynamo's device/host/disk weights): a turn whose history left its holder's GPU but
 sits in that worker's CPU tier still goes there when that is fastest.
 
-Peer pull (:mod:`router.peer_pull`): ``peer_blocks`` are the prompt blocks past the candidate's
+Peer pull (:mod:`router.estimates.peer_credit`): ``peer_blocks`` are the prompt blocks past the candidate's
 own run that another worker's agent serves and the candidate's connector pulls (0 without peer
 pull: the prediction is as it was). ``peer_credit`` (0..1) is ``tier_credit.peer`` when configured,
-else :func:`router.peer_pull.peer_credit_per_block` of the candidate's measured link speed and pull
+else :func:`router.estimates.peer_credit.peer_credit_per_block` of the candidate's measured link speed and pull
 overhead (until measured: ``peer_link_gbit_s``, default 10, and ``peer_pull_overhead_ms``, default
 1) against ``rate.ms_per_token`` below; so the pull's own time stays in the prediction, as
 ``peer_blocks x block_size x rate.ms_per_token x (1 - peer_credit)`` ms (``peer_blocks`` x the
@@ -68,7 +68,7 @@ sim rig without it (a multiplicative margin of 1.3 alone), 22 of the 43 follow-u
 away from the worker holding their history and 21 of those missed; sglang's cache-aware router
 kept all 43 at home.
 
-Hot or private (:mod:`router.prefix_uses`): a prefix is hot when ``HOT_PREFIX_USES`` (2) or more
+Hot or private (:mod:`router.estimates.prefix_uses`): a prefix is hot when ``HOT_PREFIX_USES`` (2) or more
 of the gateway's recent requests passed through the last block a longest holder matched (a
 system prompt, a shared document), private otherwise (a conversation's history: only its own
 earlier turn went through it). A second copy of a hot prefix serves every request queued behind
@@ -103,13 +103,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from router.estimates.prefill_rate import DEFAULT_PREFILL_MS_PER_TOKEN, PrefillRate, work_tokens
 from router.policies._config import boolean, check_keys, number
 from router.policies.base import Candidate, CandidateScore, Decision, Policy, RouteRequest
 from router.policies.kv_aware import (DEFAULT_TIER_CREDIT, PEER, PEER_KEYS, PeerSettings, note_peer, peer_credit,
                                       tier_credit_from_config, tier_weighted_blocks)
 from router.policies.queue import QueueSettings
 from router.policies.ranking import EPS, chosen_first, lowest
-from router.ttft_model import DEFAULT_PREFILL_MS_PER_TOKEN, PrefillRate, work_tokens
 
 DEFAULT_PREFILL_OVERHEAD_MS = 25.0
 DEFAULT_ENGINE_WAITING_PREFILL_TOKENS = 1024.0
@@ -207,7 +207,7 @@ class TTFTPolicy(Policy):
     def rate_of(self, candidate: Candidate) -> PrefillRate:
         """The TTFT line used for ``candidate``: the line learned from all of its model's workers
         (``Candidate.model_prefill_rate``) scaled by the worker's speed factor against it
-        (``Candidate.prefill_speed``, :meth:`~router.ttft_model.PrefillRateEstimator.speed_factor`)
+        (``Candidate.prefill_speed``, :meth:`~router.estimates.prefill_rate.PrefillRateEstimator.speed_factor`)
         shrunk toward 1 with weight ``samples / (samples + SPEED_PRIOR_SAMPLES)``; the model's line
         as it is for a worker without a factor yet; the configured prior before the model's line
         is learned (or with ``learn_prefill_rate`` off)."""
@@ -296,7 +296,7 @@ class TTFTPolicy(Policy):
 def prefix_is_hot(scored: list[_Scored]) -> bool:
     """Whether the longest holders' prefix is hot: some holder's matched prefix had
     ``HOT_PREFIX_USES`` or more of the gateway's recent requests through its last block
-    (:mod:`router.prefix_uses`). Not hot: a conversation's history, or no holder at all."""
+    (:mod:`router.estimates.prefix_uses`). Not hot: a conversation's history, or no holder at all."""
     return any(s.holder and s.held_tokens > 0 and s.prefix_uses >= HOT_PREFIX_USES for s in scored)
 
 

@@ -17,8 +17,10 @@ import pytest
 import yaml
 
 from conftest import ADMIN_TOKEN, Proc, free_ports, kvroute_argv, metric, wait_http
-from router.client_auth import bearer_token, main as client_auth_main, parse_file_hashes, parse_hash
-from router.config import parse_config
+from router.client_auth import main as client_auth_main
+from router.config.client_keys import parse_file_hashes, parse_hash
+from router.config.schema import parse_config
+from router.edge.client_auth import bearer_token
 
 BLOCK = 32
 KEY_A = "sk-tenant-a-0123456789"        # in the file, as "sha256:<hex>"

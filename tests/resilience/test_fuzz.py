@@ -1,5 +1,5 @@
 """Hostile input (issue 12): property-based fuzzing of every gateway and admin endpoint from the
-gateway's own OpenAPI schema (``GET /openapi.json``, :mod:`router.openapi`), with schemathesis and
+gateway's own OpenAPI schema (``GET /openapi.json``, :mod:`router.edge.openapi`), with schemathesis and
 hypothesis, against a real ``kvroute serve`` in front of two ``kvroute sim`` workers; then
 explicit hostile requests, each with its exact answer.
 
@@ -275,7 +275,7 @@ def schema(rig):
 # ---- the schema ------------------------------------------------------------------------------
 
 def test_openapi_json_describes_every_endpoint(rig, schema):
-    from router.app import FORWARDED, ROUTED
+    from router.edge.app import FORWARDED, ROUTED
 
     raw = httpx.get(rig + "/openapi.json", timeout=30).json()
     assert raw["openapi"].startswith("3.")

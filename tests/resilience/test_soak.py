@@ -35,7 +35,7 @@ BLOCK = 32
 N_SOAK = 1000
 CLIENT_TIMEOUT_S = 120  # bound of one soak request (a hang fails, it never stalls the run)
 PROBE_INTERVAL_S = 2.0  # health probe and load scrape, each, per worker
-# The gateway's upstream pool (router/proxy.py: aiohttp, keepalive_timeout=4 s) hands out its oldest
+# The gateway's upstream pool (router/relay/upstream.py: aiohttp, keepalive_timeout=4 s) hands out its oldest
 # idle connection first, so after a burst the periodic probes (2 calls per worker every 2 s) keep up
 # to ~1 call/s x 4 s = 4 idle connections per worker open for good; that, not a leak, is the margin.
 UPSTREAM_KEEPALIVE_S = 4
@@ -217,7 +217,7 @@ async def _content_round(base: str, n: int, tag: str) -> dict[int, int]:
 
 def learn_prefill_rates(gw: Gateway) -> None:
     """State, not content: a worker's learned prefill rate is a series of its own once the gateway
-    has seen a few first tokens of distinct sizes from it (router/ttft_model.py), so streams of
+    has seen a few first tokens of distinct sizes from it (router/estimates/prefill_rate.py), so streams of
     varied lengths go out until every worker has one (the soak above does this when it runs)."""
     rnd = random.Random(5)
 

@@ -1,0 +1,353 @@
+"""The dispatch queue: requests wait in the gateway until a worker is ready for them, and the
+shortest prefill goes first (late binding). On when the policy config's ``queue.enabled`` is true
+(:mod:`router.policies.queue` has the settings).
+
+Why: an engine serves its waiting queue in arrival order, so a request sent to a busy worker
+waits behind every prompt sent there before it, and the choice of worker is frozen at arrival,
+when the router knows least. Holding requests in the gateway instead:
+
+- a worker is *open* to a request while the engine shows no waiting requests of other clients
+  and either fewer than ``worker_prefills`` (2, 1 for ``ttft``: with 2, one in prefill and one
+  waiting in the engine to follow it at once) requests are before their first byte there
+  (:meth:`~router.workers.registry.WorkerRegistration.prefills_pending`), or ``holder_prefills`` (2)
+  when the worker holds the request's longest cached prefix and that is more than every
+  routable worker holds (the larger of the two applies), or the prefill its requests are
+  predicted to have left (:meth:`~router.workers.registry.WorkerRegistration.prefill_left_ms`, from
+  the policy's TTFT predictions at dispatch; ``inf`` for a request the policy made none for,
+  until its first byte) is at most ``worker_queue_ms`` (0; 50 for ``ttft``: the next request
+  leaves just in time to follow the last prefill); but never within ``settle_ms`` (50) of the
+  last request sent there (or reserved for it) before its first byte, which may not have
+  reached the engine yet (:mod:`router.policies.queue` says what that costs);
+- whenever a worker may have opened (a request's first byte or end, a reservation released, a
+  timer at the next predicted opening, a 100 ms tick while requests wait), waiting requests are
+  taken in order: those that waited ``max_wait_s`` first (arrival order), then the smallest
+  predicted prefill (prompt tokens less the longest credited prefix any candidate holds), then
+  arrival; this is shortest-job-first, which cuts the median and p90 TTFT of a loaded cluster
+  (Harchol-Balter, *Performance Modeling and Design of Computer Systems*, ch. 30-32, for why);
+- until a request has waited ``affinity_wait_s`` (or the wait its policy set for it,
+  ``Decision.affinity_wait_s``: ``ttft``'s for a conversation's follow-up) it may go only
+  to certain open workers: with
+  ``affinity: holder``, those that hold its longest cached prefix within one block; with
+  ``affinity: policy``, the worker the live policy chooses among all routable ones (their load as
+  it is then, plus the prefill of the requests ahead of it in this queue that wait for the same
+  worker: a busy holder shows its whole queue), so it waits while the policy prefers a closed
+  worker.
+  Past ``affinity_wait_s`` any open worker may take it (the prefix is then computed a second time,
+  and the worker's KV events tell the index). Among the workers it may go to, the live policy
+  chooses (:meth:`~router.route.planner.Router.redecide`);
+- while it waits, its prompt is looked up in the index again every ``rematch_ms`` (200)
+  (:meth:`~router.route.planner.Router.rematch`), and the rules above then use what the workers hold
+  now: a holder that evicted the prefix meanwhile is not waited for, and a prefix that a request
+  dispatched meanwhile is computing is credited where it went, so requests sharing a prefix that
+  arrive together follow the first of them (``kvroute_dispatch_queue_rematches_total``).
+
+A request chosen for a worker holds a :class:`Reservation` there (counted as prefill in flight
+with the policy's predicted end, by every gateway process) until its first attempt has begun,
+so two requests never take one opening; the worker is checked open again and the reservation
+published under the gateway processes' shared lock
+(:meth:`~router.workers.registry.WorkerRegistration.claim`), so neither do two processes. Requests of
+a model with no routable worker fail with 503.
+
+The prefill leg of a split request (:mod:`router.route.pd`) waits here as a whole request does, by the
+same rules, limited to its prefill pool (``pool``: the prefill plan's workers) and re-chosen by
+the prefill leg's policy (:func:`router.route.pd.prefill_policy`); its decode leg then goes to the
+decode worker without waiting (the decode worker computes no prompt). A request the decode pool
+serves whole (P/D outcome ``whole``, or a failed prefill leg's fallback) computes its prompt there,
+so it waits as a whole request does, limited to the decode pool and re-chosen by the decode leg's
+cost (:class:`router.route.pd.DecodePolicy`).
+
+Pure asyncio in one event loop; its only I/O is the index lookups of :meth:`Router.rematch`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from router.errors import no_healthy_worker
+from router.policies.base import Policy
+from router.policies.queue import QueueSettings
+from router.route.planner import RoutePlan, Router
+from router.telemetry.metrics import GatewayMetrics
+from router.workers.registry import WorkerRegistration, WorkerRegistry
+
+log = logging.getLogger(__name__)
+TICK_S = 0.1  # while requests wait, look again at least this often (health, affinity expiry)
+
+
+class Reservation:
+    """A dispatch queue's hold on ``reg`` for one request on its way there; :meth:`release`
+    (idempotent) frees it once the request is counted in flight (or failed)."""
+
+    __slots__ = ("reg", "_on_release")
+
+    def __init__(self, reg: WorkerRegistration, end_s: float | None, on_release: Callable[[], None],
+                 now_s: float) -> None:
+        self.reg = reg
+        self._on_release = on_release
+        reg.reserve(self, end_s, now_s)
+
+    def release(self) -> None:
+        if self.reg.unreserve(self):
+            self._on_release()
+
+
+@dataclass(eq=False)
+class _Entry:
+    plan: RoutePlan
+    arrival_s: float
+    size_tokens: float  # predicted own prefill at the best holder; inf when tokens are unknown
+    held_blocks: dict[str, int]  # credited matched blocks per worker id
+    pool: frozenset[str] | None = None  # the only workers it may go to (a prefill leg's pool)
+    policy: Policy | None = None  # the policy that re-chooses its worker (None: the live one)
+    future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+    def affinity_wait_s(self, settings: QueueSettings) -> float:
+        """The policy's wait for this request (``Decision.affinity_wait_s``), else the queue's."""
+        own = self.plan.decision.affinity_wait_s
+        return settings.affinity_wait_s if own is None else own
+
+    def order(self, now: float, settings: QueueSettings) -> tuple[int, float, float]:
+        if now - self.arrival_s >= settings.max_wait_s:
+            return (0, self.arrival_s, 0.0)
+        return (1, self.size_tokens, self.arrival_s)
+
+
+class DispatchQueue:
+    """See the module docstring. ``settings()``: the live policy's :class:`QueueSettings`."""
+
+    def __init__(self, router: Router, registry: WorkerRegistry, metrics: GatewayMetrics,
+                 settings: Callable[[], QueueSettings], clock: Callable[[], float] = time.monotonic) -> None:
+        self.router = router
+        self.registry = registry
+        self.metrics = metrics
+        self.settings = settings
+        self.clock = clock
+        self._entries: list[_Entry] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._pump_soon = False
+        self._rematcher: asyncio.Task | None = None
+        self._closed = False
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting now."""
+        return len(self._entries)
+
+    async def take_turn(self, plan: RoutePlan, pool: frozenset[str] | None = None,
+                        policy: Policy | None = None) -> tuple[RoutePlan, Reservation | None]:
+        """Wait until ``plan``'s request may be dispatched; returns the plan to send it by (a new
+        decision among the workers then open) and the reservation to release once its first
+        attempt has begun. ``pool``: only these worker ids may take it (a prefill leg's pool);
+        ``policy``: the policy that re-chooses (None: the live one). With the queue off:
+        ``(plan, None)`` at once. Raises GatewayError 503 when no worker (of ``pool``) serves
+        the model any more; cancelling the wait gives up its place."""
+        if not self.settings().enabled:
+            return plan, None
+        entry = _Entry(plan, self.clock(), _size_tokens(plan), _held_blocks(plan), pool, policy)
+        self._entries.append(entry)
+        self.pump()
+        try:
+            return await entry.future
+        except asyncio.CancelledError:
+            if entry in self._entries:
+                self._entries.remove(entry)
+            elif entry.future.done() and not entry.future.cancelled() and entry.future.exception() is None:
+                entry.future.result()[1].release()
+            raise
+        finally:
+            self.metrics.dispatch_queue_wait_s.observe(self.clock() - entry.arrival_s)
+
+    def _ensure_rematcher(self) -> None:
+        """Start the lookups again (:meth:`_rematch_while_waiting`) while requests wait, unless
+        they run, ``rematch_ms`` is 0 or the queue is closed (called from every :meth:`pump`, so
+        turning ``rematch_ms`` on at run time reaches the requests already waiting)."""
+        if (self._entries and not self._closed and self.settings().rematch_ms > 0
+                and (self._rematcher is None or self._rematcher.done())):
+            self._rematcher = asyncio.get_running_loop().create_task(self._rematch_while_waiting())
+
+    async def _rematch_while_waiting(self) -> None:
+        """While requests wait: every ``rematch_ms``, look each one up in the index again
+        (:meth:`_rematch`), then look at the queue once if any changed. Ends when the queue is
+        empty or ``rematch_ms`` is 0; a lookup that fails ends that round (logged)."""
+        while self._entries:
+            rematch_s = self.settings().rematch_ms / 1000.0
+            if rematch_s <= 0:
+                return
+            await asyncio.sleep(rematch_s)
+            changed = False
+            for entry in list(self._entries):
+                if entry not in self._entries:
+                    continue
+                try:
+                    changed = await self._rematch(entry) or changed
+                except Exception:  # noqa: BLE001 - the requests keep waiting on what they had
+                    log.exception("dispatch queue: looking a waiting request up again failed")
+                    break
+            if changed:
+                self.pump()
+
+    async def _rematch(self, entry: _Entry) -> bool:
+        """Look ``entry``'s prompt up in the index again (:meth:`Router.rematch`); while it still
+        waits, it waits by what the workers hold now. Returns whether its matches changed (any
+        worker or tier); counts the change in total blocks per credited worker."""
+        plan = await self.router.rematch(entry.plan)
+        if entry not in self._entries or plan is entry.plan:
+            return False  # dispatched meanwhile, no block keys, or the index was unavailable
+        if plan.matches == entry.plan.matches:
+            self.metrics.dispatch_queue_rematches.labels("none").inc()
+            return False
+        held = _held_blocks(plan)
+        before = entry.held_blocks
+        gained = any(n > before.get(wid, 0) for wid, n in held.items())
+        lost = any(held.get(wid, 0) < n for wid, n in before.items())
+        for change, happened in (("gained", gained), ("lost", lost), ("none", not (gained or lost))):
+            if happened:
+                self.metrics.dispatch_queue_rematches.labels(change).inc()
+        entry.plan, entry.held_blocks, entry.size_tokens = plan, held, _size_tokens(plan)
+        return True
+
+    def close(self) -> None:
+        """Stop the timer and the lookups again for good (gateway shutdown)."""
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._rematcher is not None:
+            self._rematcher.cancel()
+            self._rematcher = None
+
+    def _schedule_pump(self) -> None:
+        """Look at the queue once the current callback is done (never re-entered from a handle's
+        first byte or end, which run inside the relay)."""
+        if self._entries and not self._pump_soon:
+            self._pump_soon = True
+            asyncio.get_running_loop().call_soon(self.pump)
+
+    def pump(self) -> None:
+        """Dispatch every waiting request that may go now (called on every event that may
+        open a worker, and by a timer while requests wait)."""
+        self._pump_soon = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._entries:
+            return
+        settings = self.settings()
+        now = self.clock()
+        for reg in self.registry.all():
+            reg.on_prefill_done = self._schedule_pump
+        backlog: dict[str, float] = {}  # worker id -> prefill tokens of requests ahead waiting for it
+        routable: dict[str, list[WorkerRegistration]] = {}  # model -> its routable workers, this pump
+        is_open: dict[tuple[str, bool], bool] = {}  # (worker id, holder) -> open; a dispatch there drops it
+
+        def open_now(r: WorkerRegistration, holder: bool) -> bool:
+            got = is_open.get((r.id, holder))
+            if got is None:
+                got = is_open[(r.id, holder)] = _is_open(r, now, settings, holder)
+            return got
+
+        for entry in sorted(self._entries, key=lambda e: e.order(now, settings)):
+            if entry.future.done():  # cancelled: its waiter removes it when it runs
+                continue
+            model = entry.plan.model.name
+            regs = routable.get(model)
+            if regs is None:
+                regs = routable[model] = self.registry.routable(model)
+            if entry.pool is not None:
+                regs = [r for r in regs if r.id in entry.pool]
+            if not regs:
+                self._entries.remove(entry)
+                entry.future.set_exception(no_healthy_worker(entry.plan.model.name))
+                continue
+            holders = _holders(entry, regs)
+            ready = [r for r in regs if open_now(r, r.id in holders)]
+            if not ready:
+                continue
+            affinity_wait_s = entry.affinity_wait_s(settings)
+            if now - entry.arrival_s < affinity_wait_s and settings.affinity == "policy":
+                plan = self.router.redecide(entry.plan, regs, backlog, entry.policy)
+                chosen = plan.decision.worker_id
+                if not any(r.id == chosen for r in ready):
+                    backlog[chosen] = backlog.get(chosen, 0.0) + plan.uncached_tokens(chosen)
+                    continue
+            else:
+                if now - entry.arrival_s < affinity_wait_s:
+                    top = max(entry.held_blocks.get(r.id, 0) for r in regs)
+                    ready = [r for r in ready if entry.held_blocks.get(r.id, 0) >= top - 1]
+                if not ready:
+                    continue
+                plan = self.router.redecide(entry.plan, ready, policy=entry.policy)
+            reg = plan.workers[plan.decision.worker_id]
+            predicted_ms = plan.predicted_ttft_ms(reg.id)
+            end_s = None if predicted_ms is None else now + predicted_ms / 1000.0
+            with reg.claim():  # another gateway process may have taken it since it was read
+                if not _is_open(reg, now, settings, reg.id in holders):
+                    continue
+                reservation = Reservation(reg, end_s, self._schedule_pump, now)
+            is_open.pop((reg.id, False), None)
+            is_open.pop((reg.id, True), None)
+            self._entries.remove(entry)
+            entry.future.set_result((plan, reservation))
+        if self._entries:
+            self._arm(now, settings)
+            self._ensure_rematcher()
+
+    def _arm(self, now: float, settings: QueueSettings) -> None:
+        """Look again at the next predicted opening or affinity expiry, at most ``TICK_S`` away."""
+        wake_s = now + TICK_S
+        for reg in self.registry.all():
+            if not reg.routable:
+                continue
+            left_ms = reg.prefill_left_ms(now)
+            if math.isfinite(left_ms) and left_ms > settings.worker_queue_ms:
+                wake_s = min(wake_s, now + (left_ms - settings.worker_queue_ms) / 1000.0)
+            settled_s = reg.newest_pending_s() + settings.settle_ms / 1000.0
+            if settled_s > now:
+                wake_s = min(wake_s, settled_s)
+        for entry in self._entries:
+            expiry = entry.arrival_s + entry.affinity_wait_s(settings)
+            if expiry > now:
+                wake_s = min(wake_s, expiry)
+        self._timer = asyncio.get_running_loop().call_later(max(0.0, wake_s - now) + 1e-4, self.pump)
+
+
+def _is_open(reg: WorkerRegistration, now: float, settings: QueueSettings, holder: bool = False) -> bool:
+    if reg.unseen_waiting > 0:
+        return False
+    pending = reg.prefills_pending()
+    if pending == 0:
+        return True
+    if now - reg.newest_pending_s() < settings.settle_ms / 1000.0:
+        return False  # the last request sent there may not have reached the engine yet
+    limit = max(settings.worker_prefills, settings.holder_prefills) if holder else settings.worker_prefills
+    return pending < limit or reg.prefill_left_ms(now) <= settings.worker_queue_ms
+
+
+def _holders(entry: "_Entry", regs: list[WorkerRegistration]) -> set[str]:
+    """Workers holding ``entry``'s longest credited prefix (within one block) when that is more
+    than every routable worker holds (a prefix all of them hold sets none apart)."""
+    held = [entry.held_blocks.get(r.id, 0) for r in regs]
+    top, floor = max(held), min(held)
+    if top <= floor:
+        return set()
+    return {r.id for r, n in zip(regs, held) if n > floor and n >= top - 1}
+
+
+def _held_blocks(plan: RoutePlan) -> dict[str, int]:
+    """Matched blocks (any tier) per candidate whose evidence is credited."""
+    return {wid: m.total for wid, m in plan.matches.items()
+            if wid in plan.workers and plan.workers[wid].evidence_credited}
+
+
+def _size_tokens(plan: RoutePlan) -> float:
+    """Prompt tokens to prefill (every prompt of the body) at the candidate with the longest
+    credited prefix (:meth:`RoutePlan.uncached_tokens`, vLLM's cap included); inf when the tokens
+    are unknown."""
+    if plan.request.prompt_tokens is None:
+        return math.inf
+    whole = plan.blocks.prompt_tokens if plan.blocks is not None else None
+    return float(min((plan.uncached_tokens(wid) for wid in _held_blocks(plan)), default=whole or 0))

@@ -1,0 +1,561 @@
+"""The route step, shared by real requests and ``POST /admin/explain``.
+
+body -> model -> token ids -> block keys -> ``index.match`` -> candidates -> ``policy.choose``
+-> :class:`RoutePlan`. Planning changes nothing but the tie-break draw counter (see
+:meth:`Router._draw`); :meth:`Router.commit` then records the routed
+prompt's keys in the index as speculative entries for the worker actually used (short TTL when
+the worker publishes KV events, which confirm or drop them; long TTL in approximate mode).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import aiohttp
+
+from kvcore.block_keys import block_keys
+from kvcore.index.base import KVIndex, TierMatch
+from kvcore.index.errors import IndexUnavailable
+from kvcore.sliding_window import window_blocks, window_hits, window_keys
+from kvcore.tokenization import BadPrompt
+from router.config.schema import ModelConfig, RoutingConfig
+from router.errors import GatewayError, bad_request, no_healthy_worker, unknown_model
+from router.estimates.peer_credit import peer_blocks_by_worker
+from router.estimates.prefix_uses import PrefixUses
+from router.policies.base import Candidate, CandidateScore, Decision, Policy, RouteRequest
+from router.policies.factory import describe, make_policy
+from router.route.pd import PDLegs, choose_decode, pools, prefill_policy, split_or_whole
+from router.route.prompt_blocks import AGENT_KINDS, PromptBlocks, PromptKind, TokenizerPool, request_extras
+from router.route.render import RENDER_PATHS, RenderFailed, render_prompt
+from router.telemetry import tracing
+from router.telemetry.steps import step
+from router.telemetry.metrics import GatewayMetrics
+from router.workers.peers import PeerTable
+from router.workers.registry import WorkerRegistration, WorkerRegistry
+
+log = logging.getLogger("kvroute.routing")
+
+
+class PolicyHolder:
+    """The live policy; :meth:`replace` builds (validates) the new one first, then swaps it in one
+    assignment, so a request sees either the old policy or the new one, never a mix."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self._policy: Policy = _make_policy(cfg)
+
+    @property
+    def policy(self) -> Policy:
+        return self._policy
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The live policy's effective config, defaults filled in (``GET /admin/policy``); the
+        same mapping given back to ``PUT /admin/policy`` builds an equal policy."""
+        return describe(self._policy)
+
+    def replace(self, cfg: dict[str, Any]) -> Policy:
+        """Build a policy from ``cfg`` and make it live. Raises ValueError when ``cfg`` is bad
+        (the old policy stays)."""
+        policy = _make_policy(cfg)
+        self._policy = policy
+        return policy
+
+
+def _make_policy(cfg: dict[str, Any]) -> Policy:
+    if not isinstance(cfg, dict):
+        raise ValueError("policy must be an object")
+    return make_policy(cfg)
+
+
+@dataclass
+class RoutePlan:
+    """A routing decision with everything that led to it.
+
+    ``model``: the base model; ``lora_name``: the adapter named by the body, if any;
+    ``blocks``: the prompt's tokens and keys (None when the policy does not use the index);
+    ``matches``: per worker, matched blocks by tier; ``workers``: the candidates' registrations
+    by id, at decision time; ``pd``: for a model with disaggregation on (:mod:`router.route.pd`), the
+    legs: ``decision`` is then the decode leg's (or the whole request's) and ``pd.prefill`` the
+    prefill leg's plan when split; None for other models.
+    """
+
+    model: ModelConfig
+    lora_name: str | None
+    blocks: PromptBlocks | None
+    matches: dict[str, TierMatch]
+    request: RouteRequest
+    decision: Decision
+    policy_name: str
+    workers: dict[str, WorkerRegistration] = field(default_factory=dict)
+    pd: PDLegs | None = None
+
+    def ranked(self) -> list[WorkerRegistration]:
+        """Candidates' registrations, best first."""
+        return [self.workers[w] for w in self.decision.ranked_worker_ids() if w in self.workers]
+
+    def predicted_cached_tokens(self, worker_id: str) -> int | None:
+        """Prefix-hit tokens the worker should report (vLLM's ``cached_tokens``) for the first
+        prompt: matched blocks in any tier plus blocks it pulls from a peer (vLLM counts a pulled
+        token as cached, source ``p2p``), capped as vLLM caps a hit at ``prompt_len - 1`` tokens,
+        times the block size. None when the tokens are unknown."""
+        score = self._score(worker_id)
+        return self._cached_tokens(worker_id, score.peer_blocks if score is not None else 0)
+
+    def _cached_tokens(self, worker_id: str, peer_blocks: int = 0) -> int | None:
+        if self.blocks is None or self.blocks.token_ids is None:
+            return None
+        match = self.matches.get(worker_id)
+        held = (match.total if match is not None else 0) + peer_blocks
+        n = len(self.blocks.token_ids[0])
+        bs = self.model.block_size
+        return min(held, max(0, n - 1) // bs) * bs
+
+    def _score(self, worker_id: str) -> CandidateScore | None:
+        return next((s for s in self.decision.scores if s.worker_id == worker_id), None)
+
+    def predicted_ttft_ms(self, worker_id: str) -> float | None:
+        """The policy's TTFT prediction (ms from dispatch) for ``worker_id``, None when the policy
+        makes none."""
+        score = self._score(worker_id)
+        return score.predicted_ttft_ms if score is not None else None
+
+    def predicted_work_tokens(self, worker_id: str) -> float | None:
+        """The work (prefill tokens, :func:`router.estimates.prefill_rate.work_tokens`) the policy predicted
+        ``worker_id``'s TTFT from, None when the policy makes no prediction."""
+        score = self._score(worker_id)
+        return score.work_tokens if score is not None else None
+
+    def uncached_tokens(self, worker_id: str) -> int:
+        """Prompt tokens the worker must prefill (all prompts), 0 when unknown. Blocks it pulls
+        from a peer count at the share of their prefill the pull takes (``1 - peer_credit``):
+        the pull occupies the worker that long before its prefill."""
+        if self.blocks is None or self.blocks.token_ids is None:
+            return 0
+        uncached = (self.blocks.prompt_tokens or 0) - (self._cached_tokens(worker_id) or 0)
+        score = self._score(worker_id)
+        if score is not None and score.peer_blocks > 0:
+            uncached -= round(score.peer_credit_blocks * self.model.block_size)
+        return max(0, uncached)
+
+    def explain(self, max_candidates: int | None = None) -> dict[str, Any]:
+        """The ``POST /admin/explain`` answer (DESIGN.md); ``max_candidates``: only the best that
+        many candidates (the chosen first), all when None."""
+        tokens = self.blocks.prompt_tokens if self.blocks is not None else None
+        out = {
+            "prompt_tokens": tokens,
+            "blocks": len(self.blocks.first_keys) if self.blocks is not None else 0,
+            "candidates": [s.as_dict() for s in self.decision.scores[:max_candidates]],
+            "chosen": self.decision.worker_id,
+            "predicted_cached_tokens": self.predicted_cached_tokens(self.decision.worker_id),
+            "predicted_ttft_ms": _rounded(self.predicted_ttft_ms(self.decision.worker_id)),
+            "reason": self.decision.reason,
+            "policy": self.policy_name,
+            "tokenization_fallback": self.blocks.fallback if self.blocks is not None else None,
+        }
+        if self.pd is not None:  # both legs (router.route.pd.PDLegs.as_dict)
+            out["pd"] = self.pd.as_dict()
+        return out
+
+    def trace_attributes(self) -> dict[str, Any]:
+        """The decision as span attributes (:data:`router.telemetry.tracing.ATTR` keys; None: unknown):
+        the requested model, policy, prompt tokens (all prompts), blocks (first prompt), the
+        chosen worker, its matched blocks (all tiers, then per tier), the reason, candidates and
+        the predicted cached tokens and TTFT (ms) there."""
+        chosen = self.decision.worker_id
+        match = self.matches.get(chosen) or TierMatch()
+        return {
+            "model": self.lora_name or self.model.name,
+            "policy": self.policy_name,
+            "prompt_tokens": self.blocks.prompt_tokens if self.blocks is not None else None,
+            "blocks": len(self.blocks.first_keys) if self.blocks is not None else 0,
+            "chosen": chosen,
+            "reason": self.decision.reason,
+            "candidates": len(self.decision.scores),
+            "matched_blocks": match.total,
+            "kvroute.matched_blocks.gpu": match.gpu,
+            "kvroute.matched_blocks.cpu": match.cpu,
+            "kvroute.matched_blocks.ssd": match.ssd,
+            "predicted_cached_tokens": self.predicted_cached_tokens(chosen),
+            "predicted_ttft_ms": _rounded(self.predicted_ttft_ms(chosen)),
+            "tokenization_fallback": self.blocks.fallback if self.blocks is not None else None,
+        }
+
+
+def _rounded(ms: float | None) -> float | None:
+    return None if ms is None else round(ms, 3)
+
+
+_GOLDEN = 0.6180339887498949  # frac(golden ratio): n * _GOLDEN mod 1 covers [0, 1) evenly
+
+
+class Router:
+    """Plans routes for the configured models over the registry's workers."""
+
+    def __init__(self, models: list[ModelConfig], tokenizers: TokenizerPool, index: KVIndex,
+                 registry: WorkerRegistry, policy: PolicyHolder, metrics: GatewayMetrics,
+                 routing: RoutingConfig, peers: PeerTable | None = None) -> None:
+        self._models: dict[str, tuple[ModelConfig, str | None]] = {}
+        self._bases = list(models)
+        for m in models:
+            self._models[m.name] = (m, None)
+            for adapter in m.lora_adapters:
+                self._models[adapter] = (m, adapter)
+        self.tokenizers = tokenizers
+        self.index = index
+        self.registry = registry
+        self.policy = policy
+        self.metrics = metrics
+        self.routing = routing
+        self.peers = peers or PeerTable()  # the agents' peer-pull states (router.workers.peers), polled by the gateway
+        self.prefix_uses = PrefixUses()  # recent dispatches per block key: hot against private prefixes
+        self._draws = 0
+        # the upstream session, for render calls (router.route.render); set by the gateway once started
+        self.render_session: Callable[[], aiohttp.ClientSession] | None = None
+        self._render_failed_until: dict[str, float] = {}  # render URL -> monotonic s to retry it at
+
+    def resolve_model(self, body: dict[str, Any]) -> tuple[ModelConfig, str | None]:
+        """``(base model, adapter name or None)`` for the body's ``model``. A body without one
+        (absent, null or "") is served by the one configured model, as vLLM serves it with its
+        one served model (``_is_model_supported`` in vllm/entrypoints/serve/engine/serving.py,
+        0.32). Raises GatewayError 400 (not a string; or absent while several models are
+        configured: the message lists them) or 404 (unknown)."""
+        name = body.get("model")
+        if name is None or name == "":
+            if len(self._bases) == 1:
+                return self._bases[0], None
+            raise bad_request(f"'model' is required: this gateway serves several models; choose one of "
+                              f"{', '.join(sorted(self._models))}", "model")
+        if not isinstance(name, str):
+            raise bad_request("'model' must be a string", "model")
+        found = self._models.get(name)
+        if found is None:
+            raise unknown_model(name)
+        return found
+
+    @staticmethod
+    def session_key(policy: Policy, body: dict[str, Any], headers: list[tuple[bytes, bytes]]) -> str | None:
+        """The sticky-session key for a policy that wants one (``policy.session_header`` set): that
+        header's value, else the body's ``user``; None otherwise."""
+        if policy.session_header is None:
+            return None
+        wanted = policy.session_header.lower().encode("latin-1")
+        for name, value in headers:
+            if name == wanted:
+                return value.decode("latin-1")
+        user = body.get("user")
+        return user if isinstance(user, str) and user else None
+
+    def _draw(self, consume: bool) -> float:
+        """The next tie-break draw (``RouteRequest.rand``): ``n x 0.618... mod 1`` for the n-th
+        routed request, a low-discrepancy sequence, so cold prompts that tie on cost alternate
+        over equal workers instead of piling up by chance; explain peeks at the draw the next
+        request will get without consuming it."""
+        n = self._draws + 1
+        if consume:
+            self._draws = n
+        return (n * _GOLDEN) % 1.0
+
+    async def plan(self, kind: PromptKind, body: dict[str, Any], headers: list[tuple[bytes, bytes]],
+                   raw: bytes, explain: bool = False) -> RoutePlan:
+        """Decide where ``body`` (whose bytes are ``raw``) goes. A real request consumes one
+        tie-break draw (:meth:`_draw`) and changes nothing else but metrics. ``explain``: for
+        ``POST /admin/explain``: tokens and keys are made even when the policy does not use the
+        index, and the draw is only peeked at, so explaining a body and then sending it give the
+        same decision when nothing else is routed in between. Raises GatewayError: 400 bad body,
+        404 unknown model, 503 no routable worker."""
+        model, lora_name = self.resolve_model(body)
+        regs = self.registry.routable(model.name)
+        if not regs:
+            raise no_healthy_worker(model.name)
+        policy = self.policy.policy
+        pd_applies = policy.pd.applies_to(model.name)
+        pd_on = pd_applies and kind not in AGENT_KINDS  # P/D legs are chat/completions bodies
+        uses_index = policy.uses_index or pd_on
+        blocks: PromptBlocks | None = None
+        if uses_index or explain:
+            blocks = await self._tokenize_step(model, kind, body, headers, raw, regs, lora_name)
+        matches: dict[str, TierMatch] = {}
+        if blocks is not None and blocks.first_keys and uses_index:
+            matches = await self._lookup_step(model, blocks)
+        first_tokens = all_tokens = None
+        if blocks is not None and blocks.token_ids is not None:
+            first_tokens = len(blocks.token_ids[0])
+            all_tokens = sum(len(t) for t in blocks.token_ids)
+        request = RouteRequest(model=model.name, prompt_tokens=first_tokens, all_prompt_tokens=all_tokens,
+                               block_size=model.block_size,
+                               num_blocks=len(blocks.first_keys) if blocks is not None else 0,
+                               session_key=self.session_key(policy, body, headers),
+                               rand=self._draw(consume=not explain))
+        regs = [r for r in regs if r.routable]  # a probe may have run during tokenization
+        if pd_applies and not pd_on:  # an agent API's request: served whole by the decode pool
+            _, decode_ids = pools({r.id: r.role for r in regs})
+            regs = [r for r in regs if r.id in decode_ids] or regs
+        if not regs:
+            raise no_healthy_worker(model.name)
+        with step("kvroute.choose") as span:
+            if pd_on:
+                plan = self._plan_pd(RoutePlan(model, lora_name, blocks, matches, request, Decision("", "", []),
+                                               policy.name or ""), policy, regs)
+                decision = plan.decision
+            else:
+                decision = policy.choose(request, self._candidates(regs, matches, request, blocks))
+                plan = RoutePlan(model, lora_name, blocks, matches, request, decision, policy.name or "",
+                                 {r.id: r for r in regs})
+            tracing.set_attributes(span, {"policy": policy.name or "", "candidates": len(decision.scores),
+                                          "chosen": decision.worker_id, "reason": decision.reason})
+        return plan
+
+    async def _tokenize_step(self, model: ModelConfig, kind: PromptKind, body: dict[str, Any],
+                             headers: list[tuple[bytes, bytes]], raw: bytes, regs: list[WorkerRegistration],
+                             lora_name: str | None) -> PromptBlocks:
+        """Prompt token ids and block keys (span ``kvroute.tokenize``, a prompt with media in a
+        child span ``kvroute.render``; ``kvroute_tokenize_seconds``); a fallback is counted by
+        model and reason. Raises GatewayError 400 (BadPrompt)."""
+        with step("kvroute.tokenize", self.metrics.tokenize_s) as span:
+            try:
+                if len(raw) > self.routing.max_tokenize_bytes:
+                    # past any context length: tokenizing it would hold the gateway's CPU for
+                    # seconds, and the worker refuses it anyway
+                    blocks = PromptBlocks(None, fallback="too_large")
+                else:
+                    blocks = await self.tokenizers.prompt_blocks(
+                        model, kind, body, lora_name, inline=len(raw) <= self.routing.inline_tokenize_max_bytes)
+            except BadPrompt as exc:
+                raise bad_request(str(exc), "prompt" if kind == "completion" else "messages") from None
+            tracing.set_attributes(span, {"prompt_tokens": blocks.prompt_tokens, "blocks": len(blocks.first_keys),
+                                          "tokenization_fallback": blocks.fallback})
+            if blocks.fallback == "multimodal":
+                with step("kvroute.render") as render_span:
+                    blocks = await self._rendered(model, kind, body, headers, regs, lora_name)
+                    tracing.set_attributes(render_span, {"prompt_tokens": blocks.prompt_tokens,
+                                                         "tokenization_fallback": blocks.fallback})
+        if blocks.fallback is not None:
+            self.metrics.tokenization_fallbacks.labels(model.name, blocks.fallback).inc()
+        return blocks
+
+    async def _lookup_step(self, model: ModelConfig, blocks: PromptBlocks) -> dict[str, TierMatch]:
+        """The index lookup (span ``kvroute.lookup``, ``kvroute_index_lookup_seconds``); empty, and
+        counted in ``kvroute_index_unavailable_total``, when the index cannot answer: the request
+        is routed on load alone."""
+        matches: dict[str, TierMatch] = {}
+        with step("kvroute.lookup", self.metrics.lookup_s) as span:
+            try:
+                matches = await self._matches(model, blocks)
+            except IndexUnavailable:
+                self.metrics.index_unavailable.inc()
+                tracing.set_attributes(span, {"index_unavailable": True})
+            tracing.set_attributes(span, {"blocks": len(blocks.first_keys), "matched_workers": len(matches)})
+        return matches
+
+    async def _matches(self, model: ModelConfig, blocks: PromptBlocks) -> dict[str, TierMatch]:
+        """Per worker, the blocks of ``blocks``' first prompt it holds by tier (a hybrid model's
+        window rule applied). Raises IndexUnavailable."""
+        matches = await self.index.match(blocks.first_keys)
+        if model.sliding_window_tokens is not None and matches:
+            matches = await self._window_limited(model, blocks, matches)
+        return matches
+
+    async def rematch(self, plan: RoutePlan) -> RoutePlan:
+        """``plan`` with its prompt looked up in the index again: what the workers hold now, for
+        a request that has waited since ``plan`` was made (the dispatch queue). ``plan`` itself
+        when it has no block keys or the index is unavailable (counted in
+        ``kvroute_index_unavailable_total``)."""
+        if plan.blocks is None or not plan.blocks.first_keys:
+            return plan
+        try:
+            matches = await self._matches(plan.model, plan.blocks)
+        except IndexUnavailable:
+            self.metrics.index_unavailable.inc()
+            return plan
+        return replace(plan, matches=matches)
+
+    async def _rendered(self, model: ModelConfig, kind: PromptKind, body: dict[str, Any],
+                        headers: list[tuple[bytes, bytes]], regs: list[WorkerRegistration],
+                        lora_name: str | None) -> PromptBlocks:
+        """A prompt with media, tokenized and hashed by a vLLM render endpoint (:mod:`router.route.render`):
+        the model's ``render_url``, else its least busy routable worker. Its block keys mix in
+        each item's hash where its placeholders lie, as vLLM's block hashes do. Falls back (a
+        ``render_<reason>`` label, or ``multimodal`` when rendering is off or the endpoint rests
+        after failing itself, not on one bad body) rather than raising; BadPrompt for a bad
+        ``cache_salt``."""
+        rendered = PromptBlocks(None, fallback="multimodal")
+        if not self.routing.render_multimodal or self.render_session is None or kind not in RENDER_PATHS:
+            return rendered
+        url = model.render_url or min(regs, key=lambda r: r.in_flight).url
+        if self._render_failed_until.get(url, 0.0) > time.monotonic():
+            return rendered
+        auth = next((v.decode("latin-1") for k, v in headers if k.lower() == b"authorization"), None)
+        try:
+            got = await render_prompt(self.render_session(), url, kind, body, self.routing.render_timeout_s, auth)
+        except RenderFailed as exc:
+            if exc.endpoint_down:
+                self._render_failed_until[url] = time.monotonic() + self.routing.render_retry_s
+                log.warning("rendering multimodal prompts failed (routing them by load for %.0f s): %s",
+                            self.routing.render_retry_s, exc)
+            else:  # this body only: the worker will answer it as it sees fit
+                log.info("rendering a multimodal prompt failed: %s", exc)
+            return PromptBlocks(None, fallback=f"render_{exc.reason}")
+        extras = replace(request_extras(body, lora_name), mm_hashes=got.media)
+        return PromptBlocks([got.token_ids], [block_keys(got.token_ids, model.block_size, model.name, extras)])
+
+    async def _window_limited(self, model: ModelConfig, blocks: PromptBlocks,
+                              matches: dict[str, TierMatch]) -> dict[str, TierMatch]:
+        """``matches`` of a hybrid model cut to what vLLM reuses (:mod:`kvcore.sliding_window`):
+        each worker's gpu run, capped at the blocks a hit may cover (``prompt_len - 1`` tokens),
+        down to the last end its window group holds. Such a model has no cpu or ssd tier (the
+        connector refuses it), so those are dropped. Raises IndexUnavailable."""
+        assert model.sliding_window_tokens is not None and blocks.token_ids is not None
+        n = len(blocks.token_ids[0])
+        cap = max(0, n - 1) // model.block_size
+        wkeys = window_keys(blocks.first_keys[:cap])
+        need = window_blocks(model.sliding_window_tokens, model.block_size)
+        hits = await window_hits({w: min(m.gpu, cap) for w, m in matches.items()}, wkeys, need,
+                                self.index.gpu_holders)
+        return {w: TierMatch(gpu=e) for w, e in hits.items() if e > 0}
+
+    def _plan_pd(self, base: RoutePlan, policy: Policy, regs: list[WorkerRegistration]) -> RoutePlan:
+        """``base`` (tokens, matches, request; no decision yet) decided for a model with
+        disaggregation on (:mod:`router.route.pd`): the decode leg over the decode pool, then split or
+        whole, then the prefill leg over the prefill pool; with a pool empty, the live policy over
+        ``regs`` for a whole request."""
+        request, matches, blocks = base.request, base.matches, base.blocks
+        minimum = policy.pd.min_prefill_tokens
+        by_id = {r.id: r for r in regs}
+        prefill_ids, decode_ids = pools({r.id: r.role for r in regs})
+        if not prefill_ids or not decode_ids:
+            decision = policy.choose(request, self._candidates(regs, matches, request, blocks))
+            reason = "no_prefill_pool" if not prefill_ids else "no_decode_pool"
+            return replace(base, decision=decision, workers=by_id,
+                           pd=PDLegs("whole", reason, minimum, pooled=False))
+        decode_regs = [by_id[w] for w in decode_ids]
+        decision, scores = choose_decode(request, self._candidates(decode_regs, matches, request, blocks))
+        outcome, reason = split_or_whole(scores[0], minimum)
+        legs = PDLegs(outcome, reason, minimum, decode=scores)
+        if legs.split:
+            prefill_regs = [by_id[w] for w in prefill_ids]
+            chooser = prefill_policy(policy)
+            prefill = chooser.choose(request, self._candidates(prefill_regs, matches, request, blocks))
+            if prefill.worker_id == decision.worker_id:  # a "both" worker won both legs
+                legs.outcome, legs.reason = "whole", "same_worker"
+            else:
+                legs.prefill = replace(base, decision=prefill, policy_name=chooser.name,
+                                       workers={r.id: r for r in prefill_regs})
+        return replace(base, decision=decision, workers={r.id: r for r in decode_regs}, pd=legs)
+
+    def redecide(self, plan: RoutePlan, regs: list[WorkerRegistration],
+                  backlog_tokens: Mapping[str, float] | None = None, policy: Policy | None = None) -> RoutePlan:
+        """The live policy's (or ``policy``'s: a prefill leg's) choice among ``regs`` (non-empty),
+        with their load as it is now and the prefix matches ``plan`` looked up: a new plan
+        sharing ``plan``'s tokens and matches (the dispatch queue's decision once workers open).
+        ``backlog_tokens``: per worker id, prefill tokens of requests waiting in the gateway
+        ahead of this one for that worker, added to its load. Consumes no tie-break draw."""
+        policy = self.policy.policy if policy is None else policy
+        candidates = self._candidates(regs, plan.matches, plan.request, plan.blocks)
+        for c in candidates:
+            extra = (backlog_tokens or {}).get(c.worker_id, 0.0)
+            if extra:
+                c.load = replace(c.load, prefill_tokens=c.load.prefill_tokens + int(extra))
+        decision = policy.choose(plan.request, candidates)
+        return RoutePlan(plan.model, plan.lora_name, plan.blocks, plan.matches, plan.request, decision,
+                         policy.name or "", {r.id: r for r in regs}, plan.pd)
+
+    def pin(self, plan: RoutePlan, worker_id: str, reason: str) -> RoutePlan:
+        """``plan`` sent to ``worker_id`` (one of its candidates) whatever the policy chose, for
+        ``reason`` (e.g. ``stored_response``: the worker holds state the request needs); the
+        other candidates follow in the policy's order."""
+        scores = sorted(plan.decision.scores, key=lambda s: s.worker_id != worker_id)
+        return replace(plan, decision=Decision(worker_id, reason, scores))
+
+    def record_decision(self, plan: RoutePlan) -> None:
+        """Count a real (not explained) decision, and whether it went past the longest holder;
+        with tracing on, put it on the current (the request's) span."""
+        self.metrics.child(self.metrics.route_decisions, plan.policy_name, plan.decision.reason).inc()
+        chosen_score = plan._score(plan.decision.worker_id)
+        if chosen_score is not None and chosen_score.peer_credit_blocks > 0:
+            self.metrics.child(self.metrics.peer_credit_blocks, plan.decision.worker_id).inc(
+                chosen_score.peer_blocks)
+        if tracing.enabled():
+            tracing.set_attributes(tracing.current_span(), plan.trace_attributes())
+        held = [m.total for w, m in plan.matches.items() if w in plan.workers]
+        if held:
+            longest = max(held)
+            chosen = plan.matches.get(plan.decision.worker_id)
+            if (chosen.total if chosen is not None else 0) < longest:
+                self.metrics.child(self.metrics.off_longest_prefix, plan.policy_name, plan.decision.reason).inc()
+
+    async def commit(self, plan: RoutePlan, reg: WorkerRegistration, count_use: bool = True) -> None:
+        """Record the prompt's keys as speculative entries on the worker the request went to, and
+        count the first prompt's keys as used (:attr:`prefix_uses`; ``count_use`` False for the
+        prefill leg of a split request, whose decode leg counts it)."""
+        if plan.blocks is None or not plan.blocks.keys:
+            return
+        if count_use:
+            self.prefix_uses.record(plan.blocks.first_keys)
+        # events confirm the entries soon (the gateway's own ingest, or an agent writing a shared
+        # index): keep them only that long, so a worker whose agent died stops attracting prompts
+        event_fed = reg.has_events or self.index.agent_fed(reg.id)
+        ttl = self.routing.speculative_ttl_s if event_fed else self.routing.approx_ttl_s
+        window = plan.model.sliding_window_tokens
+        need = window_blocks(window, plan.model.block_size) if window is not None else 0
+        try:
+            for keys in plan.blocks.keys:
+                if not keys:
+                    continue
+                await self.index.store_speculative(reg.id, keys, ttl)
+                if need:  # a hybrid model's window group caches the prompt's last full blocks
+                    await self.index.store_speculative(reg.id, window_keys(keys[-need:]), ttl)
+        except IndexUnavailable:  # the next lookup falls back to load as well
+            self.metrics.index_write_failures.inc()
+
+    def ranked_by_load(self, body: dict[str, Any]) -> list[WorkerRegistration]:
+        """For endpoints forwarded without routing (embeddings, tokenize, ...): routable
+        workers of the body's model, least in-flight first. Raises GatewayError 400/404/503."""
+        model, _ = self.resolve_model(body)
+        regs = self.registry.routable(model.name)
+        if not regs:
+            raise no_healthy_worker(model.name)
+        return sorted(regs, key=lambda r: r.in_flight)
+
+
+    def _candidates(self, regs: list[WorkerRegistration], matches: dict[str, TierMatch],
+                    request: RouteRequest, blocks: PromptBlocks | None = None) -> list[Candidate]:
+        """The policy's candidates: each routable worker's load, match, learned rate (and the
+        model's, :meth:`~router.workers.registry.WorkerRegistry.model_rate`, with the worker's speed
+        factor against it) and evidence, the recent
+        uses of its matched prefix (:attr:`prefix_uses` at the last matched block of ``blocks``),
+        and, when agents publish peer-pull states (:mod:`router.estimates.peer_credit`), its peer info and the
+        blocks it can pull from a peer (capped by the prompt's creditable blocks,
+        ``(prompt_tokens - 1) // block_size``; a worker registered here whose evidence is not
+        credited is no peer)."""
+        model_rate = self.registry.model_rate(request.model).learned
+        out = [Candidate(r.id, r.load(), matches.get(r.id) or TierMatch(), r.prefill_rate.learned,
+                         r.evidence_credited, r.evidence.credit_weight, model_prefill_rate=model_rate,
+                         prefill_speed=self.registry.prefill_speed(r))
+               for r in regs]
+        keys = blocks.first_keys if blocks is not None else []
+        for c in out:
+            depth = min(c.matched.total, len(keys))
+            if depth > 0:
+                c.prefix_uses = self.prefix_uses.uses(keys[depth - 1])
+        peers = self.peers.current()
+        if not peers or not matches or not request.prompt_tokens:
+            return out
+        creditable = (request.prompt_tokens - 1) // max(1, request.block_size)
+
+        def distrusted(worker_id: str) -> bool:
+            reg = self.registry.get(worker_id)
+            return reg is not None and not reg.evidence_credited
+
+        supply = peer_blocks_by_worker(((c.worker_id, c.matched) for c in out), matches, peers, creditable,
+                                       distrusted)
+        for c in out:
+            c.peer = peers.get(c.worker_id)
+            if c.worker_id in supply:
+                c.peer_blocks, c.peer_worker = supply[c.worker_id]
+        return out
+
+
+__all__ = ["GatewayError", "PolicyHolder", "RoutePlan", "Router"]

@@ -1,0 +1,1 @@
+"""Prometheus metrics and OpenTelemetry tracing of the gateway."""

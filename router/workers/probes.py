@@ -1,0 +1,360 @@
+"""The gateway's own calls to workers: the per-worker background loops (health probe,
+engine-load scrape) and the ``GET /v1/models`` listing. Every call is bounded by a timeout.
+
+Both are registry task factories (``factory(registration) -> coroutine``) bound to the gateway's
+lean HTTP client (:class:`router.upstream_http.UpstreamHTTP`, the relay's: keep-alive per worker,
+less CPU per call than aiohttp's). Each call asks for ``Accept-Encoding: identity`` (a gzip or
+deflate answer is decompressed all the same) and follows no redirect (a 3xx is a failed call).
+Among the processes of ``kvroute serve --processes N`` one makes the calls for all and the others
+apply its results (:class:`ProbeSharing`, :mod:`router.shared.probe_table`).
+
+The load comes from vLLM's Prometheus text at ``/metrics``: ``vllm:num_requests_running``,
+``vllm:num_requests_waiting`` (summed over label sets, e.g. DP engines) and
+``vllm:kv_cache_usage_perc`` (0..1, the maximum over label sets); a worker that is one data
+parallel rank reads only its own ``engine="<rank>"`` label sets.
+"""
+from __future__ import annotations
+
+import asyncio
+import gzip
+import logging
+import time
+import weakref
+import zlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import orjson
+
+from router.config.schema import HealthConfig, LoadScrapeConfig
+from router.shared.probe_table import SharedProbeTable, stale_after_s
+from router.upstream_http import UpstreamError, UpstreamHTTP
+from router.workers.registry import WorkerRegistration
+
+log = logging.getLogger("kvroute.probes")
+
+_RUNNING = "vllm:num_requests_running"
+_WAITING = "vllm:num_requests_waiting"
+_KV_USAGE = "vllm:kv_cache_usage_perc"
+_NAMES = (_RUNNING, _WAITING, _KV_USAGE)
+
+
+def parse_engine_load(text: str, rank: int | None = None) -> tuple[int | None, int | None, float | None]:
+    """``(running, waiting, kv_usage)`` from Prometheus exposition text (vLLM's metric names);
+    a metric absent from ``text`` gives None. Only the lines of these metrics are looked at
+    (found by search: a vLLM page is ~48 kB of other metrics). ``rank``: read only the label sets
+    of that data parallel rank (``engine="<rank>"``, vLLM's per-engine label); None: the whole
+    server (every label set)."""
+    running = waiting = None
+    usage = None
+    engine = None if rank is None else f'engine="{rank}"'
+    for line in _lines_of(text):
+        space = line.find(" ")
+        brace = line.find("{")
+        if brace != -1 and (space == -1 or brace < space):
+            close = line.rfind("}")
+            if engine is not None and engine not in line[brace:close]:
+                continue
+            name, rest = line[:brace], line[close + 1:]
+        elif engine is not None:  # no labels: not a rank's line
+            continue
+        else:
+            name, rest = line[:space], line[space:]
+        try:
+            value = float(rest.split()[0])
+        except (ValueError, IndexError):
+            continue
+        if name == _RUNNING:
+            running = (running or 0) + int(value)
+        elif name == _WAITING:
+            waiting = (waiting or 0) + int(value)
+        elif name == _KV_USAGE:
+            usage = value if usage is None else max(usage, value)
+    return running, waiting, usage
+
+
+def _lines_of(text: str):
+    """The sample lines of :data:`_NAMES` in ``text`` (a name followed by ``{`` or a space at
+    the start of a line), in order."""
+    text = "\n" + text
+    for name in _NAMES:
+        needle = "\n" + name
+        at = text.find(needle)
+        while at != -1:
+            end = text.find("\n", at + 1)
+            line = text[at + 1:] if end == -1 else text[at + 1:end]
+            if line[len(name):len(name) + 1] in ("{", " "):
+                yield line
+            at = -1 if end == -1 else text.find(needle, end)
+
+
+_IDENTITY = (("Accept-Encoding", "identity"),)
+
+
+async def _get(client: UpstreamHTTP, url: str, timeout_s: float) -> tuple[int, bytes] | str:
+    """``(status, body)`` of a GET within ``timeout_s`` seconds (the whole call; the body
+    decompressed when the answer was gzip or deflate anyway), or the error text when it failed."""
+    resp = None
+    try:
+        async with asyncio.timeout(timeout_s):
+            resp = await client.request("GET", url, _IDENTITY)
+            body = await resp.read()
+        encoding = (resp.header(b"content-encoding") or b"").strip().lower()
+        if encoding in (b"gzip", b"x-gzip"):
+            body = gzip.decompress(body)
+        elif encoding == b"deflate":
+            body = zlib.decompress(body)
+        return resp.status, body
+    except (UpstreamError, TimeoutError, OSError, EOFError, zlib.error) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        if resp is not None:
+            resp.release()  # back to the pool when the whole body was read, else closed
+
+
+async def probe_once(client: UpstreamHTTP, reg: WorkerRegistration, cfg: HealthConfig) -> bool:
+    """One ``GET {url}{path}``; records the result on ``reg``; returns whether it answered 200."""
+    got = await _get(client, reg.url + cfg.path, cfg.timeout_s)
+    ok = not isinstance(got, str) and got[0] == 200
+    error = None if ok else (got if isinstance(got, str) else f"status {got[0]}")
+    reg.record_probe(ok, cfg.fail_threshold, cfg.rise_threshold, error)
+    reg.check_events(time.monotonic())  # every probe: whether its KV events still flow
+    return ok
+
+
+async def scrape_once(client: UpstreamHTTP, reg: WorkerRegistration, cfg: LoadScrapeConfig) -> bool:
+    """One ``GET {url}/metrics``; stores the engine load on ``reg``; returns success. A failed
+    scrape forgets the last figures (a dead worker's last queue must not weigh on routing)."""
+    got = await _get(client, reg.url + cfg.path, cfg.timeout_s)
+    if isinstance(got, str) or got[0] != 200:
+        reg.forget_scrape()
+        return False
+    reg.record_scrape(*parse_engine_load(got[1].decode(errors="replace"), reg.cfg.data_parallel_rank))
+    return True
+
+
+async def worker_get(client: UpstreamHTTP, reg: WorkerRegistration, path: str,
+                     timeout_s: float) -> bytes | str:
+    """The body of ``GET {url}{path}`` when it answered 200 within ``timeout_s`` seconds (the
+    whole call), else the error text."""
+    got = await _get(client, reg.url + path, timeout_s)
+    if isinstance(got, str):
+        return got
+    return got[1] if got[0] == 200 else f"status {got[0]}"
+
+
+async def worker_models(client: UpstreamHTTP, reg: WorkerRegistration,
+                        timeout_s: float) -> list[dict] | str:
+    """The model cards of ``GET {url}/v1/models`` (OpenAI list shape ``{"data": [card, ...]}``),
+    the whole call bounded by ``timeout_s`` seconds; the error text when it failed, timed out,
+    answered non-200 or not that shape."""
+    body = await worker_get(client, reg, "/v1/models", timeout_s)
+    if isinstance(body, str):
+        return body
+    try:
+        data = orjson.loads(body).get("data")
+    except (orjson.JSONDecodeError, AttributeError):
+        return "not a JSON object"
+    if not isinstance(data, list):
+        return "no 'data' list"
+    return [card for card in data if isinstance(card, dict) and isinstance(card.get("id"), str)]
+
+
+def _too_old(at: float, cfg: HealthConfig | LoadScrapeConfig, now: float) -> bool:
+    """Whether a record written at ``at`` (monotonic s) is past :func:`router.shared.probe_table.stale_after_s`."""
+    return now - at > stale_after_s(cfg.interval_s, cfg.timeout_s)
+
+
+@dataclass
+class ProbeSharing:
+    """This process's part in probing for its sibling processes (:mod:`router.shared.probe_table`):
+    the shared file and whether this process is the prober now
+    (:meth:`router.processes.group.ProcessGroup.is_prober`). The prober's per-worker loops call the
+    workers and publish; in the other processes those loops call a worker only when its record is
+    too old, and :meth:`follow` (one task per process) applies the prober's results. ``calls``:
+    the probes and scrapes this process made itself, by kind (``health``, ``scrape``);
+    ``applied``: the prober's results it applied."""
+
+    table: SharedProbeTable
+    is_prober: Callable[[], bool]
+
+    def __post_init__(self) -> None:
+        self.calls = {"health": 0, "scrape": 0}
+        self.applied = {"health": 0, "scrape": 0}
+        self._seen: dict[str, weakref.WeakKeyDictionary] = {"health": weakref.WeakKeyDictionary(),
+                                                           "scrape": weakref.WeakKeyDictionary()}
+        self._turn: asyncio.Future[None] | None = None  # what idle per-worker loops wait on
+        # slot -> (registration, probe seq, its time, scrape seq, its time) as last applied here
+        self._applied_at: dict[int, tuple[WorkerRegistration, int, float, int, float]] = {}
+
+    async def wait_turn(self) -> None:
+        """Wait until :meth:`follow` finds that this process must call workers itself: it became
+        the prober, or a record went stale. A follower's per-worker loops wait here instead of
+        waking every interval to find nothing to do."""
+        if self._turn is None or self._turn.done():
+            self._turn = asyncio.get_running_loop().create_future()
+        await asyncio.shield(self._turn)  # one loop cancelled (its worker removed) leaves the others waiting
+
+    def _wake_turns(self) -> None:
+        if self._turn is not None and not self._turn.done():
+            self._turn.set_result(None)
+
+    @staticmethod
+    def stale(result, cfg: HealthConfig | LoadScrapeConfig) -> bool:
+        """Whether ``result`` is missing or too old to follow
+        (:func:`router.shared.probe_table.stale_after_s`): then this process calls the worker itself."""
+        return result is None or _too_old(result.at, cfg, time.monotonic())
+
+    def take_new(self, kind: str, reg: WorkerRegistration, result, cfg: HealthConfig | LoadScrapeConfig) -> bool:
+        """Whether ``result`` is fresh and not applied here yet (then it counts as applied)."""
+        if self.stale(result, cfg) or self._seen[kind].get(reg) == result.seq:
+            return False
+        self._seen[kind][reg] = result.seq
+        return True
+
+    async def apply(self, reg: WorkerRegistration, health: HealthConfig, scrape: LoadScrapeConfig | None,
+                    on_change: Callable[[WorkerRegistration], Awaitable[None]] | None = None) -> bool:
+        """Apply the prober's new results for ``reg`` (each once): its health probe through
+        :meth:`~router.workers.registry.WorkerRegistration.record_probe` (``on_change`` awaited when
+        that turned the worker up or down), its scrape through ``record_scrape``; then judge this
+        process's own KV-event stream (``check_events``). Returns whether a record was too old to
+        follow (:meth:`stale`: this process's own loop for ``reg`` must call the worker)."""
+        slot = reg.shared[1]
+        last = self._applied_at.get(slot)
+        if last is not None and last[0] is reg:  # nothing new since then: two 8-byte reads
+            probe_seq, scrape_seq = self.table.seqs(slot)
+            if probe_seq == last[1] and (scrape is None or scrape_seq == last[3]):
+                now = time.monotonic()
+                reg.check_events(now)
+                return _too_old(last[2], health, now) or (scrape is not None and _too_old(last[4], scrape, now))
+        result = self.table.read_probe(slot)
+        stale = self.stale(result, health)
+        if self.take_new("health", reg, result, health):
+            self.applied["health"] += 1
+            before = reg.healthy
+            reg.record_probe(result.ok, health.fail_threshold, health.rise_threshold, result.error)
+            if on_change is not None and before is not None and reg.healthy is not before:
+                await on_change(reg)
+        got = None
+        if scrape is not None:
+            got = self.table.read_scrape(slot)
+            stale = stale or self.stale(got, scrape)
+            if self.take_new("scrape", reg, got, scrape):
+                self.applied["scrape"] += 1
+                if got.ok:
+                    reg.record_scrape(got.running, got.waiting, got.kv_usage)
+                else:
+                    reg.forget_scrape()
+        if result is not None and (scrape is None or got is not None):
+            self._applied_at[slot] = (reg, result.seq, result.at, got.seq if got is not None else 0,
+                                      got.at if got is not None else 0.0)
+        reg.check_events(time.monotonic())
+        return stale
+
+    async def follow(self, workers: Callable[[], list[WorkerRegistration]], health: HealthConfig,
+                     scrape: LoadScrapeConfig | None,
+                     on_change: Callable[[WorkerRegistration], Awaitable[None]] | None = None) -> None:
+        """Run until cancelled: every half of the shorter interval, while this process is not the
+        prober, :meth:`apply` for every worker with a slot (a half interval: no result is
+        overwritten before it is read); when this process is the prober, or a record was too
+        old, wake the per-worker loops waiting in :meth:`wait_turn`."""
+        period = min(health.interval_s, scrape.interval_s if scrape is not None else health.interval_s) / 2
+        await asyncio.sleep(0)  # the workers' own tasks first (each KV-event ingestor attaches itself at once)
+        while True:
+            wake = self.is_prober()
+            if not wake:
+                for reg in workers():
+                    if reg.shared is not None and not reg.removed:
+                        try:
+                            wake = await self.apply(reg, health, scrape, on_change) or wake
+                        except Exception:  # one worker's trouble must not stop the others' results
+                            log.exception("applying the prober's results for worker %s failed", reg.id)
+            if wake:
+                self._wake_turns()
+            await asyncio.sleep(period)
+
+
+async def _shared_call(kind: str, call, read, publish, client: UpstreamHTTP, reg: WorkerRegistration,
+                       cfg: HealthConfig | LoadScrapeConfig, sharing: ProbeSharing) -> bool:
+    """The prober makes ``call`` and publishes its result (``publish(slot, ok)``); another process
+    makes it only when the prober's record for ``reg`` (``read(slot)``) is too old
+    (:meth:`ProbeSharing.stale`; it publishes nothing then). Returns whether it called the worker."""
+    slot = reg.shared[1] if reg.shared is not None else None
+    prober = slot is None or sharing.is_prober()
+    if not prober and not sharing.stale(read(slot), cfg):
+        return False
+    sharing.calls[kind] += 1
+    ok = await call(client, reg, cfg)
+    if prober and slot is not None:
+        publish(slot, ok)
+        sharing.take_new(kind, reg, read(slot), cfg)  # its own result: applied
+    return True
+
+
+async def shared_probe_once(client: UpstreamHTTP, reg: WorkerRegistration, cfg: HealthConfig,
+                            sharing: ProbeSharing) -> bool:
+    """:func:`probe_once` made by the prober for every process (:func:`_shared_call`)."""
+    table = sharing.table
+    return await _shared_call("health", probe_once, table.read_probe,
+                              lambda slot, ok: table.write_probe(slot, ok, reg.last_probe_error),
+                              client, reg, cfg, sharing)
+
+
+async def shared_scrape_once(client: UpstreamHTTP, reg: WorkerRegistration, cfg: LoadScrapeConfig,
+                             sharing: ProbeSharing) -> bool:
+    """:func:`scrape_once` made by the prober for every process (:func:`_shared_call`)."""
+    table = sharing.table
+    return await _shared_call("scrape", scrape_once, table.read_scrape,
+                              lambda slot, ok: table.write_scrape(slot, ok, reg.engine_running, reg.engine_waiting,
+                                                                  reg.kv_usage),
+                              client, reg, cfg, sharing)
+
+
+def periodic_task(step, client: UpstreamHTTP, cfg: HealthConfig | LoadScrapeConfig,
+                  sharing: ProbeSharing | None = None, read=None):
+    """A registry task factory running ``step(client, reg, cfg)`` at once and then every
+    ``cfg.interval_s`` seconds, for as long as the worker is registered. With ``sharing``
+    (``read(slot)``: the prober's record of the worker), a process that is not the prober and
+    holds a fresh record waits in :meth:`ProbeSharing.wait_turn` instead of the interval."""
+
+    async def run(reg: WorkerRegistration) -> None:
+        while True:
+            await step(client, reg, cfg)
+            if (sharing is not None and reg.shared is not None and not sharing.is_prober()
+                    and not sharing.stale(read(reg.shared[1]), cfg)):
+                await sharing.wait_turn()
+            else:
+                await asyncio.sleep(cfg.interval_s)
+
+    return run
+
+
+def health_probe_task(client: UpstreamHTTP, cfg: HealthConfig,
+                      on_change: Callable[[WorkerRegistration], Awaitable[None]] | None = None,
+                      sharing: ProbeSharing | None = None):
+    """Task factory: :func:`probe_once` every ``cfg.interval_s`` (with ``sharing``:
+    :func:`shared_probe_once`); ``on_change(reg)`` is awaited after a probe that turned the
+    worker up or down (not after its first probe)."""
+
+    async def step(client: UpstreamHTTP, reg: WorkerRegistration, cfg: HealthConfig) -> None:
+        before = reg.healthy
+        if sharing is None:
+            await probe_once(client, reg, cfg)
+        else:
+            await shared_probe_once(client, reg, cfg, sharing)
+        if on_change is not None and before is not None and reg.healthy is not before:
+            await on_change(reg)
+
+    return periodic_task(step, client, cfg, sharing, sharing.table.read_probe if sharing is not None else None)
+
+
+def load_scrape_task(client: UpstreamHTTP, cfg: LoadScrapeConfig, sharing: ProbeSharing | None = None):
+    """Task factory: :func:`scrape_once` every ``cfg.interval_s`` (with ``sharing``:
+    :func:`shared_scrape_once`)."""
+    if sharing is None:
+        return periodic_task(scrape_once, client, cfg)
+
+    async def step(client: UpstreamHTTP, reg: WorkerRegistration, cfg: LoadScrapeConfig) -> None:
+        await shared_scrape_once(client, reg, cfg, sharing)
+
+    return periodic_task(step, client, cfg, sharing, sharing.table.read_scrape)
