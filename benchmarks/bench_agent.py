@@ -22,7 +22,7 @@ Aims (issue 4): ingest >= 200k blocks/s in-memory; lookup p99 < 1 ms in-memory, 
     .venv/bin/python benchmarks/bench_agent.py --baseline HEAD~1   # before/after side by side
     .venv/bin/python benchmarks/bench_agent.py --quick --json out.json --plot plots/
 
-``--json FILE`` writes the figures (:mod:`kvroute.bench.figures`): table ``ingest`` (per backend:
+``--json FILE`` writes the figures (:mod:`lab.figures`): table ``ingest`` (per backend:
 ``blocks_per_s``, ``no_decode_blocks_per_s``, ``translate_only_blocks_per_s``), table ``lookup``
 (per variant: ``p50_ms``, ``p99_ms``, ``max_ms``, ``cpu_p50_ms``, ``cpu_p99_ms``, ``redis_ms``,
 ``workers_matched``), table ``populate`` (``populate_s`` per index) and table ``memory``
@@ -56,7 +56,7 @@ from kvcore.events import BlockRemoved, BlockStored, EventBatch, decode_batch, e
 from kvcore.index.memory import MemoryIndex
 from kvcore.index.redis import RedisIndex
 from kvcore.kv_events import EventTranslator, write_ops
-from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures
+from lab.figures import add_chart, add_output_args, add_table, emit, new_figures
 
 MODEL = "bench-model"
 

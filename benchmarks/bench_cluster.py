@@ -37,11 +37,11 @@ from pathlib import Path
 
 import httpx
 
-from kvroute.bench.arrivals import Arrivals
-from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures
-from kvroute.bench.process_sampler import tree_cpu_s
-from kvroute.bench.runner import RunSettings, Target, run_target
-from kvroute.bench.workers import stop_groups, wait_ready
+from kvbench.arrivals import Arrivals
+from lab.figures import add_chart, add_output_args, add_table, emit, new_figures
+from lab.process_sampler import tree_cpu_s
+from kvbench.runner import RunSettings, Target, run_target
+from kvbench.workers import stop_groups, wait_ready
 from kvroute.up import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,8 +170,8 @@ def main() -> int:
         print("bench_cluster: redis-server not on PATH (make install-system)", file=sys.stderr)
         return 1
     from kvcore.tokenization import PromptTokenizer
-    from kvroute.bench import trace
-    from kvroute.bench.words import OneTokenWords
+    from kvbench import trace
+    from kvbench.words import OneTokenWords
 
     workload = trace.expand_trace(trace.read_trace(trace.DEFAULT_TRACE, args.limit),
                                   OneTokenWords(PromptTokenizer(args.model)), args.block_tokens,

@@ -41,13 +41,13 @@ mean error: blocks evicted between routing and prefill by the 4 requests in flig
 is worse than round robin's when the cache is roomy: requests sharing a system prompt gather on the
 worker that holds it, while round robin spreads the load evenly and still hits the shared prompts.
 
-``--json FILE`` writes the figures (:mod:`kvroute.bench.figures`): table ``runs`` (per scenario and
+``--json FILE`` writes the figures (:mod:`lab.figures`): table ``runs`` (per scenario and
 policy: ``ttft_p50_ms``, ``ttft_p95_ms``, ``wall_s``, ``hit_rate_vllm_metrics``, ``hit_rate_usage``,
 ``ideal_hit_rate``, ``predicted_cached_tokens``, ``reported_cached_tokens``,
 ``prediction_mae_tokens``, ``requests_w0``/``requests_w1``), table ``workload`` and ``report``, a
 ``kvroute bench``-style report with one target per scenario and policy and a record per request
 (send time, TTFT, prompt and cached tokens, worker). ``--plot DIR`` draws ``ttft_cdf.png``,
-``hit_rate_over_time.png`` and ``worker_load.png`` (:mod:`kvroute.bench.plots`), and
+``hit_rate_over_time.png`` and ``worker_load.png`` (:mod:`kvbench.plots`), and
 ``hit_rate.png``, ``ttft.png`` and ``prediction.png`` (bars per scenario and policy).
 """
 from __future__ import annotations
@@ -73,8 +73,8 @@ from openai import OpenAI
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 from model_cache import ensure_model  # noqa: E402
-from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures  # noqa: E402
-from kvroute.bench.workers import metric_samples, reset_prefix_cache  # noqa: E402
+from lab.figures import add_chart, add_output_args, add_table, emit, new_figures  # noqa: E402
+from kvbench.workers import metric_samples, reset_prefix_cache  # noqa: E402
 
 from kvcore.tokenization import PromptTokenizer  # noqa: E402
 
@@ -299,7 +299,7 @@ def figure_rows(title: str, blocks: int, results: dict[str, dict], ideal: float)
 
 def report_target(name: str, r: dict) -> dict:
     """A ``kvroute bench``-style target (records, per-worker requests and prefill tokens) of one
-    policy's run, for :func:`kvroute.bench.plots.write_plots`."""
+    policy's run, for :func:`kvbench.plots.write_plots`."""
     per_worker: dict[str, dict[str, int]] = {}
     for rec in r["records"]:
         w = per_worker.setdefault(rec["worker"], {"requests": 0, "prefill_tokens": 0, "cached_tokens": 0})

@@ -11,7 +11,7 @@ Usage: python benchmarks/bench_fuzz.py [--examples 300] [--seed 12] [--only 'POS
        [--json FILE] [--plot DIR]
 Everything runs on loopback and stops by itself (each process has a deadline).
 
-``--json FILE`` writes the figures (:mod:`kvroute.bench.figures`): table ``operations`` (per
+``--json FILE`` writes the figures (:mod:`lab.figures`): table ``operations`` (per
 operation: ``cases``, ``wall_s``, ``status_2xx``/``status_4xx``/``status_5xx`` counts and
 ``statuses`` by status and origin), table ``summary`` (one row: ``cases``, ``gateway_5xx``,
 ``bad_4xx``, ``no_answer``, ``worker_5xx``, ``rig_5xx``, ``property_failures``, ``run_s``) and
@@ -31,7 +31,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "resilience
 
 import test_fuzz as fuzz  # noqa: E402  (tests/resilience/test_fuzz.py: the rig, the property, the runner)
 
-from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures  # noqa: E402
+from lab.figures import add_chart, add_output_args, add_table, emit, new_figures  # noqa: E402
 
 
 def _by_class(seen: Counter) -> dict[str, int]:

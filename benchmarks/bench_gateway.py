@@ -21,7 +21,7 @@ Usage: python benchmarks/bench_gateway.py [--requests 200] [--rounds 3] [--rps-s
        [--json FILE] [--plot DIR]
 Everything runs on loopback and stops by itself (each process has a deadline).
 
-``--json FILE`` writes the figures (:mod:`kvroute.bench.figures`): table ``latency`` (per workload,
+``--json FILE`` writes the figures (:mod:`lab.figures`): table ``latency`` (per workload,
 concurrency and target: ``p50_ms``, ``p99_ms``, ``added_p50_ms``, ``added_p99_ms``,
 ``proxy_cpu_per_request_ms``) and table ``throughput`` (per target: ``requests_per_s``,
 ``proxy_busy_cpu_share``, ``ceiling_requests_per_s_per_cpu``...). ``--plot DIR`` draws
@@ -45,9 +45,9 @@ from pathlib import Path
 
 import aiohttp
 
-from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures
-from kvroute.bench.process_sampler import tree_cpu_s
-from kvroute.bench.workers import stop_groups, wait_ready
+from lab.figures import add_chart, add_output_args, add_table, emit, new_figures
+from lab.process_sampler import tree_cpu_s
+from kvbench.workers import stop_groups, wait_ready
 from kvroute.up import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -46,7 +46,7 @@ from kvcore.block_keys import block_keys  # noqa: E402
 from kvcore.index.memory import MemoryIndex  # noqa: E402
 from kvcore.index.redis import RedisIndex  # noqa: E402
 from kvcore.index.redis_mirror import RedisMirrorIndex  # noqa: E402
-from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures  # noqa: E402
+from lab.figures import add_chart, add_output_args, add_table, emit, new_figures  # noqa: E402
 
 NS = "benchlookup"
 

@@ -1,6 +1,6 @@
 """How far placement alone can take the hit rate and the median request on the multi-turn
 KV-pressure workload, against workers that evict like vLLM (least recently used, a request's
-tail first): :mod:`kvroute.bench.lru_replay`, printed side by side.
+tail first): :mod:`lab.lru_replay`, printed side by side.
 
     .venv/bin/python benchmarks/bench_lru_placement.py --tokenizer MODEL_DIR [--workers 2]
         [--blocks-per-worker 200] [--block-size 32] [--conversations 16] [--turns 4]
@@ -15,7 +15,7 @@ same send order: turn t of every conversation before turn t+1). Rows:
 - ``best static``: the best of ``--tries`` random assignments of whole conversations to
   workers (every split of counts tried), by hit rate;
 - ``ideal`` / ``Belady``: no eviction at all, and one cache of all the workers' blocks run with
-  Belady's rule (:mod:`kvroute.bench.capacity`), the bounds no placement can pass.
+  Belady's rule (:mod:`kvbench.capacity`), the bounds no placement can pass.
 
 ``median uncached`` is the median request's tokens to prefill: if it stays near round robin's
 for every placement, so does any router's TTFT median on that workload (prefill time grows with
@@ -29,11 +29,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kvroute.bench import synthetic  # noqa: E402
-from kvroute.bench.capacity import capacity_hit_rate  # noqa: E402
-from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures  # noqa: E402
-from kvroute.bench.lru_replay import best_static_placement, longest_prefix_replay, replay  # noqa: E402
-from kvroute.bench.words import OneTokenWords  # noqa: E402
+from kvbench import synthetic  # noqa: E402
+from kvbench.capacity import capacity_hit_rate  # noqa: E402
+from lab.figures import add_chart, add_output_args, add_table, emit, new_figures  # noqa: E402
+from lab.lru_replay import best_static_placement, longest_prefix_replay, replay  # noqa: E402
+from kvbench.words import OneTokenWords  # noqa: E402
 from router.route.prompt_blocks import PromptTokenizer  # noqa: E402
 
 

@@ -25,7 +25,7 @@ Usage: .venv/bin/python benchmarks/bench_overload.py [--window-s 30] [--workers 
 Everything runs on loopback and stops by itself (each process has a deadline). The figures are
 wall-clock: on a busy machine run it alone.
 
-``--json FILE`` writes the figures (:mod:`kvroute.bench.figures`): table ``capacity`` (one row:
+``--json FILE`` writes the figures (:mod:`lab.figures`): table ``capacity`` (one row:
 ``idle_ttft_p50_ms``, ``nominal_per_s``, ``capacity_per_s``, ``offered_per_s``), table ``sweep``
 (per rate: ``rate_per_s``, ``completed``, ``ttft_p50_ms``, ``ttft_p99_ms``, ``near_idle``), table
 ``overload`` (per gateway: ``offered_per_s``, ``completed``, ``rejected_429``, ``ttft_p50_ms``,
@@ -53,10 +53,10 @@ from pathlib import Path
 import aiohttp
 import yaml
 
-from kvroute.bench.figures import (add_chart, add_output_args, add_samples, add_series, add_table, emit,
+from lab.figures import (add_chart, add_output_args, add_samples, add_series, add_table, emit,
                                    new_figures)
-from kvroute.bench.stats import percentile
-from kvroute.bench.workers import wait_ready
+from kvbench.stats import percentile
+from kvbench.workers import wait_ready
 from kvroute.up import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]

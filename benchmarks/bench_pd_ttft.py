@@ -44,7 +44,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 from model_cache import ensure_model  # noqa: E402
-from kvroute.bench.workers import samples_by_source  # noqa: E402
+from kvbench.workers import samples_by_source  # noqa: E402
 
 BLOCK = 32
 TOKEN = "bench-pd-ttft"

@@ -10,7 +10,7 @@ on a GPU's prefill rate. Needs root (a network namespace and ``tc``).
 Set-up (everything made here is removed at the end, also after an error, SIGINT or SIGTERM):
 
 - a network namespace ``kvrp<pid>`` joined to this one by a veth pair ``kvrp<pid>a`` (here,
-  ``10.201.n.1``) <-> ``kvrp<pid>b`` (inside, ``10.201.n.2``) (:class:`kvroute.bench.netns.ShapedLink`);
+  ``10.201.n.1``) <-> ``kvrp<pid>b`` (inside, ``10.201.n.2``) (:class:`lab.netns.ShapedLink`);
   A's offload agent runs inside and serves its blocks on the inside address, so every byte B pulls
   leaves the namespace through ``kvrp<pid>b``, where a ``tbf`` qdisc sets the rate of each case;
 - one redis-server (the index; on loopback and the veth address, nothing persisted), two vLLM
@@ -20,7 +20,7 @@ Set-up (everything made here is removed at the end, also after an error, SIGINT 
   tier in ``/dev/shm/kvr-bpp-<pid>-<worker>``, removed on exit); B's agent (outside) pulls from A's;
 - every process runs under ``timeout -s KILL`` (``--deadline-s``), so nothing outlives a killed
   run for long; namespaces and veths of a run killed by SIGKILL are removed by the next run
-  (:func:`kvroute.bench.netns.remove_stale`).
+  (:func:`lab.netns.remove_stale`).
 
 Cases, in each of ``--repeats`` rounds (in an order shuffled per round, the same for every run of
 the benchmark), each with a prompt of fresh random tokens (nothing cached by accident). TTFT =
@@ -67,7 +67,7 @@ tokens/s) and the 0.15-0.30 ms/token given for llm-d-inference-sim's 7-8B/H100 r
 overheads (the fit's 26.2 ms, connection set-up, the pull's own latency) ignored there; one more
 line uses the mocker's full fit for one 2k-token prompt.
 
-``--json FILE`` (:mod:`kvroute.bench.figures`): table ``ttft`` (per case: ``ttft_ms`` median,
+``--json FILE`` (:mod:`lab.figures`): table ``ttft`` (per case: ``ttft_ms`` median,
 ``ratio_to_recompute``, ``runs_ms``, ``ok_runs``, ``runs``, ``pulled_bytes``, ``pull_ms``,
 ``pull_bytes_per_s``, ``link_bytes``, ``nominal_bits_per_s``, ``tcp_bits_per_s``), table
 ``runs`` (every run), table ``link`` (per setting: nominal and raw TCP bits/s, each transfer),
@@ -103,10 +103,10 @@ from model_cache import ensure_model  # noqa: E402
 
 from kvcore.block_keys import block_keys  # noqa: E402
 from kvcore.index.redis import RedisIndex  # noqa: E402
-from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures  # noqa: E402
-from kvroute.bench.netns import (NetnsError, ShapedLink, check_privileges, remove_stale,  # noqa: E402
+from lab.figures import add_chart, add_output_args, add_table, emit, new_figures  # noqa: E402
+from lab.netns import (NetnsError, ShapedLink, check_privileges, remove_stale,  # noqa: E402
                                  tcp_throughput_bytes_per_s)
-from kvroute.bench.workers import LogTail, reset_prefix_cache, stop_groups  # noqa: E402
+from kvbench.workers import LogTail, reset_prefix_cache, stop_groups  # noqa: E402
 from kvroute.up import free_ports  # noqa: E402
 from offload_agent.connector.config import kv_transfer_config, vllm_env  # noqa: E402
 from simulator.timing import PRESETS  # noqa: E402

@@ -37,8 +37,8 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures  # noqa: E402
-from kvroute.bench.process_sampler import tree_cpu_s  # noqa: E402
+from lab.figures import add_chart, add_output_args, add_table, emit, new_figures  # noqa: E402
+from lab.process_sampler import tree_cpu_s  # noqa: E402
 from kvroute.up import free_ports  # noqa: E402
 
 TINY = ROOT / "tests/fixtures/tiny-model"

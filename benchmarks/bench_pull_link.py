@@ -48,7 +48,7 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from kvcore.index.memory import MemoryIndex  # noqa: E402
-from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures  # noqa: E402
+from lab.figures import add_chart, add_output_args, add_table, emit, new_figures  # noqa: E402
 from offload_agent.agent_link import AgentLink  # noqa: E402
 from offload_agent.peer.client import PeerClient  # noqa: E402
 from offload_agent.tier_service import TierService  # noqa: E402

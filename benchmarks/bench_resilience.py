@@ -27,7 +27,7 @@ Everything runs on loopback; every process has a hard deadline (``timeout -s KIL
 at the end; every client call has a timeout, so a hang is counted, never waited on. Exit status 0
 only when no client hung, no request that should succeed failed and every fault converged again.
 
-``--json FILE`` writes the figures (:mod:`kvroute.bench.figures`): table ``soak`` (one row:
+``--json FILE`` writes the figures (:mod:`lab.figures`): table ``soak`` (one row:
 ``errors``, ``wall_s``, ``requests_per_s``, ``rss_before_bytes``/``rss_peak_bytes``/
 ``rss_after_bytes``, ``fds_before``/``fds_peak``/``fds_after``), table ``convergence`` (per fault
 and measure: ``time_s``, None when not reached), table ``stream_outcomes`` (how the streams on the
@@ -59,9 +59,9 @@ import httpx
 import orjson
 import psutil
 
-from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures
-from kvroute.bench.process_sampler import Sampler
-from kvroute.bench.workers import wait_ready
+from lab.figures import add_chart, add_output_args, add_table, emit, new_figures
+from lab.process_sampler import Sampler
+from kvbench.workers import wait_ready
 from kvroute.up import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]

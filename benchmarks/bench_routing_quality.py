@@ -11,7 +11,7 @@ them):
   time, input and output token counts and chained block ids of 512 tokens, used directly as block
   keys (full blocks only). All requests share block 0 (a system prompt): the "hot shared prefix"
   case. ``--trace`` defaults to the first 1,000 requests the repo ships
-  (``kvroute/bench/data/mooncake_conversation_1000.jsonl``); the whole trace, when the workspace
+  (``kvbench/data/mooncake_conversation_1000.jsonl``); the whole trace, when the workspace
   has it, is ``../shared/traces/mooncake_conversation_trace.jsonl`` from the repo root (see the
   README.md there). A missing trace is an error (exit 2).
 - N workers, each with an LRU prefix cache of ``--gpu-blocks`` blocks and optionally a CPU tier of
@@ -34,13 +34,13 @@ computed, and modelled TTFT p50/p90. Besides the four policies with default sett
 kv_aware variants show what the overload guard and the load term do: without a load term every
 request shares block 0 with every worker's cache, so all traffic piles onto one worker.
 
-``--json FILE`` writes the figures (:mod:`kvroute.bench.figures`): table ``policies`` (one row per
+``--json FILE`` writes the figures (:mod:`lab.figures`): table ``policies`` (one row per
 policy: ``hit_rate``, ``gpu_hit_rate``, ``cpu_hit_rate`` as fractions, ``requests_max_over_mean``,
 ``prefill_max_over_mean``, ``ttft_p50_ms``, ``ttft_p90_ms``, ``sim_s``, ``reasons``), table
 ``per_worker`` (requests and prefill tokens per policy and worker) and ``report``, a
 ``kvroute bench``-style report with one record per request and policy (send time = arrival,
 modelled TTFT, cached tokens, worker). ``--plot DIR`` draws ``ttft_cdf.png`` (modelled TTFT per
-policy), ``hit_rate_over_time.png``, ``worker_load.png`` (:mod:`kvroute.bench.plots`),
+policy), ``hit_rate_over_time.png``, ``worker_load.png`` (:mod:`kvbench.plots`),
 ``hit_rate.png`` and ``load_imbalance.png`` (bars per policy).
 """
 from __future__ import annotations
@@ -58,7 +58,7 @@ from pathlib import Path
 
 from kvcore.index.base import TierMatch
 from kvcore.index.memory import MemoryIndex
-from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures
+from lab.figures import add_chart, add_output_args, add_table, emit, new_figures
 from router.policies.base import Candidate, Policy, RouteRequest, WorkerLoad
 from router.policies.factory import make_policy
 
@@ -304,7 +304,7 @@ def collect_figures(results: list[Result], trace: list[TraceRequest], args: argp
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", type=Path, default=default_trace(),
-                   help="Mooncake JSONL trace (default: the repo's kvroute/bench/data/mooncake_conversation_1000.jsonl, "
+                   help="Mooncake JSONL trace (default: the repo's kvbench/data/mooncake_conversation_1000.jsonl, "
                         "else ../shared/traces/mooncake_conversation_trace.jsonl from the repo root)")
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--gpu-blocks", type=int, default=1000, help="per-worker GPU cache, 512-token blocks")

@@ -2,8 +2,8 @@
 """The gateway at 64 / 256 / 1,024 workers, with virtual workers: index memory, KV event ingest
 rate, lookups while events flow, and a real ``kvroute serve`` following N virtual workers.
 
-Workload (:mod:`kvroute.bench.scale`): the shipped first 1,000 requests of the Mooncake
-conversation trace (``kvroute/bench/data/``), repeated with shifted copies until the workers'
+Workload (:mod:`kvbench.scale`): the shipped first 1,000 requests of the Mooncake
+conversation trace (``kvbench/data/``), repeated with shifted copies until the workers'
 pools are full and evicting, routed by prefix (a conversation stays on one worker), each worker a
 vLLM-like block pool (``simulator/block_pool.py``) of ``--capacity-blocks`` blocks of 16 tokens.
 Token ids are the tiny test tokenizer's one-token words, so the gateway tokenizes the text
@@ -72,11 +72,11 @@ from kvcore.index.base import KVIndex  # noqa: E402
 from kvcore.index.host import HostIndex  # noqa: E402
 from kvcore.index.memory import MemoryIndex  # noqa: E402
 from kvcore.tokenization import PromptTokenizer  # noqa: E402
-from kvroute.bench import scale  # noqa: E402
-from kvroute.bench.figures import new_figures, add_table, write_json  # noqa: E402
-from kvroute.bench.process_sampler import tree_cpu_s  # noqa: E402
-from kvroute.bench.trace import DEFAULT_TRACE, read_trace  # noqa: E402
-from kvroute.bench.words import OneTokenWords  # noqa: E402
+from kvbench import scale  # noqa: E402
+from lab.figures import new_figures, add_table, write_json  # noqa: E402
+from lab.process_sampler import tree_cpu_s  # noqa: E402
+from kvbench.trace import DEFAULT_TRACE, read_trace  # noqa: E402
+from kvbench.words import OneTokenWords  # noqa: E402
 from kvroute.up import free_ports  # noqa: E402
 
 TINY = ROOT / "tests/fixtures/tiny-model"

@@ -9,7 +9,7 @@ time, and how many sims this machine holds by memory and by idle CPU (goal: 16).
     python benchmarks/bench_sim.py [--requests 2000] [--concurrency 1,16,64] [--speedup 1000]
         [--json FILE] [--plot DIR]
 
-``--json FILE`` writes the figures (:mod:`kvroute.bench.figures`): table ``throughput`` (per
+``--json FILE`` writes the figures (:mod:`lab.figures`): table ``throughput`` (per
 concurrency and mode: ``requests_per_s``, ``sim_cpu_per_request_ms``,
 ``client_cpu_per_request_ms``) and table ``sim`` (one row: ``start_s``, ``rss_idle_bytes``,
 ``rss_loaded_bytes``, ``idle_cpu_core_share``, ``mem_available_bytes``, ``sims_fit_by_memory``,
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import aiohttp
 
-from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures
+from lab.figures import add_chart, add_output_args, add_table, emit, new_figures
 from kvroute.up import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]

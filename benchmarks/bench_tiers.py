@@ -29,7 +29,7 @@ starts with the pages of its files dropped (``posix_fadvise DONTNEED``); each ru
 times, alternating.
 Aims: cpu TTFT <= 0.3 x recompute, SSD read >= 0.8 x dd (median).
 
-``--json FILE`` writes the figures (:mod:`kvroute.bench.figures`): table ``ssd_read`` (per checksum,
+``--json FILE`` writes the figures (:mod:`lab.figures`): table ``ssd_read`` (per checksum,
 block size and I/O threads: medians ``tier_read_bytes_per_s``, ``raw_read_bytes_per_s`` (one plain
 read per file, no checks), ``cat_read_bytes_per_s``, ``dd_read_bytes_per_s``, ``ratio_to_dd``, and
 ``ratios_to_dd`` of each run), table ``ttft`` (per case: ``ttft_ms``, the median,
@@ -60,8 +60,8 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 from model_cache import ensure_model  # noqa: E402
 
-from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures  # noqa: E402
-from kvroute.bench.workers import LogTail, stop_groups  # noqa: E402
+from lab.figures import add_chart, add_output_args, add_table, emit, new_figures  # noqa: E402
+from kvbench.workers import LogTail, stop_groups  # noqa: E402
 from kvroute.up import free_ports  # noqa: E402
 from offload_agent.connector.config import kv_transfer_config, vllm_env  # noqa: E402
 from offload_agent.tiers import TierFingerprint, TierStore, write_block_file  # noqa: E402

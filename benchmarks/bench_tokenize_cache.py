@@ -25,7 +25,7 @@ Usage: python benchmarks/bench_tokenize_cache.py [--repeats 5] [--conversations 
        [--tokens 8000] [--model DIR] [--no-gateway] [--json FILE] [--plot DIR]
 Everything runs on loopback and stops by itself (each process has a deadline).
 
-``--json FILE`` writes the figures (:mod:`kvroute.bench.figures`): table ``cpu`` (per measurement
+``--json FILE`` writes the figures (:mod:`lab.figures`): table ``cpu`` (per measurement
 and turns: ``cache_off_cpu_per_request_ms`` and ``cache_on_cpu_per_request_ms``, medians over the
 repeats, with ``_min_ms``/``_max_ms`` and every repeat's value, ``on_off_ratio``, ``speedup``) and
 table ``cache`` (the in-process cache's hits, misses, entries, tokens held). ``--plot DIR`` draws
@@ -49,8 +49,8 @@ import aiohttp
 
 from bench_gateway import start  # same folder: a process started under a deadline
 from kvcore.tokenization import PromptTokenizer
-from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures
-from kvroute.bench.workers import stop_groups, wait_ready
+from lab.figures import add_chart, add_output_args, add_table, emit, new_figures
+from kvbench.workers import stop_groups, wait_ready
 from kvroute.up import free_ports
 from router.config.schema import ModelConfig
 from router.route.prompt_blocks import _prompt_blocks

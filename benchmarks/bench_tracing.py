@@ -18,7 +18,7 @@ Usage: python benchmarks/bench_tracing.py [--requests 300] [--repeats 5] [--otel
 (``--otel-env``: more OTEL_* settings for the traced gateways, e.g. OTEL_BSP_MAX_EXPORT_BATCH_SIZE=512)
 Everything runs on loopback and stops by itself (each process has a deadline).
 
-``--json FILE`` writes the figures (:mod:`kvroute.bench.figures`): table ``repeats`` (per workload,
+``--json FILE`` writes the figures (:mod:`lab.figures`): table ``repeats`` (per workload,
 repeat and target: ``p50_ms``, ``p99_ms``, ``cpu_per_request_ms``), table ``latency`` (the medians
 and ``added_p50_ms``/``added_p99_ms`` over direct), table ``tracing_cost`` (each traced gateway
 minus tracing off: ``added_p50_ms``, ``added_p99_ms``, ``added_cpu_per_request_ms``) and table
@@ -44,8 +44,8 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 import httpx  # noqa: E402
 
-from kvroute.bench.figures import add_chart, add_output_args, add_table, emit, new_figures  # noqa: E402
-from kvroute.bench.workers import stop_groups, wait_ready  # noqa: E402
+from lab.figures import add_chart, add_output_args, add_table, emit, new_figures  # noqa: E402
+from kvbench.workers import stop_groups, wait_ready  # noqa: E402
 from kvroute.up import free_ports  # noqa: E402
 
 TINY = ROOT / "tests/fixtures/tiny-model"

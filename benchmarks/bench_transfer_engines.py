@@ -62,7 +62,7 @@ case, min-max of the repeats; then the CPU seconds the client and the server spe
 (process CPU time of all threads; the server's read just before and after the transfer), which a
 machine shared with other work disturbs less than wall time.
 
-``--json FILE`` (:mod:`kvroute.bench.figures`): table ``transfer`` (per method and case:
+``--json FILE`` (:mod:`lab.figures`): table ``transfer`` (per method and case:
 ``method``, ``block_bytes``, ``blocks``, ``payload_bytes``, ``bits_per_s`` (median),
 ``ratio_to_raw_tcp``, ``min_bits_per_s``, ``max_bits_per_s``, ``runs_s``, ``repeats``,
 ``verified``, ``client_cpu_ns_per_byte`` and ``server_cpu_ns_per_byte``: medians of each
@@ -560,7 +560,7 @@ def case_label(block_bytes: int, blocks: int) -> str:
 
 def bench(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(REPO))
-    from kvroute.bench.figures import add_chart, add_table, emit, new_figures
+    from lab.figures import add_chart, add_table, emit, new_figures
 
     fig = new_figures("bench_transfer_engines", args)
     block_sizes = [kib << 10 for kib in parse_ints(args.block_kib)]

@@ -16,7 +16,7 @@ _PARTS = (
     "router.cli",
     "offload_agent.cli",
     "kvroute.up",
-    "kvroute.bench.cli",
+    "kvbench.cli",
 )
 
 

@@ -214,7 +214,7 @@ def _gateway_sees_workers(base: str, n_workers: int) -> bool:
     return len(workers) == n_workers and all(w.get("healthy") for w in workers)
 
 
-def _wait_ready(cluster: Cluster, timeout_s: float, out, progress_every_s: float = 15.0) -> None:
+def wait_cluster_ready(cluster: Cluster, timeout_s: float, out, progress_every_s: float = 15.0) -> None:
     """Wait until every child with a health URL answers 200, showing progress on ``out``; raise
     RuntimeError on a child's death, TimeoutError after ``timeout_s``.
 
@@ -475,11 +475,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"[kvroute up] starting {what} {args.engine} worker(s), then the gateway; logs in {log_dir}",
               file=out, flush=True)
         start = time.monotonic()
-        _wait_ready(cluster, args.ready_timeout_s, out)
+        wait_cluster_ready(cluster, args.ready_timeout_s, out)
         # the gateway starts once its workers answer, so its port never takes requests it must refuse
         cluster.start("gateway", kvroute_argv("serve", "--config", str(cfg_path), "--processes", str(getattr(args, "processes", 1))),
                       log_dir, base + "/health")
-        _wait_ready(cluster, args.ready_timeout_s, out)
+        wait_cluster_ready(cluster, args.ready_timeout_s, out)
         targets = len(plan) * getattr(args, "data_parallel_size", 1)  # the gateway's workers: one per rank
         while not _gateway_sees_workers(base, targets):  # health hysteresis: a few seconds
             dead = cluster.dead_child()

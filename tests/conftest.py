@@ -19,6 +19,10 @@ import pytest
 
 from kvroute.up import free_ports  # the one free-ports helper (benchmarks and `kvroute up` use it too)
 
+# benchmarks/lab/ (network namespaces, LRU replay, process CPU sampling, --json/--plot figures) is
+# the benchmarks' own library, not part of the installed package: tests import it as `lab`
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
 # tests/torch run in vLLM's interpreter (torch), by their own config: `make test` runs both suites
 collect_ignore = ["torch"]
 

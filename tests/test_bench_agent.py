@@ -13,8 +13,8 @@ import pytest
 from conftest import kvroute_argv
 
 from kvcore.tokenization import PromptTokenizer
-from kvroute.bench.agent import agent
-from kvroute.bench.words import OneTokenWords
+from kvbench.agent import agent
+from kvbench.words import OneTokenWords
 
 RIG_TIMEOUT_S = 240
 

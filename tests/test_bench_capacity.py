@@ -1,4 +1,4 @@
-"""The capacity bound on the hit rate (kvroute.bench.capacity): Belady's eviction on one cache of
+"""The capacity bound on the hit rate (kvbench.capacity): Belady's eviction on one cache of
 the cluster's KV blocks, checked by hand on small sequences and against LRU caches split over
 workers, which it must never fall below."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ from collections import OrderedDict
 import pytest
 
 from kvcore.block_keys import block_keys
-from kvroute.bench.capacity import capacity_cached_tokens, capacity_hit_rate
-from kvroute.bench.report import capacity_note, table
-from kvroute.bench.workload import BenchRequest, Workload, ideal_cached_tokens
+from kvbench.capacity import capacity_cached_tokens, capacity_hit_rate
+from kvbench.report import capacity_note, table
+from kvbench.workload import BenchRequest, Workload, ideal_cached_tokens
 
 A = [1, 2, 3, 4, 5]   # blocks of 2: (1, 2), (3, 4); a hit is capped at (5 - 1) // 2 = 2 blocks
 B = [6, 7, 8, 9, 10]

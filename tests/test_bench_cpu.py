@@ -1,4 +1,4 @@
-"""The rig's CPU meter (kvroute.bench.cpu) on real processes: a child that spins for a while is
+"""The rig's CPU meter (kvbench.cpu) on real processes: a child that spins for a while is
 charged about that much CPU, an idle one about none, and the report divides by requests and
 duration."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 import psutil
 import pytest
 
-from kvroute.bench.cpu import CpuMeter, cpu_report, tree_cpu_s
+from kvbench.cpu import CpuMeter, cpu_report, tree_cpu_s
 
 SPIN = "import time\nend = time.process_time() + {s}\nwhile time.process_time() < end: pass\nprint('done', flush=True)\ntime.sleep(30)"
 

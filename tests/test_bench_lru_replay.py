@@ -1,4 +1,4 @@
-"""kvroute.bench.lru_replay: vLLM's eviction order (least recently used, a request's tail first),
+"""lab.lru_replay: vLLM's eviction order (least recently used, a request's tail first),
 replays under a placement, the static placement search; and benchmarks/bench_lru_placement.py
 as a script."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvcore.block_keys import block_keys
-from kvroute.bench.lru_replay import LRUPrefixCache, best_static_placement, longest_prefix_replay, replay
+from lab.lru_replay import LRUPrefixCache, best_static_placement, longest_prefix_replay, replay
 
 BS = 4
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_lru_placement.py"

@@ -1,4 +1,4 @@
-"""kvroute.bench.netns: the shaped namespace link of bench_peer_pull (needs root; a few seconds).
+"""lab.netns: the shaped namespace link of bench_peer_pull (needs root; a few seconds).
 
 Made and removed for real: namespace, veth pair, addresses, a tbf qdisc at 1 Gbit/s that a raw TCP
 transfer must feel, removal leaving nothing, leftovers of a dead run removed, a clear refusal
@@ -10,8 +10,8 @@ import subprocess
 
 import pytest
 
-from kvroute.bench import netns
-from kvroute.bench.netns import NetnsError, ShapedLink, remove_stale, tcp_throughput_bytes_per_s
+from lab import netns
+from lab.netns import NetnsError, ShapedLink, remove_stale, tcp_throughput_bytes_per_s
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces and tc need root")
 

@@ -1,4 +1,4 @@
-"""Peer routers of ``kvroute bench rig`` (kvroute/bench/peers.py), each launched with its own
+"""Peer routers of ``kvroute bench rig`` (kvbench/peers.py), each launched with its own
 command line in front of two real ``kvroute sim`` workers (KV events and replay on), driven by the
 ``openai`` SDK: streaming completions and chat answers come through with their usage
 (``prompt_tokens`` equal to the worker's own /tokenize count, ``cached_tokens`` > 0 when a long
@@ -20,7 +20,7 @@ import pytest
 from openai import OpenAI
 
 from conftest import Proc, free_port, free_ports, kvroute_argv, wait_http
-from kvroute.bench.peers import PEERS, RigWorker, VllmRouterKvAware, installed_peers
+from kvbench.peers import PEERS, RigWorker, VllmRouterKvAware, installed_peers
 
 BLOCK = 32
 MAX_TOKENS = 6

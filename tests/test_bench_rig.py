@@ -8,10 +8,10 @@ import subprocess
 from conftest import kvroute_argv
 
 from kvcore.tokenization import PromptTokenizer
-from kvroute.bench import synthetic
-from kvroute.bench.rig import engine_ttft_report
-from kvroute.bench.rig_cli import rotated
-from kvroute.bench.words import OneTokenWords
+from kvbench import synthetic
+from kvbench.rig import engine_ttft_report
+from kvbench.rig_cli import rotated
+from kvbench.words import OneTokenWords
 
 RIG_TIMEOUT_S = 240
 

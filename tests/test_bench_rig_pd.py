@@ -12,10 +12,10 @@ import subprocess
 import pytest
 from conftest import kvroute_argv
 
-from kvroute.bench.peers import RigWorker
-from kvroute.bench.peers_pd import PD_PEERS, SmgPd, VllmRouterPd, engine_split
-from kvroute.bench.rig import RigSpec, is_kvroute, kvroute_note, launch_router, pd_share
-from kvroute.bench.rig_cli import _router_list, pd_roles, pd_split
+from kvbench.peers import RigWorker
+from kvbench.peers_pd import PD_PEERS, SmgPd, VllmRouterPd, engine_split
+from kvbench.rig import RigSpec, is_kvroute, kvroute_note, launch_router, pd_share
+from kvbench.rig_cli import _router_list, pd_roles, pd_split
 
 
 def test_pd_flag_parses_p_colon_d():

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from kvcore.tokenization import PromptTokenizer
-from kvroute.bench import scale
-from kvroute.bench.trace import DEFAULT_TRACE, expand_trace, read_trace
-from kvroute.bench.words import OneTokenWords
+from kvbench import scale
+from kvbench.trace import DEFAULT_TRACE, expand_trace, read_trace
+from kvbench.words import OneTokenWords
 from simulator.block_pool import engine_block_hashes
 
 ROOT = Path(__file__).resolve().parents[1]

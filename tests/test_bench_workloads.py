@@ -8,12 +8,12 @@ import pytest
 
 from kvcore.block_keys import block_keys
 from kvcore.tokenization import PromptTokenizer
-from kvroute.bench import synthetic, trace
-from kvroute.bench.arrivals import Arrivals
-from kvroute.bench.client import RequestRecord
-from kvroute.bench.stats import percentile, summarize
-from kvroute.bench.words import OneTokenWords
-from kvroute.bench.workload import BenchRequest, Workload, ideal_cached_tokens
+from kvbench import synthetic, trace
+from kvbench.arrivals import Arrivals
+from kvbench.client import RequestRecord
+from kvbench.stats import percentile, summarize
+from kvbench.words import OneTokenWords
+from kvbench.workload import BenchRequest, Workload, ideal_cached_tokens
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +166,7 @@ def test_percentile_and_summary_figures():
 
 
 def test_repeats_aggregate_to_medians_and_keep_every_run():
-    from kvroute.bench.stats import aggregate_repeats
+    from kvbench.stats import aggregate_repeats
 
     def run(p50, hit, errors, w0):
         return {"name": "r", "requests": 10, "errors": errors, "ttft_ms": {"p50": p50, "p90": None},
@@ -183,8 +183,8 @@ def test_repeats_aggregate_to_medians_and_keep_every_run():
 
 
 def test_the_table_shows_each_runs_figures_under_a_repeated_target():
-    from kvroute.bench.report import per_run, table
-    from kvroute.bench.stats import aggregate_repeats
+    from kvbench.report import per_run, table
+    from kvbench.stats import aggregate_repeats
 
     def run(p50, p90, hit):
         return {"name": "kvroute:ttft", "requests": 4, "errors": 0, "ttft_ms": {"p50": p50, "p90": p90, "p99": p90},
@@ -202,7 +202,7 @@ def test_the_table_shows_each_runs_figures_under_a_repeated_target():
 
 
 def test_kendall_tau_and_rank_agreement():
-    from kvroute.bench.compare import agreement, kendall_tau
+    from kvbench.compare import agreement, kendall_tau
 
     assert kendall_tau([1, 2, 3], [10, 20, 30]) == 1.0
     assert kendall_tau([1, 2, 3], [3, 2, 1]) == -1.0

@@ -1,4 +1,4 @@
-"""Benchmarks draw (issue 14): :mod:`kvroute.bench.figures` on a synthetic figures dict (JSON
+"""Benchmarks draw (issue 14): :mod:`lab.figures` on a synthetic figures dict (JSON
 round-trip, one valid PNG per chart, redrawn from the JSON alone), and the three cheapest
 benchmark scripts run end to end with tiny settings and ``--json``/``--plot``: their JSON holds
 the shared keys and tables of real numbers, their PNGs exist.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.bench import figures as F
+from lab import figures as F
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

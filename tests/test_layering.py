@@ -19,7 +19,7 @@ ALLOWED_PARTS = {
     "router": {"kvcore"},
     "offload_agent": {"kvcore"},
     "simulator": {"kvcore"},
-    "kvbench": {"kvcore", "kvroute", "simulator"},
+    "kvbench": {"kvcore", "kvroute", "router", "simulator"},
     "kvroute": {"kvcore", "router", "offload_agent", "simulator", "kvbench"},
 }
 

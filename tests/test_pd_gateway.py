@@ -24,7 +24,7 @@ from openai import OpenAI
 
 from conftest import ADMIN_TOKEN, Proc, free_ports, serve_gateway, wait_http, wait_until
 from kvcore.index.base import TierMatch
-from kvroute.bench.workers import samples_by_source
+from kvbench.workers import samples_by_source
 from router.policies import Candidate, RouteRequest, WorkerLoad, describe, make_policy
 from router.route.pd import PREFILL_KV_TRANSFER_PARAMS, choose_decode, decode_body, prefill_body, prefill_policy, \
     split_or_whole

@@ -1,8 +1,8 @@
-"""The TTFT split of a kvroute run (``kvroute/bench/ttft_split.py``): client records paired with
+"""The TTFT split of a kvroute run (``kvbench/ttft_split.py``): client records paired with
 the gateway's decision log by workload index, each part's p50/p90/mean."""
 from __future__ import annotations
 
-from kvroute.bench.ttft_split import describe, ttft_split
+from kvbench.ttft_split import describe, ttft_split
 
 
 def _decision(index: int, gateway_ms, queue_ms, worker_ms) -> dict:

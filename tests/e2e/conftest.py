@@ -35,7 +35,7 @@ from conftest import ADMIN_TOKEN, Proc, free_port, kvroute_argv, running_up
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
 from model_cache import ensure_lora, ensure_model  # noqa: E402
-from kvroute.bench.workers import metric_samples, reset_prefix_cache  # noqa: E402
+from kvbench.workers import metric_samples, reset_prefix_cache  # noqa: E402
 
 from kvcore.index.base import TierMatch  # noqa: E402
 from kvcore.index.redis import RedisIndex  # noqa: E402

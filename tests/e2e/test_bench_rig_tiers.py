@@ -15,7 +15,7 @@ import pytest
 from conftest import kvroute_argv
 from e2e.conftest import REPO, vllm_python
 from e2e.tier_checks import TINY_BLOCK_BYTES
-from kvroute.bench.flags import workload_from_args
+from kvbench.flags import workload_from_args
 from model_cache import ensure_model
 
 GPU_BLOCKS = 24            # per worker: 2 x 24 blocks hold half of the workload's 96 distinct blocks

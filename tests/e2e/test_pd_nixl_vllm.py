@@ -27,7 +27,7 @@ import pytest
 from e2e.conftest import vllm_python
 from e2e.tier_checks import random_tokens, same_output
 from conftest import ADMIN_TOKEN, Proc, free_ports, kvroute_argv, wait_http, wait_until
-from kvroute.bench.workers import samples_by_source
+from kvbench.workers import samples_by_source
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from kvroute.bench.workers import samples_by_source
+from kvbench.workers import samples_by_source
 
 # one KV block of the generated "tiny" model served in bfloat16, block size 32:
 # 2 layers x (K, V) x 32 tokens x 1 KV head x 64 dims x 2 bytes

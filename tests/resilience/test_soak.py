@@ -27,7 +27,7 @@ import orjson
 import psutil
 import pytest
 
-from kvroute.bench.process_sampler import Sampler
+from lab.process_sampler import Sampler
 
 from conftest import ADMIN_TOKEN, Proc, free_ports, kvroute_argv, serve_gateway, wait_http, wait_until
 

@@ -5,7 +5,7 @@
 - throughput: output tokens / s and requests / s over the run's wall time;
 - goodput: the share of all requests (errors count as failed) with TTFT at most the target;
 - hit rate: cached prompt tokens / prompt tokens over successful requests, and its ratio to the
-  workload's ideal (an infinite cache shared by every worker, :mod:`kvroute.bench.workload`);
+  workload's ideal (an infinite cache shared by every worker, :mod:`kvbench.workload`);
 - per worker (from the ``x-kvroute-worker`` header, or from the workers' own counters when the
   router does not say): requests and prefill tokens (prompt tokens not served from cache), and
   max/mean of each over the workers (1.0 is a perfect spread).
@@ -16,7 +16,7 @@ import math
 from collections import Counter
 from typing import Any
 
-from kvroute.bench.client import RequestRecord
+from kvbench.client import RequestRecord
 
 
 def percentile(values: list[float], q: float) -> float | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from kvroute.bench.workload import Workload
+from kvbench.workload import Workload
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The most any router could hit with the cluster's KV memory: an upper bound on the prefix hit
 rate of a workload when all workers together hold ``capacity_blocks`` blocks.
 
-The ideal hit rate (:func:`kvroute.bench.workload.ideal_cached_tokens`) assumes a cache that
+The ideal hit rate (:func:`kvbench.workload.ideal_cached_tokens`) assumes a cache that
 never evicts. Under KV pressure that is out of reach for any router, and a target written against
 it (or against a peer) cannot tell "the router placed badly" from "no placement could do
 better". This bound answers the second: the prompts, in send order, go through one cache of
@@ -35,7 +35,7 @@ def capacity_cached_tokens(prompts: Sequence[Sequence[int]], block_size: int, ca
 
     ``prompts``: token id lists; ``block_size`` > 0 tokens; ``capacity_blocks`` >= 0 (0: nothing
     is ever cached). Returns ints, multiples of ``block_size``, each at most the ideal's
-    (:func:`kvroute.bench.workload.ideal_cached_tokens`). Raises ValueError on a block size < 1 or a
+    (:func:`kvbench.workload.ideal_cached_tokens`). Raises ValueError on a block size < 1 or a
     negative capacity.
     """
     if block_size < 1 or capacity_blocks < 0:

@@ -20,8 +20,8 @@ import math
 import random
 from collections.abc import Callable
 
-from kvroute.bench.words import OneTokenWords
-from kvroute.bench.workload import BenchRequest, Workload
+from kvbench.words import OneTokenWords
+from kvbench.workload import BenchRequest, Workload
 
 
 def shared_prefix(words: OneTokenWords, block_size: int, groups: int, prompts_per_group: int,

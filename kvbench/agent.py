@@ -23,8 +23,8 @@ from __future__ import annotations
 import json
 import random
 
-from kvroute.bench.words import OneTokenWords
-from kvroute.bench.workload import BenchRequest, Workload
+from kvbench.words import OneTokenWords
+from kvbench.workload import BenchRequest, Workload
 
 APIS = ("messages", "responses")
 AGENT_TOOLS = (("read_file", "path"), ("run_tests", "target"), ("search_code", "query"))

@@ -3,7 +3,7 @@ per-worker vLLM-like block pools, their KV event streams, and the index fed from
 gateway's embedded mode feeds it. Pure computation (no sockets, no files): the I/O lives in
 ``benchmarks/bench_scale.py``.
 
-Trace (:mod:`kvroute.bench.trace`): each 512-token trace block becomes 512 token ids that depend
+Trace (:mod:`kvbench.trace`): each 512-token trace block becomes 512 token ids that depend
 only on its hash id (:class:`TraceTokens`, the same ids ``expand_trace`` gives with
 ``block_tokens=512`` for the same tokenizer's one-token words), so requests sharing their first k
 hash ids share their first k x 512 tokens. To reach the size a cluster needs, the trace is repeated
@@ -48,7 +48,7 @@ from kvcore.events import BlockRemoved, BlockStored, EventBatch, decode_batch, e
 from kvcore.index.base import KVIndex
 from kvcore.kv_events.ingest import write_ops
 from kvcore.kv_events.translate import EventTranslator
-from kvroute.bench.trace import TRACE_BLOCK_TOKENS, TraceRow
+from kvbench.trace import TRACE_BLOCK_TOKENS, TraceRow
 from simulator.block_pool import BlockPool
 
 ENGINE_SEED = 0  # the virtual engines' hash seed (any: engine hashes only need to be consistent)
@@ -57,7 +57,7 @@ ENGINE_SEED = 0  # the virtual engines' hash seed (any: engine hashes only need 
 # ---- trace -> token ids ----------------------------------------------------------------------
 class TraceTokens:
     """Token ids of trace blocks. ``word_ids``: the token ids of a tokenizer's one-token words in
-    :class:`kvroute.bench.words.OneTokenWords` order; ``prefix_ids``: the ids the tokenizer puts
+    :class:`kvbench.words.OneTokenWords` order; ``prefix_ids``: the ids the tokenizer puts
     before a completions prompt (a BOS, or none). Block ids of copy 0 give the ids
     ``expand_trace`` gives with ``block_tokens=512`` (salt ``"trace"``); copy ``c > 0`` draws its
     block 0 from salt ``"trace-copy<c>"``. Each block's ids are made once and kept."""

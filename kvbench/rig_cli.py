@@ -1,4 +1,4 @@
-"""``kvroute bench rig``: its flags and its run (the sequence is in :mod:`kvroute.bench.rig`)."""
+"""``kvroute bench rig``: its flags and its run (the sequence is in :mod:`kvbench.rig`)."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +13,7 @@ from pathlib import Path
 
 DEFAULT_KVROUTE_ROUTERS = ("kvroute:ttft", "kvroute:kv_aware", "kvroute:round_robin")
 DEFAULT_PD_ROUTERS = ("kvroute:ttft", "kvroute-pd:ttft")  # with --pd: unified against P/D on the same workers,
-# then every installed peer's P/D mode (kvroute.bench.peers_pd.PD_PEERS)
+# then every installed peer's P/D mode (kvbench.peers_pd.PD_PEERS)
 
 
 def pd_split(text: str) -> tuple[int, int]:
@@ -35,7 +35,7 @@ def pd_roles(pd: tuple[int, int]) -> list[str]:
 
 def add_rig_parser(sub: argparse._SubParsersAction) -> None:
     """Add ``kvroute bench rig`` to the ``bench`` subparsers."""
-    from kvroute.bench.flags import add_workload_flags, positive_int
+    from kvbench.flags import add_workload_flags, positive_int
     from simulator.timing import PRESETS
 
     p = sub.add_parser(
@@ -99,8 +99,8 @@ def add_rig_parser(sub: argparse._SubParsersAction) -> None:
 def _router_list(args: argparse.Namespace, labels: dict) -> tuple[list[str], list[str]]:
     """(routers to run, lines about peers left out); ``labels``: the --policy-config variants.
     Raises ValueError for an unknown router or kvroute policy."""
-    from kvroute.bench.peers import PEERS
-    from kvroute.bench.peers_pd import PD_PEERS, PD_REFUSED
+    from kvbench.peers import PEERS
+    from kvbench.peers_pd import PD_PEERS, PD_REFUSED
     from router.policies.factory import make_policy
 
     default = list(DEFAULT_PD_ROUTERS) + list(PD_PEERS) if args.pd else list(DEFAULT_KVROUTE_ROUTERS) + list(PEERS)
@@ -174,11 +174,11 @@ def _rig(args: argparse.Namespace) -> int:
     import httpx
 
     from kvcore.tokenization import UnsupportedPrompt
-    from kvroute.bench.flags import arrivals_from_args, finish_report, prepare_outputs, workload_from_args
-    from kvroute.bench.report import capacity_note
-    from kvroute.bench.rig import WARM_UP_REQUESTS, RigSpec, run_router, start_workers, warm_up
-    from kvroute.bench.runner import RunSettings
-    from kvroute.bench.stats import aggregate_repeats
+    from kvbench.flags import arrivals_from_args, finish_report, prepare_outputs, workload_from_args
+    from kvbench.report import capacity_note
+    from kvbench.rig import WARM_UP_REQUESTS, RigSpec, run_router, start_workers, warm_up
+    from kvbench.runner import RunSettings
+    from kvbench.stats import aggregate_repeats
     from kvroute.engines import sim_argv, tier_argv_env, vllm_argv, vllm_env
     from kvroute.up import Cluster
 

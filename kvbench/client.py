@@ -33,7 +33,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from kvroute.bench.workload import BenchRequest
+from kvbench.workload import BenchRequest
 
 WORKER_HEADER = "x-kvroute-worker"
 REQUEST_ID_PREFIX = "bench-"  # x-request-id bench-<workload index>-<random>: the gateway's decision log keys

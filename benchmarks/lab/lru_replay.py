@@ -3,7 +3,7 @@ workload's prompts, in send order, through one LRU prefix cache per worker, unde
 placement (which worker each request goes to), and search the static placements of its
 conversations for the best hit rate.
 
-:mod:`kvroute.bench.capacity` bounds every router by Belady's eviction over the cluster's
+:mod:`kvbench.capacity` bounds every router by Belady's eviction over the cluster's
 memory. Real engines do not evict that way: vLLM keeps free blocks in one queue and takes the
 least recently freed first, a finished request's blocks freed tail first (vLLM v1
 ``KVCacheManager.free``: "free blocks in reverse order so that the tail blocks are evicted

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvroute.bench.flags import add_workload_flags, arrivals_from_args, finish_report, name_url, prepare_outputs, \
+from kvbench.flags import add_workload_flags, arrivals_from_args, finish_report, name_url, prepare_outputs, \
     workload_from_args
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -38,9 +38,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_workload_flags(run, default_block_size=16)
     run.set_defaults(func=_run)
 
-    from kvroute.bench.calibrate import add_calibrate_parser  # their imports wait until `kvroute bench`
-    from kvroute.bench.compare import add_compare_parser
-    from kvroute.bench.rig_cli import add_rig_parser
+    from kvbench.calibrate import add_calibrate_parser  # their imports wait until `kvroute bench`
+    from kvbench.compare import add_compare_parser
+    from kvbench.rig_cli import add_rig_parser
 
     add_rig_parser(sub)
     add_calibrate_parser(sub)
@@ -52,9 +52,9 @@ def _run(args: argparse.Namespace) -> int:
     import httpx
 
     from kvcore.tokenization import UnsupportedPrompt
-    from kvroute.bench.report import capacity_note
-    from kvroute.bench.runner import RunSettings, Target, run_target
-    from kvroute.bench.workers import reachable, served_max_model_len
+    from kvbench.report import capacity_note
+    from kvbench.runner import RunSettings, Target, run_target
+    from kvbench.workers import reachable, served_max_model_len
 
     if args.kv_pressure and (args.workload == "trace" or not args.cluster_kv_blocks):
         print("kvroute bench run: --kv-pressure needs a generated workload and --cluster-kv-blocks "

@@ -1,5 +1,5 @@
 """Replay one workload against one OpenAI endpoint and collect the records (the I/O of
-``kvroute bench run``; the figures come from :mod:`kvroute.bench.stats`).
+``kvroute bench run``; the figures come from :mod:`kvbench.stats`).
 
 Before a target: optionally empty every known worker's prefix cache (``/reset_prefix_cache``, so
 targets start alike) and read the workers' counters; then send every request under the arrival
@@ -17,11 +17,11 @@ from typing import Any
 import aiohttp
 from tqdm import tqdm
 
-from kvroute.bench import workers as worker_http
-from kvroute.bench.arrivals import Arrivals
-from kvroute.bench.client import RequestRecord, send
-from kvroute.bench.stats import per_worker_from_records, summarize
-from kvroute.bench.workload import Workload
+from kvbench import workers as worker_http
+from kvbench.arrivals import Arrivals
+from kvbench.client import RequestRecord, send
+from kvbench.stats import per_worker_from_records, summarize
+from kvbench.workload import Workload
 
 COUNTERS_SETTLE_S = 10.0  # how long the workers' request counters may lag the last stream's end
 

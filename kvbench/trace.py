@@ -14,7 +14,7 @@ A partial last block keeps its share (``input_length mod 512`` scaled the same w
 lengths are scaled by the same factor unless fixed.
 
 The repository ships the first 1,000 requests of the public conversation trace
-(``kvroute/bench/data/``, Apache-2.0, see the README there) as the default trace.
+(``kvbench/data/``, Apache-2.0, see the README there) as the default trace.
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvroute.bench.words import OneTokenWords
-from kvroute.bench.workload import BenchRequest, Workload
+from kvbench.words import OneTokenWords
+from kvbench.workload import BenchRequest, Workload
 
 TRACE_BLOCK_TOKENS = 512
 DEFAULT_TRACE = Path(__file__).resolve().parent / "data" / "mooncake_conversation_1000.jsonl"

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcore.block_keys import block_keys
-from kvroute.bench.capacity import capacity_hit_rate
+from kvbench.capacity import capacity_hit_rate
 
 
 @dataclass
@@ -70,7 +70,7 @@ class Workload:
 
     def capacity_hit_rate(self, capacity_blocks: int) -> float:
         """The most any router could hit when the whole cluster holds ``capacity_blocks`` KV
-        blocks (:func:`kvroute.bench.capacity.capacity_hit_rate`: Belady's eviction on one shared
+        blocks (:func:`kvbench.capacity.capacity_hit_rate`: Belady's eviction on one shared
         cache), at most :meth:`ideal_hit_rate`. Raises ValueError on a negative capacity."""
         return capacity_hit_rate([r.prompt_token_ids for r in self.requests], self.block_size, capacity_blocks)
 

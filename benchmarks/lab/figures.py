@@ -13,10 +13,10 @@ it to :func:`emit` at the end. The dict (and the JSON file, which is the dict it
 - ``samples``: ``{name: {series: [value, ...]}}``, e.g. latencies in ms per target, for a CDF;
 - ``series``: ``{name: {series: [[x, y], ...]}}``, e.g. a figure over time, for a line chart;
 - ``report``: optionally a ``kvroute bench``-style report (``workload``, ``arrivals``,
-  ``targets`` with ``records`` and ``per_worker``), drawn by :func:`kvroute.bench.plots.write_plots`
+  ``targets`` with ``records`` and ``per_worker``), drawn by :func:`kvbench.plots.write_plots`
   (TTFT CDF per target, hit rate over time, per-worker load);
 - ``charts``: what ``--plot`` draws, one spec per PNG (see :func:`add_chart`); drawing reads only
-  the dict, so ``python -m kvroute.bench.figures FILE.json --plot DIR`` redraws a saved run;
+  the dict, so ``python -m lab.figures FILE.json --plot DIR`` redraws a saved run;
 - anything else a script adds (``bench_overload.py`` and ``bench_resilience.py`` keep the
   top-level keys their ``--json`` always had).
 
@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from kvroute.bench.plots import _pyplot, write_plots
+from kvbench.plots import _pyplot, write_plots
 
 CHART_KINDS = ("bars", "cdf", "lines", "bench_report")
 _DPI = 110
@@ -102,7 +102,7 @@ def add_chart(figures: dict[str, Any], kind: str, file: str, **spec: Any) -> Non
     - ``"lines"``: ``series=NAME`` and :func:`plot_lines`'s ``xlabel``, ``ylabel``, ``title``,
       ``hline``, ``log_y``;
     - ``"bench_report"``: no spec; ``file`` is a folder under DIR (``"."`` for DIR itself) where
-      :func:`kvroute.bench.plots.write_plots` draws ``figures["report"]``.
+      :func:`kvbench.plots.write_plots` draws ``figures["report"]``.
     """
     if kind not in CHART_KINDS:
         raise ValueError(f"chart kind {kind!r}: expected one of {CHART_KINDS}")
@@ -293,7 +293,7 @@ def plot_lines(path: Path, series: dict[str, Sequence[Sequence[float]]], xlabel:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvroute.bench.figures FILE.json --plot DIR``: redraw a saved run's charts."""
+    """``python -m lab.figures FILE.json --plot DIR``: redraw a saved run's charts."""
     ap = argparse.ArgumentParser(description="Redraw the charts of a benchmark's --json figures.")
     ap.add_argument("figures", type=Path, help="a JSON file written by a benchmark's --json")
     ap.add_argument("--plot", type=Path, required=True, metavar="DIR", help="folder for the PNGs")

@@ -6,8 +6,9 @@ The data flow, one module per step:
     ids) -> workload (requests, ideal hit rate) -> arrivals (when to send) -> client (one streamed
     request, timed) -> runner (a workload against a target) -> stats (figures) -> report / plots
 
-``rig`` starts workers (``kvroute sim`` or vLLM) and routers (kvroute's policies, and the peers of
-:mod:`kvroute.bench.peers`) and runs the same workload through each in turn; ``calibrate`` fits
-the simulator's timing model to a real worker. ``figures`` gives the ``benchmarks/`` scripts their
-``--json FILE`` / ``--plot DIR`` (tables as JSON, matplotlib charts, ``plots`` reused).
+The ``kvroute bench`` subcommands (:mod:`kvbench.cli`) run it. ``rig`` starts workers
+(``kvroute sim`` or vLLM) and routers (kvroute's policies, and the peers of :mod:`kvbench.peers`)
+and runs the same workload through each in turn; ``calibrate`` fits the simulator's timing model
+to a real worker. The benchmark scripts' own modules (figures,
+process sampling, network namespaces) are ``benchmarks/lab/``, beside them.
 """

@@ -114,7 +114,7 @@ def add_workload_flags(p: argparse.ArgumentParser, default_block_size: int) -> N
 
 def arrivals_from_args(args: argparse.Namespace, workload_name: str):
     """The arrival process the flags choose (default: trace timestamps, or concurrency 4)."""
-    from kvroute.bench.arrivals import Arrivals
+    from kvbench.arrivals import Arrivals
 
     if args.rate is not None:
         return Arrivals("rate", rate=args.rate, seed=args.seed)
@@ -130,8 +130,8 @@ def workload_from_args(args: argparse.Namespace, cluster_kv_blocks: int | None =
     """Expand the workload the flags describe; trace prompts are cut to fit ``max_model_len`` (the
     engines' context, when known). Raises ValueError on inconsistent flags."""
     from kvcore.tokenization import PromptTokenizer
-    from kvroute.bench import synthetic, trace
-    from kvroute.bench.words import OneTokenWords
+    from kvbench import synthetic, trace
+    from kvbench.words import OneTokenWords
 
     words = OneTokenWords(PromptTokenizer(args.tokenizer))
     bs = args.block_size
@@ -150,7 +150,7 @@ def workload_from_args(args: argparse.Namespace, cluster_kv_blocks: int | None =
                                            args.own_tokens, out, args.seed)
         base = args.groups
     elif args.workload == "agent":
-        from kvroute.bench.agent import agent
+        from kvbench.agent import agent
 
         def make(sessions: int):
             return agent(words, bs, sessions, args.turns, args.system_tokens, args.user_tokens, args.reply_tokens,
@@ -179,7 +179,7 @@ def prepare_outputs(args: argparse.Namespace) -> None:
 
 def finish_report(report: dict, args: argparse.Namespace) -> None:
     """Write the JSON (first: nothing measured is lost), print the table, draw the plots."""
-    from kvroute.bench.report import table, write_json
+    from kvbench.report import table, write_json
 
     if args.json:
         write_json(report, args.json)
@@ -187,7 +187,7 @@ def finish_report(report: dict, args: argparse.Namespace) -> None:
     if args.json:
         print(f"json: {args.json}")
     if args.plot:
-        from kvroute.bench.plots import write_plots
+        from kvbench.plots import write_plots
 
         try:
             for path in write_plots(report, args.plot):

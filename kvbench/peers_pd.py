@@ -29,7 +29,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvroute.bench.peers import (HEALTH_FAILURES, HEALTH_TIMEOUT_S, REQUEST_TIMEOUT_S, SHUTDOWN_GRACE_S,
+from kvbench.peers import (HEALTH_FAILURES, HEALTH_TIMEOUT_S, REQUEST_TIMEOUT_S, SHUTDOWN_GRACE_S,
                                  STARTUP_CHECK_INTERVAL_S, PeerRouter, RigWorker, RouterLaunch, _counter_by_label,
                                  _fmt, vllm_router_service_flags)
 from kvroute.up import free_ports
@@ -138,7 +138,7 @@ class SmgPd(PdPeer):
         argv = [self.python(), "-m", self.module, "--host", "127.0.0.1", "--port", str(port),
                 "--pd-disaggregation", "--discovery-provider", "file", "--discovery-file", str(path),
                 "--policy", self.policy, "--model-path", str(model_dir), "--block-size", str(block_size),
-                # the same settings as the rig's unified smg (kvroute.bench.peers.SmgRouter)
+                # the same settings as the rig's unified smg (kvbench.peers.SmgRouter)
                 "--disable-retries", "--disable-circuit-breaker",
                 "--health-check-timeout-secs", str(HEALTH_TIMEOUT_S),
                 "--health-failure-threshold", str(HEALTH_FAILURES),

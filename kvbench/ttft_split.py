@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvroute.bench.client import REQUEST_ID_PREFIX
-from kvroute.bench.stats import percentile
+from kvbench.client import REQUEST_ID_PREFIX
+from kvbench.stats import percentile
 
 PARTS = ("gateway", "queue", "worker", "relay")
 
@@ -35,7 +35,7 @@ def _index_of(request_id: str) -> int | None:
 def ttft_split(records: list[dict[str, Any]], decisions: list[dict[str, Any]]) -> dict[str, Any] | None:
     """``{"requests": n, "gateway": {"p50", "p90", "mean"}, "queue": ..., "worker": ...,
     "relay": ...}`` in ms, over the ``n`` requests of one run found in both ``records`` (the
-    client's, :meth:`kvroute.bench.client.RequestRecord.to_json`) and ``decisions`` (``GET
+    client's, :meth:`kvbench.client.RequestRecord.to_json`) and ``decisions`` (``GET
     /admin/decisions`` entries) with a client TTFT, a ``gateway_ms`` and an ``upstream_ttft_ms``.
     ``relay`` may come out slightly negative (the two clocks are read at different moments).
     None when no request pairs up (a gateway too old to log ``gateway_ms``, say)."""

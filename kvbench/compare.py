@@ -56,7 +56,7 @@ def add_compare_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from kvroute.bench.report import table
+    from kvbench.report import table
 
     try:
         a, b = (json.loads(Path(p).read_text()) for p in (args.a, args.b))

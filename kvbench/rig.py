@@ -12,9 +12,9 @@ Routers are named ``kvroute:<policy>`` (a gateway started with ``kvroute serve``
 fed by the workers' KV events; ``<policy>`` a policy name or a label given by ``--policy-config``),
 ``kvroute-pd:<policy>`` (the same gateway with the workers' roles from ``RigSpec.roles`` and
 ``policy.pd`` on: prefill-decode disaggregation, vLLM's ``kv_transfer_params`` protocol)
-or a key of :data:`kvroute.bench.peers.PEERS` (peers that are not installed are skipped, and said so),
-or with roles a key of :data:`kvroute.bench.peers_pd.PD_PEERS` (a peer's own P/D mode). A P/D run
-also reports what the workers' counters say of it (:func:`kvroute.bench.peers_pd.engine_split`).
+or a key of :data:`kvbench.peers.PEERS` (peers that are not installed are skipped, and said so),
+or with roles a key of :data:`kvbench.peers_pd.PD_PEERS` (a peer's own P/D mode). A P/D run
+also reports what the workers' counters say of it (:func:`kvbench.peers_pd.engine_split`).
 """
 from __future__ import annotations
 
@@ -29,15 +29,15 @@ from typing import Any
 import aiohttp
 import httpx
 
-from kvroute.bench import workers as worker_http
-from kvroute.bench.client import send
-from kvroute.bench.cpu import CpuMeter, cpu_report
-from kvroute.bench.peers import PEERS, RigWorker, RouterLaunch
-from kvroute.bench.peers_pd import PD_PEERS, engine_counters, engine_split
-from kvroute.bench.runner import RunSettings, Target, run_target
-from kvroute.bench.ttft_split import describe, ttft_split
-from kvroute.bench.workload import Workload
-from kvroute.up import Cluster, _wait_ready, free_ports
+from kvbench import workers as worker_http
+from kvbench.client import send
+from kvbench.cpu import CpuMeter, cpu_report
+from kvbench.peers import PEERS, RigWorker, RouterLaunch
+from kvbench.peers_pd import PD_PEERS, engine_counters, engine_split
+from kvbench.runner import RunSettings, Target, run_target
+from kvbench.ttft_split import describe, ttft_split
+from kvbench.workload import Workload
+from kvroute.up import Cluster, free_ports, wait_cluster_ready
 
 ADMIN_TOKEN_ENV = "KVROUTE_ADMIN_TOKEN"
 INDEX_CLEAR_TIMEOUT_S = 15.0
@@ -107,7 +107,7 @@ def warm_up(workers: list[RigWorker], workload: Workload, model: str, timeout_s:
 
 def start_workers(spec: RigSpec, cluster: Cluster) -> list[RigWorker]:
     """Start every worker and wait until each answers ``/health``. Raises RuntimeError /
-    TimeoutError (from :func:`kvroute.up._wait_ready`) when one dies or never answers."""
+    TimeoutError (from :func:`kvroute.up.wait_cluster_ready`) when one dies or never answers."""
     ports = free_ports(3 * spec.workers)
     out = []
     for i in range(spec.workers):
@@ -119,7 +119,7 @@ def start_workers(spec: RigSpec, cluster: Cluster) -> list[RigWorker]:
         url = f"http://127.0.0.1:{port}"
         cluster.start(f"w{i}", argv, spec.log_dir, url + "/health", {**(env or {}), "VLLM_SERVER_DEV_MODE": "1"})
         out.append(RigWorker(f"w{i}", url, f"tcp://127.0.0.1:{ev}", f"tcp://127.0.0.1:{replay}"))
-    _wait_ready(cluster, spec.ready_timeout_s, sys.stderr)
+    wait_cluster_ready(cluster, spec.ready_timeout_s, sys.stderr)
     return out
 
 
@@ -266,7 +266,7 @@ def run_router(name: str, spec: RigSpec, workers: list[RigWorker], workload: Wor
     child = cluster.start(f"router-{name.replace(':', '-')}", launch.argv, spec.log_dir,
                           launch.base_url + launch.ready_path, launch.env)
     try:
-        _wait_ready(cluster, ROUTER_READY_TIMEOUT_S, sys.stderr)
+        wait_cluster_ready(cluster, ROUTER_READY_TIMEOUT_S, sys.stderr)
         if is_kvroute(name):
             _wait_until(lambda: _kvroute_ready(launch.base_url, len(workers)), ROUTER_READY_TIMEOUT_S,
                         f"{name} seeing every worker healthy")
@@ -362,12 +362,12 @@ def engine_ttft_report(before: tuple[float, float] | None, after: tuple[float, f
 
 
 def _engine_counters(workers: list[RigWorker]) -> dict[str, dict[str, float]]:
-    """Every worker's :func:`kvroute.bench.peers_pd.engine_counters` now."""
+    """Every worker's :func:`kvbench.peers_pd.engine_counters` now."""
     return {w.id: engine_counters(worker_http.metric_samples(w.url)) for w in workers}
 
 
 def _engine_split(workers: list[RigWorker], roles: list[str], before: dict, answered: int) -> dict[str, Any]:
-    """:func:`kvroute.bench.peers_pd.engine_split` of a P/D run, once the decode workers have
+    """:func:`kvbench.peers_pd.engine_split` of a P/D run, once the decode workers have
     counted ``answered`` requests (they count one a moment after its stream ends) or after
     :data:`GATEWAY_SETTLE_S`."""
     by_id = {w.id: r for w, r in zip(workers, roles)}

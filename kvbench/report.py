@@ -34,7 +34,7 @@ def _cell(fmt: str, value: Any) -> str:
 
 def capacity_note(workload: dict[str, Any]) -> str:
     """``", at most 0.613 in 400 KV blocks"`` when the workload summary carries the capacity bound
-    (:mod:`kvroute.bench.capacity`), else ``""``."""
+    (:mod:`kvbench.capacity`), else ``""``."""
     if workload.get("capacity_hit_rate") is None:
         return ""
     return f", at most {workload['capacity_hit_rate']:.3f} in {workload['capacity_blocks']} KV blocks"

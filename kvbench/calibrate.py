@@ -1,7 +1,7 @@
 """``kvroute bench calibrate``: fit ``kvroute sim``'s timing model to a real worker.
 
 Three measurements against one idle worker, every prompt new (unique one-token words, so nothing
-is cached), streamed, timed by :func:`kvroute.bench.client.send`:
+is cached), streamed, timed by :func:`kvbench.client.send`:
 
 1. prefill vs uncached tokens: one request at a time of ``n`` prompt tokens, ``max_tokens`` 1;
    TTFT = ``prefill_overhead_ms + prefill_ms_per_token x n + prefill_ms_per_token_sq x n^2`` by
@@ -28,8 +28,8 @@ from typing import Any
 
 import aiohttp
 
-from kvroute.bench.client import send
-from kvroute.bench.workload import BenchRequest
+from kvbench.client import send
+from kvbench.workload import BenchRequest
 
 
 def fit_prefill(ns: list[float], ttfts: list[float]) -> tuple[float, float, float]:
@@ -152,7 +152,7 @@ def calibration_table(measured: dict[str, Any], f: dict[str, float]) -> str:
 
 def _calibrate(args: argparse.Namespace) -> int:
     from kvcore.tokenization import PromptTokenizer
-    from kvroute.bench.words import OneTokenWords
+    from kvbench.words import OneTokenWords
 
     try:
         words = OneTokenWords(PromptTokenizer(args.tokenizer))
