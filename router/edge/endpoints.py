@@ -253,6 +253,52 @@ class ProxyEndpoint:
         legs.dispatched_to(plan.decision.worker_id)
         return plan, reservation
 
+    async def _prefill_leg(self, send, state: ClientState, ctx: RequestContext) -> tuple[PrefillResult, float]:
+        """The prefill leg of a split ``ctx`` (:func:`router.edge.prefill_leg.prefill_leg`) and its
+        time in seconds; its outcome goes to the decision log and ``kvroute_pd_requests_total``."""
+        gw, plan = self.gw, ctx.plan
+        prefill = plan.pd.prefill
+        leg_s = time.perf_counter()
+        try:  # the prefill worker computed the prompt: its leg teaches its rate and evidence
+            result = await prefill_leg(gw, send, state, ctx,
+                                       on_answer=lambda handle: gw.feedback.first_token(prefill, handle),
+                                       on_usage=lambda handle, n: gw.feedback.usage(prefill, handle, n),
+                                       on_begin=ctx.release_reservation)
+        except Exception:  # a bug in the leg: the decode worker serves the request whole
+            if state.response_started:
+                raise
+            log.exception("request %s: prefill leg failed", ctx.request_id)
+            result = PrefillResult(detail="internal error")
+        leg_s = time.perf_counter() - leg_s
+        outcome = "prefill_rejected" if result.answered else "split" if result.params is not None \
+            else "prefill_failed"
+        DecisionLog.prefill(ctx.logged, leg_s * 1000.0, outcome, result.cached_tokens)
+        gw.metrics.child(gw.metrics.pd_requests, plan.model.name, outcome).inc()
+        return result, leg_s
+
+    def _hooks(self, ctx: RequestContext, on_attempt, split: bool) -> RelayHooks:
+        """What the relay reports back for ``ctx``. Split: the decode worker received the
+        prompt's KV and computed none of it; it reports the transferred tokens as cached and its
+        first token comes after the transfer, so its answer teaches neither its evidence trust nor
+        its prefill rate, and its cached tokens are not booked in the metrics (the prefill leg
+        booked the request's figures for the prefill worker, which computed the prompt): only the
+        decision log gets them. Forwarded (no plan): nothing to learn."""
+        gw, plan, logged = self.gw, ctx.plan, ctx.logged
+        if split:
+            return RelayHooks(on_attempt=on_attempt,
+                              on_cached_tokens=lambda handle, n: DecisionLog.usage(logged, n),
+                              on_first_token=lambda handle: DecisionLog.first_token(logged, handle.ttft_ms))
+        if plan is None:
+            return RelayHooks()
+        return RelayHooks(
+            uncached_tokens=plan.uncached_tokens, predicted_ttft_ms=plan.predicted_ttft_ms,
+            presumed_ttft_ms=plan.predicted_ttft_ms if ctx.body.get("stream") is not True else None,
+            on_attempt=on_attempt,
+            on_answer=(lambda reg, first: gw.stored_responses.learn(reg.id, first)) if self.kind == "responses"
+            else None,
+            on_first_token=lambda handle: gw.feedback.first_token(plan, handle, logged),
+            on_cached_tokens=lambda handle, n: gw.feedback.usage(plan, handle, n, logged))
+
     async def _relay(self, send, state: ClientState, ctx: RequestContext) -> None:
         gw = self.gw
         plan, logged = ctx.plan, ctx.logged
@@ -262,25 +308,10 @@ class ProxyEndpoint:
         raw = ctx.raw
         response_headers = None
         if split:  # the prefill leg first (router.edge.prefill_leg); then the decode leg below
-            prefill = plan.pd.prefill
-            leg_s = time.perf_counter()
-            try:  # the prefill worker computed the prompt: its leg teaches its rate and evidence
-                result = await prefill_leg(gw, send, state, ctx,
-                                           on_answer=lambda handle: gw.feedback.first_token(prefill, handle),
-                                           on_usage=lambda handle, n: gw.feedback.usage(prefill, handle, n),
-                                           on_begin=ctx.release_reservation)
-            except Exception:  # a bug in the leg: the decode worker serves the request whole
-                if state.response_started:
-                    raise
-                log.exception("request %s: prefill leg failed", ctx.request_id)
-                result = PrefillResult(detail="internal error")
-            leg_s = time.perf_counter() - leg_s
-            split = result.params is not None
-            outcome = "prefill_rejected" if result.answered else "split" if split else "prefill_failed"
-            DecisionLog.prefill(logged, leg_s * 1000.0, outcome, result.cached_tokens)
-            gw.metrics.child(gw.metrics.pd_requests, plan.model.name, outcome).inc()
+            result, leg_s = await self._prefill_leg(send, state, ctx)
             if result.answered:
                 return
+            split = result.params is not None
             if split:
                 raw = decode_body(raw, result.params)
                 response_headers = [(b"x-kvroute-prefill-worker", plan.pd.prefill_worker.encode("latin-1"))]
@@ -300,27 +331,7 @@ class ProxyEndpoint:
                 ctx.release_reservation()  # the prefill turn's, if the leg never began
                 ctx.plan, ctx.reservation = await self._decode_turn(plan)
                 plan, ranked = ctx.plan, ctx.plan.ranked()
-            # split: the decode worker received the prompt's KV and computed none of it; it reports
-            # the transferred tokens as cached and its first token comes after the transfer, so
-            # its answer teaches neither its evidence trust nor its prefill rate, and its cached
-            # tokens are not booked in the metrics (the prefill leg booked the request's figures
-            # for the prefill worker, which computed the prompt): only the decision log gets them
-            if split:
-                hooks = RelayHooks(on_attempt=on_attempt,
-                                   on_cached_tokens=lambda handle, n: DecisionLog.usage(logged, n),
-                                   on_first_token=lambda handle: DecisionLog.first_token(logged, handle.ttft_ms))
-            elif plan is None:  # forwarded: nothing to learn
-                hooks = RelayHooks()
-            else:
-                hooks = RelayHooks(
-                    uncached_tokens=plan.uncached_tokens, predicted_ttft_ms=plan.predicted_ttft_ms,
-                    presumed_ttft_ms=plan.predicted_ttft_ms if ctx.body.get("stream") is not True else None,
-                    on_attempt=on_attempt,
-                    on_answer=(lambda reg, first: gw.stored_responses.learn(reg.id, first))
-                    if self.kind == "responses" else None,
-                    on_first_token=lambda handle: gw.feedback.first_token(plan, handle, logged),
-                    on_cached_tokens=lambda handle, n: gw.feedback.usage(plan, handle, n, logged))
-            await gw.upstream.relay(send, state, req, ranked, hooks)
+            await gw.upstream.relay(send, state, req, ranked, self._hooks(ctx, on_attempt, split))
         except GatewayError as exc:
             worker = ranked[0].id if ranked else "none"
             gw.metrics.requests.labels(worker, str(exc.status)).inc()
