@@ -33,6 +33,7 @@ import torch  # noqa: E402
 import gpu_check_connector as gc  # noqa: E402
 from offload_agent.connector import worker_ops  # noqa: E402
 from offload_agent.connector.kv_copy import PagedKV  # noqa: E402
+from offload_agent.tiers.ops import Spill  # noqa: E402
 from offload_agent.tiers.planner import TierPlanner  # noqa: E402
 
 DTYPE = torch.bfloat16
@@ -51,7 +52,7 @@ def one_run(blocks: int, ssd_root: Path, in_step: bool) -> tuple[float, float]:
     worker.run_saves(gc.plan_saves(planner, gc.chain_keys(fp, blocks, shape.block_size, 1), first))
     worker.flush()
     ops = gc.plan_saves(planner, gc.chain_keys(fp, blocks, shape.block_size, 2), second)
-    assert [op[0] for op in ops].count("spill") == blocks, "every save must evict a block"
+    assert sum(isinstance(op, Spill) for op in ops) == blocks, "every save must evict a block"
     saved = worker_ops.MAX_SSD_WRITE_BYTES
     worker_ops.MAX_SSD_WRITE_BYTES = 0 if in_step else saved
     try:

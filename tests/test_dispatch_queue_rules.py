@@ -134,7 +134,7 @@ async def test_a_waiting_request_stops_waiting_for_a_holder_that_evicted_its_pre
     await index.remove("w0", "gpu", warm.blocks.first_keys)  # w0's KV events: evicted
     plan, reservation = await asyncio.wait_for(follow, 10)  # looked up again: nothing to wait for
     assert plan.decision.worker_id == "w1" and plan.matches.get("w0") is None
-    assert router.telemetry.metrics.dispatch_queue_rematches.labels("lost")._value.get() == 1
+    assert router.metrics.dispatch_queue_rematches.labels("lost")._value.get() == 1
     reservation.release()
     busy.finish()
 
@@ -172,7 +172,7 @@ async def test_requests_sharing_a_prefix_follow_the_first_one_dispatched(rig):
     assert shared >= 20  # the document's blocks
     await router.commit(first, registry.get("w1"))
     deadline = time.monotonic() + 10
-    while router.telemetry.metrics.dispatch_queue_rematches.labels("gained")._value.get() < 1:
+    while router.metrics.dispatch_queue_rematches.labels("gained")._value.get() < 1:
         assert time.monotonic() < deadline, "the waiting request was never looked up again"
         await asyncio.sleep(0.01)
     busy["w0"].first_byte()  # w0 opens first, but w1 now holds the document
@@ -270,11 +270,11 @@ async def test_ttft_waits_longer_for_a_conversations_history_than_for_a_hot_pref
     await _settle()
     assert follow.done() and follow.result()[0].decision.worker_id == "w1"
     follow.result()[1].release()
-    assert router.estimates.prefix_uses.uses(warm.blocks.first_keys[-1]) == 0  # routed here, never committed
+    assert router.prefix_uses.uses(warm.blocks.first_keys[-1]) == 0  # routed here, never committed
     for _ in range(2):  # two other requests are sent through the prefix (to w0): it is hot now
         other = await _plan(router, body)
         await router.commit(other, registry.get("w0"))
-    assert router.estimates.prefix_uses.uses(warm.blocks.first_keys[-1]) == 2
+    assert router.prefix_uses.uses(warm.blocks.first_keys[-1]) == 2
     plan = await _plan(router, body)
     assert (plan.decision.worker_id, plan.decision.affinity_wait_s) == ("w0", None)
     hot = await _enqueue(queue, plan)

@@ -340,7 +340,7 @@ async def test_router_puts_peer_blocks_on_candidates_and_explains_them(rig):
     assert plan.uncached_tokens("w") == PROMPT - 860 and plan.uncached_tokens("v") == 1
     real = await router.plan("completion", body, [], orjson.dumps(body))
     router.record_decision(real)
-    text = router.telemetry.metrics.exposition().decode()
+    text = router.metrics.exposition().decode()
     assert 'kvroute_peer_credit_blocks_total{worker="w"} 40.0' in text
     assert 'kvroute_worker_peer_link_bytes_per_second{worker="w"} 1e+09' in text
     assert 'kvroute_route_decisions_total{policy="ttft",reason="peer_pull"} 1.0' in text

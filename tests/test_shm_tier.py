@@ -148,7 +148,7 @@ def test_store_over_shm_writes_rows_and_the_planner_rebuilds_from_them(shm_path:
     planner = TierPlanner(4, 0)
     assert planner.add_cpu_blocks(owner.stable_slots() + [(3, key(10)), (7, key(11))]) == 1
     assert planner.tier_of(key(9)) == "cpu" and planner.cpu_slot_of(key(9)) == 3
-    taken = {planner.plan_save(key(20 + i), i)[0][1] for i in range(3)}
+    taken = {planner.plan_save(key(20 + i), i)[0].slot for i in range(3)}
     assert taken == {0, 1, 2}
     conn.close()
     owner.close()

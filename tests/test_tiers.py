@@ -3,6 +3,7 @@ and the worker-side store (real files in a temp folder; no vLLM)."""
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from offload_agent.connector.config import TierSettings, kv_transfer_config, vll
 from offload_agent.tiers import (HEADER_BYTES, CorruptBlockError, TierFingerprint, TierPlanner, TierStore,
                                  read_block_file, scan_fingerprint_dir, tier_block_keys, tier_root,
                                  write_block_file)
+from offload_agent.tiers.ops import DropSsd, FailBlock, LoadCpu, LoadPeer, LoadSsd, Promote, Save, Spill
 from offload_agent.tiers.ssd_file import CHECKSUM_CRC32, block_path
 
 FP = TierFingerprint(model="m", num_layers=2, dtype="bfloat16", block_size=4, block_bytes=64, layout="1x8")
@@ -214,12 +216,11 @@ def test_planner_saves_then_serves_from_cpu_with_events():
     ops = []
     for b, k in enumerate(ks):
         ops += pl.plan_save(k, gpu_block=10 + b, engine_hash=100 + b)
-    assert ops == [("save", 0, ks[0], 10), ("save", 1, ks[1], 11), ("save", 2, ks[2], 12)]
+    assert ops == [Save(0, ks[0], 10), Save(1, ks[1], 11), Save(2, ks[2], 12)]
     assert pl.plan_save(ks[0], 99, 100) == []                          # already held
     assert pl.lookup(ks) == ["cpu"] * 3
     load, tiers = pl.plan_load(ks, [20, 21, 22])
-    assert tiers == ["cpu"] * 3 and load == [("load_cpu", 0, ks[0], 20), ("load_cpu", 1, ks[1], 21),
-                                             ("load_cpu", 2, ks[2], 22)]
+    assert tiers == ["cpu"] * 3 and load == [LoadCpu(0, ks[0], 20), LoadCpu(1, ks[1], 21), LoadCpu(2, ks[2], 22)]
     ch = pl.take_changes()
     assert [(c.op, c.tier, c.engine_hash) for c in ch] == [("stored", "cpu", 100), ("stored", "cpu", 101),
                                                           ("stored", "cpu", 102)]
@@ -240,7 +241,7 @@ def test_planner_cpu_limit_and_lru_evicts_chain_tail_first():
     assert pl.lookup(a) == ["cpu"]               # a's tail (blocks 2, 1) went first
     ch = [(c.op, c.engine_hash) for c in pl.take_changes()]
     assert ch == [("removed", 12), ("stored", 20), ("removed", 11), ("stored", 21)]
-    assert [o[0] for o in ops] == ["save", "save"] and sorted(o[1] for o in ops) == [1, 2]
+    assert [type(o) for o in ops] == [Save, Save] and sorted(o.slot for o in ops) == [1, 2]
 
 
 def test_planner_spills_to_ssd_and_promotes_on_hit():
@@ -251,8 +252,8 @@ def test_planner_spills_to_ssd_and_promotes_on_hit():
         ops += pl.plan_save(k, i, 100 + i)
         pl.touch_chain(ks[:i + 1])
     # each save past the 2 slots spills the chain's tail (the head is touched last: most recent)
-    assert ops == [("save", 0, ks[0], 0), ("save", 1, ks[1], 1), ("spill", 1, ks[1]), ("save", 1, ks[2], 2),
-                   ("spill", 1, ks[2]), ("save", 1, ks[3], 3)]
+    assert ops == [Save(0, ks[0], 0), Save(1, ks[1], 1), Spill(1, ks[1]), Save(1, ks[2], 2),
+                   Spill(1, ks[2]), Save(1, ks[3], 3)]
     assert pl.counts() == {"cpu": 2, "ssd": 2}
     assert pl.lookup(ks) == ["cpu", "ssd", "ssd", "cpu"]
     assert [(c.op, c.tier, c.engine_hash) for c in pl.take_changes()] == [
@@ -261,14 +262,12 @@ def test_planner_spills_to_ssd_and_promotes_on_hit():
     # the whole chain: both slots hold blocks of this load, so the SSD blocks are read straight
     load, tiers = pl.plan_load(ks, [40, 41, 42, 43])
     assert tiers == ["cpu", "ssd", "ssd", "cpu"]
-    assert load == [("load_cpu", 0, ks[0], 40), ("load_ssd", ks[1], 41), ("load_ssd", ks[2], 42),
-                    ("load_cpu", 1, ks[3], 43)]
+    assert load == [LoadCpu(0, ks[0], 40), LoadSsd(ks[1], 41), LoadSsd(ks[2], 42), LoadCpu(1, ks[3], 43)]
     assert pl.take_changes() == [] and pl.counts() == {"cpu": 2, "ssd": 2}
     # the first two only: the LRU slot (ks[3], not in this load) is spilled and ks[1] promoted into it
     load, tiers = pl.plan_load(ks[:2], [50, 51])
     assert tiers == ["cpu", "ssd"]
-    assert load == [("load_cpu", 0, ks[0], 50), ("spill", 1, ks[3]), ("promote", ks[1], 1),
-                    ("load_cpu", 1, ks[1], 51)]
+    assert load == [LoadCpu(0, ks[0], 50), Spill(1, ks[3]), Promote(ks[1], 1), LoadCpu(1, ks[1], 51)]
     assert [(c.op, c.tier, c.engine_hash) for c in pl.take_changes()] == [
         ("stored", "ssd", 103), ("removed", "cpu", 103), ("stored", "cpu", 101)]
     assert [pl.tier_of(k) for k in ks] == ["cpu", "cpu", "ssd", "ssd"] and pl.cpu_slot_of(ks[1]) == 1
@@ -282,13 +281,13 @@ def test_planner_ssd_limit_deletes_lru_files():
     for i, k in enumerate(ks):
         ops += pl.plan_save(k, i, i)
     assert pl.counts() == {"cpu": 1, "ssd": 2}
-    assert [o[0] for o in ops].count("drop_ssd") == 2
+    assert [type(o) for o in ops].count(DropSsd) == 2
     files = set()
     for o in ops:                                # replaying the ops never holds more than 2 files
-        if o[0] == "spill":
-            files.add(o[2])
-        elif o[0] == "drop_ssd":
-            files.discard(o[1])
+        if isinstance(o, Spill):
+            files.add(o.key)
+        elif isinstance(o, DropSsd):
+            files.discard(o.key)
         assert len(files) <= 2
 
 
@@ -300,7 +299,7 @@ def test_planner_load_never_evicts_its_own_blocks():
     assert [pl.tier_of(k) for k in ks] == ["ssd", "ssd", "cpu"]
     load, tiers = pl.plan_load(ks, [7, 8, 9])
     assert tiers == ["ssd", "ssd", "cpu"]
-    assert [o[0] for o in load] == ["load_ssd", "load_ssd", "load_cpu"]   # the only slot is pinned
+    assert [type(o) for o in load] == [LoadSsd, LoadSsd, LoadCpu]   # the only slot is pinned
     assert pl.lookup(ks) == ["ssd", "ssd", "cpu"]
 
 
@@ -319,9 +318,21 @@ def test_planner_rebuild_forget_and_late_engine_hash():
     pl.forget(ks[1], "cpu")
     assert pl.tier_of(ks[1]) is None
     load, tiers = pl.plan_load([ks[1]], [3])
-    assert load == [("fail_block", 3)] and tiers == ["miss"]
+    assert load == [FailBlock(3)] and tiers == ["miss"]
     with pytest.raises(ValueError):
         TierPlanner(cpu_slots=0)
+
+
+def test_planner_ops_round_trip_through_pickle():
+    """The operations reach vLLM's workers pickled in the connector metadata: every kind comes back
+    equal and of the same class."""
+    k0, k1 = keys_of(range(8))
+    ops = [Save(0, k0, 10), LoadCpu(1, k1, 11), LoadSsd(k0, 12), Promote(k1, 2), Spill(3, k0), DropSsd(k1),
+           FailBlock(13), LoadPeer("10.0.0.2:7000", [k0, k1], [14, 15]), LoadPeer("p", [k1], [16], pd=True)]
+    back = pickle.loads(pickle.dumps(ops, protocol=pickle.HIGHEST_PROTOCOL))
+    assert back == ops and [type(op) for op in back] == [type(op) for op in ops]
+    assert back[-1].pd is True and back[-2].pd is False
+    assert Save(0, k0, 10) != LoadCpu(0, k0, 10)  # the kind is part of the value
 
 
 # ---- store ------------------------------------------------------------------------------------------

@@ -66,6 +66,7 @@ from offload_agent.connector import host_memory  # noqa: E402
 from offload_agent.connector.kv_copy import PagedKV  # noqa: E402
 from offload_agent.connector.worker_ops import TierWorker  # noqa: E402
 from offload_agent.tiers.keys import TierFingerprint, layer_names_digest, tier_block_keys, tier_root  # noqa: E402
+from offload_agent.tiers.ops import LoadCpu, LoadSsd, Promote, Save, Spill, TierOp  # noqa: E402
 from offload_agent.tiers.planner import TierPlanner  # noqa: E402
 from offload_agent.tiers.shm_slab import ShmSlab  # noqa: E402
 from offload_agent.tiers.ssd_file import CorruptBlockError, block_path, read_block_file  # noqa: E402
@@ -189,9 +190,9 @@ def chain_keys(fp: TierFingerprint, n: int, block_size: int, seed: int) -> list[
     return tier_block_keys(tokens, block_size, tier_root(fp.engine_digest()))
 
 
-def plan_saves(planner: TierPlanner, keys: list[bytes], blocks: list[int]) -> list[tuple]:
+def plan_saves(planner: TierPlanner, keys: list[bytes], blocks: list[int]) -> list[TierOp]:
     """The planner's operations saving ``blocks`` as ``keys``, in order."""
-    ops: list[tuple] = []
+    ops: list[TierOp] = []
     for k, b in zip(keys, blocks):
         ops += planner.plan_save(k, b)
     return ops
@@ -320,7 +321,7 @@ class Check:
             ops = plan_saves(planner, keys, S)
             w.run_saves(ops)
             w.flush()
-            slots = [op[1] for op in ops]
+            slots = [op.slot for op in ops]
             assert_equal(w.slab[slots], reference_rows(content), "slab rows vs reference")
             zero_blocks(views, layout, shape.blocks, D)
             lops, tiers = planner.plan_load(keys, D)
@@ -358,7 +359,7 @@ class Check:
                     ops = plan_saves(TierPlanner(n), self.keys(w, n), S)
                     w.run_saves(ops)
                     w.flush()
-                    assert_equal(w.slab[[op[1] for op in ops]], ref, f"{layout} slab rows")
+                    assert_equal(w.slab[[op.slot for op in ops]], ref, f"{layout} slab rows")
                 finally:
                     w.close()
             return "6 layouts: identical rows, equal to the CPU reference"
@@ -382,7 +383,7 @@ class Check:
                         assert wd.store.fingerprint.digest() == ws.store.fingerprint.digest()
                         wd.slab.copy_(ws.slab)  # the same CPU tier (a peer or the SSD would hand these bytes)
                         for op in ops:
-                            wd.store.mark(op[1], op[2])
+                            wd.store.mark(op.slot, op.key)
                         lops, _ = planner.plan_load(keys, D)
                         wd.run_loads(lops)
                         wd.flush()
@@ -440,7 +441,7 @@ class Check:
                 w.run_saves(ops)
                 host_ms = (time.monotonic() - t0) * 1e3
                 w.flush()
-                assert_equal(w.slab[[op[1] for op in ops]], reference_rows(fresh), "slab after delayed write")
+                assert_equal(w.slab[[op.slot for op in ops]], reference_rows(fresh), "slab after delayed write")
                 return f"run_saves returned in {host_ms:.1f} ms with 50 ms queued on main"
             finally:
                 w.close()
@@ -492,11 +493,11 @@ class Check:
                 ops = plan_saves(planner, keys, chain) + plan_saves(planner, other, extra)
                 w.run_saves(ops)
                 w.flush()
-                spills = sum(op[0] == "spill" for op in ops)
+                spills = sum(isinstance(op, Spill) for op in ops)
                 zero_blocks(views, layout, shape.blocks, D)
                 lops, tiers = planner.plan_load(keys, D)
-                kinds = {op[0] for op in lops}
-                assert {"load_cpu", "promote", "load_ssd"} <= kinds, kinds
+                kinds = {type(op).__name__ for op in lops}
+                assert {LoadCpu.__name__, Promote.__name__, LoadSsd.__name__} <= kinds, kinds
                 w.run_loads(lops)
                 w.flush()
                 self.sync()
@@ -633,7 +634,7 @@ class Check:
                     w.run_saves(ops)
                     w.flush()
                 for r, (views, heads, w) in enumerate(ranks):
-                    held = [(op[1], op[2]) for op in ops if op[0] == "save" and w.store.holds(op[1], op[2])]
+                    held = [(op.slot, op.key) for op in ops if isinstance(op, Save) and w.store.holds(op.slot, op.key)]
                     for slot, key in held:
                         i = keys.index(key)
                         assert_equal(w.slab[slot], reference_rows(content[:, i:i + 1, heads])[0], f"rank {r} slot {slot}")

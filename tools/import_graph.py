@@ -8,7 +8,7 @@ Every ``import`` and ``from ... import`` counts, wherever it sits; each edge is 
 ``a.b.c`` when that is a module of ours, else at ``a.b``. Tests, benchmarks and tools are not
 counted.
 
-Usage: python tools/import_graph.py [--under router] [--json]
+Usage: python tools/import_graph.py [--under router] [--depth 2] [--json]
   prints modules, edges, levels (the longest chain of imports; a module importing none of ours
   is level 0) and every cycle (strongly connected set of more than one module), for the modules
   whose name starts with ``--under`` (edges leaving that set are dropped). ``tests/test_layering.py``
@@ -187,18 +187,28 @@ def levels(nodes: list[str], edges: list[Edge]) -> dict[str, int]:
     return {n: level(groups[n]) for n in nodes}
 
 
-def summary(under: str | None = None, root: Path = ROOT) -> dict:
+def collapse(name: str, depth: int | None) -> str:
+    """``name`` cut to its first ``depth`` parts (``router.route.planner`` at 2: ``router.route``)."""
+    return name if depth is None else ".".join(name.split(".")[:depth])
+
+
+def summary(under: str | None = None, root: Path = ROOT, depth: int | None = None) -> dict:
     """Modules, edges, levels, cycles and function-local imports for the modules under ``under``
-    (all of ours when None), as a dict (the ``--json`` output)."""
+    (all of ours when None), as a dict (the ``--json`` output). ``depth``: count packages rather
+    than modules, each name cut to its first ``depth`` parts (:func:`collapse`); edges inside one
+    unit drop out."""
     known, edges = graph(root)
-    nodes = sorted(n for n in known if under is None or n == under or n.startswith(under + "."))
-    inside = set(nodes)
-    edges = [e for e in edges if e.source in inside and e.target in inside]
+    inside_modules = {n for n in known if under is None or n == under or n.startswith(under + ".")}
+    edges = [Edge(collapse(e.source, depth), collapse(e.target, depth), e.line, e.kind) for e in edges
+             if e.source in inside_modules and e.target in inside_modules]
+    edges = [e for e in edges if e.source != e.target]
+    known = {collapse(n, depth): known[n] for n in sorted(inside_modules, reverse=True)}
+    nodes = sorted(known)
     lv = levels(nodes, edges)
     return {
         "under": under or "all",
         "modules": len(nodes),
-        "lines": sum(len(known[n].read_text().splitlines()) for n in nodes),
+        "lines": sum(len(p.read_text().splitlines()) for n, p in graph(root)[0].items() if n in inside_modules),
         "edges": len({(e.source, e.target) for e in edges}),
         "levels": 1 + max(lv.values(), default=-1),
         "cycles": cycles(nodes, edges),
@@ -211,13 +221,15 @@ def summary(under: str | None = None, root: Path = ROOT) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--under", help="only modules under this dotted name (e.g. router)")
+    ap.add_argument("--depth", type=int, help="count packages: names cut to their first DEPTH parts")
     ap.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = ap.parse_args(argv)
-    s = summary(args.under)
+    s = summary(args.under, depth=args.depth)
     if args.json:
         print(json.dumps(s, indent=1))
         return 0
-    print(f"{s['under']}: {s['modules']} modules, {s['lines']} lines, {s['edges']} edges, {s['levels']} levels")
+    unit = "units" if args.depth else "modules"
+    print(f"{s['under']}: {s['modules']} {unit}, {s['lines']} lines, {s['edges']} edges, {s['levels']} levels")
     print(f"cycles ({len(s['cycles'])}):")
     for group in s["cycles"]:
         print("  " + " <-> ".join(group))

@@ -109,6 +109,7 @@ from offload_agent.connector.config import TierSettings, unsupported_setup
 from offload_agent.connector.kv_copy import LayoutError, PagedKV
 from offload_agent.connector.worker_ops import TierWorker
 from offload_agent.tiers.keys import TierFingerprint, layer_names_digest, tier_block_keys, tier_root
+from offload_agent.tiers.ops import LoadCpu, LoadPeer, TierOp
 from offload_agent.tiers.planner import CPU, SSD, EngineHash, TierPlanner
 from offload_agent.tiers.shm_slab import ShmSlab, SlabMismatch
 from offload_agent.tiers.ssd_file import HEADER_BYTES, engine_shard_dir, scan_fingerprint_dir
@@ -146,11 +147,13 @@ def _request_amx_permission() -> None:
 class TierConnectorMetadata(KVConnectorMetadata):
     """Scheduler -> worker, one step: ``pre_ops`` run before the forward pass (loads),
     ``post_ops`` after it (saves), ``async_loads`` (request id -> its SSD and peer loads) start in
-    the background; see :data:`offload_agent.tiers.planner.Op`. ``wait_saves``: the step completes
-    the prompt of a P/D prefill request, whose reader pulls the blocks right after the answer: the
-    worker waits for the step's saves (CUDA) instead of marking them at a later step."""
+    the background; the operations are records of :mod:`offload_agent.tiers.ops`, pickled with this.
+    ``wait_saves``: the step completes the prompt of a P/D prefill request, whose reader pulls the
+    blocks right after the answer: the worker waits for the step's saves (CUDA) instead of marking
+    them at a later step."""
 
-    def __init__(self, pre_ops: list, post_ops: list, async_loads: dict[str, list], wait_saves: bool = False) -> None:
+    def __init__(self, pre_ops: list[TierOp], post_ops: list[TierOp], async_loads: dict[str, list[TierOp]],
+                 wait_saves: bool = False) -> None:
         self.pre_ops = pre_ops
         self.post_ops = post_ops
         self.async_loads = async_loads
@@ -369,8 +372,8 @@ class KVRouteTierConnector(KVConnectorBase_V1):
         self._reqs: dict[str, _ReqState] = {}
         self._pending_load: dict[str, tuple[int, int, str | None, int, bool]] = {}
         self._hit_tiers: dict[str, list[str]] = {}
-        self._pre_ops: list = []
-        self._async_loads: dict[str, list] = {}
+        self._pre_ops: list[TierOp] = []
+        self._async_loads: dict[str, list[TierOp]] = {}
         self._no_peer: dict[bytes, float] = {}  # first missing block's key -> until when no peer is assumed
         self._locator: ThreadPoolExecutor | None = None
         self._locate_link: AgentLink | None = None
@@ -575,15 +578,15 @@ class KVRouteTierConnector(KVConnectorBase_V1):
         if n_ext > n_local:  # the rest from a peer, through the agent; saved to the CPU tier once loaded
             pd = not st.pd_pulled and self._remote_prefill(request) is not None
             # P/D: the prefill side's saves may land after its answer: the pull waits for them
-            ops.append(("load_peer", peer, keys[n_local:], block_ids[n_local:]) + ((True,) if pd else ()))
+            ops.append(LoadPeer(peer, keys[n_local:], block_ids[n_local:], pd=pd))
             tiers += [PEER] * (n_ext - n_local)
             if pd:
                 st.pd_pulled = True
                 self.stats["pd_pulls"] += 1
         # asynchronous: CPU-tier copies in the step (ordered with the slots' other copies), the rest in the background
         if asynchronous:
-            self._pre_ops += [op for op in ops if op[0] == "load_cpu"]
-            self._async_loads[request.request_id] = [op for op in ops if op[0] != "load_cpu"]
+            self._pre_ops += [op for op in ops if isinstance(op, LoadCpu)]
+            self._async_loads[request.request_id] = [op for op in ops if not isinstance(op, LoadCpu)]
         else:
             self._pre_ops += ops
         self._hit_tiers[request.request_id] = tiers
@@ -617,7 +620,7 @@ class KVRouteTierConnector(KVConnectorBase_V1):
         cached = scheduler_output.scheduled_cached_reqs
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
         bs = self.layout.block_size
-        post: list = []
+        post: list[TierOp] = []
         wait_saves = False
         for rid, n_sched in scheduler_output.num_scheduled_tokens.items():
             st = self._reqs.get(rid)

@@ -1,5 +1,5 @@
 """The connector's worker side without vLLM: runs the planner's operations
-(:data:`offload_agent.tiers.planner.Op`) on vLLM's KV cache, the CPU tier's slab and the SSD folder.
+(:mod:`offload_agent.tiers.ops`) on vLLM's KV cache, the CPU tier's slab and the SSD folder.
 
 Torch and the standard library only, so it is tested without vLLM (``tests/torch/``) and driven on
 a GPU by ``tools/gpu_check_connector.py``; the vLLM connector
@@ -24,7 +24,7 @@ SSD writes leave the step too: a spill copies its slot's bytes to host memory (t
 at once, often by the same step's save) and a writer thread writes the file; a file's deletion
 goes through the same thread, so a key's operations keep their order. What reads a file waits for
 that key's write in flight: an asynchronous load in its background thread, the in-step paths
-(``load_ssd``, ``promote``) in the step. At most ``MAX_SSD_WRITE_BYTES`` of spilled bytes wait for
+(:class:`LoadSsd`, :class:`Promote`) in the step. At most ``MAX_SSD_WRITE_BYTES`` of spilled bytes wait for
 the disk; beyond that a spill waits for the oldest writes (a disk slower than the evictions).
 
 Hazards the asynchronous copies bring, and the rule for each: a host operation on a slot (the copy
@@ -48,6 +48,7 @@ import torch
 from offload_agent.connector.host_memory import Registration, host_buffer, register
 from offload_agent.connector.kv_copy import DEFAULT_STAGING_BYTES, BlockCopier, PagedKV
 from offload_agent.tiers.keys import TierFingerprint
+from offload_agent.tiers.ops import DropSsd, FailBlock, LoadCpu, LoadPeer, LoadSsd, Promote, Save, Spill, TierOp
 from offload_agent.tiers.planner import CPU
 from offload_agent.tiers.shm_slab import ShmSlab
 from offload_agent.tiers.store import TierStore
@@ -62,17 +63,17 @@ ShortPull = tuple[str, bytes]
 PullFn = Callable[..., tuple[int, "str | None"]]
 """``pull(peer, keys, into) -> (blocks, error)``: the first ``blocks`` of ``keys`` pulled from
 ``peer`` into ``into`` (``len(keys) * block_bytes``), each verified; never raises. Called with
-``wait=True`` for a ``load_peer`` operation that carries a fifth element True (P/D: blocks the
-peer does not hold yet are asked for again until the pull's deadline)."""
+``wait=True`` for a :class:`LoadPeer` whose ``pd`` is True (P/D: blocks the peer does not hold yet
+are asked for again until the pull's deadline)."""
 
 
 class _AsyncLoad:
-    """One request's asynchronous load: ``ops`` (``load_ssd``/``load_peer``/``fail_block``) read
-    in the background into ``staging`` rows, then copied into ``blocks``."""
+    """One request's asynchronous load: ``ops`` (:class:`LoadSsd`, :class:`LoadPeer`,
+    :class:`FailBlock`) read in the background into ``staging`` rows, then copied into ``blocks``."""
 
     __slots__ = ("req_id", "ops", "staging", "rows", "blocks", "failed", "future", "event", "after")
 
-    def __init__(self, req_id: str, ops: list) -> None:
+    def __init__(self, req_id: str, ops: list[TierOp]) -> None:
         self.req_id = req_id
         self.ops = ops
         self.staging: torch.Tensor | None = None
@@ -220,44 +221,44 @@ class TierWorker:
         return self._pending_key.get(slot) == key or self.store.holds(slot, key)
 
     # ---- loads -----------------------------------------------------------------------------------
-    def run_loads(self, ops: list) -> None:
+    def run_loads(self, ops: list[TierOp]) -> None:
         """Execute a step's load-side operations in order (module docstring)."""
         self.poll()
-        batch: list[tuple] = []  # consecutive load_cpu ops
+        batch: list[LoadCpu] = []  # consecutive LoadCpu ops
 
         def flush_loads() -> None:
             if batch:
-                self._record([op[1] for op in batch],
-                             self.copier.load([op[1] for op in batch], [op[3] for op in batch], self.slab))
+                slots = [op.slot for op in batch]
+                self._record(slots, self.copier.load(slots, [op.gpu_block for op in batch], self.slab))
                 batch.clear()
 
         for op in ops:
-            kind = op[0]
-            if kind == "load_cpu":
-                if self.holds(op[1], op[2]):
+            if isinstance(op, LoadCpu):
+                if self.holds(op.slot, op.key):
                     batch.append(op)
                 else:
-                    self._load_failed(op[3])
-                    self.store.fail(op[2], CPU, op[1])
+                    self._load_failed(op.gpu_block)
+                    self.store.fail(op.key, CPU, op.slot)
                 continue
             flush_loads()
-            if kind == "load_ssd":
-                self._wait_ssd(op[1])
-                row = self._sync_staging
-                if self.store.read_ssd(op[1], row[0].numpy()):
-                    event = self.copier.load([0], [op[2]], row)
-                    if event is not None:
-                        event.synchronize()  # the one staging row is reused next
-                else:
-                    self._load_failed(op[2])
-            elif kind == "load_peer":
-                got = self._pull_sync(op[1], op[2], op[3])
-                if got:
-                    event = self.copier.load(list(range(got)), op[3][:got], self._pull_buf)
-                    if event is not None:
-                        event.synchronize()
-            else:
-                self._host_op(op)
+            match op:
+                case LoadSsd():
+                    self._wait_ssd(op.key)
+                    row = self._sync_staging
+                    if self.store.read_ssd(op.key, row[0].numpy()):
+                        event = self.copier.load([0], [op.gpu_block], row)
+                        if event is not None:
+                            event.synchronize()  # the one staging row is reused next
+                    else:
+                        self._load_failed(op.gpu_block)
+                case LoadPeer():
+                    got = self._pull_sync(op.peer, op.keys, op.gpu_blocks)
+                    if got:
+                        event = self.copier.load(list(range(got)), op.gpu_blocks[:got], self._pull_buf)
+                        if event is not None:
+                            event.synchronize()
+                case _:
+                    self._host_op(op)
         flush_loads()
 
     def _record(self, slots: list[int], event) -> None:
@@ -267,23 +268,25 @@ class TierWorker:
                 self._slot_event[s] = event
             self._touching.append((event, slots))
 
-    def _host_op(self, op: tuple) -> None:
-        kind = op[0]
-        if kind == "spill":
-            self._settle(op[1])
-            data = self.store.spill_bytes(op[1], op[2], self._ssd_free.pop() if self._ssd_free else None)
-            if data is not None:
-                self._queue_ssd(op[2], data, self.store.write_ssd, op[2], data)
-        elif kind == "drop_ssd":
-            self._queue_ssd(op[1], None, self.store.drop_ssd, op[1])
-        elif kind == "promote":
-            self._wait_ssd(op[1])
-            self._settle(op[2])
-            self.store.promote(op[1], op[2])
-        elif kind == "fail_block":
-            self._load_failed(op[1])
-        else:
-            raise ValueError(f"unknown tier operation {kind!r}")
+    def _host_op(self, op: TierOp) -> None:
+        """A :class:`Spill`, :class:`DropSsd`, :class:`Promote` or :class:`FailBlock`, in either
+        list; raises ValueError for any other operation."""
+        match op:
+            case Spill():
+                self._settle(op.slot)
+                data = self.store.spill_bytes(op.slot, op.key, self._ssd_free.pop() if self._ssd_free else None)
+                if data is not None:
+                    self._queue_ssd(op.key, data, self.store.write_ssd, op.key, data)
+            case DropSsd():
+                self._queue_ssd(op.key, None, self.store.drop_ssd, op.key)
+            case Promote():
+                self._wait_ssd(op.key)
+                self._settle(op.slot)
+                self.store.promote(op.key, op.slot)
+            case FailBlock():
+                self._load_failed(op.gpu_block)
+            case _:
+                raise ValueError(f"unknown tier operation {op!r}")
 
     def _load_failed(self, gpu_block: int) -> None:
         self._invalid.add(gpu_block)
@@ -305,37 +308,37 @@ class TierWorker:
         return out
 
     # ---- saves -----------------------------------------------------------------------------------
-    def run_saves(self, ops: list) -> None:
+    def run_saves(self, ops: list[TierOp]) -> None:
         """Execute a step's save-side operations in order; saves are enqueued (CUDA) or done (CPU).
         When a load of this step failed, its saves are dropped (reported to the planner)."""
-        batch: list[tuple] = []
+        batch: list[Save] = []
 
         def flush_saves() -> None:
             if not batch:
                 return
-            slots = [op[1] for op in batch]
+            slots = [op.slot for op in batch]
             for slot in slots:
                 self.store.begin(slot)
-            event = self.copier.save([op[3] for op in batch], slots, self.slab)
+            event = self.copier.save([op.gpu_block for op in batch], slots, self.slab)
             if event is None:
                 for op in batch:
-                    self.store.mark(op[1], op[2])
+                    self.store.mark(op.slot, op.key)
             else:
-                self._saving.append((event, [(op[1], op[2]) for op in batch]))
+                self._saving.append((event, [(op.slot, op.key) for op in batch]))
                 for op in batch:
-                    self._writer[op[1]] = event
-                    self._pending_key[op[1]] = op[2]
+                    self._writer[op.slot] = event
+                    self._pending_key[op.slot] = op.key
                 self._record(slots, event)
             batch.clear()
 
         try:
             for op in ops:
-                if op[0] == "save":
+                if isinstance(op, Save):
                     if self._failed_step:
-                        self._writer.pop(op[1], None)  # an older save in flight no longer marks the slot
-                        self._pending_key.pop(op[1], None)
-                        self.store.mark(op[1], None)
-                        self.store.fail(op[2], CPU, op[1])
+                        self._writer.pop(op.slot, None)  # an older save in flight no longer marks the slot
+                        self._pending_key.pop(op.slot, None)
+                        self.store.mark(op.slot, None)
+                        self.store.fail(op.key, CPU, op.slot)
                     else:
                         batch.append(op)  # a DMA into the slot is ordered after earlier copies
                     continue
@@ -346,11 +349,11 @@ class TierWorker:
             self._failed_step = False
 
     # ---- asynchronous loads ----------------------------------------------------------------------
-    def start_async(self, req_id: str, ops: list) -> None:
-        """Start reading one request's ``load_ssd``/``load_peer``/``fail_block`` operations in the
-        background; :meth:`finished_loads` reports it."""
+    def start_async(self, req_id: str, ops: list[TierOp]) -> None:
+        """Start reading one request's :class:`LoadSsd`, :class:`LoadPeer` and :class:`FailBlock`
+        operations in the background; :meth:`finished_loads` reports it."""
         job = _AsyncLoad(req_id, ops)
-        job.after = [self._ssd_last[op[1]] for op in ops if op[0] == "load_ssd" and op[1] in self._ssd_last]
+        job.after = [self._ssd_last[op.key] for op in ops if isinstance(op, LoadSsd) and op.key in self._ssd_last]
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvroute-tier-load")
         job.future = self._pool.submit(self._read_job, job)
@@ -360,40 +363,41 @@ class TierWorker:
         """Background thread: read the job's blocks into its staging rows (host memory only),
         once the SSD writes of its keys that were in flight when it started are done."""
         wait_futures(job.after)
-        n = sum(1 if op[0] == "load_ssd" else len(op[2]) for op in job.ops if op[0] in ("load_ssd", "load_peer"))
+        ssd = [op for op in job.ops if isinstance(op, LoadSsd)]
+        n = len(ssd) + sum(len(op.keys) for op in job.ops if isinstance(op, LoadPeer))
         job.staging = torch.empty((max(1, n), self.kv.block_bytes), dtype=torch.uint8, pin_memory=self.cuda)
-        ssd = [op for op in job.ops if op[0] == "load_ssd"]
         row = 0
         if ssd:
-            oks = self.store.read_ssd_many([op[1] for op in ssd], [job.staging[i].numpy() for i in range(len(ssd))])
+            oks = self.store.read_ssd_many([op.key for op in ssd], [job.staging[i].numpy() for i in range(len(ssd))])
             for i, (op, ok) in enumerate(zip(ssd, oks)):
                 if ok:
                     job.rows.append(i)
-                    job.blocks.append(op[2])
+                    job.blocks.append(op.gpu_block)
                 else:
-                    job.failed.append(op[2])
+                    job.failed.append(op.gpu_block)
             row = len(ssd)
         for op in job.ops:
-            if op[0] == "load_peer":
-                keys, blocks = op[2], op[3]
-                into = memoryview(job.staging[row:row + len(keys)].numpy()).cast("B")
-                t0 = time.monotonic()
-                wait = {"wait": True} if len(op) > 4 and op[4] else {}
-                got, error = self._pull(op[1], keys, into, **wait) if self._pull is not None else (0, "no agent")
-                pull_ms = (time.monotonic() - t0) * 1000
-                job.rows += range(row, row + got)
-                job.blocks += blocks[:got]
-                job.failed += blocks[got:]
-                if got < len(keys):
-                    self._short_pulls.append((op[1], keys[got]))  # list.append: safe across threads
-                row += len(keys)
-                log.info("kvroute tiers: request %s: pulled %d of %d blocks from %s in %.1f ms%s", job.req_id, got,
-                         len(keys), op[1], pull_ms, f" ({error}; the rest is recomputed)" if got < len(keys) else "")
-            elif op[0] == "fail_block":
-                job.failed.append(op[1])
+            match op:
+                case LoadPeer(peer=peer, keys=keys, gpu_blocks=blocks):
+                    into = memoryview(job.staging[row:row + len(keys)].numpy()).cast("B")
+                    t0 = time.monotonic()
+                    wait = {"wait": True} if op.pd else {}
+                    got, error = self._pull(peer, keys, into, **wait) if self._pull is not None else (0, "no agent")
+                    pull_ms = (time.monotonic() - t0) * 1000
+                    job.rows += range(row, row + got)
+                    job.blocks += blocks[:got]
+                    job.failed += blocks[got:]
+                    if got < len(keys):
+                        self._short_pulls.append((peer, keys[got]))  # list.append: safe across threads
+                    row += len(keys)
+                    log.info("kvroute tiers: request %s: pulled %d of %d blocks from %s in %.1f ms%s", job.req_id,
+                             got, len(keys), peer, pull_ms,
+                             f" ({error}; the rest is recomputed)" if got < len(keys) else "")
+                case FailBlock():
+                    job.failed.append(op.gpu_block)
 
     def _pull_sync(self, peer: str, keys: list[bytes], blocks: list[int]) -> int:
-        """A pull inside the step (a ``load_peer`` among the synchronous loads): the blocks that
+        """A pull inside the step (a :class:`LoadPeer` among the synchronous loads): the blocks that
         did not come are reported failed; returns how many came (in ``_pull_buf``)."""
         n = len(keys)
         if self._pull_buf is None or self._pull_buf.shape[0] < n:
@@ -447,14 +451,13 @@ class TierWorker:
             self.registration.release()
 
 
-def _op_blocks(ops: list) -> list[int]:
+def _op_blocks(ops: list[TierOp]) -> list[int]:
     """The GPU blocks an asynchronous load's operations target."""
     out: list[int] = []
     for op in ops:
-        if op[0] == "load_ssd":
-            out.append(op[2])
-        elif op[0] == "load_peer":
-            out += op[3]
-        elif op[0] == "fail_block":
-            out.append(op[1])
+        match op:
+            case LoadSsd() | FailBlock():
+                out.append(op.gpu_block)
+            case LoadPeer():
+                out += op.gpu_blocks
     return out

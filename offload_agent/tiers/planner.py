@@ -2,10 +2,10 @@
 
 :class:`TierPlanner` is the tiers' single owner and the only one that evicts. It runs in vLLM's
 scheduler (the connector's scheduler side); it never touches KV bytes. Each call returns
-operations (:data:`Op`) that the connector's worker side executes *in order*, on the CPU slab and
-the SSD folder; the planner's state is always "as if every operation handed out has run". The
-worker checks every read (slot holds the key, file checksum) and reports what failed, which the
-planner then forgets (:meth:`TierPlanner.forget`).
+operations (records of :mod:`offload_agent.tiers.ops`) that the connector's worker side executes
+*in order*, on the CPU slab and the SSD folder; the planner's state is always "as if every
+operation handed out has run". The worker checks every read (slot holds the key, file checksum)
+and reports what failed, which the planner then forgets (:meth:`TierPlanner.forget`).
 
 Capacities are in blocks: ``cpu_slots`` = CPU tier bytes // block bytes (a slab of that many
 block-sized slots), ``ssd_slots`` = SSD tier bytes // (header + block bytes). Policy:
@@ -32,24 +32,14 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from offload_agent.tiers.ops import DropSsd, FailBlock, LoadCpu, LoadSsd, Promote, Save, Spill, TierOp
+
 CPU, SSD = "cpu", "ssd"
 
 EngineHash = int | bytes
 """vLLM's hash of a block as its KV events carry it (``maybe_convert_block_hash``): a uint64 int,
 or the raw digest bytes; the same as :data:`kvcore.events.EngineHash` (not imported: this package
 runs in vLLM's interpreter on the standard library alone)."""
-
-Op = tuple
-"""Worker operations, executed in order:
-
-- ``("save", slot, key, gpu_block)``: vLLM's KV block -> CPU slot (after the forward pass);
-- ``("load_cpu", slot, key, gpu_block)``: CPU slot -> vLLM's KV block, if the slot holds ``key``;
-- ``("load_ssd", key, gpu_block)``: SSD file -> vLLM's KV block (through a staging buffer);
-- ``("promote", key, slot)``: SSD file -> CPU slot;
-- ``("spill", slot, key)``: CPU slot -> SSD file, if the slot holds ``key``;
-- ``("drop_ssd", key)``: delete the SSD file;
-- ``("fail_block", gpu_block)``: report ``gpu_block`` as not loaded (vLLM recomputes it).
-"""
 
 
 @dataclass(frozen=True)
@@ -160,53 +150,53 @@ class TierPlanner:
 
     def plan_load(self, keys: Sequence[bytes], gpu_blocks: Sequence[int],
                   engine_hashes: Sequence[EngineHash | None] | None = None,
-                  promote: bool = True) -> tuple[list[Op], list[str]]:
+                  promote: bool = True) -> tuple[list[TierOp], list[str]]:
         """Operations that copy ``keys`` into vLLM's ``gpu_blocks`` (same length), and the tier each
         came from (``"cpu"``, ``"ssd"``, or ``"miss"`` when the key is gone: that block is
         reported failed, so vLLM recomputes from there). ``promote`` False: SSD hits are read
-        straight into vLLM's blocks (``load_ssd``), never into a CPU slot (an asynchronous load,
+        straight into vLLM's blocks (:class:`LoadSsd`), never into a CPU slot (an asynchronous load,
         whose reads run while later steps' operations reuse slots)."""
-        ops: list[Op] = []
+        ops: list[TierOp] = []
         tiers: list[str] = []
         pins = set(keys)
         for i, (k, g) in enumerate(zip(keys, gpu_blocks)):
             e = self._entries.get(k)
             if e is None:
-                ops.append(("fail_block", g))
+                ops.append(FailBlock(g))
                 tiers.append("miss")
                 continue
             if engine_hashes is not None:
                 self.set_engine_hash(k, engine_hashes[i])
             if e.cpu_slot is not None:
-                ops.append(("load_cpu", e.cpu_slot, k, g))
+                ops.append(LoadCpu(e.cpu_slot, k, g))
                 tiers.append(CPU)
                 continue
             tiers.append(SSD)
             slot = self._alloc_slot(ops, pins) if promote else None
             if slot is None:
-                ops.append(("load_ssd", k, g))
+                ops.append(LoadSsd(k, g))
                 continue
-            ops.append(("promote", k, slot))
+            ops.append(Promote(k, slot))
             self._put_cpu(k, e, slot)
-            ops.append(("load_cpu", slot, k, g))
+            ops.append(LoadCpu(slot, k, g))
         self.touch_chain(keys)
         return ops, tiers
 
-    def plan_save(self, key: bytes, gpu_block: int, engine_hash: EngineHash | None = None) -> list[Op]:
+    def plan_save(self, key: bytes, gpu_block: int, engine_hash: EngineHash | None = None) -> list[TierOp]:
         """Operations saving vLLM's ``gpu_block`` as ``key`` (none when the key is already held)."""
         e = self._entries.get(key)
         if e is not None:
             if engine_hash is not None:
                 self.set_engine_hash(key, engine_hash)
             return []
-        ops: list[Op] = []
+        ops: list[TierOp] = []
         slot = self._alloc_slot(ops, frozenset())
         assert slot is not None  # nothing is pinned, and cpu_slots >= 1
         e = self._entries[key] = _Entry()
         e.engine_hash = engine_hash
         e.announced = engine_hash is not None
         self._put_cpu(key, e, slot)
-        ops.append(("save", slot, key, gpu_block))
+        ops.append(Save(slot, key, gpu_block))
         return ops
 
     def touch_chain(self, keys: Sequence[bytes]) -> None:
@@ -246,13 +236,13 @@ class TierPlanner:
         elif tier == SSD and e.on_ssd:
             self._drop_ssd(key, e)
 
-    def clear(self) -> list[Op]:
+    def clear(self) -> list[TierOp]:
         """Forget every block; returns the operations deleting the SSD files."""
-        ops: list[Op] = []
+        ops: list[TierOp] = []
         for k in list(self._entries):
             e = self._entries[k]
             if e.on_ssd:
-                ops.append(("drop_ssd", k))
+                ops.append(DropSsd(k))
                 self._drop_ssd(k, e)
             if k in self._entries and e.cpu_slot is not None:
                 self._drop_cpu(k, e)
@@ -282,7 +272,7 @@ class TierPlanner:
         if e.cpu_slot is None:
             del self._entries[key]
 
-    def _alloc_slot(self, ops: list[Op], pins: Iterable[bytes]) -> int | None:
+    def _alloc_slot(self, ops: list[TierOp], pins: Iterable[bytes]) -> int | None:
         if self._free_slots:
             return self._free_slots.pop()
         victim = next((k for k in self._cpu_lru if k not in pins), None)
@@ -291,7 +281,7 @@ class TierPlanner:
         e = self._entries[victim]
         slot = e.cpu_slot
         if not e.on_ssd and self._make_ssd_room(ops, pins):
-            ops.append(("spill", slot, victim))
+            ops.append(Spill(slot, victim))
             e.on_ssd = True
             self._ssd_lru[victim] = None
             if e.announced:
@@ -299,13 +289,13 @@ class TierPlanner:
         self._drop_cpu(victim, e)
         return self._free_slots.pop()
 
-    def _make_ssd_room(self, ops: list[Op], pins: Iterable[bytes]) -> bool:
+    def _make_ssd_room(self, ops: list[TierOp], pins: Iterable[bytes]) -> bool:
         if self.ssd_slots == 0:
             return False
         while len(self._ssd_lru) >= self.ssd_slots:
             victim = next((k for k in self._ssd_lru if k not in pins), None)
             if victim is None:
                 return False
-            ops.append(("drop_ssd", victim))
+            ops.append(DropSsd(victim))
             self._drop_ssd(victim, self._entries[victim])
         return True

@@ -22,6 +22,7 @@ from offload_agent.connector import host_memory
 from offload_agent.connector.kv_copy import BlockCopier, LayoutError, PagedKV
 from offload_agent.connector import worker_ops
 from offload_agent.connector.worker_ops import TierWorker
+from offload_agent.tiers.ops import DropSsd, LoadCpu, LoadPeer, LoadSsd, Promote, Save, Spill, TierOp
 from offload_agent.tiers.planner import TierPlanner
 from offload_agent.tiers.shm_slab import ShmSlab
 from offload_agent.tiers.ssd_file import CorruptBlockError, block_path, read_block_file
@@ -43,7 +44,7 @@ def _worker(views, dtype, shape=SHAPE, slots=16, ssd=None, tp_rank=0, tp_size=1,
     return TierWorker(kv, slots, gc.fingerprint(kv, dtype, shape.block_size, tp_rank, tp_size), ssd_dir=ssd, **kw)
 
 
-def _save(worker: TierWorker, planner: TierPlanner, blocks: list[int], seed: int) -> tuple[list[bytes], list[tuple]]:
+def _save(worker: TierWorker, planner: TierPlanner, blocks: list[int], seed: int) -> tuple[list[bytes], list[TierOp]]:
     keys = gc.chain_keys(worker.store.fingerprint, len(blocks), SHAPE.block_size, seed)
     ops = gc.plan_saves(planner, keys, blocks)
     worker.run_saves(ops)
@@ -51,7 +52,7 @@ def _save(worker: TierWorker, planner: TierPlanner, blocks: list[int], seed: int
     return keys, ops
 
 
-def _load(worker: TierWorker, planner: TierPlanner, keys: list[bytes], blocks: list[int]) -> list[tuple]:
+def _load(worker: TierWorker, planner: TierPlanner, keys: list[bytes], blocks: list[int]) -> list[TierOp]:
     ops, _ = planner.plan_load(keys, blocks)
     worker.run_loads(ops)
     worker.flush()
@@ -64,7 +65,7 @@ def _round_trip(views, layout: str, w: TierWorker, S: list[int], D: list[int], s
     planner = TierPlanner(16)
     content = gc.fill(views, layout, SHAPE.blocks, S, gen)
     keys, ops = _save(w, planner, S, seed)
-    assert torch.equal(w.slab[[op[1] for op in ops]], gc.reference_rows(content))
+    assert torch.equal(w.slab[[op.slot for op in ops]], gc.reference_rows(content))
     gc.zero_blocks(views, layout, SHAPE.blocks, D)
     lops = _load(w, planner, keys, D)
     assert w.take_invalid_blocks() == set() and w.take_failures() == []
@@ -124,10 +125,10 @@ def test_worker_round_trip(layout, dname, gen):
     w = _worker(views, dtype)
     S, D = [0, 1, 2, 3, 8, 9], [16, 17, 18, 19, 24, 25]
     _, keys, ops, lops = _round_trip(views, layout, w, S, D, 1, gen)
-    assert [op[0] for op in ops] == ["save"] * 6 and [op[3] for op in ops] == S
-    slots = [op[1] for op in ops]
+    assert [type(op) for op in ops] == [Save] * 6 and [op.gpu_block for op in ops] == S
+    slots = [op.slot for op in ops]
     assert all(w.store.holds(s, k) for s, k in zip(slots, keys))
-    assert [(op[0], op[1], op[3]) for op in lops] == [("load_cpu", s, d) for s, d in zip(slots, D)]
+    assert [(type(op), op.slot, op.gpu_block) for op in lops] == [(LoadCpu, s, d) for s, d in zip(slots, D)]
     w.close()
 
 
@@ -145,7 +146,7 @@ def test_stored_bytes_do_not_depend_on_the_layout(gen):
         gc.fill(views, layout, SHAPE.blocks, S, gen, content=content)
         w = _worker(views, torch.bfloat16)
         _, ops = _save(w, TierPlanner(16), S, 2)
-        assert torch.equal(w.slab[[op[1] for op in ops]], by_hand), layout
+        assert torch.equal(w.slab[[op.slot for op in ops]], by_hand), layout
         w.close()
 
 
@@ -164,7 +165,7 @@ def test_cross_layout_load(gen):
         assert wd.store.fingerprint == ws.store.fingerprint
         wd.slab.copy_(ws.slab)
         for op in ops:
-            wd.store.mark(op[1], op[2])
+            wd.store.mark(op.slot, op.key)
         _load(wd, planner, keys, D)
         assert wd.take_invalid_blocks() == set()
         assert torch.equal(gc.read_blocks(dst, layout, SHAPE.blocks, D), content), layout
@@ -240,7 +241,7 @@ def test_tp_pair_each_rank_its_own_heads(tmp_path, gen):
     keys = gc.chain_keys(fp0, len(S), half.block_size, 6)
     assert keys == gc.chain_keys(fp1, len(S), half.block_size, 6)  # one key names the block in every shard
     ops = gc.plan_saves(planner, keys, S)
-    spilled = [op[2] for op in ops if op[0] == "spill"]
+    spilled = [op.key for op in ops if isinstance(op, Spill)]
     assert len(spilled) == 3
     for _, _, w in ranks:
         w.run_saves(ops)
@@ -248,9 +249,9 @@ def test_tp_pair_each_rank_its_own_heads(tmp_path, gen):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([fp0.dir_name(), fp1.dir_name()])
     for r, (views, heads, w) in enumerate(ranks):
         for op in ops:
-            if op[0] == "save" and w.store.holds(op[1], op[2]):
-                i = keys.index(op[2])
-                assert torch.equal(w.slab[op[1]], gc.reference_rows(content[:, i:i + 1, heads])[0])
+            if isinstance(op, Save) and w.store.holds(op.slot, op.key):
+                i = keys.index(op.key)
+                assert torch.equal(w.slab[op.slot], gc.reference_rows(content[:, i:i + 1, heads])[0])
         for key in spilled:  # the SSD file holds this rank's heads
             i = keys.index(key)
             out = bytearray(w.kv.block_bytes)
@@ -286,13 +287,13 @@ def _ssd_setup(tmp_path, gen, slots=3, extra=True):
 
 def test_ssd_spill_promote_load_ssd_round_trip(tmp_path, gen):
     views, w, planner, keys, ops, content = _ssd_setup(tmp_path, gen)
-    assert [op[0] for op in ops].count("spill") == 3
+    assert [type(op) for op in ops].count(Spill) == 3
     assert [planner.tier_of(k) for k in keys] == ["ssd"] * 4 + ["cpu"] * 2
     D = [30, 31, 32, 33, 34, 35]
     gc.zero_blocks(views, "LBNHC", SHAPE.blocks, D)
     lops = _load(w, planner, keys, D)
-    kinds = [op[0] for op in lops]
-    assert kinds[:3] == ["spill", "promote", "load_cpu"] and "load_ssd" in kinds and kinds[-1] == "load_cpu"
+    kinds = [type(op) for op in lops]
+    assert kinds[:3] == [Spill, Promote, LoadCpu] and LoadSsd in kinds and kinds[-1] == LoadCpu
     assert w.take_invalid_blocks() == set() and w.take_failures() == []
     assert torch.equal(gc.read_blocks(views, "LBNHC", SHAPE.blocks, D), content)
 
@@ -313,12 +314,12 @@ def test_corrupted_promoted_file_is_exactly_one_invalid_block(tmp_path, gen):
     D = [30, 31, 32, 33, 34, 35]
     gc.zero_blocks(views, "LBNHC", SHAPE.blocks, D)
     lops = _load(w, planner, keys, D)
-    promote = next(op for op in lops if op[0] == "promote")
-    assert promote[1] == keys[0]
+    promote = next(op for op in lops if isinstance(op, Promote))
+    assert promote.key == keys[0]
     assert w.take_invalid_blocks() == {D[0]}
     failures = w.take_failures()
     assert {(k, t) for k, t, _ in failures} == {(keys[0], "ssd"), (keys[0], "cpu")}
-    assert {s for _, t, s in failures if t == "cpu"} == {promote[2]}
+    assert {s for _, t, s in failures if t == "cpu"} == {promote.slot}
     for key, tier, slot in failures:
         planner.forget(key, tier, slot)
     assert planner.tier_of(keys[0]) is None and not path.exists()
@@ -332,7 +333,7 @@ def test_corrupted_ssd_file_is_exactly_one_invalid_block(tmp_path, gen):
     D = [30, 31, 32, 33, 34, 35]
     gc.zero_blocks(views, "LBNHC", SHAPE.blocks, D)
     lops = _load(w, planner, keys, D)
-    assert ("load_ssd", keys[bad], D[bad]) in lops
+    assert LoadSsd(keys[bad], D[bad]) in lops
     assert w.take_invalid_blocks() == {D[bad]}
     failures = w.take_failures()
     assert failures == [(keys[bad], "ssd", None)]
@@ -351,10 +352,10 @@ def test_async_load_ssd(tmp_path, gen):
     gc.zero_blocks(views, "LBNHC", SHAPE.blocks, D)
     lops, tiers = planner.plan_load(keys, D)
     assert tiers == ["ssd"] * 4 + ["cpu"] * 2
-    ssd_ops = [op for op in lops if op[0] == "load_ssd"]
-    assert [op[2] for op in ssd_ops] == D[:4]
+    ssd_ops = [op for op in lops if isinstance(op, LoadSsd)]
+    assert [op.gpu_block for op in ssd_ops] == D[:4]
     w.start_async("req-1", ssd_ops)
-    w.run_loads([op for op in lops if op[0] != "load_ssd"])
+    w.run_loads([op for op in lops if not isinstance(op, LoadSsd)])
     done, invalid = _wait_finished(w, "req-1")
     assert done == {"req-1"} and invalid == set()
     w.flush()
@@ -400,7 +401,7 @@ def test_async_peer_pull_short(gen):
     same ``finished_loads`` call's step; nothing is reported before the pull returns."""
     views, content, peer, w, keys = _peer_case(gen, 9)
     D = [10, 11, 12, 13, 14]
-    w.start_async("req-p", [("load_peer", "10.0.0.2:7000", keys, D)])
+    w.start_async("req-p", [LoadPeer("10.0.0.2:7000", keys, D)])
     assert w.finished_loads() == set() and w.take_invalid_blocks() == set()
     peer.release.set()
     done, invalid = _wait_finished(w, "req-p")
@@ -418,7 +419,7 @@ def test_a_pull_in_flight_holds_up_no_other_request(gen):
     views, content, peer, w, keys = _peer_case(gen, 11)
     planner = TierPlanner(8)
     other = gc.chain_keys(w.store.fingerprint, 2, SHAPE.block_size, 12)
-    w.start_async("req-slow", [("load_peer", "p", keys, [10, 11, 12, 13, 14])])
+    w.start_async("req-slow", [LoadPeer("p", keys, [10, 11, 12, 13, 14])])
     w.run_saves(gc.plan_saves(planner, other, [1, 2]))
     loads, _ = planner.plan_load(other, [20, 21])
     w.run_loads(loads)
@@ -435,7 +436,7 @@ def test_sync_peer_pull_short(gen):
     views, content, peer, w, keys = _peer_case(gen, 10)
     peer.release.set()
     D = [10, 11, 12, 13, 14]
-    w.run_loads([("load_peer", "p", keys, D)])
+    w.run_loads([LoadPeer("p", keys, D)])
     assert w.take_invalid_blocks() == {13, 14}
     assert w.take_short_pulls() == [("p", keys[3])]
     _assert_short_load(views, content, D)
@@ -578,7 +579,7 @@ def test_resaved_slot_is_marked_with_the_newer_key_only(gen):
     w.run_saves(gc.plan_saves(planner, ka, [1]))
     assert w.holds(0, ka[0]) and not w.store.holds(0, ka[0])  # in flight: not marked
     ops = gc.plan_saves(planner, kb, [2])
-    assert ops == [("save", 0, kb[0], 2)]  # the same slot, A evicted (no SSD)
+    assert ops == [Save(0, kb[0], 2)]  # the same slot, A evicted (no SSD)
     w.run_saves(ops)
     assert w.holds(0, kb[0]) and not w.holds(0, ka[0])
     first = stream.pending[0][0]
@@ -602,7 +603,7 @@ def _evicting_save(w: TierWorker, views, gen, seed: int):
     kb = gc.chain_keys(w.store.fingerprint, 1, SHAPE.block_size, seed + 1)
     w.run_saves(gc.plan_saves(planner, ka, [1]))
     ops = gc.plan_saves(planner, kb, [2])
-    assert [op[0] for op in ops] == ["spill", "save"]
+    assert [type(op) for op in ops] == [Spill, Save]
     return a, b, ka, kb, ops
 
 
@@ -641,7 +642,7 @@ def test_a_spill_leaves_the_step_and_a_load_of_its_block_waits_for_the_file(tmp_
     assert not block_path(w.store.fp_dir, ka[0]).exists()
     assert w.store.holds(0, kb[0]) and torch.equal(w.slab[0], gc.reference_rows(b)[0])
     gc.zero_blocks(views, "LBNHC", SHAPE.blocks, [30])
-    w.start_async("r1", [("load_ssd", ka[0], 30)])
+    w.start_async("r1", [LoadSsd(ka[0], 30)])
     assert w.finished_loads() == set()               # its read waits for the write
     gate.set()
     _, invalid = _wait_finished(w, "r1")
@@ -659,7 +660,7 @@ def test_a_deletion_after_a_spill_of_the_same_block_runs_after_its_write(tmp_pat
     ka = gc.chain_keys(w.store.fingerprint, 1, SHAPE.block_size, 23)
     w.run_saves(gc.plan_saves(planner, ka, [1]))
     gate = _gated_ssd_writes(w)
-    w.run_saves([("spill", 0, ka[0]), ("drop_ssd", ka[0])])
+    w.run_saves([Spill(0, ka[0]), DropSsd(ka[0])])
     gate.set()
     w.flush()
     assert not block_path(w.store.fp_dir, ka[0]).exists()   # deleted after it was written, not before
@@ -698,8 +699,8 @@ def test_promote_and_loads_wait_for_pending_copies(tmp_path, gen):
     D = [30, 31, 32, 33, 34]
     gc.zero_blocks(views, "LBNHC", SHAPE.blocks, D)
     lops, _ = planner.plan_load(keys, D)
-    kinds = [op[0] for op in lops]
-    assert "promote" in kinds and "load_ssd" in kinds
+    kinds = [type(op) for op in lops]
+    assert Promote in kinds and LoadSsd in kinds
     w.run_loads(lops)
     stream.run_all()
     w.poll()
@@ -723,7 +724,7 @@ def test_agent_slab_publishes_a_slot_only_after_its_copy(tmp_path, gen):
     keys = gc.chain_keys(fp, 2, SHAPE.block_size, 18)
     ops = gc.plan_saves(TierPlanner(4), keys, [3, 4])
     w.run_saves(ops)
-    slots = [op[1] for op in ops]
+    slots = [op.slot for op in ops]
     assert [slab.key_of(s) for s in slots] == [None, None] and slab.stable_slots() == []
     stream.run_all()
     w.poll()

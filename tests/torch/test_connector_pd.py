@@ -23,6 +23,7 @@ import pytest
 from offload_agent.agent_link import LinkPull
 from offload_agent.connector import vllm_connector as vc
 from offload_agent.connector.config import TierSettings
+from offload_agent.tiers.ops import LoadCpu, LoadPeer
 from offload_agent.tiers.planner import TierPlanner
 from vllm.v1.request import RequestStatus
 
@@ -154,10 +155,10 @@ def test_our_params_load_the_missing_blocks_from_the_named_peer_without_a_lookup
     assert c.get_num_new_matched_tokens(req, 0) == (10 * BLOCK, True)   # asynchronous
     assert c._locator is None                                # no lookup asked
     c.update_state_after_alloc(req, _Blocks(list(range(20, 31))), 10 * BLOCK)
-    assert [op[0] for op in c._pre_ops] == ["load_cpu"] * 3
+    assert [type(op) for op in c._pre_ops] == [LoadCpu] * 3
     (op,) = c._async_loads["r1"]
-    assert op[:2] == ("load_peer", "p0") and op[3] == list(range(23, 30)) and op[4] is True
-    assert op[2] == st.keys[3:10]
+    assert type(op) is LoadPeer and op.peer == "p0" and op.gpu_blocks == list(range(23, 30)) and op.pd is True
+    assert op.keys == st.keys[3:10]
     assert c.get_external_cache_hit_sources(req, 10 * BLOCK) == {
         vc.CacheHitSource.HOST: 3 * BLOCK, vc.CacheHitSource.P2P: 7 * BLOCK}
     # asked again after a failed load (vLLM re-queues the request): not pulled from the peer again

@@ -121,7 +121,7 @@ def test_byte_path_on_vllms_own_views(dtype):
         ops = gc.plan_saves(planner, keys, S)
         w.run_saves(ops)
         w.flush()
-        got = w.slab[[op[1] for op in ops]].clone()
+        got = w.slab[[op.slot for op in ops]].clone()
         assert torch.equal(got, gc.reference_rows(written)), (layout, kernel)
         rows[(layout, kernel)] = got
         gc.zero_blocks(views, layout, BLOCKS, D)
