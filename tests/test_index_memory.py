@@ -155,7 +155,7 @@ def test_the_index_gives_the_cyclic_collector_nothing_to_walk():
     """Every per-key structure (the masks, each worker's key holdings per tier, its speculative
     entries) stays untracked by Python's cyclic GC after stores, speculative entries, removals,
     a bulk load and a clear, so a full collection costs nothing per indexed block (sets, always
-    tracked, made each one walk every entry: 65-250 ms at 1.6M entries here)."""
+    tracked, would make each one walk every entry: docs/tuning/memory_index.md)."""
     import gc
     import struct as _struct
 

@@ -43,7 +43,7 @@ def ttfts(decision) -> dict[str, float]:
 
 
 def test_ttft_config_defaults_round_trip():
-    assert DEFAULT_POLICY == "ttft"  # it won on the bench rig (with its dispatch queue)
+    assert DEFAULT_POLICY == "ttft"  # with its dispatch queue on; why: docs/tuning/ttft_policy.md
     cfg = describe(make_policy({"name": "ttft"}))
     assert cfg == {"name": "ttft", "tier_credit": {"gpu": 1.0, "cpu": 0.75, "ssd": 0.25},
                    "prefill_overhead_ms": 25.0, "prefill_ms_per_token": 0.1, "learn_prefill_rate": True,
@@ -175,10 +175,10 @@ def test_a_slower_worker_by_its_speed_factor_loses():
 
 
 def test_noisy_lines_of_identical_workers_do_not_outrank_a_cached_prefix():
-    """Seen on 2 real vLLM-CPU workers: own lines (overhead, slope) fitted to ~30 TTFTs each were
-    (91 ms, 0.055) and (98 ms, 0.092); shrunk toward their median they ranked the worker holding
-    800 of a 924-token prompt below an idle one holding nothing. Their speed factors against the
-    model's line are near 1, so the holder wins."""
+    """Identical workers' own lines (overhead, slope) fitted to ~30 noisy TTFTs each:
+    (91 ms, 0.055) and (98 ms, 0.092); shrunk toward their median they would rank the worker
+    holding 800 of a 924-token prompt below an idle one holding nothing. Their speed factors
+    against the model's line are near 1, so the holder wins (docs/tuning/prefill_rate.md)."""
     policy = make_policy({"name": "ttft"})
     model_line = PrefillRate(95.0, 0.073, 64)
     holder = cand("holder", gpu=50, rate=PrefillRate(98.0, 0.092, 26))

@@ -7,24 +7,21 @@ Layout and memory:
   ``4*s + t`` is set when worker ``s`` holds the key in tier ``t`` (0 gpu, 1 cpu, 2 ssd,
   3 speculative), the same layout as the Redis backend's bitmaps. One int (not a list of four)
   means one object per key: fewer memory loads per lookup step, and nothing for Python's cyclic
-  garbage collector to traverse (a list per key made every full collection walk millions of
-  objects while the gateway served);
+  garbage collector to traverse (a list per key would make every full collection walk millions
+  of objects while the gateway serves);
 - ``_owned[slot][tier]`` holds the keys the worker holds in that tier (for clear/stats) as the
   keys of a plain dict with ``None`` values, not a set: CPython never tracks a dict of ints and
   ``None`` in its cyclic collector, while a set is always tracked and each full collection walks
-  every entry (1.6M entries over 8 workers cost 65-150 ms per full collection here, a pause for
-  every request in flight);
+  every entry (a pause for every request in flight that grows with the index);
 - a second (third...) copy of the same (key, slot, tier) goes to ``_extra_refs`` only when it
   happens (vLLM duplicates are rare), so the common case stores no counter at all.
 
-Memory (CPython 3.11, x86_64): ``benchmarks/bench_agent.py`` measures ~190 B of RSS per (block,
-worker) entry with 64 workers x 100k distinct blocks (dict entry + int key + int value, ~60 B of
-them the value int at 64 workers, plus the entry in ``_owned``); a list of four masks per key
-cost ~270 B. Each further worker holding the same key adds an ``_owned`` entry. The dicts
-in ``_owned`` take ~12 B per entry more than sets did (8 workers x 200k keys, the key ints made
-beforehand: 80 against 68 B of RSS per entry), the price of never being walked by the GC. ``max_keys``
-bounds the distinct keys: beyond it new keys are not indexed (the index may under-report, never
-over-report) and ``dropped_keys`` counts them.
+Memory: per (block, worker) entry, a dict entry, an int key and an int value (4 bits per worker
+slot, so it grows with the worker count), plus the entry in ``_owned``. Each further worker
+holding the same key adds an ``_owned`` entry. The dicts in ``_owned`` take a few bytes per entry
+more than sets would, the price of never being walked by the GC (bytes per entry, measured:
+docs/tuning/memory_index.md). ``max_keys`` bounds the distinct keys: beyond it new keys are not
+indexed (the index may under-report, never over-report) and ``dropped_keys`` counts them.
 """
 from __future__ import annotations
 
@@ -174,8 +171,8 @@ class MemoryIndex(KVIndex):
     def store_speculative_sync(self, worker: str, keys: Sequence[int], ttl_s: float) -> None:
         """Synchronous :meth:`store_speculative`: ``keys`` count as gpu on ``worker`` for ``ttl_s``
         seconds of this index's clock (a later call refreshes the expiry, earlier or later).
-        One heap entry per call, not per key: ~0.2 us per key (a 32k-token prompt's 2048 keys in
-        ~0.5 ms; a heap entry per key took ~7 ms)."""
+        One heap entry per call, not per key, so a long prompt's thousands of keys cost one heap
+        push, not thousands (timings: docs/tuning/memory_index.md)."""
         now = self._clock()
         self._expire(now)
         slot = self._slot(worker)
@@ -257,8 +254,8 @@ class MemoryIndex(KVIndex):
         Unlike storing part after part, it lays the keys out grouped by their holder bits (a
         prompt's blocks usually share holders) as new, adjacent int objects sharing one mask
         object per group: lookups then touch a few cache lines per block, as in an index filled
-        by events in the order prompts arrived. Filled in set order (what Redis's owned sets give),
-        a 3.2M-key index answered a 2048-block lookup in ~1.0 ms instead of ~0.27 ms. Raises
+        by events in the order prompts arrived; filled in set order (what Redis's owned sets give),
+        lookups touch more cache lines and are markedly slower (docs/tuning/memory_index.md). Raises
         ValueError when the index is not empty or on an unknown tier."""
         if self._masks or self._spec_heap:
             raise ValueError("load_steps fills an empty index only")

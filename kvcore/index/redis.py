@@ -54,12 +54,11 @@ big-endian, ``raw(k)``; a worker gets a permanent slot number ``s`` on first use
   a mismatch (:class:`kvcore.index.errors.IndexEncodingMismatch`): a gateway and an agent on
   different encodings would otherwise silently never match.
 
-Bytes per block (Redis 7.0, jemalloc; ``INFO memory`` before/after populating 64 workers x 100k
-distinct blocks in ``benchmarks/bench_agent.py``): 178 B per (block, worker) entry held in one
-tier, i.e. the bitmap key (~115 B: dict entry, key name of 14 B, value) plus the member of the
-worker's owned set (~60 B). A block held by several workers pays the bitmap once (growing 4 bits per
-slot) and ~60 B per further worker. (All bitmaps as fields of one HASH would take ~36 B less per
-block, but writes could no longer use SETBIT/BITCOUNT and lookups measured no faster.)
+Bytes per block: a (block, worker) entry held in one tier is the bitmap key (dict entry, key
+name of 14 B, value) plus the member of the worker's owned set. A block held by several workers
+pays the bitmap once (growing 4 bits per slot) and one owned-set member per further worker. Each
+bitmap is its own STRING key so that writes can use SETBIT/BITCOUNT. (Bytes measured, and the
+one-HASH layout compared: docs/tuning/redis_index.md.)
 
 Lookup (:meth:`RedisIndex.match`): one round trip of four pipelined commands: ``MGET`` of the
 bitmaps of all the prompt's keys (the request is laid out here from the packed keys without a
@@ -69,10 +68,10 @@ answer is used from block 0 up to the first key nobody holds (at least as far as
 speculative entries reach) and run-length coded here (a row only where the bitmap differs from the
 block before), so the per-worker runs are computed with the same bitmask chains as
 :class:`kvcore.index.memory.MemoryIndex` over the distinct holder sets, not over every block.
-Measured against the former Lua script that built the 2048 key names and run-length coded on the
-server: about a quarter of Redis's CPU time per lookup (the server is shared by every gateway and
-agent) and lower latency; the price is a larger reply (~75 kB for 2048 blocks at 64 workers),
-which needs the hiredis parser (redis-py's pure-Python parser takes ~10 ms on it).
+Building the key names and run-length coding here, not in a script on the server, spares
+Redis's CPU (the server is shared by every gateway and agent) and lowers latency; the price is a
+larger reply (tens of kB for a long prompt at many workers), which needs the hiredis parser
+(redis-py's pure-Python parser is slow on it). Figures: docs/tuning/redis_index.md.
 
 Speculative entries (:meth:`store_speculative`) stay in this process (they are the gateway's own
 guesses for prompts it just routed) and are merged into every lookup as gpu bits. (The mirror
@@ -219,7 +218,8 @@ def _mget_fixed(prefix: bytes, packed: bytes) -> bytearray:
     """``MGET prefix+k0 prefix+k1 ...`` in the Redis protocol, for 8-byte keys packed back to back.
     Every argument has the same length, so the request is one repeated template with the key bytes
     written in by 8 strided slice assignments: no Python step per key (the client library's own
-    encoder costs ~2 us per argument, 4 ms for a 32k-token prompt)."""
+    encoder takes one per argument, which adds up over a long prompt's thousands of keys; timing:
+    docs/tuning/redis_index.md)."""
     n = len(packed) // 8
     head = b"$%d\r\n%s" % (len(prefix) + 8, prefix)
     stride = len(head) + 10

@@ -28,7 +28,7 @@ How the copy is kept (the change log is described in :mod:`kvcore.index.redis`):
   it holds the same entries, with the TTL counted from the append (Redis's clock, from the entry
   id). A new replica replays the log's speculative entries of the last
   ``speculative_lookback_s`` seconds at bootstrap. So replicas on one Redis see the same evidence
-  and route one prompt alike, up to the log's lag (measured below). Unlike the plain backend, a
+  and route one prompt alike, up to the log's lag (docs/tuning/redis_index.md). Unlike the plain backend, a
   gpu removal or a purge written by any process also drops the speculative entries it covers (the
   contract of :mod:`kvcore.index.base`; the plain backend only drops this process's own);
 - liveness: a worker's confirmed entries count while its heartbeat key lives, as in the plain
@@ -45,21 +45,18 @@ When Redis cannot be reached, lookups raise IndexUnavailable (route on load, as 
 backend) rather than answer from a copy that nobody can bring up to date; they come back once the
 stream is read again (and resynced, if needed).
 
-Costs, measured by ``benchmarks/bench_index_lookup.py`` (2,048-block prompt, 64 workers x 100k
-blocks, 2 shared cores): a lookup costs what the in-memory index's does (p50/p99 0.65/0.79 ms
-against 0.61/0.75 in memory and 1.25/1.70 for plain Redis, quiet; under 1,000 agent batches/s plus
-10 speculative prompts/s, 0.88/2.30 ms against the in-memory index's 0.88/2.40 in the same loop
-and 1.96/4.73 for plain Redis). The bootstrap lays keys out grouped by holders
-(:meth:`kvcore.index.memory.MemoryIndex.load_steps`; in Redis's set order lookups took twice as
-long) and takes ~8 s for 6.4M entries. Memory: ~180 B per (block, worker) entry in every gateway
-replica (the in-memory index's). Applying the log: ~20,000 agent batches/s (640k keys/s) on one
-core when behind; ~10% of a core at 1,000 batches/s; apply lag p50/p99 1.8/5.1 ms there. Redis
-gets one ``INCR`` + ``XADD`` more per write (an agent's ingest: 119.5k instead of 122.9k blocks/s)
-and one small script call per replica every ``poll_interval_s``; the log holds about
-``stream_maxlen`` entries (~200 B for an agent's batch, 8 B per key for larger ones: lower it
-when long prompts make speculative entries big). Like the in-memory index, the copy's key dict
-rebuilds itself once every few million inserts under steady churn (a compact dict never reuses
-the slot of a deleted key), holding the event loop ~0.45 s at 6.4M keys.
+Costs (figures: docs/tuning/redis_index.md): a lookup costs what the in-memory index's does,
+quiet or under agents' writes, without the plain backend's round trip. The bootstrap lays keys
+out grouped by holders (:meth:`kvcore.index.memory.MemoryIndex.load_steps`: in Redis's set order
+lookups would be slower); its time grows with the entries. Memory: the in-memory index's per
+(block, worker) entry, in every gateway replica. Applying the log catches up quickly when
+behind and takes a small share of a core at a steady write rate. Redis gets one ``INCR`` +
+``XADD`` more per write (a small cost to an agent's ingest) and one small script call per
+replica every ``poll_interval_s``; the log holds about ``stream_maxlen`` entries (~200 B for an
+agent's batch, 8 B per key for larger ones: lower it when long prompts make speculative entries
+big). Like the in-memory index, the copy's key dict rebuilds itself once every few million
+inserts under steady churn (a compact dict never reuses the slot of a deleted key), holding the
+event loop for a time that grows with the number of keys.
 
 Redis Cluster: this class needs one standalone Redis, as the plain backend does; with ``cluster:
 true`` the factory makes :class:`kvcore.index.redis_cluster_mirror.RedisClusterMirrorIndex`, the
@@ -90,7 +87,7 @@ from kvcore.index.redis_snapshot import hb_expiry, load_snapshot, snapshot_comma
 
 log = logging.getLogger("kvroute.index.redis_mirror")
 
-_YIELD_KEYS = 2048  # keys applied between two yields to the event loop (~0.5 ms: what a lookup may wait)
+_YIELD_KEYS = 2048  # keys applied between two yields to the event loop: bounds what a lookup may wait
 _APPLY_CHUNK = 1024  # keys per step within one entry (an agent's republish carries a whole worker)
 _OUTBOX_MAX = 10_000  # speculative entries waiting to be appended; beyond, the oldest are dropped
 _LOOKBACK_PAGE = 256  # entries per XREVRANGE page when replaying speculative entries at bootstrap
@@ -108,8 +105,8 @@ class RedisMirrorIndex(RedisIndex):
     Takes :class:`RedisIndex`'s arguments plus: ``poll_interval_s``: liveness / epoch poll period;
     ``read_block_s``: longest ``XREAD BLOCK``; ``read_count``: entries per read;
     ``read_coalesce_s``: pause after a read that brought entries, so that a busy log is read in
-    batches (each read costs ~0.2 ms of CPU here, an agent's batch ~0.05 ms to apply; the pause
-    adds at most this to the lag);
+    batches (a read costs several times the CPU of applying an agent's batch; the pause adds at
+    most this to the lag);
     ``speculative_lookback_s``: how far back a bootstrap replays speculative entries (cover the
     gateway's longest speculative TTL, ``approx_ttl_s``); ``verify_interval_s``: period of the
     block-count check against Redis (0: off); ``write_wait_s``: longest wait for a write to come

@@ -311,11 +311,10 @@ class RoutingConfig(_Strict):
     (approximate mode: the gateway's own history is all the index knows). ``measure_stream_usage``: ask
     streaming workers for usage to compare predicted with actual cached tokens (the usage chunk
     is stripped when the client did not ask for it). ``tokenize_threads``: tokenizer pool size;
-    ``inline_tokenize_max_bytes``: bodies up to this size (16 KiB, ~3k tokens: ~3 ms cold,
-    ~0.3 ms for a chat turn whose history the token cache holds) are tokenized on the event
-    loop, larger ones in the pool. The hop to a pool thread costs more than that on a busy host:
-    with 2 vLLM-CPU workers on 2 cores it added 12 ms mean, 30 ms p90 to the gateway's part of
-    the TTFT (~6 KiB chat bodies, ``kvroute bench rig`` TTFT split, 6 runs each).
+    ``inline_tokenize_max_bytes``: bodies up to this size (16 KiB, ~3k tokens) are tokenized on the
+    event loop, larger ones in the pool: on a busy host the hop to a pool thread costs more than
+    tokenizing a body that small, all the more for a chat turn whose history the token cache
+    holds (figures: docs/tuning/event_loop.md).
     ``max_tokenize_bytes``: bodies past this size (4 MiB: ~1M tokens, past any context length)
     are routed by load without tokenizing (``kvroute_tokenization_fallbacks_total{reason="too_large"}``).
     ``decisions_kept``: recent routing decisions kept for ``GET /admin/decisions`` and the

@@ -96,8 +96,8 @@ def create_app(gateway: Gateway) -> HotPathDispatch | tracing.TracedASGI:
         await gateway.start()
         # what start-up made (imports, tokenizers, the config's objects) lives as long as the
         # process: out of the cyclic collector's reach, a full collection walks only what came
-        # after (~100k objects took ~100 ms per full collection here, a pause for every request
-        # in flight)
+        # after (a full collection's walk is a pause for every request in flight; figures:
+        # docs/tuning/event_loop.md)
         gc.freeze()
         hup = _install_sighup(gateway)
         try:

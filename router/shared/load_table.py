@@ -22,10 +22,8 @@ and read without locks or system calls on the request path:
 - a dispatch queue takes a worker under the same ``flock`` (:meth:`SharedLoadTable.claim`): it
   checks the worker is still open and publishes its hold in one step, so two processes woken by
   the same event (a first byte, a predicted opening both read from this table) never both take
-  it. Before it (and before holds were shared), one run of the 8-worker Mooncake sim rig with 2
-  processes had 13 pairs of requests sent to one worker within 50 ms where the second decision
-  did not count the first (most 0-1 ms apart); in 6 the earlier request waited 0.5-6.5 s more
-  than its own prefill takes.
+  it: a second request sent on a decision that did not count the first can make the first wait
+  out the second's prefill (runs without it: docs/tuning/dispatch_queue.md).
 
 Layout (all little-endian)::
 

@@ -11,8 +11,8 @@ defaults and unlike the Python SDK's own ``grpc``; ``console``; any installed on
 name) and read their ``OTEL_EXPORTER_OTLP_*`` settings themselves; the batch processor reads
 ``OTEL_BSP_*`` (one kvroute default: export batches of :data:`EXPORT_BATCH_SPANS` spans rather than
 the SDK's 512, unless ``OTEL_BSP_MAX_EXPORT_BATCH_SIZE`` or ``OTEL_BSP_MAX_QUEUE_SIZE`` is set:
-encoding a batch holds the interpreter's lock, and 512 spans stall the event loop for ~10 ms,
-benchmarks/bench_tracing.py), the sampler ``OTEL_TRACES_SAMPLER[_ARG]``, the resource
+encoding a batch holds the interpreter's lock, so a large batch stalls the event loop; figures:
+docs/tuning/event_loop.md), the sampler ``OTEL_TRACES_SAMPLER[_ARG]``, the resource
 ``OTEL_SERVICE_NAME`` and ``OTEL_RESOURCE_ATTRIBUTES`` (service name ``kvroute-gateway`` when neither gives one), the
 propagators ``OTEL_PROPAGATORS`` (W3C ``traceparent`` + baggage by default).
 

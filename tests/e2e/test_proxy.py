@@ -58,8 +58,8 @@ def test_client_disconnect_aborts_the_vllm_request(cluster):
     cli = cluster.openai()
     before = {w: cluster.metrics(w) for w in cluster.workers}
     # 20 top logprobs a token add work to every streamed token, so the abort has longer to arrive:
-    # 900 plain tiny-model tokens take ~1 s idle, and once, in a fresh-clone CI run on a loaded
-    # machine, all 900 were generated before the abort reached vLLM
+    # 900 plain tiny-model tokens take about a second on an idle machine, and on a loaded one all
+    # of them can be generated before the abort reaches vLLM
     stream = cli.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Write a very long story."}],
         max_tokens=DISCONNECT_MAX_TOKENS, stream=True, logprobs=True, top_logprobs=20,
