@@ -3,6 +3,7 @@ no cycle anywhere (function-local and ``TYPE_CHECKING`` imports count), the top-
 their order, and ``router/``'s packages in the order a request passes them, no import upward."""
 from __future__ import annotations
 
+import ast
 import sys
 from pathlib import Path
 
@@ -99,8 +100,6 @@ def test_router_never_imports_upward(graph):
 
 
 def test_pure_packages_do_no_io(graph):
-    import ast
-
     known, _ = graph
     wrong = []
     for name, path in known.items():

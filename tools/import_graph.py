@@ -202,13 +202,14 @@ def summary(under: str | None = None, root: Path = ROOT, depth: int | None = Non
     edges = [Edge(collapse(e.source, depth), collapse(e.target, depth), e.line, e.kind) for e in edges
              if e.source in inside_modules and e.target in inside_modules]
     edges = [e for e in edges if e.source != e.target]
+    lines = sum(len(known[n].read_text().splitlines()) for n in inside_modules)
     known = {collapse(n, depth): known[n] for n in sorted(inside_modules, reverse=True)}
     nodes = sorted(known)
     lv = levels(nodes, edges)
     return {
         "under": under or "all",
         "modules": len(nodes),
-        "lines": sum(len(p.read_text().splitlines()) for n, p in graph(root)[0].items() if n in inside_modules),
+        "lines": lines,
         "edges": len({(e.source, e.target) for e in edges}),
         "levels": 1 + max(lv.values(), default=-1),
         "cycles": cycles(nodes, edges),
