@@ -33,7 +33,7 @@ from pathlib import Path
 
 from kvroute.up import free_ports
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # Shared by every peer: the rig's workers are CPU vLLM servers (or simulators) that can be slow to
 # answer while they prefill long prompts, and a benchmark must neither lose a worker nor send a

@@ -196,6 +196,17 @@ def test_peer_keys_and_installed_list():
     assert [k for k in PEERS if PEERS[k].installed()] == installed_peers()
 
 
+def test_peer_virtualenvs_are_looked_up_beside_the_repository(tmp_path, monkeypatch):
+    import kvbench.peers as peers
+    assert (peers.REPO_ROOT / "pyproject.toml").is_file()
+    assert (peers.REPO_ROOT / "kvbench" / "peers.py").is_file()
+    monkeypatch.setattr(peers, "REPO_ROOT", tmp_path)
+    (tmp_path / ".venv-peers-x").mkdir()
+    monkeypatch.setenv("KVR_PEER_VENVS", "/opt/first")
+    assert peers._venvs()[0] == Path("/opt/first")
+    assert peers._venvs()[-1] == tmp_path / ".venv-peers-x"
+
+
 @pytest.mark.parametrize("key", list(PEERS))
 def test_launch_line(key, tiny_model):
     peer = PEERS[key]
