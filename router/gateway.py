@@ -211,7 +211,7 @@ class Gateway:
     async def _wait_first_probe(self, regs: list[WorkerRegistration]) -> None:
         if not regs:
             return
-        waits = [asyncio.ensure_future(r.first_probe.wait()) for r in regs]
+        waits = [asyncio.ensure_future(r.health.first_probe.wait()) for r in regs]
         await asyncio.wait(waits, timeout=self.cfg.health.timeout_s + 1.0)
         for w in waits:
             w.cancel()

@@ -16,7 +16,7 @@ from kvcore.index.base import TierMatch
 from router.config.schema import ModelConfig
 from router.policies.base import CandidateScore, Decision, RouteRequest
 from router.route.decision_log import MAX_CANDIDATES, DecisionLog, SummaryWindowError, merge_summaries
-from router.route.planner import RoutePlan
+from router.route.plan import RoutePlan
 from test_gateway_e2e import BLOCK, assert_openai_error, chat_body, running_two_sim_gateway
 
 

@@ -3,6 +3,8 @@ usage handling, engine-load parsing, the registry's health hysteresis and in-fli
 from __future__ import annotations
 
 import asyncio
+import logging
+from types import SimpleNamespace
 
 import orjson
 import pytest
@@ -11,6 +13,7 @@ from kvcore.index import MemoryIndex, make_index
 from router.config.schema import WorkerConfig, parse_config
 from router.errors import body_too_large, no_healthy_worker, unknown_model
 from router.relay.stream_usage import UsageStrip, UsageTap, cached_tokens_of_body, request_stream_usage
+from router.workers.event_watch import EventStreamWatch
 from router.workers.probes import parse_engine_load
 from router.workers.registry import WorkerRegistry
 
@@ -169,6 +172,32 @@ def test_health_hysteresis():
         return seen
 
     assert asyncio.run(go()) == [True, True, True, True, True, True, False, False, True]
+
+
+def test_event_stream_counts_while_connected_or_in_grace_and_says_why_when_not(caplog):
+    sub = SimpleNamespace(connected=False, batches_received=7)
+    watch = EventStreamWatch("w", "tcp://10.0.0.5:5557")
+    assert watch.judge(None, age_s=100.0) is None and watch.problem is None
+    assert watch.judge(sub, age_s=1.0, grace_s=5.0) is True  # still connecting
+    with caplog.at_level(logging.WARNING, logger="kvroute.registry"):
+        assert watch.judge(sub, age_s=6.0, grace_s=5.0) is False
+    assert watch.problem == "not connected to the KV-event publisher at tcp://10.0.0.5:5557 (7 batches received)"
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    sub.connected = True
+    assert watch.judge(sub, age_s=60.0) is True and watch.problem is None
+
+
+def test_a_worker_whose_events_stopped_is_not_credited():
+    async def go():
+        reg = WorkerRegistry().add(WorkerConfig(id="w", url="http://h:1", model="m", events="tcp://h:2"))
+        reg.ingest = SimpleNamespace(subscriber=SimpleNamespace(connected=False, batches_received=0))
+        credited_at_start = reg.evidence_credited
+        live = reg.check_events(reg.added_monotonic + 10.0, grace_s=5.0)
+        return credited_at_start, live, reg.evidence_credited, reg.events.problem
+
+    credited_at_start, live, credited, problem = asyncio.run(go())
+    assert (credited_at_start, live, credited) == (True, False, False)
+    assert problem.startswith("not connected to the KV-event publisher at tcp://h:2")
 
 
 def test_in_flight_never_leaks_across_re_registration():

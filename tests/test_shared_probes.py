@@ -148,7 +148,7 @@ def test_one_process_calls_the_worker_and_the_other_applies_each_result_once(tmp
                     await both()
                     assert reg1.healthy is (n < 2), n  # down after fail_threshold (3) results, as process 0
                     assert reg0.healthy is reg1.healthy
-                assert changes == [False] and reg1.last_probe_error == "status 503"
+                assert changes == [False] and reg1.health.last_error == "status 503"
                 assert worker.calls["/health"] == 4 and p0.calls["health"] == 4 and p1.calls["health"] == 0
                 assert p1.applied["health"] == 4
 

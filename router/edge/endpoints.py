@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # the gateway owns its endpoints: imported for types only
     from router.gateway import Gateway
     from router.workers.registry import WorkerRegistration
     from router.route.dispatch_queue import Reservation
-    from router.route.planner import RoutePlan
+    from router.route.plan import RoutePlan
 
 log = logging.getLogger("kvroute.endpoints")
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from router.route.decision_log import DecisionEntry
     from router.route.dispatch_queue import Reservation
-    from router.route.planner import RoutePlan
+    from router.route.plan import RoutePlan
     from router.workers.registry import WorkerRegistration
 
 @dataclass(slots=True)

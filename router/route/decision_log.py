@@ -42,7 +42,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from router.route.planner import RoutePlan
+    from router.route.plan import RoutePlan
 
 DEFAULT_DECISIONS_KEPT = 1024
 MAX_CANDIDATES = 16

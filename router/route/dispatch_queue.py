@@ -70,7 +70,8 @@ from dataclasses import dataclass, field
 from router.errors import no_healthy_worker
 from router.policies.base import Policy
 from router.policies.queue import QueueSettings
-from router.route.planner import RoutePlan, Router
+from router.route.plan import RoutePlan
+from router.route.planner import Router
 from router.telemetry.metrics import GatewayMetrics
 from router.workers.registry import WorkerRegistration, WorkerRegistry
 

@@ -12,7 +12,7 @@ from router.estimates.prefill_rate import work_tokens
 from router.route.decision_log import DecisionEntry, DecisionLog
 
 if TYPE_CHECKING:
-    from router.route.planner import RoutePlan
+    from router.route.plan import RoutePlan
     from router.telemetry.metrics import GatewayMetrics
     from router.workers.registry import InFlight, WorkerRegistry
 

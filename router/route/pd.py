@@ -86,7 +86,7 @@ class PDLegs:
     """The disaggregation part of a plan. ``outcome``: ``split`` (two legs) or ``whole`` (the
     decode worker, or with ``pooled`` False the live policy's choice, serves it all); ``reason``:
     the module docstring's; ``decode``: the decode pool's scores, best first (empty when not
-    ``pooled``); ``prefill``: the prefill leg's :class:`router.route.planner.RoutePlan` (None unless
+    ``pooled``); ``prefill``: the prefill leg's :class:`router.route.plan.RoutePlan` (None unless
     split)."""
 
     outcome: Outcome
@@ -94,7 +94,7 @@ class PDLegs:
     min_prefill_tokens: int
     pooled: bool = True
     decode: list[DecodeScore] = field(default_factory=list)
-    prefill: Any = None  # router.route.planner.RoutePlan (that module imports this one)
+    prefill: Any = None  # router.route.plan.RoutePlan (that module imports this one)
 
     @property
     def split(self) -> bool:

@@ -1,7 +1,7 @@
 """The route step, shared by real requests and ``POST /admin/explain``.
 
 body -> model -> token ids -> block keys -> ``index.match`` -> candidates -> ``policy.choose``
--> :class:`RoutePlan`. Planning changes nothing but the tie-break draw counter (see
+-> :class:`~router.route.plan.RoutePlan`. Planning changes nothing but the tie-break draw counter (see
 :meth:`Router._draw`); :meth:`Router.commit` then records the routed
 prompt's keys in the index as speculative entries for the worker actually used (short TTL when
 the worker publishes KV events, which confirm or drop them; long TTL in approximate mode).
@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import aiohttp
@@ -22,12 +22,13 @@ from kvcore.index.errors import IndexUnavailable
 from kvcore.sliding_window import window_blocks, window_hits, window_keys
 from kvcore.tokenization import BadPrompt
 from router.config.schema import ModelConfig, RoutingConfig
-from router.errors import GatewayError, bad_request, no_healthy_worker, unknown_model
+from router.errors import bad_request, no_healthy_worker, unknown_model
 from router.estimates.peer_credit import peer_blocks_by_worker
 from router.estimates.prefix_uses import PrefixUses
-from router.policies.base import Candidate, CandidateScore, Decision, Policy, RouteRequest
+from router.policies.base import Candidate, Decision, Policy, RouteRequest
 from router.policies.factory import describe, make_policy
 from router.route.pd import PDLegs, choose_decode, pools, prefill_policy, split_or_whole
+from router.route.plan import RoutePlan
 from router.route.prompt_blocks import AGENT_KINDS, PromptBlocks, PromptKind, TokenizerPool, request_extras
 from router.route.render import RENDER_PATHS, RenderFailed, render_prompt
 from router.telemetry import tracing
@@ -68,124 +69,6 @@ def _make_policy(cfg: dict[str, Any]) -> Policy:
     if not isinstance(cfg, dict):
         raise ValueError("policy must be an object")
     return make_policy(cfg)
-
-
-@dataclass
-class RoutePlan:
-    """A routing decision with everything that led to it.
-
-    ``model``: the base model; ``lora_name``: the adapter named by the body, if any;
-    ``blocks``: the prompt's tokens and keys (None when the policy does not use the index);
-    ``matches``: per worker, matched blocks by tier; ``workers``: the candidates' registrations
-    by id, at decision time; ``pd``: for a model with disaggregation on (:mod:`router.route.pd`), the
-    legs: ``decision`` is then the decode leg's (or the whole request's) and ``pd.prefill`` the
-    prefill leg's plan when split; None for other models.
-    """
-
-    model: ModelConfig
-    lora_name: str | None
-    blocks: PromptBlocks | None
-    matches: dict[str, TierMatch]
-    request: RouteRequest
-    decision: Decision
-    policy_name: str
-    workers: dict[str, WorkerRegistration] = field(default_factory=dict)
-    pd: PDLegs | None = None
-
-    def ranked(self) -> list[WorkerRegistration]:
-        """Candidates' registrations, best first."""
-        return [self.workers[w] for w in self.decision.ranked_worker_ids() if w in self.workers]
-
-    def predicted_cached_tokens(self, worker_id: str) -> int | None:
-        """Prefix-hit tokens the worker should report (vLLM's ``cached_tokens``) for the first
-        prompt: matched blocks in any tier plus blocks it pulls from a peer (vLLM counts a pulled
-        token as cached, source ``p2p``), capped as vLLM caps a hit at ``prompt_len - 1`` tokens,
-        times the block size. None when the tokens are unknown."""
-        score = self._score(worker_id)
-        return self._cached_tokens(worker_id, score.peer_blocks if score is not None else 0)
-
-    def _cached_tokens(self, worker_id: str, peer_blocks: int = 0) -> int | None:
-        if self.blocks is None or self.blocks.token_ids is None:
-            return None
-        match = self.matches.get(worker_id)
-        held = (match.total if match is not None else 0) + peer_blocks
-        n = len(self.blocks.token_ids[0])
-        bs = self.model.block_size
-        return min(held, max(0, n - 1) // bs) * bs
-
-    def _score(self, worker_id: str) -> CandidateScore | None:
-        return next((s for s in self.decision.scores if s.worker_id == worker_id), None)
-
-    def predicted_ttft_ms(self, worker_id: str) -> float | None:
-        """The policy's TTFT prediction (ms from dispatch) for ``worker_id``, None when the policy
-        makes none."""
-        score = self._score(worker_id)
-        return score.predicted_ttft_ms if score is not None else None
-
-    def predicted_work_tokens(self, worker_id: str) -> float | None:
-        """The work (prefill tokens, :func:`router.estimates.prefill_rate.work_tokens`) the policy predicted
-        ``worker_id``'s TTFT from, None when the policy makes no prediction."""
-        score = self._score(worker_id)
-        return score.work_tokens if score is not None else None
-
-    def uncached_tokens(self, worker_id: str) -> int:
-        """Prompt tokens the worker must prefill (all prompts), 0 when unknown. Blocks it pulls
-        from a peer count at the share of their prefill the pull takes (``1 - peer_credit``):
-        the pull occupies the worker that long before its prefill."""
-        if self.blocks is None or self.blocks.token_ids is None:
-            return 0
-        uncached = (self.blocks.prompt_tokens or 0) - (self._cached_tokens(worker_id) or 0)
-        score = self._score(worker_id)
-        if score is not None and score.peer_blocks > 0:
-            uncached -= round(score.peer_credit_blocks * self.model.block_size)
-        return max(0, uncached)
-
-    def explain(self, max_candidates: int | None = None) -> dict[str, Any]:
-        """The ``POST /admin/explain`` answer (DESIGN.md); ``max_candidates``: only the best that
-        many candidates (the chosen first), all when None."""
-        tokens = self.blocks.prompt_tokens if self.blocks is not None else None
-        out = {
-            "prompt_tokens": tokens,
-            "blocks": len(self.blocks.first_keys) if self.blocks is not None else 0,
-            "candidates": [s.as_dict() for s in self.decision.scores[:max_candidates]],
-            "chosen": self.decision.worker_id,
-            "predicted_cached_tokens": self.predicted_cached_tokens(self.decision.worker_id),
-            "predicted_ttft_ms": _rounded(self.predicted_ttft_ms(self.decision.worker_id)),
-            "reason": self.decision.reason,
-            "policy": self.policy_name,
-            "tokenization_fallback": self.blocks.fallback if self.blocks is not None else None,
-        }
-        if self.pd is not None:  # both legs (router.route.pd.PDLegs.as_dict)
-            out["pd"] = self.pd.as_dict()
-        return out
-
-    def trace_attributes(self) -> dict[str, Any]:
-        """The decision as span attributes (:data:`router.telemetry.tracing.ATTR` keys; None: unknown):
-        the requested model, policy, prompt tokens (all prompts), blocks (first prompt), the
-        chosen worker, its matched blocks (all tiers, then per tier), the reason, candidates and
-        the predicted cached tokens and TTFT (ms) there."""
-        chosen = self.decision.worker_id
-        match = self.matches.get(chosen) or TierMatch()
-        return {
-            "model": self.lora_name or self.model.name,
-            "policy": self.policy_name,
-            "prompt_tokens": self.blocks.prompt_tokens if self.blocks is not None else None,
-            "blocks": len(self.blocks.first_keys) if self.blocks is not None else 0,
-            "chosen": chosen,
-            "reason": self.decision.reason,
-            "candidates": len(self.decision.scores),
-            "matched_blocks": match.total,
-            "kvroute.matched_blocks.gpu": match.gpu,
-            "kvroute.matched_blocks.cpu": match.cpu,
-            "kvroute.matched_blocks.ssd": match.ssd,
-            "predicted_cached_tokens": self.predicted_cached_tokens(chosen),
-            "predicted_ttft_ms": _rounded(self.predicted_ttft_ms(chosen)),
-            "tokenization_fallback": self.blocks.fallback if self.blocks is not None else None,
-        }
-
-
-def _rounded(ms: float | None) -> float | None:
-    return None if ms is None else round(ms, 3)
 
 
 _GOLDEN = 0.6180339887498949  # frac(golden ratio): n * _GOLDEN mod 1 covers [0, 1) evenly
@@ -558,4 +441,4 @@ class Router:
         return out
 
 
-__all__ = ["GatewayError", "PolicyHolder", "RoutePlan", "Router"]
+__all__ = ["PolicyHolder", "Router"]

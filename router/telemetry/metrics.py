@@ -118,8 +118,8 @@ class _WorkerGauges(Collector):
                 for reason, by_type in state.get("events_not_decoded", {}).items():
                     for kind, n in by_type.items():
                         skipped.add_metric([reg.id, kind, reason], n)
-            if reg.events_live is not None:
-                events_live.add_metric([reg.id], 1 if reg.events_live else 0)
+            if reg.events.live is not None:
+                events_live.add_metric([reg.id], 1 if reg.events.live else 0)
             in_flight.add_metric([reg.id], reg.in_flight)
             healthy.add_metric([reg.id], 1 if reg.healthy else 0)
             role.add_metric([reg.id, reg.role], 1)

@@ -296,7 +296,7 @@ async def shared_probe_once(client: UpstreamHTTP, reg: WorkerRegistration, cfg: 
     """:func:`probe_once` made by the prober for every process (:func:`_shared_call`)."""
     table = sharing.table
     return await _shared_call("health", probe_once, table.read_probe,
-                              lambda slot, ok: table.write_probe(slot, ok, reg.last_probe_error),
+                              lambda slot, ok: table.write_probe(slot, ok, reg.health.last_error),
                               client, reg, cfg, sharing)
 
 

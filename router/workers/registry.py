@@ -23,6 +23,8 @@ from router.estimates.evidence import EvidenceTrust
 from router.estimates.prefill_rate import PrefillRateEstimator
 from router.policies.base import WorkerLoad
 from router.shared.load_table import OthersLoad, SharedLoadTable, prefill_end_of
+from router.workers.event_watch import EVENTS_GRACE_S, EventStreamWatch
+from router.workers.health import ProbeHealth
 
 if TYPE_CHECKING:
     from kvcore.kv_events import EventIngestor
@@ -30,21 +32,20 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvroute.registry")
 _NO_OTHERS = OthersLoad()
 
-EVENTS_GRACE_S = 5.0  # a new worker's KV-event subscriber gets this long to connect
-
 TaskFactory = Callable[["WorkerRegistration"], Coroutine[Any, Any, None]]
 
 
 class WorkerRegistration:
     """One registration of a worker (a new object each time the worker is added).
 
-    Health: ``healthy`` is None until the first probe, then follows :meth:`record_probe`.
+    Health: ``health`` (:class:`~router.workers.health.ProbeHealth`), fed by :meth:`record_probe`;
+    ``healthy`` is None until the first probe result. ``events``: whether its KV events flow
+    (:class:`~router.workers.event_watch.EventStreamWatch`, judged by :meth:`check_events`).
     Load: ``in_flight`` requests sent and unfinished; ``prefill_tokens`` predicted uncached prompt
     tokens of in-flight requests still before their first byte; ``decoding`` in-flight requests
     past it; ``engine_*`` from the worker's ``/metrics``, ``unseen_*`` the part of the scraped
-    running / waiting requests that were not the gateway's own at that moment. Event-ingest fields
-    (``events_*``, ``last_event_*``) are filled by a KV-event subscriber when one runs for this
-    worker. ``prefill_rate`` learns the worker's TTFT line from its streamed requests;
+    running / waiting requests that were not the gateway's own at that moment. ``ingest``: the
+    worker's KV-event ingestor when one runs in this process. ``prefill_rate`` learns the worker's TTFT line from its streamed requests;
     ``evidence`` judges its index entries by the cached tokens it reports.
     """
 
@@ -53,12 +54,9 @@ class WorkerRegistration:
         self.id: str = cfg.id or cfg.url
         self.url = cfg.url
         self.model = cfg.model
-        self.healthy: bool | None = None
+        self.health = ProbeHealth(self.id)
         self.draining = False
         self.removed = False
-        self._ok_streak = 0
-        self._fail_streak = 0
-        self.last_probe_error: str | None = None
         self.in_flight = 0
         self.prefill_tokens = 0
         self.decoding = 0
@@ -72,10 +70,8 @@ class WorkerRegistration:
         self.last_scrape_monotonic: float | None = None
         self.ingest: EventIngestor | None = None  # the KV-event ingestor in embedded mode
         self.tasks: list[asyncio.Task] = []
-        self.first_probe = asyncio.Event()
         self.added_monotonic = time.monotonic()
-        self.events_live: bool | None = None  # see check_events; None: no embedded event stream
-        self.events_problem: str | None = None
+        self.events = EventStreamWatch(self.id, cfg.events)
         # requests before their first byte, each with its predicted prefill end (monotonic s,
         # None when unpredicted), and places the dispatch queue holds for requests on their way
         self.prefilling: dict[InFlight, float | None] = {}
@@ -109,60 +105,30 @@ class WorkerRegistration:
         """Healthy, not draining, still registered."""
         return self.healthy is True and not self.draining and not self.removed
 
+    @property
+    def healthy(self) -> bool | None:
+        return self.health.healthy
+
+    @healthy.setter
+    def healthy(self, value: bool | None) -> None:
+        self.health.healthy = value
+
     def record_probe(self, ok: bool, fail_threshold: int, rise_threshold: int, error: str | None = None) -> bool:
-        """Apply one probe result; returns True when ``healthy`` changed. The first result sets
-        the state directly; afterwards ``fail_threshold`` failures in a row mark the worker down
-        and ``rise_threshold`` successes in a row mark it up."""
-        before = self.healthy
-        if ok:
-            self._ok_streak += 1
-            self._fail_streak = 0
-            self.last_probe_error = None
-            if self.healthy is None or (self.healthy is False and self._ok_streak >= rise_threshold):
-                self.healthy = True
-        else:
-            self._fail_streak += 1
-            self._ok_streak = 0
-            self.last_probe_error = error
-            if self.healthy is None or (self.healthy is True and self._fail_streak >= fail_threshold):
-                self.healthy = False
-        self.first_probe.set()
-        if before != self.healthy:
-            # down is for an operator to act on; up (also the first probe) is routine
-            log.log(logging.INFO if self.healthy else logging.WARNING, "worker %s is now %s%s", self.id,
-                    "up" if self.healthy else "down", f" ({error})" if error else "")
-        return before != self.healthy
+        """Apply one probe result (:meth:`router.workers.health.ProbeHealth.record`); returns True
+        when ``healthy`` changed."""
+        return self.health.record(ok, fail_threshold, rise_threshold, error)
 
     @property
     def evidence_credited(self) -> bool:
         """Whether the policies may credit this worker's index entries: its reported cached
-        tokens agree with them (``evidence``) and its KV events flow (``events_live`` not False)."""
-        return self.evidence.trusted and self.events_live is not False
+        tokens agree with them (``evidence``) and its KV events flow (``events.live`` not False)."""
+        return self.evidence.trusted and self.events.live is not False
 
     def check_events(self, now: float, grace_s: float = EVENTS_GRACE_S) -> bool | None:
-        """Re-judge whether the worker's KV events flow (embedded mode: an ingestor runs for
-        it): live while its subscriber is connected to the publisher, or for ``grace_s`` after
-        the worker was added; not live once the connection has been missing longer (a wrong or
-        dead endpoint: the index then holds only the gateway's guesses and replayed history).
-        Logs a WARNING when the stream stops counting, INFO when it counts again. Returns the
-        new state (None without an ingestor: no event stream, or the agents' with Redis)."""
+        """Re-judge whether the worker's KV events flow (:meth:`router.workers.event_watch.
+        EventStreamWatch.judge`; ``now``: ``time.monotonic()``); None without an ingestor here."""
         sub = self.ingest.subscriber if self.ingest is not None else None
-        if sub is None:
-            live, problem = None, None
-        elif sub.connected:
-            live, problem = True, None
-        elif now - self.added_monotonic < grace_s:
-            live, problem = True, None  # still connecting
-        else:
-            live = False
-            problem = (f"not connected to the KV-event publisher at {self.cfg.events} "
-                       f"({sub.batches_received} batches received)")
-        if live is False and self.events_live is not False:
-            log.warning("worker %s: %s; its prefix evidence is not credited until events flow", self.id, problem)
-        elif live is True and self.events_live is False:
-            log.info("worker %s: KV events flow again; its prefix evidence is credited", self.id)
-        self.events_live, self.events_problem = live, problem
-        return live
+        return self.events.judge(sub, now - self.added_monotonic, grace_s)
 
     def event_state(self) -> dict[str, Any] | None:
         """The embedded KV-event ingestor's state (seq, event age, gaps, replays, resyncs,
@@ -301,9 +267,9 @@ class WorkerRegistration:
             "engine": {"running": self.engine_running, "waiting": self.engine_waiting,
                        "kv_cache_usage": self.kv_usage,
                        "scrape_age_s": _age(self.last_scrape_monotonic, now)},
-            "last_probe_error": self.last_probe_error,
+            "last_probe_error": self.health.last_error,
             "kv_events": self.event_state(),
-            "events_live": self.events_live, "events_problem": self.events_problem,
+            "events_live": self.events.live, "events_problem": self.events.problem,
             "prefill_rate": self.prefill_rate.state(),
             "evidence": self.evidence.state(),
         }
