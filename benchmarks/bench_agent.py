@@ -52,10 +52,11 @@ from redis._parsers import _AsyncHiredisParser, _AsyncRESP2Parser
 from redis.utils import HIREDIS_AVAILABLE
 
 from kvcore.block_keys import block_keys
-from kvcore.events import BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
 from kvcore.index.memory import MemoryIndex
 from kvcore.index.redis import RedisIndex
-from kvcore.kv_events import EventTranslator, write_ops
+from kvcore.kv_events.ingest import write_ops
+from kvcore.kv_events.translate import EventTranslator
+from kvcore.kv_events.wire import BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
 from lab.figures import add_chart, add_output_args, add_table, emit, new_figures
 
 MODEL = "bench-model"

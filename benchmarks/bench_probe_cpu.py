@@ -76,7 +76,7 @@ async def publish(port):
     """vLLM-shaped KV events at event_rate batches/s: each stores a 16-token block (block 0 of a
     new prompt: the gateway may join the stream at any point) and removes the block stored 64
     batches earlier (a bounded cache)."""
-    from kvcore.events import BlockRemoved, BlockStored
+    from kvcore.kv_events.wire import BlockRemoved, BlockStored
     from simulator.events import KVEventsConfig, ZmqEventPublisher
     pub = ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
                                            endpoint=f"tcp://*:{port}"))

@@ -67,12 +67,12 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_probe_cpu import start as start_bounded, stop, vllm_like_page  # noqa: E402
-from kvcore.events import seq_bytes  # noqa: E402
+from kvbench import scale  # noqa: E402
 from kvcore.index.base import KVIndex  # noqa: E402
 from kvcore.index.host import HostIndex  # noqa: E402
 from kvcore.index.memory import MemoryIndex  # noqa: E402
+from kvcore.kv_events.wire import seq_bytes  # noqa: E402
 from kvcore.tokenization import PromptTokenizer  # noqa: E402
-from kvbench import scale  # noqa: E402
 from lab.figures import new_figures, add_table, write_json  # noqa: E402
 from lab.process_sampler import tree_cpu_s  # noqa: E402
 from kvbench.trace import DEFAULT_TRACE, read_trace  # noqa: E402

@@ -24,9 +24,9 @@ least recently freed blocks, one ``BlockRemoved`` per engine hash), the prompt's
 stored in chunks of ``chunk_tokens`` (one ``BlockStored`` per prefill step, with token ids and
 parent hash), then one ``BlockStored`` per full block of output, then the blocks freed tail
 first. Each step's events are one batch, encoded as vLLM's ``ZmqEventPublisher`` encodes them
-(:func:`kvcore.events.encode_batch`), so a worker's stream is what the gateway would receive.
+(:func:`kvcore.kv_events.wire.encode_batch`), so a worker's stream is what the gateway would receive.
 
-Ingest (:func:`ingest`): each payload decoded (:func:`kvcore.events.decode_batch`), translated
+Ingest (:func:`ingest`): each payload decoded (:func:`kvcore.kv_events.wire.decode_batch`), translated
 by the worker's :class:`kvcore.kv_events.translate.EventTranslator` and written with
 :func:`kvcore.kv_events.ingest.write_ops` into any :class:`kvcore.index.base.KVIndex`: the
 embedded gateway's path without the ZMQ socket.
@@ -43,12 +43,12 @@ from typing import Any
 
 import xxhash
 
+from kvbench.trace import TRACE_BLOCK_TOKENS, TraceRow
 from kvcore.block_keys import block_keys
-from kvcore.events import BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
 from kvcore.index.base import KVIndex
 from kvcore.kv_events.ingest import write_ops
 from kvcore.kv_events.translate import EventTranslator
-from kvbench.trace import TRACE_BLOCK_TOKENS, TraceRow
+from kvcore.kv_events.wire import BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
 from simulator.block_pool import BlockPool
 
 ENGINE_SEED = 0  # the virtual engines' hash seed (any: engine hashes only need to be consistent)

@@ -31,7 +31,7 @@ from kvcore.index.errors import IndexEncodingMismatch, IndexUnavailable
 from kvcore.index.gateway import GatewayIndex, GatewayRefused, is_gateway_url
 from kvcore.index.redis import RedisIndex
 from kvcore.index.redis_cluster import RedisClusterIndex
-from kvcore.kv_events import EventIngestor
+from kvcore.kv_events.ingest import EventIngestor
 from offload_agent.tier_service import TierService
 
 log = logging.getLogger("kvroute.agent")

@@ -21,7 +21,7 @@ from kvcore.index import make_index
 from kvcore.index.base import SupportsWorkerStates
 from kvcore.index.errors import IndexEncodingMismatch, IndexUnavailable
 from kvcore.index.host import HostIndex
-from kvcore.kv_events import EventIngestor
+from kvcore.kv_events.ingest import EventIngestor
 from router.config.schema import GatewayConfig, WorkerConfig, load_config, same_target
 from router.errors import WorkerExists
 from router.processes.group import INDEX_FILE, ProcessGroup

@@ -25,7 +25,7 @@ from typing import Any
 
 import xxhash
 
-from kvcore.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, MEDIUM_GPU
+from kvcore.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, MEDIUM_GPU
 
 KV_CACHE_SPEC_KIND = "full_attention"
 

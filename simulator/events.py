@@ -5,7 +5,7 @@
   default 10000, ``hwm`` default 100000, ``max_queue_size``, ``topic`` default "").
 - PUB socket: bound when the endpoint has ``*`` or ``::`` or is ipc/inproc, else connected (so a
   collector may bind). Each batch is ``[topic, seq (8-byte big-endian, from 0), payload]`` with
-  payload = msgpack ``[ts, [events...], data_parallel_rank]`` (:func:`kvcore.events.encode_batch`).
+  payload = msgpack ``[ts, [events...], data_parallel_rank]`` (:func:`kvcore.kv_events.wire.encode_batch`).
 - Replay ROUTER socket (always bound): a DEALER's ``[b"", start_seq (8B)]`` gets one
   ``[b"", topic, seq, payload]`` per buffered batch with seq >= start_seq, then
   ``[b"", b"", seq -1, b""]``. Requests with another frame count are ignored, as in vLLM.
@@ -18,7 +18,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from kvcore.events import REPLAY_END_SEQ, EventBatch, KVCacheEvent, encode_batch, seq_bytes, seq_from_bytes
+from kvcore.kv_events.wire import REPLAY_END_SEQ, EventBatch, KVCacheEvent, encode_batch, seq_bytes, seq_from_bytes
 
 
 @dataclass

@@ -10,7 +10,7 @@ from collections import deque
 import zmq
 import zmq.asyncio
 
-from kvcore.events import REPLAY_END_SEQ, EventBatch, encode_batch, seq_bytes, seq_from_bytes
+from kvcore.kv_events.wire import REPLAY_END_SEQ, EventBatch, encode_batch, seq_bytes, seq_from_bytes
 
 
 def capture_payloads(capture: dict) -> list[bytes]:

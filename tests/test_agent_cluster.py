@@ -19,7 +19,8 @@ import zmq
 from conftest import ADMIN_TOKEN, Proc, free_ports, kvroute_argv, wait_http
 from openai import OpenAI
 
-from kvcore.events import REPLAY_END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, seq_bytes, seq_from_bytes
+from kvcore.kv_events.wire import (REPLAY_END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, seq_bytes,
+                                   seq_from_bytes)
 
 BLOCK = 32
 TTL_S = 1.5

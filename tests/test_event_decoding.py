@@ -17,12 +17,12 @@ import pytest
 from conftest import ADMIN_TOKEN, Proc, free_ports, kvroute_argv, metric, wait_http
 from kv_replay_publisher import ReplayPublisher, until
 
-from kvcore import events as kv_events
 from kvcore.block_keys import block_keys
-from kvcore.events import (AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, EventDecodeError, SkippedEvent,
-                           decode_batch, encode_batch)
 from kvcore.index.memory import MemoryIndex
-from kvcore.kv_events import EventIngestor
+from kvcore.kv_events import wire as kv_events
+from kvcore.kv_events.ingest import EventIngestor
+from kvcore.kv_events.wire import (AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, EventDecodeError,
+                                   SkippedEvent, decode_batch, encode_batch)
 
 BS = 32
 MODEL = "tiny"

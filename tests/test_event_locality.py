@@ -13,11 +13,12 @@ from conftest import free_ports
 from kv_replay_publisher import ReplayPublisher, until
 
 from kvcore.block_keys import block_keys
-from kvcore.events import BlockRemoved, BlockStored, EventBatch
 from kvcore.index.base import TierMatch
 from kvcore.index.memory import MemoryIndex
 from kvcore.index.redis import RedisIndex
-from kvcore.kv_events import EventIngestor, EventTranslator
+from kvcore.kv_events.ingest import EventIngestor
+from kvcore.kv_events.translate import EventTranslator
+from kvcore.kv_events.wire import BlockRemoved, BlockStored, EventBatch
 
 BS = 32
 MODEL = "tiny"

@@ -12,7 +12,7 @@ from kv_replay_publisher import ReplayPublisher, capture_payloads, until
 from kvcore.block_keys import block_keys
 from kvcore.index.memory import MemoryIndex
 from kvcore.index.redis import RedisIndex
-from kvcore.kv_events import EventIngestor
+from kvcore.kv_events.ingest import EventIngestor
 
 BS = 32
 
@@ -264,7 +264,7 @@ async def test_batches_that_come_while_the_sink_is_busy_are_read_in_order_withou
     FD (signalled by the arrivals) is no longer watched, so the event loop does not spin on it."""
     import asyncio
 
-    from kvcore.events import BlockRemoved, EventBatch
+    from kvcore.kv_events.wire import BlockRemoved, EventBatch
     from kvcore.kv_events.subscriber import EventSubscriber
 
     release = asyncio.Event()

@@ -6,9 +6,10 @@ import pytest
 from kv_replay_publisher import capture_payloads
 
 from kvcore.block_keys import BlockExtras, block_keys
-from kvcore.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_batch
 from kvcore.index.memory import MemoryIndex
-from kvcore.kv_events import EventTranslator, write_ops
+from kvcore.kv_events.ingest import write_ops
+from kvcore.kv_events.translate import EventTranslator
+from kvcore.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_batch
 
 BS = 32
 MODEL = "tiny"

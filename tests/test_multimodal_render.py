@@ -13,8 +13,8 @@ import pytest
 
 from conftest import free_port, running_up
 from kvcore.block_keys import BlockExtras, block_keys
-from kvcore.events import BlockStored, EventBatch, decode_batch
-from kvcore.kv_events import EventTranslator
+from kvcore.kv_events.translate import EventTranslator
+from kvcore.kv_events.wire import BlockStored, EventBatch, decode_batch
 from router.route.render import RenderedPrompt, parse_rendered
 
 BS, MODEL = 32, "vlm"

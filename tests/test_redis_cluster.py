@@ -29,7 +29,7 @@ from kvcore.index.memory import MemoryIndex
 from kvcore.index.redis import RedisIndex
 from kvcore.index.redis_cluster import PARTITIONS, RedisClusterIndex
 from kvcore.index.redis_cluster_mirror import RedisClusterMirrorIndex
-from kvcore.kv_events import EventIngestor
+from kvcore.kv_events.ingest import EventIngestor
 
 CLUSTER_DEADLINE_S = 300
 

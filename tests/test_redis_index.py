@@ -16,7 +16,7 @@ from kvcore.block_keys import block_keys
 from kvcore.index.base import TierMatch
 from kvcore.index.errors import IndexUnavailable
 from kvcore.index.redis import RedisIndex
-from kvcore.kv_events import EventIngestor
+from kvcore.kv_events.ingest import EventIngestor
 
 K = list(range(500, 510))
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcore.events import AllBlocksCleared, BlockRemoved, BlockStored, MEDIUM_GPU
+from kvcore.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, MEDIUM_GPU
 from simulator.block_pool import BlockPool, engine_block_hashes
 
 BS = 4

@@ -15,7 +15,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from conftest import Proc, free_ports, kvroute_argv, wait_http
-from kvcore.events import (AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, seq_bytes,
+from kvcore.kv_events.wire import (AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, seq_bytes,
                            seq_from_bytes)
 
 

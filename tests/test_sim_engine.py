@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from kvcore.events import BlockRemoved, BlockStored
+from kvcore.kv_events.wire import BlockRemoved, BlockStored
 from simulator.block_pool import BlockPool, engine_block_hashes
 from simulator.engine import Engine, RequestTooLong, SimRequest
 from simulator.outputs import OutputSampler

@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from conftest import free_ports, kvroute_argv, wait_http, wait_until
-from kvcore.events import BlockStored, decode_batch
+from kvcore.kv_events.wire import BlockStored, decode_batch
 from simulator.block_pool import BlockPool, engine_block_hashes
 from simulator.engine import Engine, SimRequest
 from simulator.timing import TimingModel

@@ -18,13 +18,14 @@ from conftest import kvroute_argv
 from kv_replay_publisher import until
 
 from kvcore.block_keys import block_keys
-from kvcore.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_batch
 from kvcore.index.base import KVIndex
 from kvcore.index.errors import IndexUnavailable
 from kvcore.index.memory import MemoryIndex
 from kvcore.index.redis import RedisIndex
 from kvcore.index.redis_mirror import RedisMirrorIndex
-from kvcore.kv_events import EventTranslator, write_ops
+from kvcore.kv_events.ingest import write_ops
+from kvcore.kv_events.translate import EventTranslator
+from kvcore.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, decode_batch
 from kvcore.sliding_window import declared_window_tokens, window_blocks, window_hits, window_key, window_keys
 from router.config.schema import ModelConfig
 from router.route.prompt_blocks import check_sliding_window

@@ -22,11 +22,11 @@ from typing import Any, Protocol, runtime_checkable
 
 import zmq.asyncio
 
-from kvcore.events import EventBatch
 from kvcore.index.base import TIERS, KVIndex
 from kvcore.index.errors import IndexUnavailable
 from kvcore.kv_events.subscriber import EventSubscriber
 from kvcore.kv_events.translate import EventTranslator, IndexOp
+from kvcore.kv_events.wire import EventBatch
 
 log = logging.getLogger("kvroute.kv_events")
 STATE_EVERY_S = 1.0  # longest interval between heartbeats (each carries the ingest state)

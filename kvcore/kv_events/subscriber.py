@@ -1,7 +1,7 @@
 """One vLLM server's KV event stream, delivered in order with every loss either repaired or
 announced: ZMQ SUB for live batches, a DEALER on vLLM's replay socket for the missing ones.
 
-Wire format: :mod:`kvcore.events` (``[topic, seq 8B big-endian, payload]``; replay request
+Wire format: :mod:`kvcore.kv_events.wire` (``[topic, seq 8B big-endian, payload]``; replay request
 ``[b"", start seq 8B]``, answers ``[b"", topic, seq, payload]`` ending with seq -1).
 
 What :class:`EventSubscriber` guarantees its sink (:class:`EventSink`):
@@ -29,7 +29,7 @@ How:
 - Batches that arrive live after a replay already applied them are skipped (``duplicates``).
 - An undecodable payload (not a batch at all) resets the sink (its events are lost). An event
   inside a batch that does not decode (a type we do not know, or a known one malformed) is left
-  out and the rest of the batch applied (:func:`kvcore.events.decode_batch`); such events are
+  out and the rest of the batch applied (:func:`kvcore.kv_events.wire.decode_batch`); such events are
   counted by reason and type (``events_not_decoded``) and each type is logged once (WARNING) per
   subscriber.
 """
@@ -47,8 +47,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from kvcore.events import (REPLAY_END_SEQ, UNKNOWN_TYPE, EventBatch, EventDecodeError, SkippedEvent, decode_batch,
-                           seq_bytes, seq_from_bytes)
+from kvcore.kv_events.wire import (REPLAY_END_SEQ, UNKNOWN_TYPE, EventBatch, EventDecodeError, SkippedEvent,
+                                   decode_batch, seq_bytes, seq_from_bytes)
 
 log = logging.getLogger("kvroute.kv_events")
 _NOBLOCK, _EVENTS, _FD, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.FD), int(zmq.POLLIN)

@@ -4,7 +4,7 @@
 block index, copies in gpu, cpu, ssd]. It is the source of truth the index is written from, so the
 index can be republished from it after an outage (:meth:`EventTranslator.snapshot`).
 
-Rules (vLLM 0.32 semantics, see ``kvcore/events.py``):
+Rules (vLLM 0.32 semantics, see ``kvcore/kv_events/wire.py``):
 
 - ``BlockStored`` with ``token_ids``: keys from :func:`kvcore.block_keys.block_keys` with the
   gateway's extras, ``BlockExtras(lora_name=event.lora_name, cache_salt=<block 0's extra key>)``;
@@ -62,9 +62,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvcore.block_keys import NO_EXTRAS, BlockExtras, block_keys
-from kvcore.events import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, EventBatch
 from kvcore.index.base import TIERS
 from kvcore.kv_events.window_groups import WINDOW_KIND, WindowGroups
+from kvcore.kv_events.wire import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, EventBatch
 
 log = logging.getLogger("kvroute.kv_events")
 
@@ -95,7 +95,7 @@ class TranslatorCounters:
 
 
 class EventTranslator:
-    """Turns one worker's :class:`kvcore.events.EventBatch` stream into :data:`IndexOp` lists.
+    """Turns one worker's :class:`kvcore.kv_events.wire.EventBatch` stream into :data:`IndexOp` lists.
 
     ``model``: served model name (the block keys' root); ``block_size``: the engine's
     ``--block-size`` in tokens. Not thread-safe; one instance per worker.

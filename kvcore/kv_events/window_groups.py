@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kvcore.events import EngineHash
+from kvcore.kv_events.wire import EngineHash
 from kvcore.sliding_window import window_key
 
 WINDOW_KIND = "sliding_window"

@@ -38,7 +38,7 @@ CPU, SSD = "cpu", "ssd"
 
 EngineHash = int | bytes
 """vLLM's hash of a block as its KV events carry it (``maybe_convert_block_hash``): a uint64 int,
-or the raw digest bytes; the same as :data:`kvcore.events.EngineHash` (not imported: this package
+or the raw digest bytes; the same as :data:`kvcore.kv_events.wire.EngineHash` (not imported: this package
 runs in vLLM's interpreter on the standard library alone)."""
 
 

@@ -15,7 +15,7 @@ import logging
 
 from kvcore.index.base import KVIndex
 from kvcore.index.host import HostIndex
-from kvcore.kv_events import EventIngestor
+from kvcore.kv_events.ingest import EventIngestor
 from router.shared.ingest import IngestBoard, PublishedIngest
 from router.workers.registry import TaskFactory, WorkerRegistration
 

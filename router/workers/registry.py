@@ -27,7 +27,7 @@ from router.workers.event_watch import EVENTS_GRACE_S, EventStreamWatch
 from router.workers.health import ProbeHealth
 
 if TYPE_CHECKING:
-    from kvcore.kv_events import EventIngestor
+    from kvcore.kv_events.ingest import EventIngestor
 
 log = logging.getLogger("kvroute.registry")
 _NO_OTHERS = OthersLoad()
