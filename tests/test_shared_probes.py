@@ -258,3 +258,116 @@ def test_a_followers_worker_loop_waits_while_the_prober_is_live_and_calls_once_i
                 sharing.table.close()
 
     asyncio.run(run())
+
+
+def test_changes_move_only_when_applying_the_result_would_change_a_follower(tmp_path):
+    """A run of equal health results moves ``changes`` for its first ``repeats_shown`` writes;
+    a repeated scrape moves it once, unless the gateway has requests on the worker (then every
+    time, and once more after they ended); every write still refreshes the record's time, and
+    the vectorised columns show both."""
+    table = SharedProbeTable(create_table(tmp_path / "probes"))
+    moved = [table.write_probe(5, ok, err, now=float(t), repeats_shown=3)
+             for t, (ok, err) in enumerate([(True, None)] * 5 + [(False, "status 503")] * 4 + [(True, None)])]
+    assert moved == [True, True, True, False, False, True, True, True, False, True]
+    got = table.read_probe(5)
+    assert (got.changes, got.at, got.ok) == (7, 9.0, True)
+    assert [table.write_scrape(5, True, 0, 0, 0.0, now=10.0 + i) for i in range(3)] == [True, False, False]
+    assert [table.write_scrape(5, True, 2, 1, 0.1, now=20.0 + i) for i in range(3)] == [True, False, False]
+    assert [table.write_scrape(5, True, 2, 1, 0.1, now=30.0 + i, in_flight=n)
+            for i, n in enumerate([3, 3, 0, 0])] == [True, True, True, False]
+    assert [table.write_scrape(5, False, now=40.0 + i) for i in range(2)] == [True, False]
+    cols = table.columns()
+    assert (int(cols.probe_changes[5]), cols.probe_at[5], int(cols.scrape_changes[5]), cols.scrape_at[5],
+            cols.scrape_ok[5]) == (7, 9.0, 6, 41.0, 0.0)
+    assert table.read_scrape(5).changes == 6 and int(cols.probe_changes[6]) == 0
+    table.close()
+    with pytest.raises(ValueError):
+        table.columns()
+
+
+def test_a_follower_seeing_only_moved_results_keeps_the_probers_health_through_any_sequence(tmp_path):
+    """Hysteresis survives the skipped repeats: the prober publishes a random run-heavy sequence
+    of results (repeats shown up to the larger threshold) and the follower, applying after each
+    write, is up or down exactly when the prober is, with its callback awaited on each flip."""
+    import random
+
+    load_path = create_load_table(tmp_path / "load", 2)
+    probe_path = create_table(tmp_path / "probes")
+    health = HealthConfig(interval_s=1, timeout_s=1, fail_threshold=3, rise_threshold=2)
+    rng = random.Random(7)
+    results = [ok for _ in range(120) for ok in [rng.random() < 0.6] * rng.choice([1, 1, 2, 3, 5, 9])]
+
+    async def run() -> tuple[list, list, int]:
+        (reg0, p0), (reg1, p1) = _two_processes(load_path, probe_path, "http://127.0.0.1:9", lambda load, row: row == 0)
+        flips: list[bool] = []
+
+        async def on_change(reg: WorkerRegistration) -> None:
+            flips.append(reg.healthy)
+
+        prober_states, follower_states = [], []
+        try:
+            for ok in results:
+                reg0.record_probe(ok, health.fail_threshold, health.rise_threshold, None if ok else "down")
+                p0.table.write_probe(reg0.shared[1], ok, reg0.health.last_error,
+                                     repeats_shown=max(health.fail_threshold, health.rise_threshold))
+                await p1.apply(reg1, health, None, on_change)
+                prober_states.append(reg0.healthy)
+                follower_states.append(reg1.healthy)
+        finally:
+            for reg, sharing in ((reg0, p0), (reg1, p1)):
+                reg.shared[0].close()
+                sharing.table.close()
+        expected_flips = [b for a, b in zip(prober_states, prober_states[1:]) if a is not b]
+        assert flips == expected_flips
+        return prober_states, follower_states, p1.applied["health"]
+
+    prober_states, follower_states, applied = asyncio.run(run())
+    assert follower_states == prober_states and False in prober_states and True in prober_states
+    assert applied < len(results)  # long runs were not applied again and again
+
+
+def test_follow_once_reads_only_the_workers_whose_records_moved_or_went_stale(tmp_path):
+    """64 idle workers: the first pass applies every record; a pass after the prober wrote the
+    same results again applies none (and still refreshes the scrape age); a busy worker's new
+    scrape is applied alone; a record older than stale_after_s makes the pass say so."""
+    load_path = create_load_table(tmp_path / "load", 2)
+    probe_path = create_table(tmp_path / "probes")
+    health, scrape = HealthConfig(interval_s=1, timeout_s=1), LoadScrapeConfig(interval_s=1, timeout_s=1)
+    prober_load, follower_load = SharedLoadTable(load_path, 2, 0), SharedLoadTable(load_path, 2, 1)
+    prober_table = SharedProbeTable(probe_path)
+    sharing = ProbeSharing(SharedProbeTable(probe_path), lambda: False)
+    regs = []
+    for i in range(64):
+        reg = WorkerRegistration(WorkerConfig(id=f"w{i}", url=f"http://127.0.0.1:{9000 + i}", model="m"))
+        reg.shared = (follower_load, follower_load.slot(reg.id))
+        regs.append(reg)
+
+    def publish(busy: int | None = None, now: float | None = None) -> None:
+        for reg in regs:
+            slot = prober_load.slot(reg.id)
+            prober_table.write_probe(slot, True, None, now=now, repeats_shown=3)
+            prober_table.write_scrape(slot, True, 4 if reg.id == f"w{busy}" else 0, 0, 0.0, now=now,
+                                      in_flight=1 if reg.id == f"w{busy}" else 0)
+
+    async def run() -> None:
+        for _ in range(3):  # past the repeats a follower is shown
+            publish()
+        assert await sharing.follow_once(regs, health, scrape) is False
+        assert sharing.applied == {"health": 64, "scrape": 64} and all(r.healthy for r in regs)
+        before = regs[7].last_scrape_monotonic
+        publish()
+        assert await sharing.follow_once(regs, health, scrape) is False
+        assert sharing.applied == {"health": 64, "scrape": 64}
+        assert regs[7].last_scrape_monotonic > before  # the unmoved record still dates the figures
+        publish(busy=7)
+        await sharing.follow_once(regs, health, scrape)
+        assert sharing.applied == {"health": 64, "scrape": 65} and regs[7].engine_running == 4
+        assert [r.engine_running for r in regs].count(4) == 1
+        publish(now=time.monotonic() - stale_after_s(1, 1) - 1)
+        assert await sharing.follow_once(regs, health, scrape) is True
+
+    try:
+        asyncio.run(run())
+    finally:
+        for t in (prober_load, follower_load, prober_table, sharing.table):
+            t.close()

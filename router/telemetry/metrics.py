@@ -266,7 +266,8 @@ class GatewayMetrics:
         self.registry.register(_CounterFromTotals("kvroute_worker_calls", "Health probes and load scrapes this "
                                                   "process made itself", "kind", calls))
         self.registry.register(_CounterFromTotals("kvroute_worker_results_applied", "Health probes and load "
-                                                  "scrapes of the prober process applied here", "kind", applied))
+                                                  "scrapes of the prober process applied here (those that "
+                                                  "change this process's view)", "kind", applied))
 
     def watch_peer_links(self, peers: Callable[[], Mapping[str, PeerInfo]]) -> None:
         """Expose each worker's measured peer-pull link speed (``peers()``: peer info by worker

@@ -24,9 +24,11 @@ import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import numpy as np
 import orjson
 
 from router.config.schema import HealthConfig, LoadScrapeConfig
+from router.shared.load_table import MAX_WORKERS
 from router.shared.probe_table import SharedProbeTable, stale_after_s
 from router.upstream_http import UpstreamError, UpstreamHTTP
 from router.workers.registry import WorkerRegistration
@@ -165,6 +167,9 @@ def _too_old(at: float, cfg: HealthConfig | LoadScrapeConfig, now: float) -> boo
     return now - at > stale_after_s(cfg.interval_s, cfg.timeout_s)
 
 
+_UNSEEN = np.uint64(2**64 - 1)  # a slot's applied ``changes`` before any result was applied here
+
+
 @dataclass
 class ProbeSharing:
     """This process's part in probing for its sibling processes (:mod:`router.shared.probe_table`):
@@ -173,7 +178,7 @@ class ProbeSharing:
     workers and publish; in the other processes those loops call a worker only when its record is
     too old, and :meth:`follow` (one task per process) applies the prober's results. ``calls``:
     the probes and scrapes this process made itself, by kind (``health``, ``scrape``);
-    ``applied``: the prober's results it applied."""
+    ``applied``: the prober's results it applied (those that moved a record's ``changes``)."""
 
     table: SharedProbeTable
     is_prober: Callable[[], bool]
@@ -183,9 +188,12 @@ class ProbeSharing:
         self.applied = {"health": 0, "scrape": 0}
         self._seen: dict[str, weakref.WeakKeyDictionary] = {"health": weakref.WeakKeyDictionary(),
                                                            "scrape": weakref.WeakKeyDictionary()}
+        # the same per slot, for the vectorised pass of follow (_UNSEEN: apply whatever is there)
+        self._seen_cols = {"health": np.full(MAX_WORKERS, _UNSEEN, dtype=np.uint64),
+                           "scrape": np.full(MAX_WORKERS, _UNSEEN, dtype=np.uint64)}
+        self._followed: tuple[WorkerRegistration, ...] = ()
+        self._slots = np.zeros(0, dtype=np.intp)
         self._turn: asyncio.Future[None] | None = None  # what idle per-worker loops wait on
-        # slot -> (registration, probe seq, its time, scrape seq, its time) as last applied here
-        self._applied_at: dict[int, tuple[WorkerRegistration, int, float, int, float]] = {}
 
     async def wait_turn(self) -> None:
         """Wait until :meth:`follow` finds that this process must call workers itself: it became
@@ -206,10 +214,13 @@ class ProbeSharing:
         return result is None or _too_old(result.at, cfg, time.monotonic())
 
     def take_new(self, kind: str, reg: WorkerRegistration, result, cfg: HealthConfig | LoadScrapeConfig) -> bool:
-        """Whether ``result`` is fresh and not applied here yet (then it counts as applied)."""
-        if self.stale(result, cfg) or self._seen[kind].get(reg) == result.seq:
+        """Whether ``result`` is fresh and its ``changes`` not applied to ``reg`` here yet (then it
+        counts as applied)."""
+        if self.stale(result, cfg) or self._seen[kind].get(reg) == result.changes:
             return False
-        self._seen[kind][reg] = result.seq
+        self._seen[kind][reg] = result.changes
+        if reg.shared is not None:
+            self._seen_cols[kind][reg.shared[1]] = result.changes
         return True
 
     async def apply(self, reg: WorkerRegistration, health: HealthConfig, scrape: LoadScrapeConfig | None,
@@ -220,13 +231,6 @@ class ProbeSharing:
         process's own KV-event stream (``check_events``). Returns whether a record was too old to
         follow (:meth:`stale`: this process's own loop for ``reg`` must call the worker)."""
         slot = reg.shared[1]
-        last = self._applied_at.get(slot)
-        if last is not None and last[0] is reg:  # nothing new since then: two 8-byte reads
-            probe_seq, scrape_seq = self.table.seqs(slot)
-            if probe_seq == last[1] and (scrape is None or scrape_seq == last[3]):
-                now = time.monotonic()
-                reg.check_events(now)
-                return _too_old(last[2], health, now) or (scrape is not None and _too_old(last[4], scrape, now))
         result = self.table.read_probe(slot)
         stale = self.stale(result, health)
         if self.take_new("health", reg, result, health):
@@ -235,7 +239,6 @@ class ProbeSharing:
             reg.record_probe(result.ok, health.fail_threshold, health.rise_threshold, result.error)
             if on_change is not None and before is not None and reg.healthy is not before:
                 await on_change(reg)
-        got = None
         if scrape is not None:
             got = self.table.read_scrape(slot)
             stale = stale or self.stale(got, scrape)
@@ -245,30 +248,83 @@ class ProbeSharing:
                     reg.record_scrape(got.running, got.waiting, got.kv_usage)
                 else:
                     reg.forget_scrape()
-        if result is not None and (scrape is None or got is not None):
-            self._applied_at[slot] = (reg, result.seq, result.at, got.seq if got is not None else 0,
-                                      got.at if got is not None else 0.0)
+            if got is not None and got.ok and not self.stale(got, scrape):
+                reg.last_scrape_monotonic = got.at  # the figures held still: they are this recent
         reg.check_events(time.monotonic())
+        return stale
+
+    def _track(self, regs: tuple[WorkerRegistration, ...]) -> None:
+        """Follow ``regs`` from now on: their slots, and for a registration with nothing applied
+        here yet, its slot marked unseen (a worker added again may reuse a slot)."""
+        self._followed = regs
+        self._slots = np.fromiter((r.shared[1] for r in regs), dtype=np.intp, count=len(regs))
+        for kind, cols in self._seen_cols.items():
+            for reg in regs:
+                if reg not in self._seen[kind]:
+                    cols[reg.shared[1]] = _UNSEEN
+
+    async def follow_once(self, regs: list[WorkerRegistration], health: HealthConfig,
+                          scrape: LoadScrapeConfig | None,
+                          on_change: Callable[[WorkerRegistration], Awaitable[None]] | None = None,
+                          refresh: bool = True) -> bool:
+        """One pass over ``regs`` (registrations with a slot): one vectorised read of the file's
+        ``changes`` and times (:meth:`~router.shared.probe_table.SharedProbeTable.columns`) picks
+        the workers whose records moved or went stale, and only those are read and applied
+        (:meth:`apply`). ``refresh``: also bring every worker's scrape age and KV-event state up
+        to date (``follow`` does once per interval, not every pass). Returns whether a record was
+        too old to follow."""
+        followed = tuple(regs)
+        if followed != self._followed:
+            self._track(followed)
+        slots = self._slots
+        cols = self.table.columns()
+        now = time.monotonic()
+        due = cols.probe_changes[slots] != self._seen_cols["health"][slots]
+        due |= now - cols.probe_at[slots] > stale_after_s(health.interval_s, health.timeout_s)
+        if scrape is not None:
+            scrape_stale_s = stale_after_s(scrape.interval_s, scrape.timeout_s)
+            due |= cols.scrape_changes[slots] != self._seen_cols["scrape"][slots]
+            due |= now - cols.scrape_at[slots] > scrape_stale_s
+        stale = False
+        picked = set(np.flatnonzero(due).tolist())
+        for i in picked:
+            reg = followed[i]
+            try:
+                stale = await self.apply(reg, health, scrape, on_change) or stale
+            except Exception:  # one worker's trouble must not stop the others' results
+                log.exception("applying the prober's results for worker %s failed", reg.id)
+        if refresh:
+            # an unmoved ok scrape still confirms the figures held (skipped: stale ones, applied above)
+            fresh = (cols.scrape_ok[slots] == 1.0).tolist() if scrape is not None else None
+            times = cols.scrape_at[slots].tolist() if scrape is not None else None
+            for i, reg in enumerate(followed):
+                if i in picked:
+                    continue
+                if fresh is not None and fresh[i]:
+                    reg.last_scrape_monotonic = times[i]
+                reg.check_events(now)
         return stale
 
     async def follow(self, workers: Callable[[], list[WorkerRegistration]], health: HealthConfig,
                      scrape: LoadScrapeConfig | None,
                      on_change: Callable[[WorkerRegistration], Awaitable[None]] | None = None) -> None:
         """Run until cancelled: every half of the shorter interval, while this process is not the
-        prober, :meth:`apply` for every worker with a slot (a half interval: no result is
-        overwritten before it is read); when this process is the prober, or a record was too
-        old, wake the per-worker loops waiting in :meth:`wait_turn`."""
+        prober, :meth:`follow_once` over every worker with a slot (a half interval: no result is
+        overwritten before it is read; scrape ages and KV-event states every other pass); when
+        this process is the prober, or a record was too old, wake the per-worker loops waiting in
+        :meth:`wait_turn`."""
         period = min(health.interval_s, scrape.interval_s if scrape is not None else health.interval_s) / 2
         await asyncio.sleep(0)  # the workers' own tasks first (each KV-event ingestor attaches itself at once)
+        passes = 0
         while True:
             wake = self.is_prober()
             if not wake:
-                for reg in workers():
-                    if reg.shared is not None and not reg.removed:
-                        try:
-                            wake = await self.apply(reg, health, scrape, on_change) or wake
-                        except Exception:  # one worker's trouble must not stop the others' results
-                            log.exception("applying the prober's results for worker %s failed", reg.id)
+                regs = [r for r in workers() if r.shared is not None and not r.removed]
+                try:
+                    wake = await self.follow_once(regs, health, scrape, on_change, refresh=passes % 2 == 0)
+                except Exception:
+                    log.exception("following the prober's results failed")
+                passes += 1
             if wake:
                 self._wake_turns()
             await asyncio.sleep(period)
@@ -296,7 +352,8 @@ async def shared_probe_once(client: UpstreamHTTP, reg: WorkerRegistration, cfg: 
     """:func:`probe_once` made by the prober for every process (:func:`_shared_call`)."""
     table = sharing.table
     return await _shared_call("health", probe_once, table.read_probe,
-                              lambda slot, ok: table.write_probe(slot, ok, reg.health.last_error),
+                              lambda slot, ok: table.write_probe(slot, ok, reg.health.last_error,
+                                                                 repeats_shown=max(cfg.fail_threshold, cfg.rise_threshold)),
                               client, reg, cfg, sharing)
 
 
@@ -306,7 +363,7 @@ async def shared_scrape_once(client: UpstreamHTTP, reg: WorkerRegistration, cfg:
     table = sharing.table
     return await _shared_call("scrape", scrape_once, table.read_scrape,
                               lambda slot, ok: table.write_scrape(slot, ok, reg.engine_running, reg.engine_waiting,
-                                                                  reg.kv_usage),
+                                                                  reg.kv_usage, in_flight=reg.total_in_flight),
                               client, reg, cfg, sharing)
 
 
