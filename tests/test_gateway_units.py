@@ -161,6 +161,21 @@ def test_parse_engine_load_sums_engines():
     assert parse_engine_load("other_metric 1\n") == (None, None, None)
 
 
+def test_parse_engine_load_reads_each_run_of_samples_past_longer_names():
+    """A metric's samples are read as one run of lines; a longer name sharing the prefix, before
+    the run or inside it, is passed over, and the run still ends where its lines end."""
+    text = "\n".join([
+        "vllm:num_requests_running_x 9",
+        'vllm:num_requests_running{engine="0"} 2',
+        'vllm:num_requests_running{engine="1"} 3',
+        "vllm:num_requests_running_y 7",
+        'vllm:num_requests_running{engine="2"} 4',
+        "vllm:other 1",
+        "vllm:num_requests_waiting 5"])
+    assert parse_engine_load(text) == (9, 5, None)
+    assert parse_engine_load(text, 1) == (3, None, None)
+
+
 # ---- registry -------------------------------------------------------------------------------------
 def test_health_hysteresis():
     async def go():

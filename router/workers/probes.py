@@ -77,17 +77,25 @@ def parse_engine_load(text: str, rank: int | None = None) -> tuple[int | None, i
 
 def _lines_of(text: str):
     """The sample lines of :data:`_NAMES` in ``text`` (a name followed by ``{`` or a space at
-    the start of a line), in order."""
+    the start of a line), in order. A metric's samples are one run of lines (the text exposition
+    format puts every line of a metric family in one group, as prometheus_client writes it), so
+    the search stops at the first line after the run instead of scanning the rest of the page."""
     text = "\n" + text
     for name in _NAMES:
         needle = "\n" + name
+        n = len(name)
         at = text.find(needle)
         while at != -1:
             end = text.find("\n", at + 1)
             line = text[at + 1:] if end == -1 else text[at + 1:end]
-            if line[len(name):len(name) + 1] in ("{", " "):
+            if line[n:n + 1] not in ("{", " "):  # a longer name: search on
+                at = -1 if end == -1 else text.find(needle, end)
+            elif end != -1 and text.startswith(name, end + 1):  # the run goes on
                 yield line
-            at = -1 if end == -1 else text.find(needle, end)
+                at = end
+            else:  # the run's last line
+                yield line
+                break
 
 
 _IDENTITY = (("Accept-Encoding", "identity"),)
