@@ -1,5 +1,5 @@
 """A lean HTTP/1.1 client for the relay to workers (:mod:`router.relay.upstream`, :mod:`router.edge.prefill_leg`)
-and the gateway's probes and scrapes (:mod:`router.workers.probes`).
+and the gateway's probes and scrapes (:mod:`router.workers.calls`).
 
 An ``asyncio.Protocol`` per connection with an ``httptools.HttpResponseParser``; a keep-alive
 pool per (scheme, host, port). It spends less CPU per request than aiohttp's client (figures in

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from conftest import free_port, running_up, wait_until
 from kvcore.data_parallel import rank_endpoint
 from router.config.schema import GatewayConfig, repeated_targets
-from router.workers.probes import parse_engine_load
+from router.workers.calls import parse_engine_load
 
 AUTH = {"Authorization": "Bearer dp-token"}
 BLOCK = 32

@@ -13,8 +13,8 @@ from kvcore.index import MemoryIndex, make_index
 from router.config.schema import WorkerConfig, parse_config
 from router.errors import body_too_large, no_healthy_worker, unknown_model
 from router.relay.stream_usage import UsageStrip, UsageTap, cached_tokens_of_body, request_stream_usage
+from router.workers.calls import parse_engine_load
 from router.workers.event_watch import EventStreamWatch
-from router.workers.probes import parse_engine_load
 from router.workers.registry import WorkerRegistry
 
 

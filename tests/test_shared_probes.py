@@ -15,7 +15,8 @@ from router.config.schema import HealthConfig, LoadScrapeConfig, WorkerConfig
 from router.shared.load_table import STALE_S, SharedLoadTable, create_table as create_load_table
 from router.shared.probe_table import RECORD_BYTES, SharedProbeTable, create_table, stale_after_s
 from router.upstream_http import UpstreamHTTP
-from router.workers.probes import ProbeSharing, scrape_once, shared_probe_once, shared_scrape_once
+from router.workers.calls import scrape_once
+from router.workers.probes import ProbeSharing, shared_probe_once, shared_scrape_once
 from router.workers.registry import WorkerRegistration
 
 METRICS = ('# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine="0",model_name="m"} 3.0\n'

@@ -43,7 +43,7 @@ from router.gateway import Gateway
 from router.processes.group import is_from_sibling, merge_metrics
 from router.route.prompt_blocks import ROUTED_PATHS
 from router.telemetry import tracing
-from router.workers.probes import worker_get, worker_models
+from router.workers.calls import worker_get, worker_models
 
 log = logging.getLogger("kvroute.app")
 

@@ -1,173 +1,28 @@
-"""The gateway's own calls to workers: the per-worker background loops (health probe,
-engine-load scrape) and the ``GET /v1/models`` listing. Every call is bounded by a timeout.
-
-Both are registry task factories (``factory(registration) -> coroutine``) bound to the gateway's
-lean HTTP client (:class:`router.upstream_http.UpstreamHTTP`, the relay's: keep-alive per worker,
-less CPU per call than aiohttp's). Each call asks for ``Accept-Encoding: identity`` (a gzip or
-deflate answer is decompressed all the same) and follows no redirect (a 3xx is a failed call).
-Among the processes of ``kvroute serve --processes N`` one makes the calls for all and the others
-apply its results (:class:`ProbeSharing`, :mod:`router.shared.probe_table`).
-
-The load comes from vLLM's Prometheus text at ``/metrics``: ``vllm:num_requests_running``,
-``vllm:num_requests_waiting`` (summed over label sets, e.g. DP engines) and
-``vllm:kv_cache_usage_perc`` (0..1, the maximum over label sets); a worker that is one data
-parallel rank reads only its own ``engine="<rank>"`` label sets.
+"""The gateway's per-worker background loops: a health probe and an engine-load scrape every
+interval (:mod:`router.workers.calls` makes each call), as registry task factories
+(``factory(registration) -> coroutine``). Among the processes of ``kvroute serve --processes N``
+one makes the calls for all and the others apply its results (:class:`ProbeSharing`,
+:mod:`router.shared.probe_table`).
 """
 from __future__ import annotations
 
 import asyncio
-import gzip
 import logging
 import time
 import weakref
-import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import numpy as np
-import orjson
 
 from router.config.schema import HealthConfig, LoadScrapeConfig
 from router.shared.load_table import MAX_WORKERS
 from router.shared.probe_table import SharedProbeTable, stale_after_s
-from router.upstream_http import UpstreamError, UpstreamHTTP
+from router.upstream_http import UpstreamHTTP
+from router.workers.calls import probe_once, scrape_once
 from router.workers.registry import WorkerRegistration
 
 log = logging.getLogger("kvroute.probes")
-
-_RUNNING = "vllm:num_requests_running"
-_WAITING = "vllm:num_requests_waiting"
-_KV_USAGE = "vllm:kv_cache_usage_perc"
-_NAMES = (_RUNNING, _WAITING, _KV_USAGE)
-
-
-def parse_engine_load(text: str, rank: int | None = None) -> tuple[int | None, int | None, float | None]:
-    """``(running, waiting, kv_usage)`` from Prometheus exposition text (vLLM's metric names);
-    a metric absent from ``text`` gives None. Only the lines of these metrics are looked at
-    (found by search: a vLLM page is ~48 kB of other metrics). ``rank``: read only the label sets
-    of that data parallel rank (``engine="<rank>"``, vLLM's per-engine label); None: the whole
-    server (every label set)."""
-    running = waiting = None
-    usage = None
-    engine = None if rank is None else f'engine="{rank}"'
-    for line in _lines_of(text):
-        space = line.find(" ")
-        brace = line.find("{")
-        if brace != -1 and (space == -1 or brace < space):
-            close = line.rfind("}")
-            if engine is not None and engine not in line[brace:close]:
-                continue
-            name, rest = line[:brace], line[close + 1:]
-        elif engine is not None:  # no labels: not a rank's line
-            continue
-        else:
-            name, rest = line[:space], line[space:]
-        try:
-            value = float(rest.split()[0])
-        except (ValueError, IndexError):
-            continue
-        if name == _RUNNING:
-            running = (running or 0) + int(value)
-        elif name == _WAITING:
-            waiting = (waiting or 0) + int(value)
-        elif name == _KV_USAGE:
-            usage = value if usage is None else max(usage, value)
-    return running, waiting, usage
-
-
-def _lines_of(text: str):
-    """The sample lines of :data:`_NAMES` in ``text`` (a name followed by ``{`` or a space at
-    the start of a line), in order. A metric's samples are one run of lines (the text exposition
-    format puts every line of a metric family in one group, as prometheus_client writes it), so
-    the search stops at the first line after the run instead of scanning the rest of the page."""
-    text = "\n" + text
-    for name in _NAMES:
-        needle = "\n" + name
-        n = len(name)
-        at = text.find(needle)
-        while at != -1:
-            end = text.find("\n", at + 1)
-            line = text[at + 1:] if end == -1 else text[at + 1:end]
-            if line[n:n + 1] not in ("{", " "):  # a longer name: search on
-                at = -1 if end == -1 else text.find(needle, end)
-            elif end != -1 and text.startswith(name, end + 1):  # the run goes on
-                yield line
-                at = end
-            else:  # the run's last line
-                yield line
-                break
-
-
-_IDENTITY = (("Accept-Encoding", "identity"),)
-
-
-async def _get(client: UpstreamHTTP, url: str, timeout_s: float) -> tuple[int, bytes] | str:
-    """``(status, body)`` of a GET within ``timeout_s`` seconds (the whole call; the body
-    decompressed when the answer was gzip or deflate anyway), or the error text when it failed."""
-    resp = None
-    try:
-        async with asyncio.timeout(timeout_s):
-            resp = await client.request("GET", url, _IDENTITY)
-            body = await resp.read()
-        encoding = (resp.header(b"content-encoding") or b"").strip().lower()
-        if encoding in (b"gzip", b"x-gzip"):
-            body = gzip.decompress(body)
-        elif encoding == b"deflate":
-            body = zlib.decompress(body)
-        return resp.status, body
-    except (UpstreamError, TimeoutError, OSError, EOFError, zlib.error) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    finally:
-        if resp is not None:
-            resp.release()  # back to the pool when the whole body was read, else closed
-
-
-async def probe_once(client: UpstreamHTTP, reg: WorkerRegistration, cfg: HealthConfig) -> bool:
-    """One ``GET {url}{path}``; records the result on ``reg``; returns whether it answered 200."""
-    got = await _get(client, reg.url + cfg.path, cfg.timeout_s)
-    ok = not isinstance(got, str) and got[0] == 200
-    error = None if ok else (got if isinstance(got, str) else f"status {got[0]}")
-    reg.record_probe(ok, cfg.fail_threshold, cfg.rise_threshold, error)
-    reg.check_events(time.monotonic())  # every probe: whether its KV events still flow
-    return ok
-
-
-async def scrape_once(client: UpstreamHTTP, reg: WorkerRegistration, cfg: LoadScrapeConfig) -> bool:
-    """One ``GET {url}/metrics``; stores the engine load on ``reg``; returns success. A failed
-    scrape forgets the last figures (a dead worker's last queue must not weigh on routing)."""
-    got = await _get(client, reg.url + cfg.path, cfg.timeout_s)
-    if isinstance(got, str) or got[0] != 200:
-        reg.forget_scrape()
-        return False
-    reg.record_scrape(*parse_engine_load(got[1].decode(errors="replace"), reg.cfg.data_parallel_rank))
-    return True
-
-
-async def worker_get(client: UpstreamHTTP, reg: WorkerRegistration, path: str,
-                     timeout_s: float) -> bytes | str:
-    """The body of ``GET {url}{path}`` when it answered 200 within ``timeout_s`` seconds (the
-    whole call), else the error text."""
-    got = await _get(client, reg.url + path, timeout_s)
-    if isinstance(got, str):
-        return got
-    return got[1] if got[0] == 200 else f"status {got[0]}"
-
-
-async def worker_models(client: UpstreamHTTP, reg: WorkerRegistration,
-                        timeout_s: float) -> list[dict] | str:
-    """The model cards of ``GET {url}/v1/models`` (OpenAI list shape ``{"data": [card, ...]}``),
-    the whole call bounded by ``timeout_s`` seconds; the error text when it failed, timed out,
-    answered non-200 or not that shape."""
-    body = await worker_get(client, reg, "/v1/models", timeout_s)
-    if isinstance(body, str):
-        return body
-    try:
-        data = orjson.loads(body).get("data")
-    except (orjson.JSONDecodeError, AttributeError):
-        return "not a JSON object"
-    if not isinstance(data, list):
-        return "no 'data' list"
-    return [card for card in data if isinstance(card, dict) and isinstance(card.get("id"), str)]
 
 
 def _too_old(at: float, cfg: HealthConfig | LoadScrapeConfig, now: float) -> bool:
