@@ -58,12 +58,15 @@ ERROR_BYTES = 160
 _SCRAPE_AT = _PROBE.size
 _SEQ = struct.Struct("<Q")
 _ERROR_AT = _SCRAPE_AT + _SCRAPE.size
-_AT_OFFSET = 16                           # ``at`` within _PROBE and within _SCRAPE's first 48 bytes: 40
-_SCRAPE_AT_OFFSET = _SCRAPE_AT + 40
+# byte offsets of the fields the vectorised reads take (SharedProbeTable.columns), from the layouts above
+_PROBE_WHEN = 16
+_SCRAPE_OK = _SCRAPE_AT + 8
+_SCRAPE_WHEN = _SCRAPE_AT + 40
 _PROBE_CHANGES = 240
 _SCRAPE_CHANGES = 248
 RECORD_BYTES = 256
 assert _ERROR_AT + ERROR_BYTES <= _PROBE_CHANGES and _SCRAPE_CHANGES + 8 == RECORD_BYTES
+assert _PROBE.size == _PROBE_WHEN + 8 and _SCRAPE.size == _SCRAPE_WHEN - _SCRAPE_AT + 16
 _READ_TRIES = 8
 
 
@@ -139,8 +142,8 @@ class SharedProbeTable:
         self._fd, self._mm = map_whole(self.path, table_bytes(), f"{MAX_WORKERS} workers' records")
         self._views: Columns | None = Columns(*(
             np.ndarray((MAX_WORKERS,), dtype=dtype, buffer=self._mm, offset=offset, strides=(RECORD_BYTES,))
-            for dtype, offset in (("<u8", _PROBE_CHANGES), ("<f8", _AT_OFFSET), ("<u8", _SCRAPE_CHANGES),
-                                  ("<f8", _SCRAPE_AT_OFFSET), ("<f8", _SCRAPE_AT + 8))))
+            for dtype, offset in (("<u8", _PROBE_CHANGES), ("<f8", _PROBE_WHEN), ("<u8", _SCRAPE_CHANGES),
+                                  ("<f8", _SCRAPE_WHEN), ("<f8", _SCRAPE_OK))))
         # the prober's memory of what it wrote last per slot: (result, how many in a row)
         self._last_probe: dict[int, tuple[tuple[bool, str | None], int]] = {}
         self._last_scrape: dict[int, tuple[tuple[bool, int | None, int | None, float | None], int]] = {}
