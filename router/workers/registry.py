@@ -45,8 +45,9 @@ class WorkerRegistration:
     tokens of in-flight requests still before their first byte; ``decoding`` in-flight requests
     past it; ``engine_*`` from the worker's ``/metrics``, ``unseen_*`` the part of the scraped
     running / waiting requests that were not the gateway's own at that moment. ``ingest``: the
-    worker's KV-event ingestor when one runs in this process. ``prefill_rate`` learns the worker's TTFT line from its streamed requests;
-    ``evidence`` judges its index entries by the cached tokens it reports.
+    worker's KV-event ingestor when one runs in this process. ``prefill_rate`` learns the worker's
+    TTFT line from its streamed requests; ``evidence`` judges its index entries by the cached
+    tokens it reports.
     """
 
     def __init__(self, cfg: WorkerConfig) -> None:
