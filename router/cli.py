@@ -29,6 +29,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from router.edge.app import create_app
+    from router.edge.server import GatewayServer
     from router.config.schema import load_config
     from router.gateway import Gateway
     from router.processes.group import ProcessGroup, reuse_port_socket, socket_path, unix_socket
@@ -57,9 +58,9 @@ def run(args: argparse.Namespace) -> int:
                             proxy_headers=False, timeout_keep_alive=75,
                             timeout_graceful_shutdown=cfg.timeouts.shutdown_grace_s)
     if group is None:
-        uvicorn.Server(config).run()
+        GatewayServer(config).run()
         return 0
     sockets = [reuse_port_socket(cfg.listen.host, cfg.listen.port),
                unix_socket(socket_path(group.run_dir, group.index))]
-    uvicorn.Server(config).run(sockets=sockets)
+    GatewayServer(config).run(sockets=sockets)
     return 0

@@ -20,6 +20,7 @@ from router.shared.load_table import MAX_WORKERS
 from router.shared.probe_table import SharedProbeTable, stale_after_s
 from router.upstream_http import UpstreamHTTP
 from router.workers.calls import probe_once, scrape_once
+from router.workers.probe_clock import probe_clock
 from router.workers.registry import WorkerRegistration
 
 log = logging.getLogger("kvroute.probes")
@@ -190,7 +191,7 @@ class ProbeSharing:
                 passes += 1
             if wake:
                 self._wake_turns()
-            await asyncio.sleep(period)
+            await probe_clock().wait(period)  # on the probe loops' ticks: no wake-up of its own
 
 
 async def _shared_call(kind: str, call, read, publish, client: UpstreamHTTP, reg: WorkerRegistration,
@@ -232,8 +233,9 @@ async def shared_scrape_once(client: UpstreamHTTP, reg: WorkerRegistration, cfg:
 
 def periodic_task(step, client: UpstreamHTTP, cfg: HealthConfig | LoadScrapeConfig,
                   sharing: ProbeSharing | None = None, read=None):
-    """A registry task factory running ``step(client, reg, cfg)`` at once and then every
-    ``cfg.interval_s`` seconds, for as long as the worker is registered. With ``sharing``
+    """A registry task factory running ``step(client, reg, cfg)`` at once and then at every
+    multiple of ``cfg.interval_s`` seconds on the loop's clock (one timer for all workers,
+    :mod:`router.workers.probe_clock`), for as long as the worker is registered. With ``sharing``
     (``read(slot)``: the prober's record of the worker), a process that is not the prober and
     holds a fresh record waits in :meth:`ProbeSharing.wait_turn` instead of the interval."""
 
@@ -244,7 +246,7 @@ def periodic_task(step, client: UpstreamHTTP, cfg: HealthConfig | LoadScrapeConf
                     and not sharing.stale(read(reg.shared[1]), cfg)):
                 await sharing.wait_turn()
             else:
-                await asyncio.sleep(cfg.interval_s)
+                await probe_clock().wait(cfg.interval_s)
 
     return run
 

@@ -1,0 +1,63 @@
+"""One timer per tick for every worker's probe and scrape loop.
+
+Each registered worker runs its own health-probe and load-scrape loop
+(:mod:`router.workers.probes`). Slept independently, N loops are N timers a second, spread over
+the second: N wake-ups of the event loop, the most of an idle gateway's CPU. Here a loop waits
+for the next multiple of its interval on the event loop's clock instead, so every loop of one
+interval wakes from one timer. Loops are released :data:`BATCH` at a time, one batch per pass of
+the event loop, so a tick of a thousand workers does not hold requests up for all of their
+calls at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import weakref
+
+BATCH = 32  # loops released per pass of the event loop
+
+_clocks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, ProbeClock] = weakref.WeakKeyDictionary()
+
+
+class ProbeClock:
+    """The ticks of one event loop: ``await clock.wait(interval_s)`` returns at the next
+    multiple of ``interval_s`` (seconds of ``loop.time()``), after the earlier waiters' batches."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._due: dict[float, list[asyncio.Future]] = {}
+
+    async def wait(self, interval_s: float) -> None:
+        loop = self._loop
+        due = (math.floor(loop.time() / interval_s) + 1) * interval_s
+        waiters = self._due.get(due)
+        if waiters is None:
+            waiters = self._due[due] = []
+            loop.call_at(due, self._fire, due)
+        fut = loop.create_future()
+        waiters.append(fut)
+        await fut
+
+    def waiting(self) -> int:
+        """Loops waiting for a tick."""
+        return sum(len(w) for w in self._due.values())
+
+    def _fire(self, due: float) -> None:
+        self._release(self._due.pop(due, []), 0)
+
+    def _release(self, waiters: list[asyncio.Future], start: int) -> None:
+        end = start + BATCH
+        for fut in waiters[start:end]:
+            if not fut.done():
+                fut.set_result(None)
+        if end < len(waiters):
+            self._loop.call_soon(self._release, waiters, end)
+
+
+def probe_clock() -> ProbeClock:
+    """The running loop's :class:`ProbeClock`."""
+    loop = asyncio.get_running_loop()
+    clock = _clocks.get(loop)
+    if clock is None:
+        clock = _clocks[loop] = ProbeClock(loop)
+    return clock
