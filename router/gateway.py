@@ -40,6 +40,7 @@ from router.workers.discovery.kubernetes import KubernetesDiscovery
 from router.workers.embedded_events import embedded_ingest_task
 from router.workers.peer_states import PeerStateSource, PublishedPeerStates
 from router.workers.peers import PeerPoller, PeerTable
+from router.ticks import ticks
 from router.workers.probes import ProbeSharing, health_probe_task, load_scrape_task
 from router.workers.registry import TaskFactory, WorkerRegistration, WorkerRegistry
 
@@ -206,7 +207,7 @@ class Gateway:
     async def _beat(group: ProcessGroup) -> None:
         while True:
             group.table.heartbeat()  # type: ignore[union-attr]
-            await asyncio.sleep(HEARTBEAT_S)
+            await ticks().wait(HEARTBEAT_S)  # on the probe loops' ticks: no wake-up of its own
 
     async def _wait_first_probe(self, regs: list[WorkerRegistration]) -> None:
         if not regs:

@@ -434,3 +434,28 @@ def _state(pid: int) -> str:
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
+
+
+def test_the_supervisor_sleeps_until_a_signal_or_a_due_restart():
+    """Between checks the supervisor sleeps on the signals' wake-up fd: a signal (here SIGCHLD,
+    sent before the sleep, as one landing just before it would be) ends the sleep at once; the
+    sleep is otherwise as long as the next restart's back-off allows, at most IDLE_WAIT_S."""
+    from router.processes import supervisor as sv
+
+    wake = sv._SignalWake()
+    try:
+        os.kill(os.getpid(), signal.SIGCHLD)
+        t0 = time.monotonic()
+        wake.wait(600.0)
+        assert time.monotonic() - t0 < 60.0  # the signal, not the 600 s timeout, ended it
+    finally:
+        wake.close()
+    assert signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL
+
+    sup = sv.Supervisor.__new__(sv.Supervisor)  # only _wait_s's fields
+    sup.children = [object(), None, None]
+    sup.restart_at = [0.0, 100.25, 100.75]
+    assert sup._wait_s(100.0) == 0.25
+    assert sup._wait_s(101.0) == 0.0
+    sup.children = [object(), object(), object()]
+    assert sup._wait_s(100.0) == sv.IDLE_WAIT_S

@@ -25,6 +25,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -44,10 +45,42 @@ KILL_AFTER_S = 10.0
 BACKOFF_MIN_S = 1.0
 BACKOFF_MAX_S = 30.0
 HEALTHY_RUN_S = 60.0
-POLL_S = 0.1
+IDLE_WAIT_S = 1.0  # the longest sleep between checks of the children when no signal wakes it
 RUN_DIR_PREFIX = "kvroute-serve-"
 OWNER_LOCK = "owner.lock"
 UNLOCKED_GRACE_S = 60.0  # a folder this young without its lock file may be one being made
+
+
+class _SignalWake:
+    """Sleeps until a signal comes (``SIGCHLD``: a child exited; the stop and reload signals)
+    or a timeout passes: the signals' wake-up fd (``signal.set_wakeup_fd``, a self-pipe, so a
+    signal that lands just before the sleep still ends it) watched with ``select``. Main thread
+    only (as ``signal.signal``)."""
+
+    def __init__(self) -> None:
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+        self._old_fd = signal.set_wakeup_fd(self._w, warn_on_full_buffer=False)
+        self._old_chld = signal.signal(signal.SIGCHLD, _on_child)
+
+    def wait(self, timeout_s: float) -> None:
+        select.select([self._r], [], [], timeout_s)
+        try:
+            while os.read(self._r, 512):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        signal.signal(signal.SIGCHLD, self._old_chld)
+        signal.set_wakeup_fd(self._old_fd)
+        os.close(self._r)
+        os.close(self._w)
+
+
+def _on_child(signum: int, frame) -> None:
+    """SIGCHLD: nothing to do here; its arrival on the wake-up fd ends the supervisor's sleep."""
 
 
 def _die_with_parent() -> None:
@@ -161,13 +194,15 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._on_stop)
         signal.signal(signal.SIGINT, self._on_stop)
         signal.signal(signal.SIGHUP, self._on_hup)
+        wake = _SignalWake()  # a child's exit or a signal ends the sleep between checks
         try:
             for i in range(self.processes):
                 self._spawn(i)
             log.info("kvroute serve: %d gateway processes (run folder %s)", self.processes, self.run_dir)
             while not self.stopping:
-                self._watch(time.monotonic())
-                time.sleep(POLL_S)
+                now = time.monotonic()
+                self._watch(now)
+                wake.wait(self._wait_s(now))
             self._stop_children()
             return 0
         except OSError as exc:
@@ -175,10 +210,17 @@ class Supervisor:
             self._stop_children()
             return 1
         finally:
+            wake.close()
             shutil.rmtree(self.run_dir, ignore_errors=True)
             if self._owner_fd is not None:
                 os.close(self._owner_fd)
                 self._owner_fd = None
+
+    def _wait_s(self, now: float) -> float:
+        """Seconds until the next check is due without a signal: a restart's back-off ending,
+        else :data:`IDLE_WAIT_S` (a child's healthy-run reset is checked at that pace)."""
+        due = [at - now for child, at in zip(self.children, self.restart_at) if child is None]
+        return max(0.0, min([IDLE_WAIT_S, *due]))
 
     def _watch(self, now: float) -> None:
         """Restart children that exited, each after its back-off."""

@@ -13,7 +13,6 @@ dies, a reader takes the index over and starts the ingestors itself
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -21,6 +20,8 @@ import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
+
+from router.ticks import ticks
 
 log = logging.getLogger("kvroute.shared_ingest")
 
@@ -101,4 +102,4 @@ async def publish_loop(board: IngestBoard, is_writer: Callable[[], bool],
                 board.publish(workers)
             except OSError as exc:
                 log.warning("could not write the KV-event ingest board %s: %s", board.path, exc)
-        await asyncio.sleep(PUBLISH_EVERY_S)
+        await ticks().wait(PUBLISH_EVERY_S)  # on the probe loops' ticks: no wake-up of its own

@@ -12,7 +12,7 @@ from typing import Any
 
 from kvcore.index.base import SupportsWorkerStates
 from router.estimates.peer_credit import PeerInfo
-from router.workers.probe_clock import probe_clock
+from router.ticks import ticks
 
 log = logging.getLogger("kvroute.peer_pull")
 
@@ -65,7 +65,7 @@ class PeerTable:
 
 class PeerPoller:
     """Polls ``index.worker_states()`` every ``interval_s`` (on the probe loops' ticks,
-    :mod:`router.workers.probe_clock`) into ``table`` on the running loop.
+    :mod:`router.ticks`) into ``table`` on the running loop.
     Each poll is bounded by ``timeout_s``; a failure (Redis down, a timeout, anything else) is
     logged once per outage, counted on the table and never ends the loop. :meth:`start` needs a
     running loop; :meth:`stop` cancels the task and waits for it (at most 2 s)."""
@@ -105,7 +105,7 @@ class PeerPoller:
     async def _run(self) -> None:
         while not self._stopping:
             await self.poll_once()
-            await probe_clock().wait(self.interval_s)  # on the probe loops' ticks: no wake-up of its own
+            await ticks().wait(self.interval_s)  # on the probe loops' ticks: no wake-up of its own
 
     async def stop(self) -> None:
         self._stopping = True

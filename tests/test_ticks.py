@@ -1,18 +1,18 @@
-"""The probe loops' shared ticks (router/workers/probe_clock.py): one timer per tick for every
+"""The shared ticks (router/ticks.py): one timer per tick for every
 loop of an interval, released in batches, at multiples of the interval on the loop's clock."""
 from __future__ import annotations
 
 import asyncio
 
-from router.workers import probe_clock as pc
-from router.workers.probe_clock import ProbeClock, probe_clock
+from router import ticks as pc
+from router.ticks import Ticks, ticks
 
 
 def test_loops_of_one_interval_share_one_timer_and_wake_at_its_multiple():
     async def main():
         loop = asyncio.get_running_loop()
-        clock = probe_clock()
-        assert probe_clock() is clock  # one per loop
+        clock = ticks()
+        assert ticks() is clock  # one per loop
         woke: list[float] = []
 
         async def one():
@@ -46,7 +46,7 @@ def test_loops_of_one_interval_share_one_timer_and_wake_at_its_multiple():
 def test_a_large_tick_is_released_one_batch_per_pass():
     async def main():
         loop = asyncio.get_running_loop()
-        clock = ProbeClock(loop)
+        clock = Ticks(loop)
         n = pc.BATCH * 2 + 5
         passes: list[int] = []
         current = [0]

@@ -1,12 +1,13 @@
-"""One timer per tick for every worker's probe and scrape loop.
+"""Shared ticks: one timer per tick for every periodic loop of the gateway.
 
 Each registered worker runs its own health-probe and load-scrape loop
-(:mod:`router.workers.probes`). Slept independently, N loops are N timers a second, spread over
-the second: N wake-ups of the event loop, the most of an idle gateway's CPU. Here a loop waits
-for the next multiple of its interval on the event loop's clock instead, so every loop of one
-interval wakes from one timer. Loops are released :data:`BATCH` at a time, one batch per pass of
-the event loop, so a tick of a thousand workers does not hold requests up for all of their
-calls at once.
+(:mod:`router.workers.probes`), and the gateway has a few periodic jobs of its own (the peer-state
+poll, the shared load table's heartbeat, the KV-event ingest board). Slept independently, N loops
+are N timers a second, spread over the second: N wake-ups of the event loop, the most of an idle
+gateway's CPU. Here a loop waits for the next multiple of its interval on the event loop's clock
+instead, so every loop of one interval (and of its divisors) wakes from one timer. Loops are
+released :data:`BATCH` at a time, one batch per pass of the event loop, so a tick of a thousand
+workers does not hold requests up for all of their calls at once.
 """
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ import weakref
 
 BATCH = 32  # loops released per pass of the event loop
 
-_clocks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, ProbeClock] = weakref.WeakKeyDictionary()
+_clocks: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Ticks] = weakref.WeakKeyDictionary()
 
 
-class ProbeClock:
+class Ticks:
     """The ticks of one event loop: ``await clock.wait(interval_s)`` returns at the next
     multiple of ``interval_s`` (seconds of ``loop.time()``), after the earlier waiters' batches."""
 
@@ -54,10 +55,10 @@ class ProbeClock:
             self._loop.call_soon(self._release, waiters, end)
 
 
-def probe_clock() -> ProbeClock:
-    """The running loop's :class:`ProbeClock`."""
+def ticks() -> Ticks:
+    """The running loop's :class:`Ticks` (one per loop)."""
     loop = asyncio.get_running_loop()
     clock = _clocks.get(loop)
     if clock is None:
-        clock = _clocks[loop] = ProbeClock(loop)
+        clock = _clocks[loop] = Ticks(loop)
     return clock
