@@ -40,7 +40,7 @@ from router.workers.discovery.kubernetes import KubernetesDiscovery
 from router.workers.embedded_events import embedded_ingest_task
 from router.workers.peer_states import PeerStateSource, PublishedPeerStates
 from router.workers.peers import PeerPoller, PeerTable
-from router.ticks import ticks
+from kvcore.ticks import ticks
 from router.workers.probes import ProbeSharing, health_probe_task, load_scrape_task
 from router.workers.registry import TaskFactory, WorkerRegistration, WorkerRegistry
 

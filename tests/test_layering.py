@@ -27,7 +27,6 @@ ALLOWED_PARTS = {
 # router/, bottom to top: a module may import its own package and any lower layer; two packages
 # of one layer never import each other (route and relay meet only in edge)
 ROUTER_LAYERS = [
-    {"router.ticks"},
     {"router", "router.errors", "router.upstream_http", "router.estimates", "router.shared"},
     {"router.policies"},
     {"router.config"},

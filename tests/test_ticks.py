@@ -1,11 +1,11 @@
-"""The shared ticks (router/ticks.py): one timer per tick for every
+"""The shared ticks (kvcore/ticks.py): one timer per tick for every
 loop of an interval, released in batches, at multiples of the interval on the loop's clock."""
 from __future__ import annotations
 
 import asyncio
 
-from router import ticks as pc
-from router.ticks import Ticks, ticks
+from kvcore import ticks as pc
+from kvcore.ticks import Ticks, ticks
 
 
 def test_loops_of_one_interval_share_one_timer_and_wake_at_its_multiple():

@@ -77,6 +77,7 @@ from typing import Callable
 import numpy as np
 
 from kvcore.index.base import TIERS, KVIndex, TierMatch, WorkerIndexStats, check_tier
+from kvcore.ticks import ticks
 from kvcore.index.memory import MemoryIndex, drop_extra_copy, gpu_positions, run_chains, tier_matches
 
 MAGIC = 0x31_54_53_4F_48_52_56_4B  # "KVRHOST1" little-endian
@@ -332,7 +333,7 @@ class HostIndex(KVIndex):
 
     async def _elect(self) -> None:
         while not self.try_become_writer():
-            await asyncio.sleep(WRITER_POLL_S)
+            await ticks().wait(WRITER_POLL_S)  # on the gateway's shared ticks: no wake-up of its own
 
     def _set_view(self, sid: int) -> np.ndarray:
         off = self._sets_off + sid * self._set_bytes

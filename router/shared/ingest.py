@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from router.ticks import ticks
+from kvcore.ticks import ticks
 
 log = logging.getLogger("kvroute.shared_ingest")
 

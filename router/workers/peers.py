@@ -12,7 +12,7 @@ from typing import Any
 
 from kvcore.index.base import SupportsWorkerStates
 from router.estimates.peer_credit import PeerInfo
-from router.ticks import ticks
+from kvcore.ticks import ticks
 
 log = logging.getLogger("kvroute.peer_pull")
 
@@ -65,7 +65,7 @@ class PeerTable:
 
 class PeerPoller:
     """Polls ``index.worker_states()`` every ``interval_s`` (on the probe loops' ticks,
-    :mod:`router.ticks`) into ``table`` on the running loop.
+    :mod:`kvcore.ticks`) into ``table`` on the running loop.
     Each poll is bounded by ``timeout_s``; a failure (Redis down, a timeout, anything else) is
     logged once per outage, counted on the table and never ends the loop. :meth:`start` needs a
     running loop; :meth:`stop` cancels the task and waits for it (at most 2 s)."""

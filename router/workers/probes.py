@@ -20,7 +20,7 @@ from router.shared.load_table import MAX_WORKERS
 from router.shared.probe_table import SharedProbeTable, stale_after_s
 from router.upstream_http import UpstreamHTTP
 from router.workers.calls import probe_once, scrape_once
-from router.ticks import ticks
+from kvcore.ticks import ticks
 from router.workers.registry import WorkerRegistration
 
 log = logging.getLogger("kvroute.probes")
@@ -235,7 +235,7 @@ def periodic_task(step, client: UpstreamHTTP, cfg: HealthConfig | LoadScrapeConf
                   sharing: ProbeSharing | None = None, read=None):
     """A registry task factory running ``step(client, reg, cfg)`` at once and then at every
     multiple of ``cfg.interval_s`` seconds on the loop's clock (one timer for all workers,
-    :mod:`router.ticks`), for as long as the worker is registered. With ``sharing``
+    :mod:`kvcore.ticks`), for as long as the worker is registered. With ``sharing``
     (``read(slot)``: the prober's record of the worker), a process that is not the prober and
     holds a fresh record waits in :meth:`ProbeSharing.wait_turn` instead of the interval."""
 
