@@ -7,7 +7,8 @@ are N timers a second, spread over the second: N wake-ups of the event loop, the
 gateway's CPU. Here a loop waits for the next multiple of its interval on the event loop's clock
 instead, so every loop of one interval (and of its divisors) wakes from one timer. Loops are
 released :data:`BATCH` at a time, one batch per pass of the event loop, so a tick of a thousand
-workers does not hold requests up for all of their calls at once.
+workers does not hold requests up for all of their calls at once (figures:
+docs/tuning/gateway_cpu.md).
 """
 from __future__ import annotations
 

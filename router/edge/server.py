@@ -5,7 +5,7 @@ uvicorn/server.py), ten wake-ups a second whether or not anything happens; an id
 spends most of its CPU on them. :class:`GatewayServer` does the loop's work (``on_tick``: the
 once-a-second header refresh, the exit flag, ``limit_max_requests``) once a second, and a
 shutdown signal (``handle_exit``, which uvicorn installs for SIGINT and SIGTERM) wakes it at once,
-so shutdown starts as promptly as before.
+so shutdown starts as promptly as before (figures: docs/tuning/gateway_cpu.md).
 """
 from __future__ import annotations
 
