@@ -28,10 +28,16 @@ class Ticks:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._due: dict[float, list[asyncio.Future]] = {}
+        self._fired = -math.inf  # the latest tick whose timer has run
 
     async def wait(self, interval_s: float) -> None:
         loop = self._loop
-        due = (math.floor(loop.time() / interval_s) + 1) * interval_s
+        k = math.floor(loop.time() / interval_s) + 1
+        # a timer may run a little before its time (uvloop counts whole milliseconds): a loop
+        # waiting again at once must not get the tick that just woke it
+        while k * interval_s <= self._fired:
+            k += 1
+        due = k * interval_s
         waiters = self._due.get(due)
         if waiters is None:
             waiters = self._due[due] = []
@@ -45,6 +51,7 @@ class Ticks:
         return sum(len(w) for w in self._due.values())
 
     def _fire(self, due: float) -> None:
+        self._fired = max(self._fired, due)
         self._release(self._due.pop(due, []), 0)
 
     def _release(self, waiters: list[asyncio.Future], start: int) -> None:

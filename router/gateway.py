@@ -22,6 +22,7 @@ from kvcore.index.base import SupportsWorkerStates
 from kvcore.index.errors import IndexEncodingMismatch, IndexUnavailable
 from kvcore.index.host import HostIndex
 from kvcore.kv_events.ingest import EventIngestor
+from kvcore.ticks import ticks
 from router.config.schema import GatewayConfig, WorkerConfig, load_config, same_target
 from router.errors import WorkerExists
 from router.processes.group import INDEX_FILE, ProcessGroup
@@ -40,7 +41,6 @@ from router.workers.discovery.kubernetes import KubernetesDiscovery
 from router.workers.embedded_events import embedded_ingest_task
 from router.workers.peer_states import PeerStateSource, PublishedPeerStates
 from router.workers.peers import PeerPoller, PeerTable
-from kvcore.ticks import ticks
 from router.workers.probes import ProbeSharing, health_probe_task, load_scrape_task
 from router.workers.registry import TaskFactory, WorkerRegistration, WorkerRegistry
 

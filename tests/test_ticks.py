@@ -75,3 +75,25 @@ def test_a_large_tick_is_released_one_batch_per_pass():
         assert len(sizes) == 3 and max(sizes) - min(sizes) == 2
 
     asyncio.run(main())
+
+
+def test_a_loop_waiting_again_at_once_gets_the_next_tick_under_uvloop():
+    """uvloop runs a timer up to a millisecond early (it counts whole milliseconds), so a loop
+    that waits again as soon as it wakes is still before the tick that woke it: it must get the
+    next tick, not the same one again (one wake-up per tick)."""
+    import uvloop
+
+    woke: list[float] = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        clock = ticks()
+        t0 = loop.time()
+        while loop.time() - t0 < 0.5:
+            await clock.wait(0.02)
+            woke.append(loop.time())
+
+    uvloop.run(main())
+    nearest = [round(t / 0.02) for t in woke]
+    assert len(woke) >= 10
+    assert nearest == sorted(set(nearest))  # one wake-up per tick, each tick once

@@ -77,8 +77,8 @@ from typing import Callable
 import numpy as np
 
 from kvcore.index.base import TIERS, KVIndex, TierMatch, WorkerIndexStats, check_tier
-from kvcore.ticks import ticks
 from kvcore.index.memory import MemoryIndex, drop_extra_copy, gpu_positions, run_chains, tier_matches
+from kvcore.ticks import ticks
 
 MAGIC = 0x31_54_53_4F_48_52_56_4B  # "KVRHOST1" little-endian
 LAYOUT_VERSION = 1

@@ -11,8 +11,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvcore.index.base import SupportsWorkerStates
-from router.estimates.peer_credit import PeerInfo
 from kvcore.ticks import ticks
+from router.estimates.peer_credit import PeerInfo
 
 log = logging.getLogger("kvroute.peer_pull")
 

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvcore.ticks import ticks
 from router.config.schema import HealthConfig, LoadScrapeConfig
 from router.shared.load_table import MAX_WORKERS
 from router.shared.probe_table import SharedProbeTable, stale_after_s
 from router.upstream_http import UpstreamHTTP
 from router.workers.calls import probe_once, scrape_once
-from kvcore.ticks import ticks
 from router.workers.registry import WorkerRegistration
 
 log = logging.getLogger("kvroute.probes")
