@@ -66,10 +66,12 @@ Thread-safe: encoding runs outside the lock; the lock guards the map and the cou
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,19 +156,24 @@ class PrefixTokenCache:
     ``max_tokens``: the bound on cached ids plus :data:`ENTRY_OVERHEAD_TOKENS` per entry (about 8
     bytes each, measured: 2M tokens ~ 16 MB); ``min_text_chars``: texts shorter than this are
     encoded directly; ``min_segment_chars``: the least distance between two stored cuts (the last
-    special token and the end of the text are stored regardless). Raises :class:`UnsupportedTokenizer` when
+    special token and the end of the text are stored regardless); ``encoder``: what encodes the
+    text past a cached prefix, ``(texts, add_special_tokens) -> ids per text``, the same ids as
+    :func:`encode_ids` on ``backend`` (default: that; :class:`kvcore.bpe_fast.FastBPE`'s
+    ``encode_many`` where it applies). Raises :class:`UnsupportedTokenizer` when
     :func:`cache_unsupported_reason` gives a reason. Safe to call from many threads.
     """
 
     def __init__(self, backend: Any, max_tokens: int = DEFAULT_MAX_TOKENS,
                  min_text_chars: int = DEFAULT_MIN_TEXT_CHARS,
-                 min_segment_chars: int = DEFAULT_MIN_SEGMENT_CHARS) -> None:
+                 min_segment_chars: int = DEFAULT_MIN_SEGMENT_CHARS,
+                 encoder: Callable[[list[str], bool], list[list[int]]] | None = None) -> None:
         reason = cache_unsupported_reason(backend)
         if reason is not None:
             raise UnsupportedTokenizer(reason)
         if max_tokens < 0:
             raise ValueError("max_tokens must be >= 0")
         self._backend = backend
+        self._encode = encoder or functools.partial(encode_ids, backend)
         self.max_tokens = max_tokens
         self.min_text_chars = min_text_chars
         self.min_segment_chars = max(1, min_segment_chars)
@@ -180,7 +187,7 @@ class PrefixTokenCache:
                 straddle.setdefault(s[:k], []).append(s)
         self._straddle = {k: tuple(v) for k, v in straddle.items()}
         self._max_token_chars = max(len(s) for s in raw)
-        self._wrap = _special_wrap(backend, raw[0])
+        self._wrap = special_wrap(backend, raw[0])
         self._ints = list(range(backend.get_vocab_size(with_added_tokens=True)))
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
         self._size_tokens = 0
@@ -193,9 +200,9 @@ class PrefixTokenCache:
         """``backend.encode(text, add_special_tokens=...).ids``, exactly; raises what the tokenizer
         raises. Ids are ``int`` in ``0..2**32-1``."""
         if add_special_tokens and self._wrap is None:
-            return encode_ids(self._backend, [text], True)[0]
+            return self._encode([text], True)[0]
         if len(text) < self.min_text_chars or self.max_tokens == 0:
-            return encode_ids(self._backend, [text], add_special_tokens)[0]
+            return self._encode([text], add_special_tokens)[0]
         ids = self._encode_raw(text)
         if add_special_tokens:
             head, tail = self._wrap  # type: ignore[misc]
@@ -267,7 +274,7 @@ class PrefixTokenCache:
         if base_i >= 0 and base_pos < len(text) and self._straddles(text, base_pos):
             with self._lock:
                 self._fallbacks += 1
-            return encode_ids(self._backend, [text], False)[0]
+            return self._encode([text], False)[0]
 
         out: list[int] = []
         for seg in segments:
@@ -289,7 +296,7 @@ class PrefixTokenCache:
         new: list[tuple[bytes, _Entry]] = []
         parent = keys[base_i] if base_i >= 0 else None
         bounds = [base_pos] + [cuts[i] for i in store]
-        pieces = encode_ids(self._backend, [text[a:b] for a, b in zip(bounds, bounds[1:])], False) if store else []
+        pieces = self._encode([text[a:b] for a, b in zip(bounds, bounds[1:])], False) if store else []
         for i, ids in zip(store, pieces):
             seg = self._shared(ids)
             out.extend(seg)
@@ -352,7 +359,7 @@ class PrefixTokenCache:
         self._size_tokens += sign * (len(entry.ids) + ENTRY_OVERHEAD_TOKENS)
 
 
-def _special_wrap(backend: Any, anchor: str) -> tuple[list[int], list[int]] | None:
+def special_wrap(backend: Any, anchor: str) -> tuple[list[int], list[int]] | None:
     """The fixed ids the post-processor puts before and after a text's ids when
     ``add_special_tokens=True``, found by probing; None when the post-processor is not one known to
     add only fixed ids, or the probes disagree (then such encodes bypass the cache)."""
@@ -372,4 +379,4 @@ def _special_wrap(backend: Any, anchor: str) -> tuple[list[int], list[int]] | No
 
 
 __all__ = ["DEFAULT_MAX_TOKENS", "PrefixTokenCache", "TokenCacheStats", "UnsupportedTokenizer",
-           "cache_unsupported_reason"]
+           "cache_unsupported_reason", "encode_ids", "special_wrap"]

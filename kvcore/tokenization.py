@@ -20,7 +20,8 @@ token ids depend on the model's processor, so the gateway has vLLM render them
 
 Text is encoded through a :class:`kvcore.token_cache.PrefixTokenCache` (exact: it cuts only where
 the tokenizer itself cuts, at special tokens), so a chat turn re-sending its history encodes only
-the new messages.
+the new messages; what it encodes goes through :class:`kvcore.bpe_fast.FastBPE` (tiktoken, the same
+ids) when the tokenizer is a byte-level BPE it proves exact for, else through ``tokenizers``.
 """
 from __future__ import annotations
 
@@ -29,11 +30,12 @@ import functools
 import json
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from kvcore.anthropic_messages import messages_to_chat
+from kvcore.bpe_fast import FastBPE
 from kvcore.prompt_errors import BadPrompt, MultimodalPrompt, UnsupportedPrompt
 from kvcore.responses_input import responses_to_chat
 from kvcore.token_cache import (DEFAULT_MAX_TOKENS, PrefixTokenCache, TokenCacheStats, UnsupportedTokenizer,
@@ -72,10 +74,20 @@ class PromptTokenizer:
         self._template: str | None = template
         self._template_has_developer = bool(template) and "developer" in template
         self.content_format = "openai" if template and _OPENAI_CONTENT_RE.search(template) else "string"
+        self.fast_bpe: FastBPE | None = None
+        self._encode: Callable[[list[str], bool], list[list[int]]] | None = None
+        if self._backend is not None:
+            self._encode = functools.partial(encode_ids, self._backend)
+            try:
+                self.fast_bpe = FastBPE.build(self._backend)
+                self._encode = self.fast_bpe.encode_many
+                log.info("%s: byte-level BPE through tiktoken (exact for this tokenizer)", self.model_dir)
+            except ValueError as exc:
+                log.info("%s: encoded by tokenizers alone (%s)", self.model_dir, exc)
         self.token_cache: PrefixTokenCache | None = None
         if self._backend is not None and cache_max_tokens > 0:
             try:
-                self.token_cache = PrefixTokenCache(self._backend, cache_max_tokens)
+                self.token_cache = PrefixTokenCache(self._backend, cache_max_tokens, encoder=self._encode)
             except UnsupportedTokenizer as exc:
                 log.info("%s: no prefix token cache (%s)", self.model_dir, exc)
 
@@ -241,13 +253,14 @@ class PromptTokenizer:
         """``tokenizer(text, add_special_tokens=...)['input_ids']``, as vLLM encodes.
 
         A fast tokenizer is called through its Rust backend directly (the same ids, without
-        transformers' per-call wrapping nor the offsets: :func:`kvcore.token_cache.encode_ids`);
+        transformers' per-call wrapping nor the offsets: :func:`kvcore.token_cache.encode_ids`),
+        or through tiktoken where :class:`kvcore.bpe_fast.FastBPE` applies (the same ids);
         special tokens come from the backend's post-processor, which transformers keeps in step
         with the tokenizer config. Through the prefix token cache when there is one (the same ids)."""
         if self.token_cache is not None:
             return self.token_cache.encode(text, add_special_tokens)
-        if self._backend is not None:
-            return encode_ids(self._backend, [text], add_special_tokens)[0]
+        if self._encode is not None:
+            return self._encode([text], add_special_tokens)[0]
         return list(self._tok(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def decode(self, token_ids: Sequence[int]) -> str:

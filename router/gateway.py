@@ -69,6 +69,7 @@ class Gateway:
         self.tokenizers = TokenizerPool(cfg.models, cfg.routing.tokenize_threads,
                                         cfg.routing.tokenize_cache_max_tokens)
         self.metrics.watch_tokenize_cache(self.tokenizers.cache_totals)
+        self.metrics.watch_tokenize_engines(self.tokenizers.engine_totals)
         self.policy = PolicyHolder(cfg.policy)
         # workers' peer-pull states (router.workers.peers): polled from a shared index's agent states
         # and from the states agents publish here (PUT /admin/workers/{id}/peer, router.workers.peer_states)

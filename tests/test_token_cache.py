@@ -311,6 +311,7 @@ def test_pool_counts_and_gateway_exports_them(tiny_model):
     asyncio.run(pool.load())
     metrics = GatewayMetrics(lambda: [])
     metrics.watch_tokenize_cache(pool.cache_totals)
+    metrics.watch_tokenize_engines(pool.engine_totals)
     model = ModelConfig(name="tiny", tokenizer=str(tiny_model), block_size=16)
     try:
         plain = PromptTokenizer(tiny_model, cache_max_tokens=0)
@@ -324,6 +325,12 @@ def test_pool_counts_and_gateway_exports_them(tiny_model):
         text = metrics.exposition().decode()
         assert 'kvroute_tokenize_cache_total{result="hit"} 1.0' in text
         assert 'kvroute_tokenize_cache_total{result="fallback"} 0.0' in text
+        # the fixture is a byte-level BPE kvcore.bpe_fast applies to; the chats are ASCII
+        engines = pool.engine_totals()
+        assert engines["tiktoken"] > 0 and engines["tokenizers"] == 0
+        assert f'kvroute_tokenize_pieces_total{{engine="tiktoken"}} {float(engines["tiktoken"])}' in text
+        asyncio.run(pool.prompt_blocks(model, "completion", {"prompt": "caf\u00e9 " * 200}))
+        assert pool.engine_totals() == {"tiktoken": engines["tiktoken"], "tokenizers": 1}
     finally:
         pool.close()
     off = TokenizerPool([model], threads=1, cache_max_tokens=0)

@@ -47,6 +47,7 @@ def test_tokens_equal_real_vllm_tokenize(pool, model, capture):
         assert got.prompt_tokens == step["tokenize_response"]["count"]
         assert got.keys == [block_keys(want, BLOCK, "tiny")]
         assert len(got.first_keys) == len(want) // BLOCK
+    assert pool.engine_totals()["tiktoken"] > 0   # these ids came through kvcore.bpe_fast
 
 
 def test_cache_salt_changes_every_key_from_block_0(pool, model, capture):

@@ -101,6 +101,16 @@ class TokenizerPool:
                 out["fallback"] += st.fallbacks
         return out
 
+    def engine_totals(self) -> dict[str, int]:
+        """Text pieces encoded by each engine over the tokenizers :mod:`kvcore.bpe_fast` applies to
+        (each counted once): ``{"tiktoken": n, "tokenizers": n}``."""
+        out = {"tiktoken": 0, "tokenizers": 0}
+        for tok in {id(t): t for t in self._tokenizers.values()}.values():
+            if tok.fast_bpe is not None:
+                out["tiktoken"] += tok.fast_bpe.fast_pieces
+                out["tokenizers"] += tok.fast_bpe.slow_pieces
+        return out
+
     async def prompt_blocks(self, model: ModelConfig, kind: PromptKind, body: dict[str, Any],
                             lora_name: str | None = None, inline: bool = False) -> PromptBlocks:
         """Token ids and block keys of ``body`` (an OpenAI chat or completions body) for base

@@ -40,6 +40,7 @@
 | kvroute_dispatch_queue_rematches_total | counter | change | index lookups again for a waiting request (``queue.rematch_ms``): ``gained`` (a worker holds more of its prompt than before), ``lost`` (one holds less), ``none``; a lookup with both counts both |
 | kvroute_broken_streams_total | counter | worker, reason | streams a worker broke or left silent past ``stream_idle_s`` (ended with an error event) |
 | kvroute_tokenize_cache_total | counter | result | prefix token cache outcome per encoded text (``hit``, ``miss``, ``fallback``: junction unsafe, encoded whole) |
+| kvroute_tokenize_pieces_total | counter | engine | text pieces (between special tokens) of a byte-level BPE tokenizer :mod:`kvcore.bpe_fast` applies to, by the engine that encoded them: ``tiktoken`` (ASCII), ``tokenizers`` (the rest); the same ids either way |
 | kvroute_peer_credit_blocks_total | counter | worker | prompt blocks real decisions credited the chosen worker for pulling from a peer (:mod:`router.estimates.peer_credit`) |
 | kvroute_worker_peer_link_bytes_per_second | gauge | worker | the worker's measured peer-pull link speed, as its agent publishes it (Redis index; absent until it has pulled) |
 | kvroute_worker_call_failures_total | counter | worker, call | the gateway's own calls to a worker (``models``: ``GET /v1/models``) that failed or timed out; the answer skips that worker |
@@ -259,6 +260,11 @@ class GatewayMetrics:
         """Expose the prefix token cache's ``{"hit", "miss", "fallback"}`` counts, read at scrape time."""
         self.registry.register(_CounterFromTotals("kvroute_tokenize_cache", "Prefix token cache outcomes",
                                                   "result", totals))
+
+    def watch_tokenize_engines(self, totals: Callable[[], dict[str, int]]) -> None:
+        """Expose the text pieces each encoding engine took, ``{"tiktoken", "tokenizers"}``, read at scrape time."""
+        self.registry.register(_CounterFromTotals("kvroute_tokenize_pieces", "Text pieces encoded, by engine",
+                                                  "engine", totals))
 
     def watch_worker_calls(self, calls: Callable[[], dict[str, int]], applied: Callable[[], dict[str, int]]) -> None:
         """Expose, with ``kvroute serve --processes N``, the health probes and load scrapes this

@@ -1,0 +1,262 @@
+"""Exact byte-level BPE token ids through tiktoken, for the tokenizers where they provably agree.
+
+Block keys hash token ids, so the gateway needs exactly the ids ``tokenizers`` gives
+(``Tokenizer.encode(text, add_special_tokens).ids``). For byte-level BPE (GPT-2, Llama 3, Qwen 2
+and their kin) the same two steps, a regex split and byte pair merges, run in tiktoken (OpenAI's
+encoder, Rust) with much less work per token. :class:`FastBPE` builds a ``tiktoken.Encoding``
+from a ``tokenizers.Tokenizer`` and uses it only where its ids are the same; everything else goes
+through ``tokenizers`` unchanged. :func:`fast_bpe_unsupported_reason` says why a tokenizer cannot.
+
+Why the ids are the same
+------------------------
+``tokenizers`` (``models/bpe/word.rs``, ``Word::merge_all``) merges, again and again, the adjacent
+pair of symbols whose *listed merge* has the lowest index (the leftmost on ties) until no adjacent
+pair is a listed merge. tiktoken (``_byte_pair_merge``) merges the adjacent pair whose
+*concatenation* has the lowest rank (the leftmost on ties) until no concatenation is a token; each
+token's rank here is its id.
+
+1. Listed pairs are taken in the same order when the ids of the merges' results never decrease
+   along the merge list (checked). Two merges with one result at different places leave the same
+   state whichever goes first (what either creates ranks above that result).
+2. So the two can only part where tiktoken takes an adjacent pair ``(x, y)`` that is not a listed
+   merge although ``t = x + y`` is a token. Symbols are only ever made by merges inside their own
+   bytes, and the merges inside ``t``'s bytes come in the order of a run over ``t``'s bytes alone;
+   so that lone run passes through ``[x, y]``, where it stops with two symbols (nothing left to
+   merge). Checked: ``tokenizers``' own BPE of every token alone never ends in two symbols.
+3. tiktoken gives a piece that is itself a token as that token; ``tokenizers`` does too when the
+   model sets ``ignore_merges``, and otherwise only if the lone run ends in the token itself:
+   checked for every token then (this implies 2).
+4. The split: the pre-tokenizer is ``ByteLevel`` with its GPT-2 regex, or a ``Split`` (isolated,
+   not inverted) by a regex followed by ``ByteLevel`` without one; no prefix space is added.
+   tiktoken runs that regex in ``fancy-regex``, ``tokenizers`` in Oniguruma; their Unicode tables
+   are not the same, so only ASCII text takes this path (``\\s``, ``\\p{L}``, ``\\p{N}`` agree on
+   ASCII; checked at load on every ASCII character in the contexts the patterns tell apart). The
+   normalizer is none or NFC, which leaves ASCII as it is.
+5. Added tokens: ``tokenizers`` cuts the raw text at its non-normalized added tokens first
+   (leftmost-longest) and encodes each piece between them on its own (:mod:`kvcore.token_cache`
+   derives this); the same cut is made here. A piece that is not ASCII, or holds a normalized
+   added token, is encoded by ``tokenizers`` itself.
+"""
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import tiktoken
+from tokenizers import models as tk_models
+
+from kvcore.token_cache import cache_unsupported_reason, encode_ids, special_wrap
+
+# tokenizers' ByteLevel pre-tokenizer regex (pre_tokenizers/byte_level.rs), GPT-2's
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+_NORMALIZERS = {None, "NFC"}
+
+
+def _byte_to_char() -> dict[int, str]:
+    """GPT-2's byte -> printable character map, the alphabet of ``ByteLevel`` vocabularies."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    out = {b: chr(b) for b in kept}
+    extra = 0
+    for b in range(256):
+        if b not in out:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+def _probe_texts() -> list[str]:
+    """ASCII texts that put every ASCII character in each context the split patterns tell apart
+    (after a letter, a digit, a space, a newline, an apostrophe; repeated; at the ends)."""
+    chars = [chr(c) for c in range(128)]
+    out = []
+    for c in chars:
+        out.append(f"a{c}b {c}{c}1{c}\n{c} 'x{c}'s {c}  z{c}\r\n\t{c}")
+    out.append("".join(chars) + " " + "".join(reversed(chars)))
+    out.append("Hello, world! It's 2026: don't   stop\n\n  the   3.14 tokens' run.\t\tok\r\n")
+    return out
+
+
+def _merge_pairs(merges: list[Any]) -> list[tuple[str, str]]:
+    """``tokenizer.json``'s merges ("a b" strings or [a, b] lists) as pairs."""
+    out = []
+    for m in merges:
+        if isinstance(m, str):
+            a, _, b = m.partition(" ")
+        else:
+            a, b = m
+        out.append((a, b))
+    return out
+
+
+def _split_pattern(pre: dict[str, Any] | None) -> tuple[str | None, str | None]:
+    """``(regex, None)`` for a supported byte-level pre-tokenizer, else ``(None, reason)``."""
+    def byte_level(p: dict[str, Any], with_regex: bool) -> str | None:
+        if p.get("type") != "ByteLevel":
+            return f"pre-tokenizer step {p.get('type')!r} is not ByteLevel"
+        if p.get("add_prefix_space"):
+            return "ByteLevel adds a prefix space"
+        if bool(p.get("use_regex", True)) != with_regex:
+            return "ByteLevel's use_regex is not as expected"
+        return None
+
+    if pre is None:
+        return None, "no pre-tokenizer"
+    if pre.get("type") == "ByteLevel":
+        reason = byte_level(pre, True)
+        return (None, reason) if reason else (GPT2_PATTERN, None)
+    if pre.get("type") == "Sequence" and len(pre.get("pretokenizers") or []) == 2:
+        split, last = pre["pretokenizers"]
+        pattern = (split.get("pattern") or {}).get("Regex") if split.get("type") == "Split" else None
+        if pattern is None or split.get("behavior") != "Isolated" or split.get("invert"):
+            return None, "the first pre-tokenizer step is not an isolated, non-inverted regex Split"
+        reason = byte_level(last, False)
+        return (None, reason) if reason else (pattern, None)
+    return None, f"pre-tokenizer {pre.get('type')!r} is not a byte-level split this path knows"
+
+
+class FastBPE:
+    """``backend.encode(text, add_special_tokens).ids`` exactly, through tiktoken where the module
+    docstring's conditions hold and through ``backend`` (a ``tokenizers.Tokenizer``) elsewhere.
+
+    Build with :meth:`build`, which raises ValueError naming the condition a tokenizer fails (it
+    checks every vocabulary token once: ~1 s for 150k tokens). Thread-safe (tiktoken and
+    ``tokenizers`` are). ``fast_pieces`` / ``slow_pieces`` count the text pieces each engine
+    encoded (a statistic: updated without a lock)."""
+
+    def __init__(self, backend: Any, encoding: Any, special: dict[str, int], normalized: list[str],
+                 wrap: tuple[list[int], list[int]] | None) -> None:
+        self._backend = backend
+        self._encode_ascii = encoding.encode_ordinary
+        self._special = special
+        self._special_re = re.compile("|".join(re.escape(s) for s in sorted(special, key=lambda s: (-len(s), s)))) \
+            if special else None
+        self._normalized_re = re.compile("|".join(re.escape(s) for s in normalized)) if normalized else None
+        self._wrap = wrap
+        self.fast_pieces = 0
+        self.slow_pieces = 0
+
+    @classmethod
+    def build(cls, backend: Any) -> FastBPE:
+        """The encoder of ``backend``; raises ValueError (why not) when the ids could differ."""
+        reason, parts = _parts(backend)
+        if reason is not None:
+            raise ValueError(reason)
+        fast = cls(backend, *parts)
+        bad = [t for t in _probe_texts() if fast.encode_many([t], False)[0] != _slow(backend, [t], False)[0]]
+        if bad:
+            raise ValueError(f"the split regex parts from tokenizers' on ASCII text: {bad[0][:40]!r}")
+        fast.fast_pieces = fast.slow_pieces = 0
+        return fast
+
+    def encode_many(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        """``[backend.encode(t, add_special_tokens=...).ids for t in texts]``; raises what the
+        tokenizer raises."""
+        if add_special_tokens and self._wrap is None:
+            return _slow(self._backend, texts, True)
+        out = [self._raw(t) for t in texts]
+        if add_special_tokens:
+            head, tail = self._wrap  # type: ignore[misc]
+            if head or tail:
+                out = [head + ids + tail for ids in out]
+        return out
+
+    def _raw(self, text: str) -> list[int]:
+        if self._special_re is None:
+            return self._piece(text)
+        out: list[int] = []
+        pos = 0
+        for m in self._special_re.finditer(text):
+            if m.start() > pos:
+                out += self._piece(text[pos:m.start()])
+            out.append(self._special[m.group()])
+            pos = m.end()
+        if pos < len(text):
+            out += self._piece(text[pos:])
+        return out
+
+    def _piece(self, text: str) -> list[int]:
+        """Ids of text holding no non-normalized added token (encoded on its own by tokenizers)."""
+        if text.isascii() and (self._normalized_re is None or self._normalized_re.search(text) is None):
+            self.fast_pieces += 1
+            return self._encode_ascii(text)
+        self.slow_pieces += 1
+        return _slow(self._backend, [text], False)[0]
+
+
+def fast_bpe_unsupported_reason(backend: Any) -> str | None:
+    """Why :class:`FastBPE` cannot encode ``backend`` exactly (the first condition it fails), or
+    None. Does the whole check, so it costs what :meth:`FastBPE.build` costs."""
+    try:
+        FastBPE.build(backend)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _slow(backend: Any, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+    return encode_ids(backend, texts, add_special_tokens)
+
+
+def _parts(backend: Any) -> tuple[str | None, tuple]:
+    """``(None, (encoding, special, normalized, wrap))`` or ``(reason, ())``."""
+    spec = json.loads(backend.to_str())
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE":
+        return f"the model is {model.get('type')!r}, not BPE", ()
+    if model.get("dropout") or model.get("byte_fallback") or model.get("continuing_subword_prefix") \
+            or model.get("end_of_word_suffix"):
+        return "the BPE model has dropout, byte fallback or subword affixes", ()
+    normalizer = (spec.get("normalizer") or {}).get("type")
+    if normalizer not in _NORMALIZERS:
+        return f"normalizer {normalizer!r} (only none or NFC leave ASCII unchanged)", ()
+    pattern, reason = _split_pattern(spec.get("pre_tokenizer"))
+    if reason is not None:
+        return reason, ()
+    cut = cache_unsupported_reason(backend)
+    if cut is not None and cut != "no non-normalized added tokens to cut at":
+        return cut, ()
+    vocab: dict[str, int] = model["vocab"]
+    merges = _merge_pairs(model.get("merges") or [])
+    to_char = _byte_to_char()
+    from_char = {c: b for b, c in to_char.items()}
+    if any(c not in vocab for c in to_char.values()):
+        return "a byte of the ByteLevel alphabet is not in the vocabulary", ()
+    last = -1
+    for a, b in merges:
+        result = vocab.get(a + b)
+        if result is None:
+            return f"merge {a!r} {b!r} makes no vocabulary token", ()
+        if result < last:
+            return f"merge results' ids decrease along the merge list (at {a + b!r})", ()
+        last = result
+    # without ignore_merges a token that is neither a byte nor a merge's result never comes out of
+    # tokenizers' BPE (an added token's entry, say): tiktoken is not given it either
+    whole = not model.get("ignore_merges")
+    made = {a + b for a, b in merges}
+    kept = {tok: i for tok, i in vocab.items() if len(tok) == 1 or not whole or tok in made}
+    try:
+        ranks = {bytes(from_char[c] for c in tok): i for tok, i in kept.items()}
+    except KeyError:
+        return "a vocabulary token has a character outside the ByteLevel alphabet", ()
+    if len(ranks) != len(kept):
+        return "two vocabulary tokens have the same bytes", ()
+    lone = tk_models.BPE(vocab=vocab, merges=merges, ignore_merges=False)
+    for tok in kept:
+        if len(tok) < 2:
+            continue
+        n = len(lone.tokenize(tok))
+        if n == 2 or (whole and n != 1):
+            return f"token {tok!r} is not what BPE makes of its own bytes", ()
+    try:
+        encoding = tiktoken.Encoding("kvroute", pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
+    except Exception as exc:  # noqa: BLE001 - fancy-regex refusing the pattern, say
+        return f"tiktoken refuses the tokenizer ({exc})", ()
+    added = backend.get_added_tokens_decoder()
+    special = {t.content: i for i, t in added.items() if not t.normalized and t.content}
+    normalized = sorted({t.content for t in added.values() if t.normalized and t.content})
+    wrap = special_wrap(backend, next(iter(special), "a"))
+    return None, (encoding, special, normalized, wrap)
+
+
+__all__ = ["FastBPE", "GPT2_PATTERN", "fast_bpe_unsupported_reason"]

@@ -1,0 +1,165 @@
+"""kvcore.bpe_fast: tiktoken's ids equal tokenizers' own wherever FastBPE uses it, and a
+tokenizer where they could differ is refused at build.
+
+Tokenizers: the generated GPT-2-style fixture (ByteLevel with its regex, special chat markers), and
+one trained here in the Llama 3 / Qwen 2 shape (NFC, a Split by a cl100k-style regex, then
+ByteLevel without one, ``ignore_merges``). Texts: random mixes of ASCII letters, digits,
+punctuation, every kind of ASCII whitespace and contractions, some with non-ASCII characters (those
+pieces go to tokenizers), with and without the added tokens between them."""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import tiktoken
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from kvcore.bpe_fast import FastBPE, fast_bpe_unsupported_reason
+from kvcore.token_cache import PrefixTokenCache, encode_ids
+from kvcore.tokenization import PromptTokenizer
+
+FIXTURE = Path(__file__).parent / "fixtures" / "tiny-model"
+CL100K_LIKE = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+               r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+WORDS = ["the", "cache", "block", "prefill", "decode", "router", "worker", "token", "It", "HTTP", "x", "42",
+         "3.14", "don't", "we're", "they'll", "I'd", "you've", "I'm", "it's", "(a)", "[b]", "{c}", "#", "->", "==",
+         "__init__", "self.x", "f(x)", "a_b", "CamelCase", "ALLCAPS", "1234567", "'", "''", "'s"]
+SPACES = [" ", "  ", "\n", "\n\n", "\t", "\r\n", " \n ", "\x0b", "\x0c", "   \t"]
+NON_ASCII = ["é", "naïve", "中文", "\u00a0", "—", "🙂", "\u2028", "Ω"]
+
+
+def _texts(seed: int, n: int, non_ascii: float, specials: list[str]) -> list[str]:
+    rnd = random.Random(seed)
+    out = []
+    for _ in range(n):
+        parts = []
+        for _ in range(rnd.randint(1, 40)):
+            r = rnd.random()
+            if r < non_ascii:
+                parts.append(rnd.choice(NON_ASCII))
+            elif r < non_ascii + 0.05 and specials:
+                parts.append(rnd.choice(specials))
+            elif r < 0.45:
+                parts.append(rnd.choice(SPACES))
+            elif r < 0.55:
+                parts.append(chr(rnd.randrange(128)))
+            else:
+                parts.append(rnd.choice(WORDS))
+        out.append("".join(parts))
+    return out
+
+
+def _corpus() -> list[str]:
+    return _texts(7, 400, 0.0, []) + ["The quick brown fox jumps over the lazy dog. " * 20]
+
+
+@pytest.fixture(scope="module")
+def gpt2_style() -> Tokenizer:
+    return Tokenizer.from_file(str(FIXTURE / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def llama3_style() -> Tokenizer:
+    tok = Tokenizer(models.BPE(ignore_merges=True))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(pattern=__import__("tokenizers").Regex(CL100K_LIKE), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1500, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<|begin_of_text|>", "<|eot_id|>"], show_progress=False)
+    tok.train_from_iterator(_corpus(), trainer)
+    return tok
+
+
+def _specials(tok: Tokenizer) -> list[str]:
+    return [t.content for t in tok.get_added_tokens_decoder().values()]
+
+
+@pytest.mark.parametrize("name", ["gpt2_style", "llama3_style"])
+def test_fast_ids_equal_tokenizers_ids(name, request):
+    tok = request.getfixturevalue(name)
+    fast = FastBPE.build(tok)
+    specials = _specials(tok)
+    assert specials
+    texts = _texts(1, 600, 0.0, specials) + _texts(2, 300, 0.08, specials)
+    for add in (False, True):
+        got = fast.encode_many(texts, add)
+        want = encode_ids(tok, texts, add)
+        bad = [t for t, g, w in zip(texts, got, want) if g != w]
+        assert not bad, (name, add, bad[:1])
+    # the ASCII pieces went through tiktoken, the others through tokenizers
+    assert fast.fast_pieces > 1000 and fast.slow_pieces > 50
+    assert sum(len(w) for w in want) > 20_000
+
+
+def test_non_ascii_text_is_left_to_tokenizers(gpt2_style):
+    fast = FastBPE.build(gpt2_style)
+    text = "caf\u00e9 au lait<|im_end|>plain ascii tail"
+    assert fast.encode_many([text], False) == encode_ids(gpt2_style, [text], False)
+    assert (fast.slow_pieces, fast.fast_pieces) == (1, 1)
+
+
+def _bpe(vocab_tokens: list[str], merges: list[tuple[str, str]], **pre) -> Tokenizer:
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {c: i for i, c in enumerate(sorted(alphabet))}
+    for t in vocab_tokens:
+        vocab[t] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=pre.get("prefix", False), use_regex=True)
+    return tok
+
+
+def test_a_vocabulary_where_tiktoken_would_merge_an_unlisted_pair_is_refused():
+    # "abc" is made from ("a", "bc"), but ("a", "b") ranks first: tokenizers stops at ["ab", "c"]
+    tok = _bpe(["ab", "bc", "abc"], [("a", "b"), ("b", "c"), ("a", "bc")])
+    assert [tok.id_to_token(i) for i in tok.encode("abc").ids] == ["ab", "c"]
+    ranks = {t.encode(): i for t, i in tok.get_vocab().items()}  # these tokens are plain ASCII
+    naive = tiktoken.Encoding("naive", pat_str=r"\S+|\s+", mergeable_ranks=ranks, special_tokens={})
+    assert naive.encode_ordinary("abc") == [tok.token_to_id("abc")]   # what the check guards against
+    with pytest.raises(ValueError, match="'abc' is not what BPE makes of its own bytes"):
+        FastBPE.build(tok)
+
+
+def test_other_shapes_are_refused_with_the_reason(gpt2_style):
+    spec = json.loads(gpt2_style.to_str())
+    cases = {
+        "adds a prefix space": lambda s: s["pre_tokenizer"].update(add_prefix_space=True),
+        "normalizer 'Lowercase'": lambda s: s.update(normalizer={"type": "Lowercase"}),
+        "pre-tokenizer 'Whitespace'": lambda s: s.update(pre_tokenizer={"type": "Whitespace"}),
+        "ids decrease": lambda s: s["model"]["merges"].reverse(),
+        "dropout": lambda s: s["model"].update(dropout=0.1),
+    }
+    for reason, edit in cases.items():
+        changed = json.loads(json.dumps(spec))
+        edit(changed)
+        got = fast_bpe_unsupported_reason(Tokenizer.from_str(json.dumps(changed)))
+        assert got is not None and reason in got, (reason, got)
+    assert fast_bpe_unsupported_reason(gpt2_style) is None
+
+
+def test_prompt_tokenizer_encodes_through_it_with_the_prefix_cache(gpt2_style):
+    tok = PromptTokenizer(FIXTURE)
+    assert tok.fast_bpe is not None and tok.token_cache is not None
+    body = {"messages": [{"role": "system", "content": "You route requests. " * 40},
+                         {"role": "user", "content": "Where is block 7's prefix held?"}]}
+    text = tok.render_chat(body)
+    want = encode_ids(gpt2_style, [text], False)[0]
+    assert tok.encode_chat(body) == want
+    assert tok.encode_chat(body) == want                  # again, from the prefix cache
+    assert tok.cache_stats().hits == 1
+    before = tok.fast_bpe.fast_pieces
+    longer = {"messages": body["messages"] + [{"role": "assistant", "content": "On worker w1."},
+                                              {"role": "user", "content": "And the next turn's?"}]}
+    assert tok.encode_chat(longer) == encode_ids(gpt2_style, [tok.render_chat(longer)], False)[0]
+    assert tok.fast_bpe.fast_pieces > before              # only the new turn's text was encoded
+
+
+def test_the_prefix_cache_takes_the_fast_encoder(gpt2_style):
+    fast = FastBPE.build(gpt2_style)
+    cache = PrefixTokenCache(gpt2_style, encoder=fast.encode_many, min_text_chars=0)
+    text = "<|im_start|>user\n" + "hello there, " * 30 + "<|im_end|>"
+    assert cache.encode(text, True) == encode_ids(gpt2_style, [text], True)[0]
+    assert fast.fast_pieces >= 1
