@@ -111,7 +111,8 @@ def block_keys(
     n_blocks = len(token_ids) // block_size
     key = root_key(model) if parent is None else parent
     try:
-        packed = array.array(_U32, token_ids[:n_blocks * block_size])
+        packed = array.array(_U32, token_ids if len(token_ids) == n_blocks * block_size
+                             else token_ids[:n_blocks * block_size])
     except (OverflowError, TypeError) as exc:
         raise ValueError(f"token id out of range for block keys: {exc}") from None
     if _SWAP:
@@ -119,11 +120,13 @@ def block_keys(
     raw = packed.tobytes()  # u32 little-endian, block after block
     step = 4 * block_size
     keys: list[int] = []
-    plain = extras.is_empty()
+    h, append = _h, keys.append
+    if extras.is_empty():  # the common case, without the per-block extras call
+        for lo in range(0, n_blocks * step, step):
+            key = h(key.to_bytes(8, "little") + raw[lo:lo + step])
+            append(key)
+        return keys
     for i, lo in enumerate(range(0, n_blocks * step, step)):
-        data = key.to_bytes(8, "little") + raw[lo:lo + step]
-        if not plain:
-            data += _extras_for_block(extras, first_block_index + i, block_size)
-        key = _h(data)
-        keys.append(key)
+        key = h(key.to_bytes(8, "little") + raw[lo:lo + step] + _extras_for_block(extras, first_block_index + i, block_size))
+        append(key)
     return keys
