@@ -31,7 +31,11 @@ token's rank here is its id.
    tiktoken runs that regex in ``fancy-regex``, ``tokenizers`` in Oniguruma; their Unicode tables
    are not the same, so only ASCII text takes this path (``\\s``, ``\\p{L}``, ``\\p{N}`` agree on
    ASCII; checked at load on every ASCII character in the contexts the patterns tell apart). The
-   normalizer is none or NFC, which leaves ASCII as it is.
+   engines also read ``^`` and ``$`` differently (Oniguruma: at any line break), so a regex with
+   an anchor, a word boundary or an inline flag other than ``i`` is refused; where a regex leaves
+   characters unmatched (``tokenizers`` keeps them as a piece, tiktoken drops them) a piece's ids
+   must spell all of its bytes, else it goes to ``tokenizers``, as does a piece tiktoken fails
+   on. The normalizer is none or NFC, which leaves ASCII as it is.
 5. Added tokens: ``tokenizers`` cuts the raw text at its non-normalized added tokens first
    (leftmost-longest) and encodes each piece between them on its own (:mod:`kvcore.token_cache`
    derives this); the same cut is made here. A piece that is not ASCII, or holds a normalized
@@ -128,6 +132,7 @@ class FastBPE:
                  wrap: tuple[list[int], list[int]] | None) -> None:
         self._backend = backend
         self._encode_ascii = encoding.encode_ordinary
+        self._decode_bytes = encoding.decode_bytes
         self._special = special
         self._special_re = re.compile("|".join(re.escape(s) for s in sorted(special, key=lambda s: (-len(s), s)))) \
             if special else None
@@ -143,9 +148,14 @@ class FastBPE:
         if reason is not None:
             raise ValueError(reason)
         fast = cls(backend, *parts)
-        bad = [t for t in _probe_texts() if fast.encode_many([t], False)[0] != _slow(backend, [t], False)[0]]
-        if bad:
-            raise ValueError(f"the split regex parts from tokenizers' on ASCII text: {bad[0][:40]!r}")
+        for text in _probe_texts():
+            try:
+                got = fast._encode_ascii(text)
+            except BaseException as exc:  # noqa: BLE001 - tiktoken's Rust panics are BaseExceptions
+                _reraise_unless_engine_error(exc)
+                raise ValueError(f"tiktoken fails on the split regex ({type(exc).__name__}: {exc})") from None
+            if got != _slow(backend, [text], False)[0]:
+                raise ValueError(f"the split regex parts from tokenizers' on ASCII text: {text[:40]!r}")
         fast.fast_pieces = fast.slow_pieces = 0
         return fast
 
@@ -178,8 +188,15 @@ class FastBPE:
     def _piece(self, text: str) -> list[int]:
         """Ids of text holding no non-normalized added token (encoded on its own by tokenizers)."""
         if text.isascii() and (self._normalized_re is None or self._normalized_re.search(text) is None):
-            self.fast_pieces += 1
-            return self._encode_ascii(text)
+            try:
+                ids = self._encode_ascii(text)
+            except BaseException as exc:  # noqa: BLE001 - tiktoken's Rust panics are BaseExceptions
+                _reraise_unless_engine_error(exc)
+                ids = None
+            # all bytes spelt: where the regex leaves characters unmatched, tiktoken drops them
+            if ids is not None and len(self._decode_bytes(ids)) == len(text):
+                self.fast_pieces += 1
+                return ids
         self.slow_pieces += 1
         return _slow(self._backend, [text], False)[0]
 
@@ -191,6 +208,48 @@ def fast_bpe_unsupported_reason(backend: Any) -> str | None:
         FastBPE.build(backend)
     except ValueError as exc:
         return str(exc)
+    return None
+
+
+def _reraise_unless_engine_error(exc: BaseException) -> None:
+    """Re-raise ``exc`` unless tiktoken raised it (an Exception, or pyo3's ``PanicException``,
+    which derives from BaseException), so an interrupt is never swallowed."""
+    if not isinstance(exc, Exception) and type(exc).__name__ != "PanicException":
+        raise exc
+
+
+# groups the engines read alike: (?: (?= (?! (?<= (?<! (?> and case-insensitive (?i: / (?i)
+_GROUP_RE = re.compile(r"\(\?(?:[=!:>]|<[=!]|i[:)])")
+
+
+def _regex_unsupported_reason(pattern: str) -> str | None:
+    r"""Why the split regex may match otherwise in fancy-regex than in Oniguruma, or None: an
+    anchor (``^`` or ``$`` outside a class, ``\A``, ``\z``, ``\Z``, ``\G``), a word boundary
+    (``\b``, ``\B``), or a group other than plain, lookaround, atomic or ``(?i:...)``."""
+    depth = 0  # inside a character class (Oniguruma nests them)
+    i = 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            if depth == 0 and pattern[i + 1:i + 2] in ("A", "z", "Z", "G", "b", "B"):
+                return f"the split regex has an anchor or word boundary (\\{pattern[i + 1]})"
+            i += 2
+            continue
+        if c == "[":
+            depth += 1
+            i += 1
+            if pattern.startswith("^", i):
+                i += 1
+            if pattern.startswith("]", i):  # a leading ] is literal
+                i += 1
+            continue
+        if c == "]" and depth:
+            depth -= 1
+        elif depth == 0 and c in "^$":
+            return f"the split regex has an anchor ({c}), which the two engines read differently"
+        elif depth == 0 and pattern.startswith("(?", i) and not _GROUP_RE.match(pattern, i):
+            return f"the split regex has a group or flag this path does not take ({pattern[i:i + 4]}...)"
+        i += 1
     return None
 
 
@@ -211,6 +270,8 @@ def _parts(backend: Any) -> tuple[str | None, tuple]:
     if normalizer not in _NORMALIZERS:
         return f"normalizer {normalizer!r} (only none or NFC leave ASCII unchanged)", ()
     pattern, reason = _split_pattern(spec.get("pre_tokenizer"))
+    if reason is None:
+        reason = _regex_unsupported_reason(pattern)  # type: ignore[arg-type]
     if reason is not None:
         return reason, ()
     cut = cache_unsupported_reason(backend)

@@ -163,3 +163,40 @@ def test_the_prefix_cache_takes_the_fast_encoder(gpt2_style):
     text = "<|im_start|>user\n" + "hello there, " * 30 + "<|im_end|>"
     assert cache.encode(text, True) == encode_ids(gpt2_style, [text], True)[0]
     assert fast.fast_pieces >= 1
+
+
+def _split_bpe(pattern: str) -> Tokenizer:
+    """Byte alphabet plus "QQ" and "ZZ", split by ``pattern`` then ByteLevel without its regex."""
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["QQ"], vocab["ZZ"] = len(vocab), len(vocab) + 1
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("Q", "Q"), ("Z", "Z")]))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(pattern=__import__("tokenizers").Regex(pattern), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return tok
+
+
+@pytest.mark.parametrize("pattern, text", [(r"QQ$|\S|\s+", "QQ\nx"), (r"^QQ|\S|\s+", "x\nQQ")])
+def test_a_split_regex_with_anchors_is_refused(pattern, text):
+    # Oniguruma (tokenizers) anchors ^ and $ at every line break, fancy-regex (tiktoken) at the text's ends
+    tok = _split_bpe(pattern)
+    ranks = {t.encode(): i for t, i in tok.get_vocab().items() if t.isascii() and t.isprintable()}
+    ranks.update({b"\n": tok.token_to_id("\u010a")})
+    naive = tiktoken.Encoding("naive", pat_str=pattern, mergeable_ranks=ranks, special_tokens={})
+    assert naive.encode_ordinary(text) != tok.encode(text).ids
+    with pytest.raises(ValueError, match="anchor"):
+        FastBPE.build(tok)
+
+
+def test_characters_a_split_regex_leaves_unmatched_are_not_lost():
+    # "ZZZ": no alternative matches the first Z; tokenizers keeps it as a piece, tiktoken drops it
+    tok = _split_bpe(r"[^Z]|Z(?!ZZ)|\s")
+    fast = FastBPE.build(tok)
+    assert fast.encode_many(["ZZZ", "aZZ b"], False) == encode_ids(tok, ["ZZZ", "aZZ b"], False)
+    assert fast.encode_many(["ZZZ"], False) == [[tok.token_to_id("Z")] * 3]
+    assert (fast.slow_pieces, fast.fast_pieces) == (2, 1)   # "ZZZ" twice through tokenizers
+
+
+def test_a_split_regex_that_can_match_nothing_is_refused_not_a_crash():
+    with pytest.raises(ValueError, match="tiktoken fails on the split regex"):
+        FastBPE.build(_split_bpe(r"\w*|\s+|[^\w\s]"))   # tiktoken panics in Rust on an empty match
