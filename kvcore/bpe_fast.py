@@ -50,7 +50,7 @@ from typing import Any
 import tiktoken
 from tokenizers import models as tk_models
 
-from kvcore.token_cache import cache_unsupported_reason, encode_ids, special_wrap
+from kvcore.token_cache import added_tokens_re, cache_unsupported_reason, encode_ids, special_wrap
 
 # tokenizers' ByteLevel pre-tokenizer regex (pre_tokenizers/byte_level.rs), GPT-2's
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -124,7 +124,7 @@ class FastBPE:
     docstring's conditions hold and through ``backend`` (a ``tokenizers.Tokenizer``) elsewhere.
 
     Build with :meth:`build`, which raises ValueError naming the condition a tokenizer fails (it
-    checks every vocabulary token once: ~1 s for 150k tokens). Thread-safe (tiktoken and
+    runs BPE over every vocabulary token once, at load). Thread-safe (tiktoken and
     ``tokenizers`` are). ``fast_pieces`` / ``slow_pieces`` count the text pieces each engine
     encoded (a statistic: updated without a lock)."""
 
@@ -134,8 +134,7 @@ class FastBPE:
         self._encode_ascii = encoding.encode_ordinary
         self._decode_bytes = encoding.decode_bytes
         self._special = special
-        self._special_re = re.compile("|".join(re.escape(s) for s in sorted(special, key=lambda s: (-len(s), s)))) \
-            if special else None
+        self._special_re = added_tokens_re(special) if special else None
         self._normalized_re = re.compile("|".join(re.escape(s) for s in normalized)) if normalized else None
         self._wrap = wrap
         self.fast_pieces = 0

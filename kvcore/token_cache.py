@@ -179,7 +179,7 @@ class PrefixTokenCache:
         self.min_segment_chars = max(1, min_segment_chars)
         raw = sorted({t.content for t in backend.get_added_tokens_decoder().values()
                       if not t.normalized and t.content}, key=lambda s: (-len(s), s))
-        self._anchor_re = re.compile("|".join(re.escape(s) for s in raw))
+        self._anchor_re = added_tokens_re(raw)
         # proper prefix -> the tokens it starts: an occurrence straddling p has one of these ending at p
         straddle: dict[str, list[str]] = {}
         for s in raw:
@@ -359,6 +359,12 @@ class PrefixTokenCache:
         self._size_tokens += sign * (len(entry.ids) + ENTRY_OVERHEAD_TOKENS)
 
 
+def added_tokens_re(contents: Any) -> re.Pattern[str]:
+    """A regex matching the added tokens ``contents`` as ``tokenizers`` finds them in raw text:
+    leftmost, and the longest at a place (alternatives longest first)."""
+    return re.compile("|".join(re.escape(s) for s in sorted(set(contents), key=lambda s: (-len(s), s))))
+
+
 def special_wrap(backend: Any, anchor: str) -> tuple[list[int], list[int]] | None:
     """The fixed ids the post-processor puts before and after a text's ids when
     ``add_special_tokens=True``, found by probing; None when the post-processor is not one known to
@@ -379,4 +385,4 @@ def special_wrap(backend: Any, anchor: str) -> tuple[list[int], list[int]] | Non
 
 
 __all__ = ["DEFAULT_MAX_TOKENS", "PrefixTokenCache", "TokenCacheStats", "UnsupportedTokenizer",
-           "cache_unsupported_reason", "encode_ids", "special_wrap"]
+           "added_tokens_re", "cache_unsupported_reason", "encode_ids", "special_wrap"]
