@@ -50,7 +50,7 @@ from typing import Any
 import tiktoken
 from tokenizers import models as tk_models
 
-from kvcore.token_cache import added_tokens_re, cache_unsupported_reason, encode_ids, special_wrap
+from kvcore.token_cache import NO_CUTS, added_tokens_re, cache_unsupported_reason, encode_ids, special_wrap
 
 # tokenizers' ByteLevel pre-tokenizer regex (pre_tokenizers/byte_level.rs), GPT-2's
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -153,7 +153,7 @@ class FastBPE:
             except BaseException as exc:  # noqa: BLE001 - tiktoken's Rust panics are BaseExceptions
                 _reraise_unless_engine_error(exc)
                 raise ValueError(f"tiktoken fails on the split regex ({type(exc).__name__}: {exc})") from None
-            if got != _slow(backend, [text], False)[0]:
+            if got != encode_ids(backend, [text], False)[0]:
                 raise ValueError(f"the split regex parts from tokenizers' on ASCII text: {text[:40]!r}")
         fast.fast_pieces = fast.slow_pieces = 0
         return fast
@@ -162,7 +162,7 @@ class FastBPE:
         """``[backend.encode(t, add_special_tokens=...).ids for t in texts]``; raises what the
         tokenizer raises."""
         if add_special_tokens and self._wrap is None:
-            return _slow(self._backend, texts, True)
+            return encode_ids(self._backend, texts, True)
         out = [self._raw(t) for t in texts]
         if add_special_tokens:
             head, tail = self._wrap  # type: ignore[misc]
@@ -197,7 +197,7 @@ class FastBPE:
                 self.fast_pieces += 1
                 return ids
         self.slow_pieces += 1
-        return _slow(self._backend, [text], False)[0]
+        return encode_ids(self._backend, [text], False)[0]
 
 
 def fast_bpe_unsupported_reason(backend: Any) -> str | None:
@@ -252,10 +252,6 @@ def _regex_unsupported_reason(pattern: str) -> str | None:
     return None
 
 
-def _slow(backend: Any, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
-    return encode_ids(backend, texts, add_special_tokens)
-
-
 def _parts(backend: Any) -> tuple[str | None, tuple]:
     """``(None, (encoding, special, normalized, wrap))`` or ``(reason, ())``."""
     spec = json.loads(backend.to_str())
@@ -274,7 +270,7 @@ def _parts(backend: Any) -> tuple[str | None, tuple]:
     if reason is not None:
         return reason, ()
     cut = cache_unsupported_reason(backend)
-    if cut is not None and cut != "no non-normalized added tokens to cut at":
+    if cut is not None and cut != NO_CUTS:
         return cut, ()
     vocab: dict[str, int] = model["vocab"]
     merges = _merge_pairs(model.get("merges") or [])

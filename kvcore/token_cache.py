@@ -83,6 +83,9 @@ _KEY_BYTES = 16
 _KNOWN_POST_PROCESSORS = {"TemplateProcessing", "BertProcessing", "RobertaProcessing", "ByteLevel"}
 
 
+NO_CUTS = "no non-normalized added tokens to cut at"  # cache_unsupported_reason: nothing to cut at, nothing wrong
+
+
 class UnsupportedTokenizer(ValueError):
     """The tokenizer's pipeline can look across a special token, so cuts there are not exact."""
 
@@ -131,7 +134,7 @@ def cache_unsupported_reason(backend: Any) -> str | None:
         return "the BPE model has dropout"
     raw = [t for t in backend.get_added_tokens_decoder().values() if not t.normalized and t.content]
     if not raw:
-        return "no non-normalized added tokens to cut at"
+        return NO_CUTS
     odd = [t.content for t in raw if t.lstrip or t.rstrip or t.single_word]
     if odd:
         return f"added tokens with lstrip/rstrip/single_word: {odd[:5]}"
@@ -385,4 +388,4 @@ def special_wrap(backend: Any, anchor: str) -> tuple[list[int], list[int]] | Non
 
 
 __all__ = ["DEFAULT_MAX_TOKENS", "PrefixTokenCache", "TokenCacheStats", "UnsupportedTokenizer",
-           "added_tokens_re", "cache_unsupported_reason", "encode_ids", "special_wrap"]
+           "NO_CUTS", "added_tokens_re", "cache_unsupported_reason", "encode_ids", "special_wrap"]
