@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import httpx
@@ -39,6 +40,37 @@ SESSION_DEADLINE_S = 5400
 def free_port() -> int:
     """One free TCP port on 127.0.0.1 (for a setup that needs several, use :func:`free_ports`)."""
     return free_ports(1)[0]
+
+
+def log_excerpt(text: str, tail_chars: int = 3000) -> str:
+    """``text``'s last ``tail_chars`` characters, then its first traceback (to the exception line
+    ending it; at most 4,000 characters) when that lies further up: a failed start's root cause
+    (vLLM's engine core traceback, its lines prefixed ``(EngineCore_DP0 pid=N) ``) ends the failure
+    message, where a truncated CI log still shows it, instead of being cut above the wrappers'
+    tracebacks."""
+    tail = text[-tail_chars:]
+    start = text.find("Traceback (most recent call last):")
+    if start < 0 or start >= len(text) - len(tail):
+        return tail
+    line_start = text.rfind("\n", 0, start) + 1
+    prefix = text[line_start:start]
+    first = []
+    for line in text[line_start:].splitlines(True):
+        if not line.startswith(prefix):
+            continue  # another process's line, interleaved
+        body = line[len(prefix):]
+        first.append(body)
+        if body.strip() and not body[:1].isspace() and not body.startswith(
+                ("Traceback", "During handling", "The above exception")):
+            break
+    return f"{tail}\n[...]\n[first traceback, {prefix.strip() or 'top level'}]\n{''.join(first)[-4000:]}"
+
+
+def logs_excerpt(log_dir: Path) -> str:
+    """:func:`log_excerpt` of every ``*.log`` in ``log_dir``, those with a traceback last."""
+    texts = {p.name: p.read_text(errors="replace") for p in sorted(log_dir.glob("*.log"))}
+    order = sorted(texts, key=lambda name: "Traceback (most recent call last)" in texts[name])
+    return "\n".join(f"--- {name}\n{log_excerpt(texts[name])}" for name in order)
 
 
 def wait_until(check, timeout_s: float = 20.0, what: str = "condition", interval_s: float = 0.1):
@@ -75,10 +107,13 @@ class Proc:
         return self.popen.poll() is None
 
     def log_tail(self, n: int = 40) -> str:
+        """The log's last ``n`` lines, led by its first traceback when that is further up."""
         try:
-            return "".join(self.log_path.read_text(errors="replace").splitlines(True)[-n:])
+            text = self.log_path.read_text(errors="replace")
         except OSError:
             return ""
+        tail = "".join(text.splitlines(True)[-n:])
+        return log_excerpt(text, len(tail))
 
     def signal(self, sig: int) -> None:
         try:
@@ -97,12 +132,17 @@ class Proc:
         self._log.close()
 
 
+class ServerExited(RuntimeError):
+    """A process :func:`wait_http` waited on exited before it answered (the message ends with its
+    log's root cause, :func:`log_excerpt`)."""
+
+
 def wait_http(url: str, proc: Proc | None = None, timeout_s: float = 60) -> None:
     """Poll ``url`` until it answers below 500; raise with the process log if it never does."""
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         if proc is not None and not proc.alive():
-            raise RuntimeError(f"{proc.name} exited {proc.popen.returncode}:\n{proc.log_tail()}")
+            raise ServerExited(f"{proc.name} exited {proc.popen.returncode}:\n{proc.log_tail()}")
         try:
             if httpx.get(url, timeout=2).status_code < 500:
                 return
@@ -126,24 +166,38 @@ def serve_gateway(cfg: dict, log_dir: Path, started: list[Proc], name: str = "ga
     return base, path, proc
 
 
+# what vLLM's API server logs when its engine core failed to start (vllm/v1/engine/utils.py)
+ENGINE_START_FAILED = "Engine core initialization failed"
+
+
 @contextlib.contextmanager
 def running_up(name: str, up_args: list[str], log_dir: Path, env: dict[str, str], ready_s: float = 180):
     """``kvroute up`` with ``up_args`` (``--log-dir`` added: ``log_dir/up``) until its gateway-ready
     line, stopped on exit; yields the gateway's base URL. Fails the test with the logs when it exits
-    or is not ready within ``ready_s``."""
-    proc = Proc(name, kvroute_argv("up", *up_args, "--log-dir", str(log_dir / "up")), log_dir, env=env,
-                deadline_s=ready_s + 900)
-    try:
-        end = time.monotonic() + ready_s
-        while not (m := re.search(r"gateway ready: (http://\S+)/v1", proc.log_path.read_text(errors="replace"))):
-            if not proc.alive() or time.monotonic() > end:
-                logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}"
-                                 for p in sorted((log_dir / "up").glob("*.log")))
-                pytest.fail(f"kvroute up not ready:\n{proc.log_tail()}\n{logs}")
-            time.sleep(0.2)
-        yield m.group(1)
-    finally:
-        proc.stop(timeout_s=60)
+    or is not ready within ``ready_s``. When it exits because a vLLM engine failed to start
+    (:data:`ENGINE_START_FAILED`), it is started once more after a warning ending with that log's
+    root cause, the failed run's logs kept beside (``up-failed``): a CI machine once failed a
+    module's servers that way, its root cause cut from the log."""
+    for attempt in (1, 2):
+        proc = Proc(name, kvroute_argv("up", *up_args, "--log-dir", str(log_dir / "up")), log_dir, env=env,
+                    deadline_s=ready_s + 900)
+        try:
+            end = time.monotonic() + ready_s
+            while not (m := re.search(r"gateway ready: (http://\S+)/v1", proc.log_path.read_text(errors="replace"))):
+                if not proc.alive() or time.monotonic() > end:
+                    logs = logs_excerpt(log_dir / "up")
+                    if attempt == 1 and not proc.alive() and ENGINE_START_FAILED in logs:
+                        break
+                    pytest.fail(f"kvroute up not ready:\n{proc.log_tail()}\n{logs}")
+                time.sleep(0.2)
+            else:
+                yield m.group(1)
+                return
+        finally:
+            proc.stop(timeout_s=60)
+        warnings.warn(f"kvroute up ({name}): a vLLM engine failed to start; starting again once:\n{logs}")
+        (log_dir / "up").rename(log_dir / "up-failed")
+        proc.log_path.rename(log_dir / f"{name}-failed.log")
 
 
 def metric(base: str, name: str, **labels) -> float:

@@ -30,7 +30,7 @@ import psutil
 import pytest
 from openai import OpenAI
 
-from conftest import ADMIN_TOKEN, Proc, free_port, kvroute_argv, running_up
+from conftest import ADMIN_TOKEN, Proc, free_port, kvroute_argv, logs_excerpt, running_up
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
@@ -215,7 +215,7 @@ def _wait_for(what: str, check, timeout_s: float, procs: list[Proc], log_dir: Pa
 
 
 def _logs(log_dir: Path) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(log_dir.glob("*.log")))
+    return logs_excerpt(log_dir)
 
 
 def pytest_collection_modifyitems(session, config, items):
