@@ -6,7 +6,11 @@ when it is there (``.cache/models/small-seed0``, vocab 2,048), and two byte-leve
 ``--vocab`` tokens trained here on this Python's standard library sources: one GPT-2-shaped
 (``ByteLevel`` with its regex), one Llama 3 / Qwen 2-shaped (NFC, a ``Split`` by a cl100k-style
 regex, ``ignore_merges``). Prompts: ASCII slices of other standard-library files, ``--tokens``
-tokens each (with the tokenizer at hand).
+tokens each (with the tokenizer at hand). Real vocabularies can be added: ``--tokenizer-json`` a
+model's ``tokenizer.json`` (litellm's wheel bundles DeepSeek V3's and Anthropic's), and
+``--tiktoken-bpe`` a tiktoken rank file (litellm bundles cl100k_base and o200k_base) turned into a
+``tokenizers`` BPE as Llama 3's ``tokenizer.json`` was made (transformers' ``TikTokenConverter``,
+Llama 3's split regex, ``ignore_merges``).
 
 Per tokenizer and prompt length, each engine encodes the same prompts one call per prompt, as the
 gateway does (``tokenizers``: ``encode_batch_fast`` of one text, :func:`kvcore.token_cache.encode_ids`;
@@ -15,7 +19,7 @@ microseconds per prompt and nanoseconds per token over the rounds, and the ratio
 ids are compared first: a difference fails the run. Process CPU time (``time.process_time``).
 
 Usage: python benchmarks/bench_tokenize_fast.py [--repeats 5] [--tokens 500 2000 8000] [--vocab 32000]
-       [--json FILE]
+       [--tokenizer-json FILE ...] [--tiktoken-bpe FILE ...] [--json FILE]
 """
 from __future__ import annotations
 
@@ -67,6 +71,23 @@ def _trained(train: list[str], vocab: int, llama3: bool) -> Tokenizer:
     return tok
 
 
+def _from_tiktoken(path: Path) -> Tokenizer:
+    """A tiktoken rank file (``base64-token rank`` lines) as a ``tokenizers`` BPE, converted by
+    transformers' ``TikTokenConverter`` with its default (Llama 3's) regex."""
+    import base64
+
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    ranks = {}
+    for line in path.read_bytes().splitlines():
+        if line.strip():
+            token, rank = line.split()
+            ranks[base64.b64decode(token)] = int(rank)
+    conv = TikTokenConverter(vocab_file=str(path), additional_special_tokens=["<|begin_of_text|>", "<|eot_id|>"])
+    conv.load_tiktoken_bpe = lambda _url: ranks
+    return conv.converted()
+
+
 def _prompts(tok: Tokenizer, texts: list[str], tokens: int, n: int) -> list[str]:
     """``n`` slices of ``texts`` of about ``tokens`` tokens each."""
     joined = "\n".join(texts)
@@ -89,6 +110,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=[500, 2000, 8000])
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--prompts", type=int, default=60, help="prompts per length")
+    ap.add_argument("--tokenizer-json", type=Path, nargs="*", default=[], help="real tokenizer.json files to add")
+    ap.add_argument("--tiktoken-bpe", type=Path, nargs="*", default=[], help="tiktoken rank files to add")
     add_output_args(ap)
     args = ap.parse_args()
 
@@ -101,6 +124,12 @@ def main() -> None:
     tokenizers[f"GPT-2 shape ({args.vocab:,})"] = _trained(train, args.vocab, llama3=False)
     tokenizers[f"Llama 3 shape ({args.vocab:,})"] = _trained(train, args.vocab, llama3=True)
     print(f"trained two tokenizers in {time.monotonic() - t0:.0f} s", file=sys.stderr)
+    for path in args.tokenizer_json:
+        tok = Tokenizer.from_file(str(path))
+        tokenizers[f"{path.stem} ({tok.get_vocab_size():,})"] = tok
+    for path in args.tiktoken_bpe:
+        tok = _from_tiktoken(path)
+        tokenizers[f"tiktoken {path.name[:8]} ({tok.get_vocab_size():,})"] = tok
 
     rows = []
     for name, tok in tokenizers.items():

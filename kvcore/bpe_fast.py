@@ -26,8 +26,13 @@ token's rank here is its id.
 3. tiktoken gives a piece that is itself a token as that token; ``tokenizers`` does too when the
    model sets ``ignore_merges``, and otherwise only if the lone run ends in the token itself:
    checked for every token then (this implies 2).
-4. The split: the pre-tokenizer is ``ByteLevel`` with its GPT-2 regex, or a ``Split`` (isolated,
-   not inverted) by a regex followed by ``ByteLevel`` without one; no prefix space is added.
+4. The split: the pre-tokenizer is ``ByteLevel`` with its GPT-2 regex, or one or more ``Split``
+   steps (isolated, not inverted) by a regex followed by ``ByteLevel`` without one; no prefix
+   space is added. tiktoken splits by the last regex; the ones before it (DeepSeek V3 cuts digit
+   runs and CJK text first) cut the text in Python's ``regex`` first, as ``tokenizers`` does,
+   each piece then encoded on its own (a piece that one of them would cut at an empty match goes
+   to ``tokenizers``; a piece the last regex matches nowhere in is one BPE run, as in
+   ``tokenizers``, which keeps what a ``Split`` does not match as a piece).
    tiktoken runs that regex in ``fancy-regex``, ``tokenizers`` in Oniguruma; their Unicode tables
    are not the same, so only ASCII text takes this path (``\\s``, ``\\p{L}``, ``\\p{N}`` agree on
    ASCII; checked at load on every ASCII character in the contexts the patterns tell apart). The
@@ -35,7 +40,8 @@ token's rank here is its id.
    an anchor, a word boundary or an inline flag other than ``i`` is refused; where a regex leaves
    characters unmatched (``tokenizers`` keeps them as a piece, tiktoken drops them) a piece's ids
    must spell all of its bytes, else it goes to ``tokenizers``, as does a piece tiktoken fails
-   on. The normalizer is none or NFC, which leaves ASCII as it is.
+   on. The normalizer is none, a Unicode normal form (NFC, NFD, NFKC, NFKD) or a sequence of them,
+   which leave ASCII as it is.
 5. Added tokens: ``tokenizers`` cuts the raw text at its non-normalized added tokens first
    (leftmost-longest) and encodes each piece between them on its own (:mod:`kvcore.token_cache`
    derives this); the same cut is made here. A piece that is not ASCII, or holds a normalized
@@ -47,6 +53,7 @@ import json
 import re
 from typing import Any
 
+import regex
 import tiktoken
 from tokenizers import models as tk_models
 
@@ -54,7 +61,9 @@ from kvcore.token_cache import NO_CUTS, added_tokens_re, cache_unsupported_reaso
 
 # tokenizers' ByteLevel pre-tokenizer regex (pre_tokenizers/byte_level.rs), GPT-2's
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-_NORMALIZERS = {None, "NFC"}
+# Unicode normal forms: every ASCII character is its own NFC/NFD/NFKC/NFKD form and composes with
+# nothing ASCII, so on a piece that is ASCII throughout they change nothing
+_ASCII_STABLE_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD"}
 
 
 def _byte_to_char() -> dict[int, str]:
@@ -78,6 +87,7 @@ def _probe_texts() -> list[str]:
         out.append(f"a{c}b {c}{c}1{c}\n{c} 'x{c}'s {c}  z{c}\r\n\t{c}")
     out.append("".join(chars) + " " + "".join(reversed(chars)))
     out.append("Hello, world! It's 2026: don't   stop\n\n  the   3.14 tokens' run.\t\tok\r\n")
+    out.append(" ".join("1234567890"[:n] for n in range(1, 11)) + " a12b123c1234.12345,123456_1234567")
     return out
 
 
@@ -93,8 +103,10 @@ def _merge_pairs(merges: list[Any]) -> list[tuple[str, str]]:
     return out
 
 
-def _split_pattern(pre: dict[str, Any] | None) -> tuple[str | None, str | None]:
-    """``(regex, None)`` for a supported byte-level pre-tokenizer, else ``(None, reason)``."""
+def _split_patterns(pre: dict[str, Any] | None) -> tuple[list[str], str | None]:
+    """``(regexes, None)`` for a supported byte-level pre-tokenizer, else ``([], reason)``: the
+    last regex is the one tiktoken splits by, those before it (DeepSeek V3's digit and CJK splits)
+    cut the text first, each piece on its own after."""
     def byte_level(p: dict[str, Any], with_regex: bool) -> str | None:
         if p.get("type") != "ByteLevel":
             return f"pre-tokenizer step {p.get('type')!r} is not ByteLevel"
@@ -105,18 +117,42 @@ def _split_pattern(pre: dict[str, Any] | None) -> tuple[str | None, str | None]:
         return None
 
     if pre is None:
-        return None, "no pre-tokenizer"
+        return [], "no pre-tokenizer"
     if pre.get("type") == "ByteLevel":
         reason = byte_level(pre, True)
-        return (None, reason) if reason else (GPT2_PATTERN, None)
-    if pre.get("type") == "Sequence" and len(pre.get("pretokenizers") or []) == 2:
-        split, last = pre["pretokenizers"]
-        pattern = (split.get("pattern") or {}).get("Regex") if split.get("type") == "Split" else None
-        if pattern is None or split.get("behavior") != "Isolated" or split.get("invert"):
-            return None, "the first pre-tokenizer step is not an isolated, non-inverted regex Split"
+        return ([], reason) if reason else ([GPT2_PATTERN], None)
+    steps = (pre.get("pretokenizers") or []) if pre.get("type") == "Sequence" else []
+    if len(steps) >= 2:
+        *splits, last = steps
+        patterns = []
+        for split in splits:
+            pattern = (split.get("pattern") or {}).get("Regex") if split.get("type") == "Split" else None
+            if pattern is None or split.get("behavior") != "Isolated" or split.get("invert"):
+                return [], "a pre-tokenizer step before ByteLevel is not an isolated, non-inverted regex Split"
+            patterns.append(pattern)
         reason = byte_level(last, False)
-        return (None, reason) if reason else (pattern, None)
-    return None, f"pre-tokenizer {pre.get('type')!r} is not a byte-level split this path knows"
+        return ([], reason) if reason else (patterns, None)
+    return [], f"pre-tokenizer {pre.get('type')!r} is not a byte-level split this path knows"
+
+
+def _isolate(pieces: list[str], split: Any) -> list[str] | None:
+    """``pieces`` cut by ``split`` (a compiled regex) as a ``Split`` with the ``Isolated``
+    behaviour cuts: each match a piece, the text between matches pieces, no empty piece; None
+    when a match is empty (left to tokenizers)."""
+    out: list[str] = []
+    for piece in pieces:
+        pos = 0
+        for m in split.finditer(piece):
+            start, end = m.span()
+            if start == end:
+                return None
+            if start > pos:
+                out.append(piece[pos:start])
+            out.append(piece[start:end])
+            pos = end
+        if pos < len(piece):
+            out.append(piece[pos:])
+    return out
 
 
 class FastBPE:
@@ -129,14 +165,16 @@ class FastBPE:
     encoded (a statistic: updated without a lock)."""
 
     def __init__(self, backend: Any, encoding: Any, special: dict[str, int], normalized: list[str],
-                 wrap: tuple[list[int], list[int]] | None) -> None:
+                 wrap: tuple[list[int], list[int]] | None, leading: list[Any] | None = None) -> None:
         self._backend = backend
         self._encode_ascii = encoding.encode_ordinary
+        self._encode_whole = encoding._encode_single_piece  # one BPE run, no split (tiktoken's core)
         self._decode_bytes = encoding.decode_bytes
         self._special = special
         self._special_re = added_tokens_re(special) if special else None
         self._normalized_re = re.compile("|".join(re.escape(s) for s in normalized)) if normalized else None
         self._wrap = wrap
+        self._leading = leading or []
         self.fast_pieces = 0
         self.slow_pieces = 0
 
@@ -149,10 +187,12 @@ class FastBPE:
         fast = cls(backend, *parts)
         for text in _probe_texts():
             try:
-                got = fast._encode_ascii(text)
+                got = fast._encode_split(text)
             except BaseException as exc:  # noqa: BLE001 - tiktoken's Rust panics are BaseExceptions
                 _reraise_unless_engine_error(exc)
                 raise ValueError(f"tiktoken fails on the split regex ({type(exc).__name__}: {exc})") from None
+            if got is None or len(fast._decode_bytes(got)) != len(text):
+                continue  # text the runtime leaves to tokenizers (characters the regex leaves unmatched)
             if got != encode_ids(backend, [text], False)[0]:
                 raise ValueError(f"the split regex parts from tokenizers' on ASCII text: {text[:40]!r}")
         fast.fast_pieces = fast.slow_pieces = 0
@@ -188,7 +228,7 @@ class FastBPE:
         """Ids of text holding no non-normalized added token (encoded on its own by tokenizers)."""
         if text.isascii() and (self._normalized_re is None or self._normalized_re.search(text) is None):
             try:
-                ids = self._encode_ascii(text)
+                ids = self._encode_split(text)
             except BaseException as exc:  # noqa: BLE001 - tiktoken's Rust panics are BaseExceptions
                 _reraise_unless_engine_error(exc)
                 ids = None
@@ -198,6 +238,23 @@ class FastBPE:
                 return ids
         self.slow_pieces += 1
         return encode_ids(self._backend, [text], False)[0]
+
+
+    def _encode_split(self, text: str) -> list[int] | None:
+        """tiktoken's ids of ASCII ``text`` after the leading splits (None: left to tokenizers)."""
+        if not self._leading:
+            return self._encode_ascii(text)
+        pieces: list[str] | None = [text]
+        for split in self._leading:
+            pieces = _isolate(pieces, split)  # type: ignore[arg-type]
+            if pieces is None:
+                return None
+        out: list[int] = []
+        for piece in pieces:  # type: ignore[union-attr]
+            # a piece the last regex matches nowhere in (a digit run under a regex without \p{N}):
+            # tokenizers keeps it whole, one BPE run, where tiktoken would drop it
+            out += self._encode_ascii(piece) or self._encode_whole(piece)
+        return out
 
 
 def fast_bpe_unsupported_reason(backend: Any) -> str | None:
@@ -261,14 +318,22 @@ def _parts(backend: Any) -> tuple[str | None, tuple]:
     if model.get("dropout") or model.get("byte_fallback") or model.get("continuing_subword_prefix") \
             or model.get("end_of_word_suffix"):
         return "the BPE model has dropout, byte fallback or subword affixes", ()
-    normalizer = (spec.get("normalizer") or {}).get("type")
-    if normalizer not in _NORMALIZERS:
-        return f"normalizer {normalizer!r} (only none or NFC leave ASCII unchanged)", ()
-    pattern, reason = _split_pattern(spec.get("pre_tokenizer"))
-    if reason is None:
-        reason = _regex_unsupported_reason(pattern)  # type: ignore[arg-type]
+    reason = _normalizer_unsupported_reason(spec.get("normalizer"))
     if reason is not None:
         return reason, ()
+    patterns, reason = _split_patterns(spec.get("pre_tokenizer"))
+    for pattern in patterns:
+        if reason is None:
+            reason = _regex_unsupported_reason(pattern)
+    if reason is not None:
+        return reason, ()
+    *leading, pattern = patterns
+    try:
+        leading_res = [regex.compile(p) for p in leading]
+    except regex.error as exc:
+        return f"a leading split regex does not compile in Python's regex ({exc})", ()
+    if any(r.search("") is not None for r in leading_res):
+        return "a leading split regex matches the empty string", ()
     cut = cache_unsupported_reason(backend)
     if cut is not None and cut != NO_CUTS:
         return cut, ()
@@ -312,7 +377,24 @@ def _parts(backend: Any) -> tuple[str | None, tuple]:
     special = {t.content: i for i, t in added.items() if not t.normalized and t.content}
     normalized = sorted({t.content for t in added.values() if t.normalized and t.content})
     wrap = special_wrap(backend, next(iter(special), "a"))
-    return None, (encoding, special, normalized, wrap)
+    return None, (encoding, special, normalized, wrap, leading_res)
+
+
+def _normalizer_unsupported_reason(normalizer: dict[str, Any] | None) -> str | None:
+    """None when the normalizer leaves ASCII text unchanged: none, a Unicode normal form, or a
+    Sequence of those (an empty one included)."""
+    if normalizer is None:
+        return None
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        for step in normalizer.get("normalizers") or []:
+            reason = _normalizer_unsupported_reason(step)
+            if reason is not None:
+                return reason
+        return None
+    if kind in _ASCII_STABLE_NORMALIZERS:
+        return None
+    return f"normalizer {kind!r} (only none and the Unicode normal forms leave ASCII unchanged)"
 
 
 __all__ = ["FastBPE", "GPT2_PATTERN", "fast_bpe_unsupported_reason"]

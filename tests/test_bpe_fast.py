@@ -23,6 +23,9 @@ from kvcore.tokenization import PromptTokenizer
 FIXTURE = Path(__file__).parent / "fixtures" / "tiny-model"
 CL100K_LIKE = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
                r"""|\s*[\r\n]+|\s+(?!\S)|\s+""")
+# DeepSeek V3's last split regex (its tokenizer.json): no \p{N}, the digits are cut off before it
+DEEPSEEK_LIKE = (r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+                 r"""| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 WORDS = ["the", "cache", "block", "prefill", "decode", "router", "worker", "token", "It", "HTTP", "x", "42",
          "3.14", "don't", "we're", "they'll", "I'd", "you've", "I'm", "it's", "(a)", "[b]", "{c}", "#", "->", "==",
          "__init__", "self.x", "f(x)", "a_b", "CamelCase", "ALLCAPS", "1234567", "'", "''", "'s"]
@@ -74,11 +77,40 @@ def llama3_style() -> Tokenizer:
     return tok
 
 
+@pytest.fixture(scope="module")
+def deepseek_style() -> Tokenizer:
+    """DeepSeek V3's shape: an empty normalizer Sequence, Splits by digit runs of 1-3 and by CJK
+    runs before the last regex, ByteLevel without a regex."""
+    Regex = __import__("tokenizers").Regex
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.Sequence([])
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(pattern=Regex(r"\p{N}{1,3}"), behavior="isolated", invert=False),
+        pre_tokenizers.Split(pattern=Regex("[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+"), behavior="isolated",
+                             invert=False),
+        pre_tokenizers.Split(pattern=Regex(DEEPSEEK_LIKE), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=1500, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"],
+                                  show_progress=False)
+    tok.train_from_iterator(_corpus(), trainer)
+    return tok
+
+
+@pytest.fixture(scope="module")
+def nfkc_style(gpt2_style) -> Tokenizer:
+    """The GPT-2-shaped fixture with an NFKC normalizer (as Anthropic's published tokenizer has)."""
+    spec = json.loads(gpt2_style.to_str())
+    spec["normalizer"] = {"type": "NFKC"}
+    return Tokenizer.from_str(json.dumps(spec))
+
+
 def _specials(tok: Tokenizer) -> list[str]:
     return [t.content for t in tok.get_added_tokens_decoder().values()]
 
 
-@pytest.mark.parametrize("name", ["gpt2_style", "llama3_style"])
+@pytest.mark.parametrize("name", ["gpt2_style", "llama3_style", "deepseek_style", "nfkc_style"])
 def test_fast_ids_equal_tokenizers_ids(name, request):
     tok = request.getfixturevalue(name)
     fast = FastBPE.build(tok)
@@ -93,6 +125,17 @@ def test_fast_ids_equal_tokenizers_ids(name, request):
     # the ASCII pieces went through tiktoken, the others through tokenizers
     assert fast.fast_pieces > 1000 and fast.slow_pieces > 50
     assert sum(len(w) for w in want) > 20_000
+
+
+def test_digit_runs_the_last_regex_does_not_match_are_one_bpe_run_each(deepseek_style):
+    # DeepSeek's last regex has no \p{N}: a digit group cut off by the first Split is a piece
+    # tokenizers keeps whole; tiktoken's split would drop it, so it is BPE'd on its own
+    fast = FastBPE.build(deepseek_style)
+    texts = ["1234567", "x = 42; y = 3.14159", "in 2026, 1000000 tokens", "a1b22c333d4444"]
+    assert fast.encode_many(texts, False) == encode_ids(deepseek_style, texts, False)
+    assert (fast.fast_pieces, fast.slow_pieces) == (4, 0)
+    digits = [deepseek_style.id_to_token(i) for i in fast.encode_many(["1234567"], False)[0]]
+    assert "".join(digits) == "1234567" and all(len(d) <= 3 for d in digits)  # cut 123|456|7 first
 
 
 def test_non_ascii_text_is_left_to_tokenizers(gpt2_style):
@@ -128,6 +171,8 @@ def test_other_shapes_are_refused_with_the_reason(gpt2_style):
     cases = {
         "adds a prefix space": lambda s: s["pre_tokenizer"].update(add_prefix_space=True),
         "normalizer 'Lowercase'": lambda s: s.update(normalizer={"type": "Lowercase"}),
+        "normalizer 'Replace'": lambda s: s.update(normalizer={"type": "Sequence", "normalizers": [
+            {"type": "NFKC"}, {"type": "Replace", "pattern": {"String": "a"}, "content": "b"}]}),
         "pre-tokenizer 'Whitespace'": lambda s: s.update(pre_tokenizer={"type": "Whitespace"}),
         "ids decrease": lambda s: s["model"]["merges"].reverse(),
         "dropout": lambda s: s["model"].update(dropout=0.1),
