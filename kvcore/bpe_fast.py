@@ -45,7 +45,8 @@ token's rank here is its id.
 5. Added tokens: ``tokenizers`` cuts the raw text at its non-normalized added tokens first
    (leftmost-longest) and encodes each piece between them on its own (:mod:`kvcore.token_cache`
    derives this); the same cut is made here. A piece that is not ASCII, or holds a normalized
-   added token, is encoded by ``tokenizers`` itself.
+   added token (its content or its normalized content: NFKC finds "ﬁ" as "fi"), is encoded by
+   ``tokenizers`` itself.
 """
 from __future__ import annotations
 
@@ -274,37 +275,77 @@ def _reraise_unless_engine_error(exc: BaseException) -> None:
         raise exc
 
 
-# groups the engines read alike: (?: (?= (?! (?<= (?<! (?> and case-insensitive (?i: / (?i)
-_GROUP_RE = re.compile(r"\(\?(?:[=!:>]|<[=!]|i[:)])")
+# groups the engines read alike: (?: (?= (?! (?<= (?<! (?> and case-insensitive (?i: (never a bare
+# (?i): Oniguruma's Ruby syntax makes "q(?i)j|k" mean q(?i:j|k))
+_GROUP_RE = re.compile(r"\(\?(?:[=!:>]|<[=!]|i:)")
+# escapes the engines read alike: classes, Unicode properties, control characters, \xHH, \uHHHH and
+# escaped punctuation (Oniguruma reads \h as a hex digit and \N as any non-newline, Python's
+# regex otherwise; backreferences and the rest are refused)
+_ESCAPE_RE = re.compile(r"\\(?:[sSdDwWrntfv]|[pP]\{[A-Za-z_]+\}|x[0-9A-Fa-f]{2}|u[0-9A-Fa-f]{4}|[^0-9A-Za-z])")
+_COUNTED_RE = re.compile(r"\{\d+(?:,\d*)?\}")
 
 
-def _regex_unsupported_reason(pattern: str) -> str | None:
-    r"""Why the split regex may match otherwise in fancy-regex than in Oniguruma, or None: an
-    anchor (``^`` or ``$`` outside a class, ``\A``, ``\z``, ``\Z``, ``\G``), a word boundary
-    (``\b``, ``\B``), or a group other than plain, lookaround, atomic or ``(?i:...)``."""
-    depth = 0  # inside a character class (Oniguruma nests them)
-    i = 0
-    while i < len(pattern):
+def _regex_unsupported_reason(pattern: str, leading: bool = False) -> str | None:
+    r"""Why a split regex may match otherwise in fancy-regex (tiktoken) or Python's ``regex``
+    (leading splits) than in Oniguruma (``tokenizers``), or None. Refused: an anchor (``^`` or
+    ``$`` outside a class, ``\A``, ``\z``, ``\Z``, ``\G``) or word boundary (Oniguruma anchors at
+    line breaks), an escape outside :data:`_ESCAPE_RE`, a group other than plain, lookaround,
+    atomic or ``(?i:...)``, a non-ASCII character in a case-insensitive group (multi-character
+    case folding: Oniguruma's ``(?i:ﬁ)`` matches "fi", the others' do not), a nested class or
+    ``&&`` in a class, and a counted repetition followed by ``?`` or ``+`` (Ruby syntax: ``{3}?``
+    is optional, ``{1,3}+`` repeats the repetition). ``leading``: a Split before the last one, run
+    in Python's ``regex``, which has no backtracking limit: a repeated group (``(?:a|a)+b`` takes
+    exponential time where Oniguruma gives up) is refused too."""
+    in_class = False
+    folding: list[bool] = []  # per open group: case-insensitive
+    i, n = 0, len(pattern)
+    while i < n:
         c = pattern[i]
+        fold = bool(folding) and folding[-1]
         if c == "\\":
-            if depth == 0 and pattern[i + 1:i + 2] in ("A", "z", "Z", "G", "b", "B"):
+            if not in_class and pattern[i + 1:i + 2] in ("A", "z", "Z", "G", "b", "B"):
                 return f"the split regex has an anchor or word boundary (\\{pattern[i + 1]})"
-            i += 2
+            m = _ESCAPE_RE.match(pattern, i)
+            if m is None:
+                return f"the split regex has an escape the engines read differently ({pattern[i:i + 2]!r})"
+            esc = m.group()
+            code = int(esc[2:], 16) if esc[1] in "xu" else (ord(esc[1]) if len(esc) == 2 else 0)
+            if fold and code > 0x7F:
+                return "a case-insensitive group of the split regex holds a non-ASCII character"
+            i = m.end()
+            continue
+        if fold and ord(c) > 0x7F:
+            return "a case-insensitive group of the split regex holds a non-ASCII character"
+        if in_class:
+            if c == "]":
+                in_class = False
+            elif c == "[" or pattern.startswith("&&", i):
+                return "the split regex has a nested class or a class intersection"
+            i += 1
             continue
         if c == "[":
-            depth += 1
+            in_class = True
             i += 1
             if pattern.startswith("^", i):
                 i += 1
-            if pattern.startswith("]", i):  # a leading ] is literal
-                i += 1
+            if pattern.startswith("]", i):
+                return "the split regex has a class opening with ']'"
             continue
-        if c == "]" and depth:
-            depth -= 1
-        elif depth == 0 and c in "^$":
-            return f"the split regex has an anchor ({c}), which the two engines read differently"
-        elif depth == 0 and pattern.startswith("(?", i) and not _GROUP_RE.match(pattern, i):
-            return f"the split regex has a group or flag this path does not take ({pattern[i:i + 4]}...)"
+        if c in "^$":
+            return f"the split regex has an anchor ({c}), which the engines read differently"
+        if c == "(":
+            m = _GROUP_RE.match(pattern, i) if pattern.startswith("(?", i) else None
+            if pattern.startswith("(?", i) and m is None:
+                return f"the split regex has a group or flag this path does not take ({pattern[i:i + 4]}...)"
+            folding.append(fold or (m is not None and m.group() == "(?i:"))
+            i = m.end() if m is not None else i + 1
+            continue
+        if c == ")" and leading and pattern[i + 1:i + 2] in ("*", "+", "?", "{"):
+            return "a leading split regex repeats a group (Python's regex has no backtracking limit)"
+        if c == ")" and folding:
+            folding.pop()
+        elif c == "{" and (m := _COUNTED_RE.match(pattern, i)) and pattern[m.end():m.end() + 1] in ("?", "+"):
+            return "the split regex has a counted repetition followed by '?' or '+' (Ruby syntax reads it otherwise)"
         i += 1
     return None
 
@@ -322,9 +363,9 @@ def _parts(backend: Any) -> tuple[str | None, tuple]:
     if reason is not None:
         return reason, ()
     patterns, reason = _split_patterns(spec.get("pre_tokenizer"))
-    for pattern in patterns:
+    for k, pattern in enumerate(patterns):
         if reason is None:
-            reason = _regex_unsupported_reason(pattern)
+            reason = _regex_unsupported_reason(pattern, leading=k < len(patterns) - 1)
     if reason is not None:
         return reason, ()
     *leading, pattern = patterns
@@ -375,7 +416,11 @@ def _parts(backend: Any) -> tuple[str | None, tuple]:
         return f"tiktoken refuses the tokenizer ({exc})", ()
     added = backend.get_added_tokens_decoder()
     special = {t.content: i for i, t in added.items() if not t.normalized and t.content}
-    normalized = sorted({t.content for t in added.values() if t.normalized and t.content})
+    # tokenizers matches a normalized added token's normalized content in the normalized text:
+    # "ﬁ" under NFKC is found as "fi" in ASCII text, so both forms send a piece to tokenizers
+    norm = backend.normalizer
+    normalized = sorted({form for t in added.values() if t.normalized and t.content
+                         for form in (t.content, norm.normalize_str(t.content) if norm is not None else "") if form})
     wrap = special_wrap(backend, next(iter(special), "a"))
     return None, (encoding, special, normalized, wrap, leading_res)
 

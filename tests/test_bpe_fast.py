@@ -245,3 +245,65 @@ def test_characters_a_split_regex_leaves_unmatched_are_not_lost():
 def test_a_split_regex_that_can_match_nothing_is_refused_not_a_crash():
     with pytest.raises(ValueError, match="tiktoken fails on the split regex"):
         FastBPE.build(_split_bpe(r"\w*|\s+|[^\w\s]"))   # tiktoken panics in Rust on an empty match
+
+
+def _splits_bpe(patterns: list[str], merges: list[tuple[str, str]], normalizer=None) -> Tokenizer:
+    """Byte alphabet plus ``merges``' results, Split by each of ``patterns`` in turn, then ByteLevel
+    without its regex."""
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    if normalizer is not None:
+        tok.normalizer = normalizer
+    Regex = __import__("tokenizers").Regex
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(pattern=Regex(p), behavior="isolated", invert=False) for p in patterns]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return tok
+
+
+# found by a helper trying to break the leading splits: each read otherwise by Oniguruma than by
+# Python's regex (leading) or fancy-regex (last), and each gave other ids before it was refused
+@pytest.mark.parametrize("leading, last, merge, text, reason", [
+    ([r"(?i:\ufb01)"], r"\S+|\s+", ("i", "x"), "fix", "non-ASCII"),          # Oniguruma folds ﬁ to "fi"
+    ([r"(?i:ß)"], r"\S+|\s+", ("s", "k"), "ssk", "non-ASCII"),                # and ß to "ss"
+    ([r"q(?i)j|k"], r"\S+|\s+", ("k", "w"), "kw", "group or flag"),           # Ruby: q(?i:j|k)
+    ([r"y\d{3}?"], r"\S+|\s+", ("y", "2"), "y2", "counted repetition"),        # Ruby: (?:\d{3})?
+    ([r"\p{N}{1,3}+"], r"[^\p{N}\s]+|\s+", ("3", "5"), "1235", "counted repetition"),  # Ruby: (?:..{1,3})+
+    ([r"[a-z&&[^q]]"], r"\S+|\s+", ("k", "w"), "kw", "class intersection"),
+    ([r"\h+"], r"\S+|\s+", ("k", "f"), "kf", "escape"),                       # Oniguruma: a hex digit
+    ([r"\N+"], r"\S+|\s+", ("k", "N"), "kN", "escape"),                       # Oniguruma: not a newline
+    ([], r"(?i:\ufb01)|\S|\s+", ("f", "i"), "fix", "non-ASCII"),
+    ([], r"x(?i)y|\S|\s+", ("q", "j"), "qj", "group or flag"),
+    ([], r"\p{N}{1,3}+|[^\p{N}\s]+|\s+", ("3", "5"), "1235", "counted repetition"),
+])
+def test_regexes_the_engines_read_differently_are_refused(monkeypatch, leading, last, merge, text, reason):
+    import kvcore.bpe_fast as bpe_fast
+
+    tok = _splits_bpe([*leading, last], [merge])
+    with pytest.raises(ValueError, match=reason):
+        FastBPE.build(tok)
+    monkeypatch.setattr(bpe_fast, "_regex_unsupported_reason", lambda pattern, leading=False: None)
+    unchecked = FastBPE.build(tok)   # what the check prevents: other ids than tokenizers'
+    assert unchecked.encode_many([text], False)[0] != encode_ids(tok, [text], False)[0]
+
+
+def test_a_leading_split_that_could_backtrack_without_end_is_refused():
+    # Python's regex has no backtracking limit: on "a" * 40 this runs for minutes (Oniguruma panics)
+    with pytest.raises(ValueError, match="repeats a group"):
+        FastBPE.build(_splits_bpe([r"(?:a|a)+b", r"\S+|\s+"], [("a", "b")]))
+
+
+@pytest.mark.parametrize("normalizer, content, text", [
+    (normalizers.NFKC(), "\ufb01", "xfiy"),        # the ligature ﬁ is "fi" after NFKC
+    (normalizers.NFC(), "\u212aqz", "xKqzy"),       # the Kelvin sign is "K" after NFC
+])
+def test_a_normalized_added_token_is_found_by_its_normalized_form(normalizer, content, text):
+    tok = _splits_bpe([r"\S+|\s+"], [("a", "b")], normalizer)
+    tok.add_tokens([__import__("tokenizers").AddedToken(content, normalized=True)])
+    fast = FastBPE.build(tok)
+    want = encode_ids(tok, [text], False)[0]
+    assert tok.token_to_id(content) in want             # tokenizers matched it in the ASCII text
+    assert fast.encode_many([text], False)[0] == want
+    assert (fast.fast_pieces, fast.slow_pieces) == (0, 1)
