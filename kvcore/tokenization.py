@@ -6,7 +6,8 @@ vLLM 0.32's path (``renderers/online_renderer.py`` -> ``renderers/hf.py``, ``cha
   template takes string content; kept as ``[{"type": "text", "text": ...}]`` parts when it loops
   over content), the ``developer`` role mapped to ``system`` when the template has no
   ``developer``, assistant ``tool_calls`` arguments turned from JSON strings into dicts, then
-  rendered with the model's chat template (``tokenize=False``) with ``tools``, ``documents``,
+  rendered with the model's chat template (``tokenize=False``; the compiled template is rendered
+  directly when ``apply_chat_template`` would add only the special tokens) with ``tools``, ``documents``,
   ``add_generation_prompt`` (default True), ``continue_final_message``, ``reasoning_effort`` and
   the request's ``chat_template_kwargs``; the text is encoded with
   ``add_special_tokens`` (default **False** for chat: the template supplies BOS itself).
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import json
 import logging
 import re
@@ -64,6 +66,7 @@ class PromptTokenizer:
 
     def __init__(self, model_dir: str | Path, cache_max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
         from transformers import AutoTokenizer  # heavy import: only when a tokenizer is made
+        from transformers.utils.chat_template_utils import _compile_jinja_template
 
         self.model_dir = str(model_dir)
         self._tok = AutoTokenizer.from_pretrained(self.model_dir)
@@ -73,6 +76,16 @@ class PromptTokenizer:
             template = template.get("default") or next(iter(template.values()), None)
         self._template: str | None = template
         self._template_has_developer = bool(template) and "developer" in template
+        # the model's template compiled as transformers compiles it, and what apply_chat_template
+        # adds to a render: rendered directly when a request needs nothing else (render_chat)
+        self._compiled = None
+        if template:
+            try:
+                self._compiled = _compile_jinja_template(template)
+            except Exception as exc:  # noqa: BLE001 - a template jinja refuses: apply_chat_template says why per request
+                log.info("%s: chat template not compiled (%s)", self.model_dir, exc)
+        self._special_kwargs = dict(self._tok.special_tokens_map)
+        self._apply_params = frozenset(inspect.signature(self._tok.apply_chat_template).parameters)
         self.content_format = "openai" if template and _OPENAI_CONTENT_RE.search(template) else "string"
         self.fast_bpe: FastBPE | None = None
         self._encode: Callable[[list[str], bool], list[list[int]]] | None = None
@@ -118,9 +131,21 @@ class PromptTokenizer:
         template = body.get("chat_template") or self._template
         if template is None:
             raise UnsupportedPrompt("model has no chat template")
+        documents = body.get("documents")
         try:
+            if (self._compiled is not None and template is self._template and not kwargs["continue_final_message"]
+                    and not (extra and self._apply_params.intersection(extra))
+                    and (documents is None or (isinstance(documents, list)
+                                               and all(isinstance(d, dict) for d in documents)))):
+                # what apply_chat_template(tokenize=False) renders for such a request (transformers
+                # 5.16-5.19, render_jinja_template): the template with the special tokens, then the
+                # request's kwargs, as variables; without its per-call wrapping
+                agp = kwargs.pop("add_generation_prompt")
+                del kwargs["continue_final_message"]
+                return self._compiled.render(messages=conversation, tools=_normalize_tools(tools), documents=documents,
+                                             add_generation_prompt=agp, **{**self._special_kwargs, **kwargs})
             return self._tok.apply_chat_template(
-                conversation, tools=_normalize_tools(tools), documents=body.get("documents"),
+                conversation, tools=_normalize_tools(tools), documents=documents,
                 chat_template=template, tokenize=False, **kwargs)
         except (BadPrompt, UnsupportedPrompt):
             raise
