@@ -36,8 +36,9 @@ token's rank here is its id.
    tiktoken runs that regex in ``fancy-regex``, ``tokenizers`` in Oniguruma; their Unicode tables
    are not the same, so only ASCII text takes this path (``\\s``, ``\\p{L}``, ``\\p{N}`` agree on
    ASCII; checked at load on every ASCII character in the contexts the patterns tell apart). The
-   engines also read ``^`` and ``$`` differently (Oniguruma: at any line break), so a regex with
-   an anchor, a word boundary or an inline flag other than ``i`` is refused; where a regex leaves
+   engines also read ``^`` and ``$`` differently (Oniguruma: at any line break), and Oniguruma's
+   Ruby dialect reads some syntax otherwise, so a regex with an anchor, a word boundary or such
+   syntax (:func:`_regex_unsupported_reason`) is refused; where a regex leaves
    characters unmatched (``tokenizers`` keeps them as a piece, tiktoken drops them) a piece's ids
    must spell all of its bytes, else it goes to ``tokenizers``, as does a piece tiktoken fails
    on. The normalizer is none, a Unicode normal form (NFC, NFD, NFKC, NFKD) or a sequence of them,
@@ -239,7 +240,6 @@ class FastBPE:
                 return ids
         self.slow_pieces += 1
         return encode_ids(self._backend, [text], False)[0]
-
 
     def _encode_split(self, text: str) -> list[int] | None:
         """tiktoken's ids of ASCII ``text`` after the leading splits (None: left to tokenizers)."""

@@ -107,7 +107,7 @@ class Proc:
         return self.popen.poll() is None
 
     def log_tail(self, n: int = 40) -> str:
-        """The log's last ``n`` lines, led by its first traceback when that is further up."""
+        """The log's last ``n`` lines, followed by its first traceback when that is further up."""
         try:
             text = self.log_path.read_text(errors="replace")
         except OSError:
