@@ -351,7 +351,8 @@ def _regex_unsupported_reason(pattern: str, leading: bool = False) -> str | None
 
 
 def _parts(backend: Any) -> tuple[str | None, tuple]:
-    """``(None, (encoding, special, normalized, wrap))`` or ``(reason, ())``."""
+    """``(None, (encoding, special, normalized, wrap, leading))`` or ``(reason, ())``: ``leading``
+    the compiled Split regexes before tiktoken's."""
     spec = json.loads(backend.to_str())
     model = spec.get("model") or {}
     if model.get("type") != "BPE":
@@ -364,8 +365,7 @@ def _parts(backend: Any) -> tuple[str | None, tuple]:
         return reason, ()
     patterns, reason = _split_patterns(spec.get("pre_tokenizer"))
     for k, pattern in enumerate(patterns):
-        if reason is None:
-            reason = _regex_unsupported_reason(pattern, leading=k < len(patterns) - 1)
+        reason = reason or _regex_unsupported_reason(pattern, leading=k < len(patterns) - 1)
     if reason is not None:
         return reason, ()
     *leading, pattern = patterns

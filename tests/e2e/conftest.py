@@ -206,16 +206,12 @@ def _wait_for(what: str, check, timeout_s: float, procs: list[Proc], log_dir: Pa
         for p in procs:
             if not p.alive():
                 pytest.fail(f"{p.name} exited with {p.popen.returncode} while waiting for {what}:\n"
-                            f"{p.log_tail(60)}\n{_logs(log_dir)}")
+                            f"{p.log_tail(60)}\n{logs_excerpt(log_dir)}")
         value = check()
         if value:
             return value
         time.sleep(0.5)
-    pytest.fail(f"no {what} after {timeout_s:.0f}s:\n{_logs(log_dir)}")
-
-
-def _logs(log_dir: Path) -> str:
-    return logs_excerpt(log_dir)
+    pytest.fail(f"no {what} after {timeout_s:.0f}s:\n{logs_excerpt(log_dir)}")
 
 
 def pytest_collection_modifyitems(session, config, items):
