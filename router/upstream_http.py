@@ -20,7 +20,9 @@ honoured), SNI the host name.
 A response: ``status``, ``raw_headers`` (name and value bytes as sent), ``header(name)``,
 ``content_type``, ``readany(idle_s=None)`` (what has arrived since the last read, waiting for
 the next piece; ``b""`` at the end; with ``idle_s``, :class:`UpstreamIdleTimeout` when that wait
-passes ``idle_s`` seconds), ``read()`` (the whole body), ``close()`` (drops the connection),
+passes ``idle_s`` seconds), ``pipe(sink, idle_s=None)`` (the body handed to ``sink`` from the
+connection's own callback as it arrives, one call per socket read, with no task switch per
+piece), ``read()`` (the whole body), ``close()`` (drops the connection),
 ``release()`` (returns it to the pool only after the whole body was read and the server keeps the
 connection alive).
 More than :data:`HIGH_WATER` bytes unread pause the socket's reading until the reader drains
@@ -49,6 +51,7 @@ import asyncio
 import socket
 import ssl
 from collections import deque
+from collections.abc import Callable
 
 import httptools
 from yarl import URL
@@ -156,7 +159,7 @@ class UpstreamResponse:
 
     __slots__ = ("status", "raw_headers", "_conn", "_loop", "_head", "_chunks", "_size", "_done", "_exc",
                  "_waiter", "_paused", "_keep_alive", "_head_only", "_interim", "_got_bytes", "_body", "_timer",
-                 "_idle_timer", "_idle_until", "_idle_s")
+                 "_idle_timer", "_idle_until", "_idle_s", "_sink", "_pipe")
 
     def __init__(self, conn: _Conn, method: str, loop: asyncio.AbstractEventLoop) -> None:
         self.status: int = 0
@@ -179,6 +182,8 @@ class UpstreamResponse:
         self._idle_timer: asyncio.TimerHandle | None = None
         self._idle_until = 0.0
         self._idle_s = 0.0
+        self._sink: Callable[[bytes], bool] | None = None
+        self._pipe: asyncio.Future | None = None
 
     def header(self, name: bytes) -> bytes | None:
         """The first value of header ``name`` (lowercase bytes) as sent, None when absent."""
@@ -231,6 +236,8 @@ class UpstreamResponse:
         w = self._waiter
         if w is not None and not w.done():
             w.set_result(None)
+        if self._sink is not None:
+            self._pump()
 
     def _fail(self, exc: BaseException) -> None:
         self._cancel_timers()
@@ -242,6 +249,8 @@ class UpstreamResponse:
         w = self._waiter
         if w is not None and not w.done():
             w.set_result(None)
+        if self._sink is not None:
+            self._pump()
 
     def _lost(self, exc: BaseException | None) -> None:
         """The connection closed under the response."""
@@ -279,16 +288,54 @@ class UpstreamResponse:
             self._idle_timer = None
 
     def _idle_check(self) -> None:
-        """The idle timer: fail the pending read past its deadline, re-arm for a later one, or
-        stop when no read waits (the next wait arms it again)."""
+        """The idle timer: fail the pending read or pipe past its deadline, re-arm for a later
+        one, or stop when nothing waits (the next wait arms it again)."""
         self._idle_timer = None
-        w = self._waiter
+        w = self._waiter if self._waiter is not None else self._pipe
         if w is None or w.done():
             return
         if self._loop.time() < self._idle_until:
             self._idle_timer = self._loop.call_at(self._idle_until, self._idle_check)
             return
+        if w is self._pipe:
+            self._sink = self._pipe = None
         w.set_exception(UpstreamIdleTimeout(f"no data for {self._idle_s} s"))
+
+    def _pump(self) -> None:
+        """Pipe mode: hand what has arrived to the sink in one call, then settle the pipe at the
+        body's end (True), on an error, or when the sink asked to pause (False)."""
+        fut = self._pipe
+        if fut is None or fut.done():  # the piping coroutine was cancelled: keep the bytes
+            self._sink = self._pipe = None
+            return
+        chunks = self._chunks
+        if chunks:
+            data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            chunks.clear()
+            self._size = 0
+            if self._idle_timer is not None:
+                self._idle_until = self._loop.time() + self._idle_s
+            try:
+                more = self._sink(data)
+            except BaseException as exc:  # the sink's own failure ends the pipe with it
+                self._sink = self._pipe = None
+                fut.set_exception(exc)
+                return
+            if self._paused:
+                self._paused = False
+                conn = self._conn
+                if conn is not None and not conn.closed:
+                    conn.transport.resume_reading()
+            if not more:
+                self._sink = self._pipe = None
+                fut.set_result(False)
+                return
+        if self._exc is not None:
+            self._sink = self._pipe = None
+            fut.set_exception(self._exc)
+        elif self._done:
+            self._sink = self._pipe = None
+            fut.set_result(True)
 
     # -- reader side --
 
@@ -322,6 +369,28 @@ class UpstreamResponse:
                 conn.transport.resume_reading()
         return data
 
+    def pipe(self, sink: Callable[[bytes], bool], idle_s: float | None = None) -> asyncio.Future:
+        """Hand the body to ``sink(data)`` as it arrives, from the connection's ``data_received``
+        (what came in one socket read, in one call; what had arrived before, at once). ``sink``
+        returns False to pause: the next bytes wait (reading pauses past :data:`HIGH_WATER`)
+        until the next ``pipe`` or ``readany``.
+
+        Returns a future: True at the body's end, False when ``sink`` paused; its exception the
+        response's :class:`UpstreamError`, :class:`UpstreamIdleTimeout` when ``idle_s`` seconds
+        pass without a byte, or what ``sink`` raised. Cancelling it stops the piping (the bytes
+        stay buffered). One pipe or read at a time."""
+        fut = self._loop.create_future()
+        self._sink = sink
+        self._pipe = fut
+        if self._chunks or self._done or self._exc is not None:
+            self._pump()
+        if not fut.done() and idle_s is not None:
+            self._idle_s = idle_s
+            self._idle_until = self._loop.time() + idle_s
+            if self._idle_timer is None:
+                self._idle_timer = self._loop.call_at(self._idle_until, self._idle_check)
+        return fut
+
     async def read(self) -> bytes:
         """The whole body."""
         if self._body is not None:
@@ -344,6 +413,7 @@ class UpstreamResponse:
     def close(self) -> None:
         """Drop the connection (the server sees it close)."""
         self._cancel_timers()
+        self._sink = self._pipe = None
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.resp = None
@@ -399,6 +469,8 @@ class _Conn(asyncio.Protocol):
         resp._got_bytes = True
         try:
             self.parser.feed_data(data)
+            if resp._sink is not None:
+                resp._pump()
         except httptools.HttpParserUpgrade:
             self.broken = True
             resp._fail(UpstreamPayloadError("the server switched protocols"))

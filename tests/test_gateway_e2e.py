@@ -304,6 +304,55 @@ def test_stream_reaches_client_byte_for_byte(cluster, include_usage):
     assert sent["body"] == expected
 
 
+def _stalled_small_window_stream(cluster: Cluster, body: dict, stall_tokens: int) -> tuple[str, bytes]:
+    """The worker (``x-kvroute-worker``) and the de-chunked body of a streamed chat answer read by
+    a client with a 4 KiB receive buffer that reads the head, then nothing until the worker has
+    generated ``stall_tokens`` more tokens (far more than its window), then the rest 512 bytes
+    at a time."""
+    import socket
+    from urllib.parse import urlparse
+    u = urlparse(cluster.base)
+    payload = orjson.dumps(body)
+    before = {wid: sim_gauge(sim, "vllm:generation_tokens_total") for wid, sim in cluster.sims.items()}
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.settimeout(60)
+        sock.connect((u.hostname, u.port))
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(payload), payload))
+        raw = sock.recv(512)
+        while b"\r\n\r\n" not in raw:
+            raw += sock.recv(512)
+        worker = re.search(rb"\r\nx-kvroute-worker: ([^\r]+)", raw).group(1).decode()
+        sim = cluster.sims[worker]
+        wait_until(lambda: sim_gauge(sim, "vllm:generation_tokens_total") - before[worker] >= stall_tokens,
+                   timeout_s=60, what=f"{worker} generated {stall_tokens} tokens")
+        while piece := sock.recv(512):
+            raw += piece
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in head.lower()
+    out = b""
+    while True:
+        size, _, rest = rest.partition(b"\r\n")
+        n = int(size, 16)
+        if n == 0:
+            return worker, out
+        out, rest = out + rest[:n], rest[n + 2:]
+
+
+def test_a_stalled_client_gets_the_stream_byte_for_byte(cluster):
+    """A client that stops reading while the worker streams on gets every byte, in order, as the
+    worker sent them (the relay's wait on a full client socket: tests/test_direct_write.py)."""
+    body = chat_body("slow-client", "go on", max_tokens=2000, ignore_eos=True, stream=True, seed=5,
+                     stream_options={"include_usage": True})
+    _stream_bytes(cluster.base + "/v1/chat/completions", body, "slow-warm")  # both reads below hit the cache
+    worker, via_gateway = _stalled_small_window_stream(cluster, body, 1500)
+    _, direct = _stream_bytes(cluster.sims[worker].url + "/v1/chat/completions", body, "slow")
+    assert len(via_gateway) > 200_000 and via_gateway.count(b"data: ") == direct.count(b"data: ")
+    strip_ids = re.compile(rb'"(id|created)":("[^"]*"|\d+)')
+    assert strip_ids.sub(b"", via_gateway) == strip_ids.sub(b"", direct)
+
+
 def test_sdk_stream_text_matches_non_stream(cluster):
     cli = cluster.client()
     body = chat_body("sdk-stream", "count", max_tokens=12, seed=3)

@@ -196,3 +196,21 @@ def test_a_read_ending_inside_a_crlf_pair_holds_the_event_until_the_lf():
     got = strip.feed(stream[:usage_end - 1]) + strip.feed(stream[usage_end - 1:]) + strip.finish()
     assert got == want and got.endswith(b'"}\r\n\r\ndata: [DONE]\r\n\r\n')
     assert b'"choices":[]' not in got and strip.cached_tokens == 0
+
+
+def test_the_tap_keeps_a_bounded_tail_of_a_long_stream():
+    """A long stream (3,000 token events, ~300 KB) in reads of one event: the tap holds about its
+    last 16 KiB (plus one read), not the stream, and finds the usage at its end."""
+    from router.relay.stream_usage import _TAIL_BYTES
+    token = b'data: {"id":"cmpl-1","choices":[{"index":0,"text":"%d","finish_reason":null}]}\n\n'
+    usage = (b'data: {"id":"cmpl-1","choices":[],"usage":{"prompt_tokens":90,"completion_tokens":3000,'
+             b'"prompt_tokens_details":{"cached_tokens":48}}}\n\n')
+    tap = UsageTap()
+    held = 0
+    for i in range(3000):
+        assert tap.feed(token % i) == token % i
+        held = max(held, tap._tail_bytes)
+    tap.feed(usage)
+    tap.feed(b"data: [DONE]\n\n")
+    assert _TAIL_BYTES <= held < _TAIL_BYTES + len(token % 2999)
+    assert tap.finish() == b"" and tap.cached_tokens == 48

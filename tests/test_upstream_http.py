@@ -519,3 +519,149 @@ async def test_https_workers(self_signed):
         assert server.connections == 1  # the failed handshake never reached the handler; one connection, reused
     finally:
         server._server.close()
+
+
+def _sse_head() -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+def _chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+async def test_pipe_hands_each_read_to_the_sink_from_the_connection_callback():
+    """``pipe``: each piece as it arrives, in order, called outside any task (from the
+    connection's ``data_received``, no task switch per piece); True at the end; the connection
+    is pooled after, as after ``readany``."""
+    events = [b"data: %d\n\n" % i for i in range(5)]
+
+    async def stream(server, reader, writer, n):
+        while await server.next_request(reader) is not None:
+            writer.write(_sse_head())
+            for event in events:
+                writer.write(_chunk(event))
+                await writer.drain()
+                await asyncio.sleep(0.05)
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+
+    async with RawServer(stream) as server, client() as http:
+        for _ in range(2):
+            resp = await http.request("POST", server.url + "/v1/completions", [], b"{}")
+            got, tasks = [], []
+
+            def sink(data: bytes) -> bool:
+                got.append(data)
+                tasks.append(asyncio.current_task())
+                return True
+
+            assert await resp.pipe(sink, idle_s=5.0) is True
+            assert b"".join(got) == b"".join(events)
+            assert len(got) >= 3  # pieces 50 ms apart are not held back for the next
+            assert tasks[-1] is None  # run by the connection, not by a task
+            resp.release()
+        assert server.connections == 1 and http.idle_connections() == 1
+
+
+async def test_a_paused_pipe_keeps_what_follows_for_the_next():
+    sent_all = asyncio.Event()
+
+    async def stream(server, reader, writer, n):
+        await server.next_request(reader)
+        writer.write(_sse_head() + _chunk(b"data: 0\n\n"))
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        for i in (1, 2):
+            writer.write(_chunk(b"data: %d\n\n" % i))
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        sent_all.set()
+        await reader.read()
+
+    async with RawServer(stream) as server, client() as http:
+        resp = await http.request("POST", server.url + "/s", [], b"{}")
+        got = []
+        assert await resp.pipe(lambda d: got.append(d) and False) is False  # paused after the first
+        assert got == [b"data: 0\n\n"]
+        await sent_all.wait()
+        await asyncio.sleep(0.05)
+        assert got == [b"data: 0\n\n"]  # nothing handed on while paused
+        calls = []
+        assert await resp.pipe(lambda d: calls.append(d) or True) is True
+        assert calls == [b"data: 1\n\ndata: 2\n\n"]  # what waited, in one call
+        resp.release()
+        assert http.idle_connections() == 1
+
+
+async def test_pipe_failures_reach_the_piping_coroutine():
+    """A worker dying mid-stream (after what it sent is handed on), a silence past ``idle_s``,
+    and the sink's own exception each fail the pipe; the connection is never pooled after."""
+    async def dies(server, reader, writer, n):
+        await server.next_request(reader)
+        writer.write(_sse_head() + _chunk(b"data: one\n\n"))
+        await writer.drain()
+        await asyncio.sleep(0.1)
+
+    async def silent(server, reader, writer, n):
+        await server.next_request(reader)
+        writer.write(_sse_head() + _chunk(b"data: one\n\n"))
+        await writer.drain()
+        await reader.read()
+
+    async with RawServer(dies) as server, client() as http:
+        resp = await http.request("POST", server.url + "/s", [], b"{}")
+        got = []
+        with pytest.raises(UpstreamPayloadError):
+            await resp.pipe(lambda d: got.append(d) or True)
+        assert got == [b"data: one\n\n"]
+        resp.release()
+        assert http.idle_connections() == 0
+
+    loop = asyncio.get_running_loop()
+    async with RawServer(silent) as server, client() as http:
+        resp = await http.request("POST", server.url + "/s", [], b"{}")
+        got = []
+        t = loop.time()
+        with pytest.raises(UpstreamIdleTimeout, match="no data for 0.3 s"):
+            await resp.pipe(lambda d: got.append(d) or True, idle_s=0.3)
+        assert got == [b"data: one\n\n"] and loop.time() - t >= 0.29
+        resp.close()
+        await asyncio.wait_for(server.lost_event.wait(), 2)
+
+    async with RawServer(silent) as server, client() as http:
+        resp = await http.request("POST", server.url + "/s", [], b"{}")
+
+        def broken(data: bytes) -> bool:
+            raise ValueError("sink failed")
+
+        with pytest.raises(ValueError, match="sink failed"):
+            await resp.pipe(broken)
+        resp.close()
+
+
+async def test_a_cancelled_pipe_hands_on_nothing_more():
+    second_sent = asyncio.Event()
+
+    async def stream(server, reader, writer, n):
+        await server.next_request(reader)
+        writer.write(_sse_head() + _chunk(b"data: 0\n\n"))
+        await writer.drain()
+        await asyncio.sleep(0.2)
+        writer.write(_chunk(b"data: 1\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+        second_sent.set()
+        await reader.read()
+
+    async with RawServer(stream) as server, client() as http:
+        resp = await http.request("POST", server.url + "/s", [], b"{}")
+        got = []
+        fut = resp.pipe(lambda d: got.append(d) or True)
+        await asyncio.sleep(0.1)
+        fut.cancel()
+        await second_sent.wait()
+        assert await resp.readany() == b"data: 1\n\n"  # kept for the next read
+        assert got == [b"data: 0\n\n"]
+        assert await resp.readany() == b""
+        resp.release()

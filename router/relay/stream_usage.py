@@ -25,6 +25,7 @@ body and its undoing.
 from __future__ import annotations
 
 import re
+from collections import deque
 from typing import Any
 
 import orjson
@@ -121,22 +122,30 @@ class UsageTap:
     """Watches a stream passed through unchanged; :attr:`cached_tokens` after :meth:`finish`."""
 
     def __init__(self) -> None:
-        self._tail = b""
+        self._tail: deque[bytes] = deque()  # the last chunks, at least the stream's last _TAIL_BYTES
+        self._tail_bytes = 0
         self.cached_tokens: int | None = None
 
     def feed(self, chunk: bytes) -> bytes:
-        """Returns ``chunk`` itself (to send); keeps a bounded copy of the stream's tail."""
-        tail = self._tail + chunk
-        self._tail = tail[-_TAIL_BYTES:] if len(tail) > _TAIL_BYTES else tail
+        """Returns ``chunk`` itself (to send); keeps the chunks that hold the stream's last
+        ``_TAIL_BYTES`` (no copy: a long stream's tail is not rebuilt per chunk)."""
+        tail = self._tail
+        tail.append(chunk)
+        self._tail_bytes += len(chunk)
+        while self._tail_bytes - len(tail[0]) >= _TAIL_BYTES:
+            self._tail_bytes -= len(tail.popleft())
         return chunk
 
     def finish(self) -> bytes:
-        """End of stream: parse the last usage chunk seen; returns b"" (nothing held)."""
-        for event in reversed(self._tail.split(b"\n\n")):
+        """End of stream: parse the last usage chunk within the stream's last ``_TAIL_BYTES``;
+        returns b"" (nothing held)."""
+        tail = b"".join(self._tail)[-_TAIL_BYTES:]
+        for event in reversed(tail.split(b"\n\n")):
             if _USAGE.search(event):
                 self.cached_tokens = cached_tokens_of_usage(_usage_of_event(event))
                 break
-        self._tail = b""
+        self._tail.clear()
+        self._tail_bytes = 0
         return b""
 
 

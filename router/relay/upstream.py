@@ -10,13 +10,16 @@ see :mod:`router.relay.stream_usage`), every client header but hop-by-hop ones, 
 is the client's or a new one (what aiohttp sent; :mod:`router.upstream_http`).
 
 What reaches the client: the worker's status, headers (minus hop-by-hop, a stale
-``Content-Length`` and ``Access-Control-*``, which the gateway's own CORS policy sets; ``Content-Encoding`` is kept because the body is passed raw) plus
-``x-kvroute-worker`` and ``x-request-id``; the body as it arrives (``iter_any``: each read is
-forwarded at once, never re-chunked). A connect failure before any byte reached the client is
-retried once on the next-best worker (a pooled connection the worker closed as the request went
-out is first retried once on a new connection to the same worker). Cancelling the relay (the client went away) closes the
-upstream connection, which makes vLLM abort the request; in-flight counts are released in every
-path.
+``Content-Length`` and ``Access-Control-*``, which the gateway's own CORS policy sets;
+``Content-Encoding`` is kept because the body is passed raw) plus ``x-kvroute-worker`` and
+``x-request-id``; the body as it arrives (each socket read of the worker's answer forwarded at
+once, never re-chunked; under ``kvroute serve`` a stream's pieces go from the worker
+connection's callback straight to the client's transport, :mod:`router.relay.direct_write`,
+waiting while the client's socket is full). A connect failure before any byte reached the client
+is retried once on the next-best worker (a pooled connection the worker closed as the request
+went out is first retried once on a new connection to the same worker). Cancelling the relay
+(the client went away) closes the upstream connection, which makes vLLM abort the request;
+in-flight counts are released in every path.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ import aiohttp
 from kvcore.data_parallel import DP_RANK_HEADER
 from router.config.schema import HealthConfig, TimeoutsConfig
 from router.errors import GatewayError, upstream_failed, upstream_timeout
+from router.relay.direct_write import END, writer_for
 from router.relay.stream_usage import UsageStrip, UsageTap, cached_tokens_of_body
 from router.telemetry import tracing
 from router.telemetry.metrics import GatewayMetrics
@@ -315,16 +319,22 @@ class Upstream:
                                              trace_cached, after_first, opening)
                 else:
                     state.response_started = True
-                    await send({"type": "http.response.start", "status": status,
-                                "headers": client_headers(resp.raw_headers, reg.id, req.request_id, len(first),
-                                                          req.response_headers)})
-                    state.response_done = True
                     cached = None
-                    if trace_cached is not None and status == 200:  # tracing: before the last send
-                        cached = cached_tokens_of_body(first)
-                        if cached is not None:
-                            trace_cached(cached)
-                    await send({"type": "http.response.body", "body": first, "more_body": False})
+                    writer = writer_for(send) if trace_cached is None else None  # traced: ASGI's order
+                    if writer is not None and writer.whole(status, client_headers(
+                            resp.raw_headers, reg.id, req.request_id, None, req.response_headers), first):
+                        state.response_done = True
+                        await send(END)
+                    else:
+                        await send({"type": "http.response.start", "status": status,
+                                    "headers": client_headers(resp.raw_headers, reg.id, req.request_id, len(first),
+                                                              req.response_headers)})
+                        state.response_done = True
+                        if trace_cached is not None and status == 200:  # tracing: before the last send
+                            cached = cached_tokens_of_body(first)
+                            if cached is not None:
+                                trace_cached(cached)
+                        await send({"type": "http.response.body", "body": first, "more_body": False})
                     if hooks.on_cached_tokens is not None and status == 200:
                         if cached is None:
                             cached = cached_tokens_of_body(first)
@@ -350,18 +360,40 @@ class Upstream:
         chunk = first
         finished = False
         idle_s = self.timeouts.stream_idle_s
+        writer = writer_for(send)
+
+        def sent(data: bytes) -> None:
+            """``data`` has gone to the client: the first token's bookkeeping, once."""
+            nonlocal opening, after_first
+            if opening and not opening_only(data):
+                opening = False
+                handle.first_byte()
+            if after_first is not None and not opening:
+                after_first()
+                after_first = None
+
         try:
             try:
+                if writer is not None and writer.chunked:
+                    # each socket read of the worker's answer goes on from the connection's own
+                    # callback, as the ASGI loop below would send it
+                    def on_data(data: bytes) -> bool:
+                        out = watcher.feed(data) if watcher is not None else data
+                        if out:
+                            writer.chunk(out)
+                        sent(data)
+                        return not writer.paused
+
+                    go_on = on_data(chunk) if chunk else True
+                    while not (go_on and await resp.pipe(on_data, idle_s)):
+                        await writer.drain()
+                        go_on = True
+                    chunk = b""
                 while chunk:
                     out = watcher.feed(chunk) if watcher is not None else chunk
                     if out:
                         await send({"type": "http.response.body", "body": out, "more_body": True})
-                    if opening and not opening_only(chunk):
-                        opening = False
-                        handle.first_byte()
-                    if after_first is not None and not opening:
-                        after_first()
-                        after_first = None
+                    sent(chunk)
                     chunk = await resp.readany(idle_s)
                 rest = watcher.finish() if watcher is not None else b""
             except (UpstreamError, TimeoutError) as exc:
