@@ -13,7 +13,7 @@ import uvicorn
 from aiohttp import web
 
 from router.config.schema import HealthConfig, TimeoutsConfig, WorkerConfig
-from router.relay.direct_write import END, DirectWriter, writer_for
+from router.relay.direct_write import DirectWriter, writer_for
 from router.relay.upstream import ClientState, RelayRequest, Upstream
 from router.telemetry.metrics import GatewayMetrics
 from router.workers.registry import WorkerRegistration
@@ -22,6 +22,7 @@ HEADERS = [(b"content-type", b"text/event-stream"), (b"x-kvroute-worker", b"w0")
 PIECES = [b"data: 1\n\n", b"data: two\n\n", b"x" * 70_000]
 LAST = b"data: [DONE]\n\n"
 BODY = b'{"id": "cmpl-1", "choices": []}'
+BIG = b"[" + b"0," * (4 << 20) + b"0]"
 seen: dict[str, object] = {}
 
 
@@ -48,7 +49,9 @@ async def app(scope, receive, send) -> None:
         await send({"type": "http.response.body", "body": BODY, "more_body": False})
     elif path == "/direct-whole":
         assert writer.whole(status, HEADERS[1:], BODY)
-        await send(END)
+    elif path == "/direct-big":  # 8 MiB to a client that reads nothing yet: written, completed, returned
+        assert writer.whole(200, HEADERS[1:], BIG)
+        seen["big returned"].set()
     elif path == "/refused":  # what whole() leaves to send: nothing is written
         assert not writer.whole(204, [], b"")
         assert not writer.whole(200, [(b"Content-Length", b"3")], b"abc")
@@ -75,7 +78,7 @@ async def app(scope, receive, send) -> None:
             await send(message)
         seen[path] = writer_for(wrapped)
         await send({"type": "http.response.start", "status": 204, "headers": []})
-        await send(END)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 @contextlib.asynccontextmanager
@@ -259,3 +262,25 @@ async def test_the_relay_waits_for_a_stalled_client_and_loses_nothing(monkeypatc
         rest = rest[end + 4 + n:]
     assert body == EVENT * N_EVENTS and written[0] == N_EVENTS
     assert drains
+
+
+async def test_a_whole_answer_does_not_wait_for_a_stalled_client():
+    """8 MiB, far more than the sockets hold, to a client with a 4 KiB window that reads nothing
+    until the handler has returned: ``whole`` writes and completes the response without waiting
+    for the client (as ASGI's two sends do), the client then reads all of it, and the connection
+    serves the next request."""
+    seen["big returned"] = asyncio.Event()
+    async with serve() as port:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+        reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 16)
+        writer.write(b"POST /direct-big HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
+        await asyncio.wait_for(seen["big returned"].wait(), 10)
+        got = await asyncio.wait_for(read_response(reader), 60)
+        writer.write(b"POST /asgi-whole HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
+        after = await asyncio.wait_for(read_response(reader), 10)
+        writer.close()
+    assert got.endswith(b"\r\ncontent-length: %d\r\n\r\n" % len(BIG) + BIG)
+    assert after.endswith(BODY)

@@ -4,9 +4,10 @@ Through ASGI, each streamed piece costs a future, a task switch and a ``send`` c
 whole answer two socket writes (its head, then its body). :func:`writer_for` gives the relay a
 :class:`DirectWriter` that writes the bytes uvicorn's httptools protocol writes for the same ASGI
 messages (``RequestResponseCycle.send``, uvicorn/protocols/http/httptools_impl.py): a piece as one
-chunk of the chunked body, a whole answer (head and body) in one write. The response's last
-message still goes through ``send`` (:data:`END`), so its completion is uvicorn's: keep-alive or
-close, the next pipelined request, the disconnect seen by ``receive``.
+chunk of the chunked body, a whole answer (head and body) in one write. A stream's last message
+still goes through ``send``, so its completion is uvicorn's; a whole answer is completed as
+``send``'s last message completes one (keep-alive or close, the next pipelined request, the end
+seen by ``receive``), without waiting for the client to read it, as the ASGI path does not.
 
 A writer is given only where that holds: ``send`` is the bound ``send`` of uvicorn's httptools
 ``RequestResponseCycle`` (no middleware in between: a CORS request or tracing keeps ASGI), with
@@ -21,7 +22,6 @@ try:  # uvicorn[standard]'s httptools protocol; without it every response goes t
 except ImportError:  # pragma: no cover - httptools is a dependency
     RequestResponseCycle = None
 
-END = {"type": "http.response.body", "body": b"", "more_body": False}  # what completes a direct response
 _OWN_HEADERS = frozenset({b"content-length", b"transfer-encoding", b"connection"})
 
 
@@ -63,15 +63,16 @@ class DirectWriter:
     def whole(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> bool:
         """Write a whole answer, head and ``body``, in one write, as ``send`` writes
         ``http.response.start`` with ``headers`` plus a ``Content-Length`` of ``len(body)``,
-        then the body. The caller then awaits ``send(END)``. False, with nothing written, where
-        ``send`` must write it itself: a response already started, a client gone, a status
-        uvicorn has no line for or that carries no body (1xx, 204, 304), or ``headers`` naming
-        ``Content-Length``, ``Transfer-Encoding`` or ``Connection``. Raises RuntimeError on a
-        header name or value uvicorn refuses (a newline), as ``send`` does."""
+        then the body, and complete the response as ``send`` does at the last message (the
+        caller sends nothing more). False, with nothing written, where ``send`` must write it
+        itself: a response already started, a client gone or its socket full (``send`` waits
+        first), a status uvicorn has no line for or that carries no body (1xx, 204, 304), or
+        ``headers`` naming ``Content-Length``, ``Transfer-Encoding`` or ``Connection``. Raises
+        RuntimeError on a header name or value uvicorn refuses (a newline), as ``send`` does."""
         c = self._cycle
         line = STATUS_LINE.get(status)
-        if c.response_started or c.disconnected or self._transport.is_closing() or line is None or status < 200 \
-                or status in (204, 304):
+        if c.response_started or c.disconnected or self._flow.write_paused or self._transport.is_closing() \
+                or line is None or status < 200 or status in (204, 304):
             return False
         content = [line]
         for name, value in (*c.default_headers, *headers):
@@ -90,8 +91,16 @@ class DirectWriter:
         c.response_started = True
         c.waiting_for_100_continue = False
         c.chunked_encoding = False
-        c.expected_content_length = 0  # all of it is written: END completes the response
+        c.expected_content_length = 0
         self._transport.write(b"".join(content))
+        # send's completion of the last message: no drain (the ASGI path writes its body into a
+        # socket it found free and returns; a slow client must not hold the relay, its worker
+        # connection and its in-flight counts)
+        c.response_complete = True
+        c.message_event.set()
+        if not c.keep_alive:
+            self._transport.close()
+        c.on_response()
         return True
 
 

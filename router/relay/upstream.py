@@ -35,7 +35,7 @@ import aiohttp
 from kvcore.data_parallel import DP_RANK_HEADER
 from router.config.schema import HealthConfig, TimeoutsConfig
 from router.errors import GatewayError, upstream_failed, upstream_timeout
-from router.relay.direct_write import END, writer_for
+from router.relay.direct_write import writer_for
 from router.relay.stream_usage import UsageStrip, UsageTap, cached_tokens_of_body
 from router.telemetry import tracing
 from router.telemetry.metrics import GatewayMetrics
@@ -324,7 +324,6 @@ class Upstream:
                     if writer is not None and writer.whole(status, client_headers(
                             resp.raw_headers, reg.id, req.request_id, None, req.response_headers), first):
                         state.response_done = True
-                        await send(END)
                     else:
                         await send({"type": "http.response.start", "status": status,
                                     "headers": client_headers(resp.raw_headers, reg.id, req.request_id, len(first),
