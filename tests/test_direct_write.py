@@ -130,6 +130,17 @@ async def exchange(port: int, paths: list[str], extra: bytes = b"") -> list[byte
         writer.close()
 
 
+async def small_window_post(port: int, path: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection whose receive buffer is 4 KiB, with a POST of ``path`` sent on it."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+    reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 16)
+    writer.write(b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}" % path.encode())
+    return reader, writer
+
+
 async def test_a_direct_stream_is_the_bytes_asgi_writes():
     async with serve(server_header=True) as port:
         asgi, direct, again = await exchange(port, ["/asgi-stream", "/direct-stream", "/direct-stream"])
@@ -177,12 +188,7 @@ async def test_a_slow_client_pauses_the_writer_and_gets_every_byte():
     """A client with a small receive window reading slowly: the writer reports the client's
     buffer full (``paused``), ``drain`` waits for it, and every byte arrives in order."""
     async with serve() as port:
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.setblocking(False)
-        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
-        reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 16)
-        writer.write(b"POST /flood HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
+        reader, writer = await small_window_post(port, "/flood")
         got = await asyncio.wait_for(read_response(reader), 30)
         writer.close()
     body = b"".join(got.split(b"\r\n\r\n", 1)[1].split(b"\r\n")[1::2])  # the chunks' data
@@ -229,15 +235,9 @@ async def test_the_relay_waits_for_a_stalled_client_and_loses_nothing(monkeypatc
     upstream = Upstream(TimeoutsConfig(), HealthConfig(), GatewayMetrics(lambda: [reg]))
     await upstream.start()
     seen["relay"] = (upstream, reg, RelayRequest("POST", "/v1/completions", b"{}", [], "r1", time.perf_counter()))
-    loop = asyncio.get_running_loop()
     try:
         async with serve() as port:
-            sock = socket.socket()
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.setblocking(False)
-            await loop.sock_connect(sock, ("127.0.0.1", port))
-            reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 16)
-            writer.write(b"POST /relay HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
+            reader, writer = await small_window_post(port, "/relay")
             async with asyncio.timeout(30):  # the worker stalls: the relay stopped reading it
                 last = -1
                 while written[0] != last or not drains:
@@ -271,12 +271,7 @@ async def test_a_whole_answer_does_not_wait_for_a_stalled_client():
     serves the next request."""
     seen["big returned"] = asyncio.Event()
     async with serve() as port:
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.setblocking(False)
-        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
-        reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 16)
-        writer.write(b"POST /direct-big HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
+        reader, writer = await small_window_post(port, "/direct-big")
         await asyncio.wait_for(seen["big returned"].wait(), 10)
         got = await asyncio.wait_for(read_response(reader), 60)
         writer.write(b"POST /asgi-whole HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
