@@ -70,9 +70,11 @@ async def app(scope, receive, send) -> None:
                 await writer.drain()
         seen["pauses"] = pauses
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-    elif path == "/relay":  # the gateway's relay of a worker's stream (router/relay/upstream.py)
+    elif path == "/relay":  # the gateway's relay of a worker's answer (router/relay/upstream.py)
         upstream, reg, req = seen["relay"]
         await upstream.relay(send, ClientState(), req, [reg])
+        seen["relay in flight"] = reg.in_flight
+        seen["relay returned"].set()
     elif path == "/wrapped":
         async def wrapped(message):
             await send(message)
@@ -196,6 +198,30 @@ async def test_a_slow_client_pauses_the_writer_and_gets_every_byte():
     assert seen["pauses"] > 0
 
 
+@contextlib.asynccontextmanager
+async def relaying(handler):
+    """A real aiohttp worker answering ``/v1/completions`` with ``handler`` and the gateway's
+    :class:`Upstream` to it, behind uvicorn's ``/relay``: yields uvicorn's port."""
+    app_ = web.Application()
+    app_.router.add_post("/v1/completions", handler)
+    runner = web.AppRunner(app_)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    reg = WorkerRegistration(WorkerConfig(id="w0", url=f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}",
+                                          model="m"))
+    upstream = Upstream(TimeoutsConfig(), HealthConfig(), GatewayMetrics(lambda: [reg]))
+    await upstream.start()
+    seen["relay"] = (upstream, reg, RelayRequest("POST", "/v1/completions", b"{}", [], "r1", time.perf_counter()))
+    seen["relay returned"] = asyncio.Event()
+    try:
+        async with serve() as port:
+            yield port
+    finally:
+        await upstream.close()
+        await runner.cleanup()
+
+
 EVENT = b"data: " + b"x" * 16377 + b"\n\n"  # 16 KiB
 N_EVENTS = 1024  # 16 MiB: more than the sockets' kernel buffers hold
 
@@ -224,31 +250,16 @@ async def test_the_relay_waits_for_a_stalled_client_and_loses_nothing(monkeypatc
         await resp.write_eof()
         return resp
 
-    app_ = web.Application()
-    app_.router.add_post("/v1/completions", worker)
-    runner = web.AppRunner(app_)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    reg = WorkerRegistration(WorkerConfig(id="w0", url=f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}",
-                                          model="m"))
-    upstream = Upstream(TimeoutsConfig(), HealthConfig(), GatewayMetrics(lambda: [reg]))
-    await upstream.start()
-    seen["relay"] = (upstream, reg, RelayRequest("POST", "/v1/completions", b"{}", [], "r1", time.perf_counter()))
-    try:
-        async with serve() as port:
-            reader, writer = await small_window_post(port, "/relay")
-            async with asyncio.timeout(30):  # the worker stalls: the relay stopped reading it
-                last = -1
-                while written[0] != last or not drains:
-                    last = written[0]
-                    await asyncio.sleep(0.2)
-            assert written[0] < N_EVENTS
-            got = await asyncio.wait_for(read_response(reader), 60)
-            writer.close()
-    finally:
-        await upstream.close()
-        await runner.cleanup()
+    async with relaying(worker) as port:
+        reader, writer = await small_window_post(port, "/relay")
+        async with asyncio.timeout(30):  # the worker stalls: the relay stopped reading it
+            last = -1
+            while written[0] != last or not drains:
+                last = written[0]
+                await asyncio.sleep(0.2)
+        assert written[0] < N_EVENTS
+        got = await asyncio.wait_for(read_response(reader), 60)
+        writer.close()
     head, _, chunked = got.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n")
     assert b"\r\nx-kvroute-worker: w0\r\nx-request-id: r1\r\ntransfer-encoding: chunked" in head
@@ -279,3 +290,21 @@ async def test_a_whole_answer_does_not_wait_for_a_stalled_client():
         writer.close()
     assert got.endswith(b"\r\ncontent-length: %d\r\n\r\n" % len(BIG) + BIG)
     assert after.endswith(BODY)
+
+
+async def test_the_relay_of_a_whole_answer_ends_before_a_stalled_client_reads_it():
+    """16 MiB of JSON relayed to a client that reads nothing until the relay has returned: the
+    worker's answer is written in one piece and the relay ends at once, its in-flight count
+    released (a client's pace must not hold a worker's load figures), then the client gets it all."""
+    async def worker(request: web.Request) -> web.Response:
+        return web.Response(body=BIG * 2, content_type="application/json")
+
+    async with relaying(worker) as port:
+        reader, writer = await small_window_post(port, "/relay")
+        await asyncio.wait_for(seen["relay returned"].wait(), 10)
+        assert seen["relay in flight"] == 0
+        got = await asyncio.wait_for(read_response(reader), 60)
+        writer.close()
+    assert got.startswith(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n")
+    assert got.endswith(b"\r\nx-kvroute-worker: w0\r\nx-request-id: r1\r\ncontent-length: %d\r\n\r\n"
+                        % (2 * len(BIG)) + BIG * 2)
