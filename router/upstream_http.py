@@ -308,11 +308,8 @@ class UpstreamResponse:
         if fut is None or fut.done():  # the piping coroutine was cancelled: keep the bytes
             self._sink = self._pipe = None
             return
-        chunks = self._chunks
-        if chunks:
-            data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-            chunks.clear()
-            self._size = 0
+        if self._chunks:
+            data = self._take()
             if self._idle_timer is not None:
                 self._idle_until = self._loop.time() + self._idle_s
             try:
@@ -321,11 +318,6 @@ class UpstreamResponse:
                 self._sink = self._pipe = None
                 fut.set_exception(exc)
                 return
-            if self._paused:
-                self._paused = False
-                conn = self._conn
-                if conn is not None and not conn.closed:
-                    conn.transport.resume_reading()
             if not more:
                 self._sink = self._pipe = None
                 fut.set_result(False)
@@ -359,6 +351,12 @@ class UpstreamResponse:
                 await w
             finally:
                 self._waiter = None
+        return self._take()
+
+    def _take(self) -> bytes:
+        """What has arrived (one or more pieces), the buffer emptied and reading resumed if it
+        was paused."""
+        chunks = self._chunks
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         chunks.clear()
         self._size = 0
