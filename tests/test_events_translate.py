@@ -203,3 +203,39 @@ async def test_older_array_shaped_events_translate_like_the_map_shaped_ones():
     ops = tr.translate(decode_batch(old))
     keys = block_keys(toks, BS, MODEL)
     assert ops == [("store", "gpu", keys), ("remove", "gpu", keys[1:])]
+
+
+async def test_a_batch_of_single_block_removals_applies_as_its_events_one_by_one():
+    """vLLM sends one BlockRemoved per evicted block; the translator takes a run sharing medium,
+    group and locality in one pass. Mixed runs (media, an unknown medium, another group, REMOTE,
+    LOCAL, unknown and repeated hashes) leave the same index, held blocks and counters as the
+    same events translated one batch each."""
+    import random
+    rng = random.Random(7)
+    toks = [rng.randrange(1000) for _ in range(40 * BS)]
+    hashes = list(range(100, 140))
+    cpu = BlockStored(block_hashes=hashes[:20], parent_block_hash=None, token_ids=[], block_size=0,
+                      lora_id=None, medium="CPU", lora_name=None)
+    setup = [stored(hashes, toks), cpu, stored(hashes[:5], toks[:5 * BS], parent=hashes[-1] + 1)]
+    removals = []
+    for _ in range(120):
+        removals.append(BlockRemoved([rng.choice(hashes + [999])], rng.choice(["GPU", "GPU", "CPU", "NVME"]),
+                                     group_idx=rng.choice([0, 0, 0, None, 3]),
+                                     locality=rng.choice([None, None, "LOCAL", "REMOTE"])))
+    whole_tr, whole_ix = EventTranslator(MODEL, BS), MemoryIndex()
+    one_tr, one_ix = EventTranslator(MODEL, BS), MemoryIndex()
+    first = stored(hashes[:1], toks[:BS])
+    first.group_idx, first.kv_cache_spec_kind = 0, "full_attention"  # the indexed group is 0
+    for tr, ix in ((whole_tr, whole_ix), (one_tr, one_ix)):
+        await write_ops(ix, "w", tr.translate(EventBatch(0.0, [first] + setup)))
+    await write_ops(whole_ix, "w", whole_tr.translate(EventBatch(0.0, removals)))
+    for ev in removals:
+        await write_ops(one_ix, "w", one_tr.translate(EventBatch(0.0, [ev])))
+    assert whole_tr.counters == one_tr.counters
+    assert whole_tr.held_blocks() == one_tr.held_blocks() == (await whole_ix.stats())["w"].blocks
+    assert whole_ix._masks == one_ix._masks
+    assert whole_tr.snapshot() == one_tr.snapshot()
+    c = whole_tr.counters
+    # every kind of run occurred, and some removals applied
+    assert c.remote_events and c.skipped_events and c.unknown_removals and c.blocks_removed
+    assert c.events_applied == 1 + len(setup) + len(removals)

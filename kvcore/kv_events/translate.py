@@ -150,7 +150,10 @@ class EventTranslator:
         """Update the state with ``batch``'s events and return the index ops, in order."""
         ops: list[IndexOp] = []
         later: list[BlockStored | BlockRemoved] = []  # window-group events, after the others
-        for ev in batch.events:
+        events = batch.events
+        i, n = 0, len(events)
+        while i < n:
+            ev = events[i]
             if isinstance(ev, BlockStored):
                 if ev.locality is not None and not self._local(ev.locality):
                     pass
@@ -164,13 +167,18 @@ class EventTranslator:
                 elif self.windows.owns(ev.group_idx):
                     later.append(ev)
                 else:
-                    self._removed(ev, ops)
+                    end = _removal_run_end(events, i)
+                    self._removed(events[i:end], ops)
+                    self.counters.events_applied += end - i
+                    i = end
+                    continue
             elif isinstance(ev, AllBlocksCleared):
                 self._window_events(later, ops)
                 self.reset()
                 self.counters.clears += 1
                 ops.append(("clear", None, []))
             self.counters.events_applied += 1
+            i += 1
         self._window_events(later, ops)
         return ops
 
@@ -280,23 +288,39 @@ class EventTranslator:
         self._held[t] += fresh
         self._emit(ops, "store", TIERS[t], keys)
 
-    def _removed(self, ev: BlockRemoved, ops: list[IndexOp]) -> None:
-        t = self._tier(ev.medium)
-        if t is None or not self._group_ok(ev.group_idx, None, False):
+    def _removed(self, run: Sequence[BlockRemoved], ops: list[IndexOp]) -> None:
+        """Apply a run of removals that share medium, group and locality
+        (:func:`_removal_run_end`): vLLM sends one ``BlockRemoved`` per evicted block, so a step
+        that evicts many blocks is one loop here. An unknown medium or another group skips (and
+        counts) each event of the run."""
+        first = run[0]
+        t = TIER_OF_MEDIUM.get(first.medium)
+        if t is None:
+            for ev in run:
+                self._tier(ev.medium)
+            return
+        t = TIERS.index(t)
+        if not self._group_ok(first.group_idx, None, False):
+            for _ in run[1:]:
+                self._group_ok(first.group_idx, None, False)
             return
         entries = self._entries
-        keys = []
-        for h in ev.block_hashes:
-            entry = entries.get(h)
-            if entry is None or not entry[2 + t]:
-                self.counters.unknown_removals += 1
-                continue
-            entry[2 + t] -= 1
-            if not entry[2 + t]:
-                self._held[t] -= 1
-            keys.append(entry[_KEY])
-            if not (entry[2] or entry[3] or entry[4]):
-                del entries[h]
+        keys: list[int] = []
+        unknown = released = 0
+        for ev in run:
+            for h in ev.block_hashes:
+                entry = entries.get(h)
+                if entry is None or not entry[2 + t]:
+                    unknown += 1
+                    continue
+                entry[2 + t] -= 1
+                if not entry[2 + t]:
+                    released += 1
+                keys.append(entry[_KEY])
+                if not (entry[2] or entry[3] or entry[4]):
+                    del entries[h]
+        self.counters.unknown_removals += unknown
+        self._held[t] -= released
         self._emit(ops, "remove", TIERS[t], keys)
 
     def _emit(self, ops: list[IndexOp], op: str, tier: str, keys: list[int], count: bool = True) -> None:
@@ -361,3 +385,18 @@ def _split_extra_keys(extra_keys: Sequence[Any] | None, lora: str | None, first:
         if rest:
             opaque[i] = repr(rest)
     return salt, media, opaque
+
+
+def _removal_run_end(events: Sequence[Any], start: int) -> int:
+    """The end (exclusive) of the run of ``BlockRemoved`` events from ``start`` whose medium,
+    group and locality equal ``events[start]``'s."""
+    ev = events[start]
+    medium, group, locality = ev.medium, ev.group_idx, ev.locality
+    end, n = start + 1, len(events)
+    while end < n:
+        nxt = events[end]
+        if type(nxt) is not BlockRemoved or nxt.medium != medium or nxt.group_idx != group \
+                or nxt.locality != locality:
+            break
+        end += 1
+    return end
