@@ -134,7 +134,7 @@ async def test_a_waiting_request_stops_waiting_for_a_holder_that_evicted_its_pre
     await index.remove("w0", "gpu", warm.blocks.first_keys)  # w0's KV events: evicted
     plan, reservation = await asyncio.wait_for(follow, 10)  # looked up again: nothing to wait for
     assert plan.decision.worker_id == "w1" and plan.matches.get("w0") is None
-    assert router.metrics.dispatch_queue_rematches.labels("lost")._value.get() == 1
+    assert router.metrics.dispatch_queue_rematches.labels("lost").value == 1
     reservation.release()
     busy.finish()
 
@@ -172,7 +172,7 @@ async def test_requests_sharing_a_prefix_follow_the_first_one_dispatched(rig):
     assert shared >= 20  # the document's blocks
     await router.commit(first, registry.get("w1"))
     deadline = time.monotonic() + 10
-    while router.metrics.dispatch_queue_rematches.labels("gained")._value.get() < 1:
+    while router.metrics.dispatch_queue_rematches.labels("gained").value < 1:
         assert time.monotonic() < deadline, "the waiting request was never looked up again"
         await asyncio.sleep(0.01)
     busy["w0"].first_byte()  # w0 opens first, but w1 now holds the document

@@ -50,11 +50,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from router.estimates.peer_credit import PeerInfo
+from router.telemetry.lean import LeanCounter, LeanHistogram
 from router.workers.registry import WorkerRegistration
 
 disable_created_metrics()  # no *_created series: they double the exposition for nothing here
@@ -173,81 +174,75 @@ class GatewayMetrics:
 
     def __init__(self, workers: Callable[[], Iterable[WorkerRegistration]]) -> None:
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("kvroute_requests", "Requests by worker and HTTP status",
+        self.requests = LeanCounter("kvroute_requests", "Requests by worker and HTTP status",
                                 ["worker", "status"], registry=r)
-        self.route_decisions = Counter("kvroute_route_decisions", "Routing decisions by reason",
+        self.route_decisions = LeanCounter("kvroute_route_decisions", "Routing decisions by reason",
                                        ["policy", "reason"], registry=r)
-        self.lookup_s = Histogram("kvroute_index_lookup_seconds", "Index match latency",
+        self.lookup_s = LeanHistogram("kvroute_index_lookup_seconds", "Index match latency",
                                   buckets=_LATENCY_BUCKETS_S, registry=r)
-        self.tokenize_s = Histogram("kvroute_tokenize_seconds", "Tokenization and block-key latency",
+        self.tokenize_s = LeanHistogram("kvroute_tokenize_seconds", "Tokenization and block-key latency",
                                     buckets=_LATENCY_BUCKETS_S, registry=r)
-        self.ttft_s = Histogram("kvroute_ttft_seconds", "Time to the worker's first body byte",
+        self.ttft_s = LeanHistogram("kvroute_ttft_seconds", "Time to the worker's first body byte",
                                 ["worker"], buckets=_TTFT_BUCKETS_S, registry=r)
-        self.tokenization_fallbacks = Counter(
+        self.tokenization_fallbacks = LeanCounter(
             "kvroute_tokenization_fallbacks", "Requests routed by load because exact tokens were unavailable",
             ["model", "reason"], registry=r)
-        self.predicted_cached = Histogram("kvroute_predicted_cached_tokens",
+        self.predicted_cached = LeanHistogram("kvroute_predicted_cached_tokens",
                                           "Predicted prefix-hit tokens per request", ["worker"],
                                           buckets=_TOKEN_BUCKETS, registry=r)
-        self.actual_cached = Histogram("kvroute_actual_cached_tokens",
+        self.actual_cached = LeanHistogram("kvroute_actual_cached_tokens",
                                        "Worker-reported cached tokens per request", ["worker"],
                                        buckets=_TOKEN_BUCKETS, registry=r)
-        self.cached_error = Histogram("kvroute_cached_tokens_error_tokens",
+        self.cached_error = LeanHistogram("kvroute_cached_tokens_error_tokens",
                                       "abs(actual - predicted) cached tokens per request", ["worker"],
                                       buckets=_TOKEN_BUCKETS, registry=r)
-        self.index_unavailable = Counter(
+        self.index_unavailable = LeanCounter(
             "kvroute_index_unavailable", "Lookups that found the shared index down (routed by load alone)",
             registry=r)
-        self.index_write_failures = Counter(
+        self.index_write_failures = LeanCounter(
             "kvroute_index_write_failures",
             "Speculative inserts of a routed prompt's keys that found the shared index down", registry=r)
-        self.worker_call_failures = Counter(
+        self.worker_call_failures = LeanCounter(
             "kvroute_worker_call_failures", "The gateway's own calls to a worker that failed or timed out",
             ["worker", "call"], registry=r)
-        self.admission_rejected = Counter("kvroute_admission_rejected", "Requests answered 429 by admission control",
+        self.admission_rejected = LeanCounter("kvroute_admission_rejected", "Requests answered 429 by admission control",
                                           ["reason"], registry=r)
-        self.admission_wait_s = Histogram("kvroute_admission_wait_seconds", "Time waited for an admission slot",
+        self.admission_wait_s = LeanHistogram("kvroute_admission_wait_seconds", "Time waited for an admission slot",
                                           buckets=_TTFT_BUCKETS_S, registry=r)
-        self.dispatch_queue_wait_s = Histogram("kvroute_dispatch_queue_wait_seconds",
+        self.dispatch_queue_wait_s = LeanHistogram("kvroute_dispatch_queue_wait_seconds",
                                                "Time waited in the dispatch queue for an open worker",
                                                buckets=_TTFT_BUCKETS_S, registry=r)
-        self.dispatch_queue_rematches = Counter("kvroute_dispatch_queue_rematches",
+        self.dispatch_queue_rematches = LeanCounter("kvroute_dispatch_queue_rematches",
                                                 "Index lookups again for a request waiting in the dispatch queue",
                                                 ["change"], registry=r)
-        self.broken_streams = Counter("kvroute_broken_streams", "Streams a worker broke or left silent mid-way",
+        self.broken_streams = LeanCounter("kvroute_broken_streams", "Streams a worker broke or left silent mid-way",
                                       ["worker", "reason"], registry=r)
-        self.retries = Counter("kvroute_upstream_retries", "Connect failures retried on the next-best worker",
+        self.retries = LeanCounter("kvroute_upstream_retries", "Connect failures retried on the next-best worker",
                                registry=r)
-        self.off_longest_prefix = Counter(
+        self.off_longest_prefix = LeanCounter(
             "kvroute_route_off_longest_prefix",
             "Decisions whose worker matched fewer prompt blocks than the longest holder",
             ["policy", "reason"], registry=r)
-        self.predicted_ttft_s = Histogram("kvroute_predicted_ttft_seconds",
+        self.predicted_ttft_s = LeanHistogram("kvroute_predicted_ttft_seconds",
                                           "Predicted TTFT from dispatch of the chosen worker", ["worker"],
                                           buckets=_TTFT_BUCKETS_S, registry=r)
-        self.ttft_prediction_ratio = Histogram("kvroute_ttft_prediction_ratio",
+        self.ttft_prediction_ratio = LeanHistogram("kvroute_ttft_prediction_ratio",
                                                "Observed over predicted TTFT from dispatch", ["worker"],
                                                buckets=_RATIO_BUCKETS, registry=r)
-        self.evidence_distrust = Counter("kvroute_evidence_distrust",
+        self.evidence_distrust = LeanCounter("kvroute_evidence_distrust",
                                          "Times a worker's prefix evidence became distrusted", ["worker"],
                                          registry=r)
-        self.peer_credit_blocks = Counter(
+        self.peer_credit_blocks = LeanCounter(
             "kvroute_peer_credit_blocks",
             "Prompt blocks decisions credited the chosen worker for pulling from a peer", ["worker"], registry=r)
-        self.pd_requests = Counter("kvroute_pd_requests", "Requests of a model with P/D on, by outcome",
+        self.pd_requests = LeanCounter("kvroute_pd_requests", "Requests of a model with P/D on, by outcome",
                                    ["model", "outcome"], registry=r)
         r.register(_WorkerGauges(workers))
-        self._children: dict[tuple[Any, tuple[str, ...]], Any] = {}
 
-    def child(self, metric: Any, *values: str) -> Any:
-        """``metric.labels(*values)``, made once per label values and kept (``labels()`` checks
-        and locks on every call, costing more than the update; every label value here comes
-        from a bounded set: worker ids, models, policies, reasons, outcomes)."""
-        key = (metric, values)
-        found = self._children.get(key)
-        if found is None:
-            found = self._children[key] = metric.labels(*values)
-        return found
+    def child(self, metric: LeanCounter | LeanHistogram, *values: str) -> Any:
+        """``metric.labels(*values)``: the series of those label values (every label value here
+        comes from a bounded set: worker ids, models, policies, reasons, outcomes)."""
+        return metric.labels(*values)
 
     def watch_admission(self, in_flight: Callable[[], float], queued: Callable[[], float]) -> None:
         """Expose admission control's slots in use and queue length, read at scrape time."""

@@ -5,9 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from prometheus_client import Histogram
-
 from router.telemetry import tracing
+from router.telemetry.lean import LeanHistogram
 
 
 class step:
@@ -18,7 +17,7 @@ class step:
 
     __slots__ = ("_span", "_seconds", "_t0")
 
-    def __init__(self, name: str, seconds: Histogram | None = None) -> None:
+    def __init__(self, name: str, seconds: LeanHistogram | None = None) -> None:
         self._span = tracing.span(name)
         self._seconds = seconds
         self._t0 = 0.0
