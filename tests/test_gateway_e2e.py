@@ -385,11 +385,30 @@ def test_stream_disconnect_releases_in_flight_and_aborts_upstream(cluster):
 def test_non_stream_disconnect_releases_in_flight_and_aborts_upstream(cluster):
     body = _long_body("disc-n", False)
     worker = explain(cluster, body)["chosen"]
+    generated = sim_gauge(cluster.sims[worker], "vllm:generation_tokens_total")
     with pytest.raises(httpx.ReadTimeout):
         post(cluster, "/v1/chat/completions", body, timeout=0.8)
     wait_until(lambda: workers_by_id(cluster)[worker]["in_flight"] == 0, what="gateway in-flight back to 0")
     wait_until(lambda: sim_gauge(cluster.sims[worker], "vllm:num_requests_running") == 0,
                what="worker aborted the request")
+    assert sim_gauge(cluster.sims[worker], "vllm:generation_tokens_total") - generated < body["max_tokens"]
+
+
+def test_a_client_gone_before_its_disconnect_watcher_starts_still_aborts_upstream(cluster):
+    """The watcher starts DISCONNECT_WATCH_AFTER_S into a request; a client that left sooner
+    is found then (receive answers http.disconnect at once) and its relay cancelled."""
+    from router.edge.endpoints import DISCONNECT_WATCH_AFTER_S
+
+    body = _long_body("disc-early", False)
+    worker = explain(cluster, body)["chosen"]
+    sim = cluster.sims[worker]
+    generated = sim_gauge(sim, "vllm:generation_tokens_total")
+    with pytest.raises(httpx.TimeoutException):
+        post(cluster, "/v1/chat/completions", body, timeout=DISCONNECT_WATCH_AFTER_S / 5)
+    wait_until(lambda: workers_by_id(cluster)[worker]["in_flight"] == 0, what="gateway in-flight back to 0")
+    wait_until(lambda: sim_gauge(sim, "vllm:num_requests_running") == 0, what="the request ended on the worker")
+    # aborted, not run to its end (the tokens the worker made meanwhile are fewer than asked)
+    assert sim_gauge(sim, "vllm:generation_tokens_total") - generated < body["max_tokens"]
 
 
 def test_concurrent_streams_and_disconnects_leave_no_counts(cluster):

@@ -1,8 +1,10 @@
 """The proxied OpenAI endpoints as raw ASGI apps (no FastAPI body validation on the hot path).
 
 A request's body is read once as bytes (413 past ``max_body_bytes``), parsed once with orjson for
-routing, and the original bytes go upstream. While the relay runs, a watcher task waits on ASGI
-``receive`` for ``http.disconnect`` and cancels the relay when the client leaves.
+routing, and the original bytes go upstream. Once a request has run
+:data:`DISCONNECT_WATCH_AFTER_S`, a watcher task waits on ASGI ``receive`` for
+``http.disconnect`` and cancels the route (a wait in the admission or dispatch queue included)
+and the relay when the client leaves.
 """
 from __future__ import annotations
 
@@ -106,6 +108,12 @@ async def send_json(send, status: int, body: bytes, request_id: str | None = Non
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
+DISCONNECT_WATCH_AFTER_S = 0.05
+"""How long a request runs before its disconnect watcher starts: most requests end sooner and
+never pay for a task of their own; a client gone earlier is found once it starts (ASGI
+``receive`` answers ``http.disconnect`` at once then), so the relay is cancelled at most this late."""
+
+
 async def _cancel_on_disconnect(receive, task: asyncio.Task, state: ClientState) -> None:
     while True:
         msg = await receive()
@@ -114,6 +122,32 @@ async def _cancel_on_disconnect(receive, task: asyncio.Task, state: ClientState)
                 state.disconnected = True
                 task.cancel()
             return
+
+
+class _DisconnectWatch:
+    """Cancels ``task`` when the client disconnects before its response is done
+    (:func:`_cancel_on_disconnect`), from :data:`DISCONNECT_WATCH_AFTER_S` on; :meth:`stop` at
+    the request's end."""
+
+    __slots__ = ("_receive", "_task", "_state", "_timer", "_watcher")
+
+    def __init__(self, receive, task: asyncio.Task, state: ClientState) -> None:
+        self._receive, self._task, self._state = receive, task, state
+        self._watcher: asyncio.Task | None = None
+        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(
+            DISCONNECT_WATCH_AFTER_S, self._start)
+
+    def _start(self) -> None:
+        self._timer = None
+        self._watcher = asyncio.get_running_loop().create_task(
+            _cancel_on_disconnect(self._receive, self._task, self._state))
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._watcher is not None:
+            self._watcher.cancel()
 
 
 class ProxyEndpoint:
@@ -145,8 +179,7 @@ class ProxyEndpoint:
             return
         ctx = RequestContext(self.kind, request_id, t0, scope["method"], scope["path"], headers, raw, body)
         state = ClientState()
-        task = asyncio.current_task()
-        watcher = asyncio.get_running_loop().create_task(_cancel_on_disconnect(receive, task, state))
+        watch = _DisconnectWatch(receive, asyncio.current_task(), state)
         admitted_at = None
         try:
             try:
@@ -166,11 +199,11 @@ class ProxyEndpoint:
                 ctx.release_reservation()
         except asyncio.CancelledError:
             if state.disconnected:
-                task.uncancel()
+                asyncio.current_task().uncancel()
                 return
             raise
         finally:
-            watcher.cancel()
+            watch.stop()
             if admitted_at is not None:
                 gw.admission.release(admitted_at)
 
