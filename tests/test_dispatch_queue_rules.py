@@ -474,3 +474,60 @@ async def test_settle_ms_zero_lets_a_request_follow_at_once(rig):
     assert follow.done() and follow.result()[0].decision.worker_id == "w0"
     follow.result()[1].release()
     sent.finish()
+
+
+def _count_redecides(router: Router) -> list:
+    calls: list = []
+    real = router.redecide
+
+    def counted(*args, **kwargs):
+        calls.append(args[0])
+        return real(*args, **kwargs)
+
+    router.redecide = counted  # type: ignore[method-assign]
+    return calls
+
+
+async def test_a_fresh_plan_keeps_its_decision_unless_the_queue_moved_before_it(rig):
+    """take_turn(fresh=True): the plan was decided with nothing awaited since, so the first
+    look keeps it; not when an entry before it was dispatched in that look, nor for a plan
+    that is not fresh."""
+    router, registry, queue, _, holder, _ = rig
+    holder.replace({"name": "kv_aware", "queue": {"enabled": True, "worker_prefills": 2, "settle_ms": 0}})
+    redecided = _count_redecides(router)
+    plan = await _plan(router, _body(50, "a"))
+    got, reservation = await queue.take_turn(plan, fresh=True)
+    assert got is plan and redecided == []  # dispatched on the decision it came with
+    reservation.release()
+    plan = await _plan(router, _body(50, "b"))
+    got, reservation = await queue.take_turn(plan)  # not fresh: chosen again
+    assert got is not plan and redecided == [plan] and got.decision.worker_id == plan.decision.worker_id
+    reservation.release()
+    # a look that dispatches a waiting request before a fresh one has moved the queue: the fresh
+    # one is chosen again
+    registry.get("w1").healthy = False
+    late = await _plan(router, _body(400, "d"))
+    held = [await queue.take_turn(await _plan(router, _body(20, t)), fresh=True) for t in ("x", "y")]
+    waiting = await _enqueue(queue, await _plan(router, _body(10, "c")))
+    assert not waiting.done() and queue.queued == 1  # w0 has its two prefills (reserved)
+    redecided.clear()
+    for _, r in held:
+        r.release()  # two openings; the looks this schedules run after the take_turn below
+    got, reservation = await queue.take_turn(late, fresh=True)
+    assert queue.queued == 0 and redecided[-1] is late and got is not late  # the waiting one went first
+    reservation.release()
+    (await waiting)[1].release()
+
+
+async def test_round_robin_with_the_queue_takes_the_workers_in_turn(rig):
+    """round_robin's choice advances its rotation: a fresh plan dispatched on its own decision
+    is not chosen a second time, so two requests go to the two workers."""
+    router, _, queue, _, holder, _ = rig
+    holder.replace({"name": "round_robin", "queue": {"enabled": True, "worker_prefills": 4, "settle_ms": 0}})
+    chosen = []
+    for tag in ("x", "y", "z", "t"):
+        body = _body(20, tag)
+        plan, reservation = await queue.take_turn(await _plan(router, body), fresh=True)
+        chosen.append(plan.decision.worker_id)
+        reservation.release()
+    assert chosen == ["w0", "w1", "w0", "w1"]

@@ -235,7 +235,7 @@ class ProxyEndpoint:
                 plan, reservation = await self._decode_turn(plan)
         else:  # a P/D model's agent-API request stays in the decode pool the router chose it from
             pool = frozenset(plan.workers) if gw.router.policy.policy.pd.applies_to(plan.model.name) else None
-            plan, reservation = await gw.dispatch_queue.take_turn(plan, pool)
+            plan, reservation = await gw.dispatch_queue.take_turn(plan, pool, fresh=True)  # nothing awaited since
         if plan.pd is not None and not plan.pd.split:
             gw.metrics.child(gw.metrics.pd_requests, plan.model.name, "whole").inc()
         gw.router.record_decision(plan)

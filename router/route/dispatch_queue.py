@@ -104,6 +104,7 @@ class _Entry:
     held_blocks: dict[str, int]  # credited matched blocks per worker id
     pool: frozenset[str] | None = None  # the only workers it may go to (a prefill leg's pool)
     policy: Policy | None = None  # the policy that re-chooses its worker (None: the live one)
+    fresh: bool = False  # its plan was decided with nothing awaited since (take_turn's ``fresh``)
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
     def affinity_wait_s(self, settings: QueueSettings) -> float:
@@ -139,16 +140,21 @@ class DispatchQueue:
         return len(self._entries)
 
     async def take_turn(self, plan: RoutePlan, pool: frozenset[str] | None = None,
-                        policy: Policy | None = None) -> tuple[RoutePlan, Reservation | None]:
+                        policy: Policy | None = None, fresh: bool = False) -> tuple[RoutePlan, Reservation | None]:
         """Wait until ``plan``'s request may be dispatched; returns the plan to send it by (a new
         decision among the workers then open) and the reservation to release once its first
         attempt has begun. ``pool``: only these worker ids may take it (a prefill leg's pool);
-        ``policy``: the policy that re-chooses (None: the live one). With the queue off:
+        ``policy``: the policy that re-chooses (None: the live one). ``fresh``: the live
+        policy decided ``plan`` with nothing awaited since, so every input of its choice is
+        as it was: the first look at the queue then keeps that decision instead of making it
+        again, unless requests before it in the queue were dispatched or waited for a worker
+        in that look, or it may go only to some of the plan's workers. With the queue off:
         ``(plan, None)`` at once. Raises GatewayError 503 when no worker (of ``pool``) serves
         the model any more; cancelling the wait gives up its place."""
         if not self.settings().enabled:
             return plan, None
-        entry = _Entry(plan, self.clock(), _size_tokens(plan), _held_blocks(plan), pool, policy)
+        entry = _Entry(plan, self.clock(), _size_tokens(plan), _held_blocks(plan), pool, policy,
+                       fresh=fresh and policy is None)
         self._entries.append(entry)
         self.pump()
         try:
@@ -251,9 +257,11 @@ class DispatchQueue:
                 got = is_open[(r.id, holder)] = _is_open(r, now, settings, holder)
             return got
 
+        moved = False  # an entry before this one was dispatched or waits for a worker (backlog)
         for entry in sorted(self._entries, key=lambda e: e.order(now, settings)):
             if entry.future.done():  # cancelled: its waiter removes it when it runs
                 continue
+            fresh, entry.fresh = entry.fresh and not moved, False
             model = entry.plan.model.name
             regs = routable.get(model)
             if regs is None:
@@ -270,10 +278,12 @@ class DispatchQueue:
                 continue
             affinity_wait_s = entry.affinity_wait_s(settings)
             if now - entry.arrival_s < affinity_wait_s and settings.affinity == "policy":
-                plan = self.router.redecide(entry.plan, regs, backlog, entry.policy)
+                plan = entry.plan if fresh and _same_workers(entry.plan, regs) else \
+                    self.router.redecide(entry.plan, regs, backlog, entry.policy)
                 chosen = plan.decision.worker_id
                 if not any(r.id == chosen for r in ready):
                     backlog[chosen] = backlog.get(chosen, 0.0) + plan.uncached_tokens(chosen)
+                    moved = True
                     continue
             else:
                 if now - entry.arrival_s < affinity_wait_s:
@@ -281,7 +291,8 @@ class DispatchQueue:
                     ready = [r for r in ready if entry.held_blocks.get(r.id, 0) >= top - 1]
                 if not ready:
                     continue
-                plan = self.router.redecide(entry.plan, ready, policy=entry.policy)
+                plan = entry.plan if fresh and _same_workers(entry.plan, ready) else \
+                    self.router.redecide(entry.plan, ready, policy=entry.policy)
             reg = plan.workers[plan.decision.worker_id]
             predicted_ms = plan.predicted_ttft_ms(reg.id)
             end_s = None if predicted_ms is None else now + predicted_ms / 1000.0
@@ -293,6 +304,7 @@ class DispatchQueue:
             is_open.pop((reg.id, True), None)
             self._entries.remove(entry)
             entry.future.set_result((plan, reservation))
+            moved = True
         if self._entries:
             self._arm(now, settings)
             self._ensure_rematcher()
@@ -343,6 +355,10 @@ def _held_blocks(plan: RoutePlan) -> dict[str, int]:
     return {wid: m.total for wid, m in plan.matches.items()
             if wid in plan.workers and plan.workers[wid].evidence_credited}
 
+
+def _same_workers(plan: RoutePlan, regs: list[WorkerRegistration]) -> bool:
+    """Whether ``regs`` are exactly the workers ``plan`` was decided among."""
+    return len(regs) == len(plan.workers) and all(r.id in plan.workers for r in regs)
 
 def _size_tokens(plan: RoutePlan) -> float:
     """Prompt tokens to prefill (every prompt of the body) at the candidate with the longest
