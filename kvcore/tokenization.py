@@ -84,6 +84,9 @@ class PromptTokenizer:
                 self._compiled = _compile_jinja_template(template)
             except Exception as exc:  # noqa: BLE001 - a template jinja refuses: apply_chat_template says why per request
                 log.info("%s: chat template not compiled (%s)", self.model_dir, exc)
+        # the template's globals (jinja's and transformers' raise_exception, strftime_now) as one
+        # dict: Template.render flattens their ChainMap into each render's context (_render)
+        self._globals = dict(self._compiled.globals) if self._compiled is not None else {}
         self._special_kwargs = dict(self._tok.special_tokens_map)
         self._apply_params = frozenset(inspect.signature(self._tok.apply_chat_template).parameters)
         self.content_format = "openai" if template and _OPENAI_CONTENT_RE.search(template) else "string"
@@ -142,8 +145,8 @@ class PromptTokenizer:
                 # request's kwargs, as variables; without its per-call wrapping
                 agp = kwargs.pop("add_generation_prompt")
                 del kwargs["continue_final_message"]
-                return self._compiled.render(messages=conversation, tools=_normalize_tools(tools), documents=documents,
-                                             add_generation_prompt=agp, **{**self._special_kwargs, **kwargs})
+                return self._render(messages=conversation, tools=_normalize_tools(tools), documents=documents,
+                                    add_generation_prompt=agp, **{**self._special_kwargs, **kwargs})
             return self._tok.apply_chat_template(
                 conversation, tools=_normalize_tools(tools), documents=documents,
                 chat_template=template, tokenize=False, **kwargs)
@@ -151,6 +154,15 @@ class PromptTokenizer:
             raise
         except Exception as exc:  # jinja raise_exception, template errors
             raise BadPrompt(f"chat template failed: {exc}") from None
+
+    def _render(self, **variables: Any) -> str:
+        """``self._compiled.render(**variables)``, with the globals taken from :attr:`_globals`
+        rather than flattened from their ChainMap again (jinja2's ``new_context`` without
+        ``shared`` builds ``dict(globals, **variables)`` on every call): the same context, so
+        the same text. Raises what the template raises."""
+        template = self._compiled
+        ctx = template.new_context({**self._globals, **variables}, shared=True)
+        return template.environment.concat(template.root_render_func(ctx))
 
     def encode_chat(self, body: dict[str, Any]) -> list[int]:
         """Prompt token ids of a chat-completions body. Raises BadPrompt / UnsupportedPrompt."""
