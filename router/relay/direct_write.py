@@ -74,12 +74,14 @@ class DirectWriter:
         if c.response_started or c.disconnected or self._flow.write_paused or self._transport.is_closing() \
                 or line is None or status < 200 or status in (204, 304):
             return False
+        all_headers = (*c.default_headers, *headers)
+        # send's checks of each name and value, made once over all of them ("a" is valid in both)
+        if HEADER_RE.search(b"a".join([name for name, _ in all_headers])):
+            raise RuntimeError("Invalid HTTP header name.")
+        if HEADER_VALUE_RE.search(b"a".join([value for _, value in all_headers])):
+            raise RuntimeError("Invalid HTTP header value.")
         content = [line]
-        for name, value in (*c.default_headers, *headers):
-            if HEADER_RE.search(name):
-                raise RuntimeError("Invalid HTTP header name.")
-            if HEADER_VALUE_RE.search(value):
-                raise RuntimeError("Invalid HTTP header value.")
+        for name, value in all_headers:
             name = name.lower()
             if name in _OWN_HEADERS:
                 return False

@@ -115,8 +115,11 @@ def client_headers(raw: Iterable[tuple[bytes, bytes]], worker_id: str, request_i
                    extra: list[tuple[bytes, bytes]] | None = None) -> list[tuple[bytes, bytes]]:
     """Response headers for the client from the worker's ``raw_headers``; ``extra``: the
     gateway's own (``x-kvroute-prefill-worker`` on a split request, :mod:`router.edge.prefill_leg`)."""
-    out = [(k.lower(), v) for k, v in raw
-           if k.lower() not in _RESPONSE_DROP and not k.lower().startswith(_CORS_PREFIX)]
+    out = []
+    for k, v in raw:
+        k = k.lower()
+        if k not in _RESPONSE_DROP and not k.startswith(_CORS_PREFIX):
+            out.append((k, v))
     out.append((b"x-kvroute-worker", worker_id.encode("latin-1")))
     out.extend(extra or ())
     out.append((b"x-request-id", request_id.encode("latin-1")))
