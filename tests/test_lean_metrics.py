@@ -51,3 +51,12 @@ def test_values_and_refusals():
     assert series.counts == [0, 1, 1] and series.sum == 8.5
     with pytest.raises(ValueError):
         LeanHistogram("h", "h", buckets=(2, 1))
+
+
+def test_a_second_metric_of_a_name_is_refused_as_prometheus_client_refuses_it():
+    registry = CollectorRegistry()
+    LeanCounter("kvroute_t_dup", "first", registry=registry)
+    with pytest.raises(ValueError, match="Duplicated"):
+        LeanCounter("kvroute_t_dup", "second", registry=registry)
+    with pytest.raises(ValueError, match="Duplicated"):
+        Counter("kvroute_t_dup", "a library one", registry=registry)

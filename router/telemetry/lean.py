@@ -75,8 +75,21 @@ class _Lean(Collector):
             series = self._series[tuple(str(v) for v in values)] = self._new()
         return series
 
+    def _family(self):
+        raise NotImplementedError
+
+    def _fill(self, family) -> None:
+        raise NotImplementedError
+
     def describe(self) -> Iterator:
-        return iter(())  # collected at registration would register the names twice: none here
+        """The family without samples: the registry checks its names at registration, as for
+        prometheus_client's own metrics (a second metric of the same name is refused)."""
+        yield self._family()
+
+    def collect(self) -> Iterator:
+        family = self._family()
+        self._fill(family)
+        yield family
 
 
 class LeanCounter(_Lean):
@@ -89,11 +102,12 @@ class LeanCounter(_Lean):
     def inc(self, amount: float = 1) -> None:
         self._series[()].inc(amount)  # type: ignore[attr-defined]
 
-    def collect(self) -> Iterator[CounterMetricFamily]:
-        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+    def _family(self) -> CounterMetricFamily:
+        return CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def _fill(self, family: CounterMetricFamily) -> None:
         for values, series in list(self._series.items()):
             family.add_metric(list(values), series.value)  # type: ignore[attr-defined]
-        yield family
 
 
 class LeanHistogram(_Lean):
@@ -116,8 +130,10 @@ class LeanHistogram(_Lean):
     def observe(self, amount: float) -> None:
         self._series[()].observe(amount)  # type: ignore[attr-defined]
 
-    def collect(self) -> Iterator[HistogramMetricFamily]:
-        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+    def _family(self) -> HistogramMetricFamily:
+        return HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def _fill(self, family: HistogramMetricFamily) -> None:
         for values, series in list(self._series.items()):
             acc = 0
             buckets = []
@@ -127,4 +143,3 @@ class LeanHistogram(_Lean):
             # prometheus_client leaves _sum out when a bound is negative (the sum may fall)
             sum_value = series.sum if self.bounds[0] >= 0 else None  # type: ignore[attr-defined]
             family.add_metric(list(values), buckets, sum_value)
-        yield family
