@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -44,6 +45,7 @@ from kvroute.up import free_ports  # noqa: E402
 TINY = ROOT / "tests/fixtures/tiny-model"
 DEADLINE_S = 900
 SETTLE_S = 4.0  # default --settle-s
+PERIOD_S = 2.0  # the default health interval, a multiple of the load scrape's: the window is a whole number of it
 
 FLEET = r'''
 import asyncio, random, sys
@@ -180,8 +182,13 @@ def measure(work: Path, ports: list[int], processes: int, shared: bool, seconds:
             if held < len(ports):
                 raise SystemExit(f"only {held} of {len(ports)} workers' KV events reached the index")
         calls = lambda: sum(httpx.get(f"http://127.0.0.1:{ports[0]}/calls", timeout=10).json().values())  # noqa: E731
+        # the probes and scrapes run at whole multiples of their intervals on the monotonic clock
+        # (kvcore.ticks; health every 2 s, scrapes every 1 s): a window from just past a multiple
+        # of 2 s, a whole number of 2 s long, holds every round the same number of times
+        window_s = PERIOD_S * math.ceil(seconds / PERIOD_S)
+        time.sleep(PERIOD_S * math.floor(time.monotonic() / PERIOD_S) + PERIOD_S + 0.25 - time.monotonic())
         c0, cpu0, t0 = calls(), tree_cpu_s(gw.pid), time.monotonic()
-        time.sleep(seconds)
+        time.sleep(max(0.0, t0 + window_s - time.monotonic()))
         c1, cpu1, t1 = calls(), tree_cpu_s(gw.pid), time.monotonic()
         return (cpu1 - cpu0) / (t1 - t0) * 1e3, (c1 - c0) / (t1 - t0)
     finally:
@@ -192,7 +199,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workers", default="64,256", help="comma-separated worker counts")
     ap.add_argument("--processes", default="1,2,4", help="comma-separated gateway process counts")
-    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--seconds", type=float, default=10.0,
+                    help="idle seconds measured per cell (rounded up to a multiple of 2 s, whole probe rounds)")
     ap.add_argument("--settle-s", type=float, default=SETTLE_S, help="wait after the gateway is ready")
     ap.add_argument("--event-rate", type=float, default=0.0,
                     help="KV-event batches per second each worker publishes (0: no event streams)")
