@@ -40,6 +40,10 @@ def test_values_and_refusals():
     counter = LeanCounter("c", "c", ["worker"])
     counter.labels("w0").inc(3)
     assert counter.labels("w0").value == 3.0
+    status = LeanCounter("s", "s", ["status"])
+    status.labels(200).inc()
+    status.labels(200).inc()  # a value that is not a string names the same series each time
+    assert status.labels("200").value == 2.0
     with pytest.raises(ValueError):
         counter.labels("w0").inc(-1)
     with pytest.raises(ValueError):

@@ -72,7 +72,10 @@ class _Lean(Collector):
         if series is None:
             if len(values) != len(self.labelnames):
                 raise ValueError(f"{self.name}: expected {len(self.labelnames)} label values, got {len(values)}")
-            series = self._series[tuple(str(v) for v in values)] = self._new()
+            key = tuple(str(v) for v in values)  # values that are not strings: their series, kept
+            series = self._series.get(key)
+            if series is None:
+                series = self._series[key] = self._new()
         return series
 
     def _family(self):

@@ -175,27 +175,27 @@ class GatewayMetrics:
     def __init__(self, workers: Callable[[], Iterable[WorkerRegistration]]) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = LeanCounter("kvroute_requests", "Requests by worker and HTTP status",
-                                ["worker", "status"], registry=r)
+                                    ["worker", "status"], registry=r)
         self.route_decisions = LeanCounter("kvroute_route_decisions", "Routing decisions by reason",
-                                       ["policy", "reason"], registry=r)
+                                           ["policy", "reason"], registry=r)
         self.lookup_s = LeanHistogram("kvroute_index_lookup_seconds", "Index match latency",
-                                  buckets=_LATENCY_BUCKETS_S, registry=r)
+                                      buckets=_LATENCY_BUCKETS_S, registry=r)
         self.tokenize_s = LeanHistogram("kvroute_tokenize_seconds", "Tokenization and block-key latency",
-                                    buckets=_LATENCY_BUCKETS_S, registry=r)
+                                        buckets=_LATENCY_BUCKETS_S, registry=r)
         self.ttft_s = LeanHistogram("kvroute_ttft_seconds", "Time to the worker's first body byte",
-                                ["worker"], buckets=_TTFT_BUCKETS_S, registry=r)
+                                    ["worker"], buckets=_TTFT_BUCKETS_S, registry=r)
         self.tokenization_fallbacks = LeanCounter(
             "kvroute_tokenization_fallbacks", "Requests routed by load because exact tokens were unavailable",
             ["model", "reason"], registry=r)
         self.predicted_cached = LeanHistogram("kvroute_predicted_cached_tokens",
-                                          "Predicted prefix-hit tokens per request", ["worker"],
-                                          buckets=_TOKEN_BUCKETS, registry=r)
+                                              "Predicted prefix-hit tokens per request", ["worker"],
+                                              buckets=_TOKEN_BUCKETS, registry=r)
         self.actual_cached = LeanHistogram("kvroute_actual_cached_tokens",
-                                       "Worker-reported cached tokens per request", ["worker"],
-                                       buckets=_TOKEN_BUCKETS, registry=r)
+                                           "Worker-reported cached tokens per request", ["worker"],
+                                           buckets=_TOKEN_BUCKETS, registry=r)
         self.cached_error = LeanHistogram("kvroute_cached_tokens_error_tokens",
-                                      "abs(actual - predicted) cached tokens per request", ["worker"],
-                                      buckets=_TOKEN_BUCKETS, registry=r)
+                                          "abs(actual - predicted) cached tokens per request", ["worker"],
+                                          buckets=_TOKEN_BUCKETS, registry=r)
         self.index_unavailable = LeanCounter(
             "kvroute_index_unavailable", "Lookups that found the shared index down (routed by load alone)",
             registry=r)
@@ -205,38 +205,38 @@ class GatewayMetrics:
         self.worker_call_failures = LeanCounter(
             "kvroute_worker_call_failures", "The gateway's own calls to a worker that failed or timed out",
             ["worker", "call"], registry=r)
-        self.admission_rejected = LeanCounter("kvroute_admission_rejected", "Requests answered 429 by admission control",
-                                          ["reason"], registry=r)
+        self.admission_rejected = LeanCounter("kvroute_admission_rejected",
+                                              "Requests answered 429 by admission control", ["reason"], registry=r)
         self.admission_wait_s = LeanHistogram("kvroute_admission_wait_seconds", "Time waited for an admission slot",
-                                          buckets=_TTFT_BUCKETS_S, registry=r)
+                                              buckets=_TTFT_BUCKETS_S, registry=r)
         self.dispatch_queue_wait_s = LeanHistogram("kvroute_dispatch_queue_wait_seconds",
-                                               "Time waited in the dispatch queue for an open worker",
-                                               buckets=_TTFT_BUCKETS_S, registry=r)
+                                                   "Time waited in the dispatch queue for an open worker",
+                                                   buckets=_TTFT_BUCKETS_S, registry=r)
         self.dispatch_queue_rematches = LeanCounter("kvroute_dispatch_queue_rematches",
-                                                "Index lookups again for a request waiting in the dispatch queue",
-                                                ["change"], registry=r)
+                                                    "Index lookups again for a request waiting in the dispatch queue",
+                                                    ["change"], registry=r)
         self.broken_streams = LeanCounter("kvroute_broken_streams", "Streams a worker broke or left silent mid-way",
-                                      ["worker", "reason"], registry=r)
+                                          ["worker", "reason"], registry=r)
         self.retries = LeanCounter("kvroute_upstream_retries", "Connect failures retried on the next-best worker",
-                               registry=r)
+                                   registry=r)
         self.off_longest_prefix = LeanCounter(
             "kvroute_route_off_longest_prefix",
             "Decisions whose worker matched fewer prompt blocks than the longest holder",
             ["policy", "reason"], registry=r)
         self.predicted_ttft_s = LeanHistogram("kvroute_predicted_ttft_seconds",
-                                          "Predicted TTFT from dispatch of the chosen worker", ["worker"],
-                                          buckets=_TTFT_BUCKETS_S, registry=r)
+                                              "Predicted TTFT from dispatch of the chosen worker", ["worker"],
+                                              buckets=_TTFT_BUCKETS_S, registry=r)
         self.ttft_prediction_ratio = LeanHistogram("kvroute_ttft_prediction_ratio",
-                                               "Observed over predicted TTFT from dispatch", ["worker"],
-                                               buckets=_RATIO_BUCKETS, registry=r)
+                                                   "Observed over predicted TTFT from dispatch", ["worker"],
+                                                   buckets=_RATIO_BUCKETS, registry=r)
         self.evidence_distrust = LeanCounter("kvroute_evidence_distrust",
-                                         "Times a worker's prefix evidence became distrusted", ["worker"],
-                                         registry=r)
+                                             "Times a worker's prefix evidence became distrusted", ["worker"],
+                                             registry=r)
         self.peer_credit_blocks = LeanCounter(
             "kvroute_peer_credit_blocks",
             "Prompt blocks decisions credited the chosen worker for pulling from a peer", ["worker"], registry=r)
         self.pd_requests = LeanCounter("kvroute_pd_requests", "Requests of a model with P/D on, by outcome",
-                                   ["model", "outcome"], registry=r)
+                                       ["model", "outcome"], registry=r)
         r.register(_WorkerGauges(workers))
 
     def child(self, metric: LeanCounter | LeanHistogram, *values: str) -> Any:
