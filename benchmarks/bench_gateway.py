@@ -10,9 +10,12 @@ all alike) and the table prints p50/p99 latency and what each proxy adds over th
 Then each target's most requests per second at concurrency 64 (short chat) for a few seconds.
 Last (``--stream-seconds``, 0 to skip), the relay of a token stream at a worker's real pace: a
 second sim with the GPU timing preset (no speedup), fresh ~600-token completions streamed back
-46 tokens each (46 reads per request), concurrency 8, through a kvroute gateway (kv_aware) and
-sglang-router in front of it, in alternating rounds: CPU per streamed request, the cost that
-grows with the output length.
+46 tokens each (46 reads per request), through a kvroute gateway (kv_aware), the same gateway
+with ``round_robin`` (the relay without the cache-aware step) and sglang-router in front of it,
+in alternating rounds: CPU per streamed request and per read, the cost that grows with the
+output length, and the proxy's wake-ups per request. ``--stream-concurrency`` (default 8 and 2):
+at 8 the streams' pieces often arrive together and one wake-up relays several; at 2 they arrive
+~12 ms apart, each a wake-up of its own, as in a cluster whose streams are spread thin.
 ``--processes 1,2`` adds a ``kvroute serve --processes N`` target per N > 1 ("kvroute xN"); CPU
 is then summed over the gateway's processes, and the CPU-bound ceiling is what N processes on N
 free cores would serve.
@@ -26,8 +29,9 @@ concurrency and target: ``p50_ms``, ``p99_ms``, ``added_p50_ms``, ``added_p99_ms
 ``proxy_cpu_per_request_ms``) and table ``throughput`` (per target: ``requests_per_s``,
 ``proxy_busy_cpu_share``, ``ceiling_requests_per_s_per_cpu``...). ``--plot DIR`` draws
 ``latency.png`` (p50/p99 per target and workload, log scale), ``added_latency.png`` and
-``throughput.png``. With ``--stream-seconds``, table ``stream`` (per target: ``requests``,
-``reads_per_request``, ``proxy_cpu_per_request_ms``).
+``throughput.png``. With ``--stream-seconds``, table ``stream`` (per target and concurrency:
+``requests``, ``reads_per_request``, ``proxy_cpu_per_request_ms``, ``proxy_cpu_per_read_us``,
+``wakeups_per_request``).
 """
 from __future__ import annotations
 
@@ -44,6 +48,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import psutil
 
 from lab.figures import add_chart, add_output_args, add_table, emit, new_figures
 from lab.process_sampler import tree_cpu_s
@@ -234,14 +239,44 @@ def gateway_config(port: int, sim_url: str, block_size: int) -> dict:
             "workers": [{"id": "w0", "url": sim_url, "model": "tiny"}], "policy": {"name": "kv_aware"}}
 
 
+def wakeups(proc: subprocess.Popen | None) -> int:
+    """Voluntary context switches (a thread going to sleep, so one wake-up each) summed over
+    every thread of every process below ``proc`` (``/proc/PID/task/TID/status``); 0 for None.
+    A thread that has ended is no longer counted (its entry is gone): the proxies' threads live
+    as long as they do."""
+    if proc is None:
+        return 0
+    total = 0
+    try:
+        below = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        return 0
+    for child in below:
+        try:
+            tids = os.listdir(f"/proc/{child.pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{child.pid}/task/{tid}/status") as f:
+                    total += next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt"))
+            except (OSError, StopIteration):
+                continue
+    return total
+
+
 async def stream_rounds(targets: dict[str, str], procs: dict[str, subprocess.Popen], seconds: float,
-                        rounds: int, fig: dict) -> None:
-    """Streamed completions at concurrency 8 through each target for ``seconds`` per round, the
-    targets alternating each round; prints and records proxy CPU per request (table ``stream``)."""
+                        rounds: int, fig: dict, concurrency: int = 8) -> None:
+    """Streamed completions at ``concurrency`` through each target for ``seconds`` per round, the
+    targets alternating each round; prints and records proxy CPU and wake-ups per request
+    (table ``stream``). At concurrency 8 the streams' pieces often arrive together, one wake-up
+    relaying several; at 2 they arrive spaced, as in a cluster whose streams are spread thin,
+    and each piece is a wake-up of its own."""
     rnd = random.Random(11)
     done = {t: 0 for t in targets}
     reads = {t: 0 for t in [*targets, "warm"]}
     cpu = {t: 0.0 for t in targets}
+    woke = {t: 0 for t in targets}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      timeout=aiohttp.ClientTimeout(total=120)) as session:
         async def one(url: str, t: str) -> None:
@@ -260,7 +295,7 @@ async def stream_rounds(targets: dict[str, str], procs: dict[str, subprocess.Pop
         for r in range(rounds):
             for t in order[r % len(order):] + order[:r % len(order)]:
                 end = time.perf_counter() + seconds
-                c0 = cpu_seconds(procs[t])
+                c0, w0 = cpu_seconds(procs[t]), wakeups(procs[t])
                 n0, r0 = done[t], reads[t]
 
                 async def client(t=t, end=end):
@@ -268,17 +303,22 @@ async def stream_rounds(targets: dict[str, str], procs: dict[str, subprocess.Pop
                         await one(targets[t], t)
                         done[t] += 1
 
-                await asyncio.gather(*[client() for _ in range(8)])
+                await asyncio.gather(*[client() for _ in range(concurrency)])
                 cpu[t] += cpu_seconds(procs[t]) - c0
+                woke[t] += wakeups(procs[t]) - w0
                 print(f"  round {r + 1} {t:<14} {done[t] - n0:>4} requests, {(reads[t] - r0) / max(1, done[t] - n0):.0f} "
                       f"reads each", flush=True)
-    print(f"\nstreamed completions at a real-time worker (~600-token prompts, 46 tokens streamed, concurrency 8, "
-          f"{rounds} rounds x {seconds:g} s per target)")
+    print(f"\nstreamed completions at a real-time worker (~600-token prompts, 46 tokens streamed, concurrency "
+          f"{concurrency}, {rounds} rounds x {seconds:g} s per target); wake-ups: the proxy's threads going to sleep")
     for t in targets:
-        per = cpu[t] / max(1, done[t]) * 1e3
-        add_table(fig, "stream", [{"target": t, "requests": done[t], "reads_per_request": reads[t] / max(1, done[t]),
-                                   "proxy_cpu_per_request_ms": per}])
-        print(f"  {t:<14} {done[t]:>5} requests  proxy CPU {per:.3f} ms per request")
+        n = max(1, done[t])
+        per, pieces = cpu[t] / n * 1e3, reads[t] / n
+        add_table(fig, "stream", [{"target": t, "concurrency": concurrency, "requests": done[t],
+                                   "reads_per_request": pieces, "proxy_cpu_per_request_ms": per,
+                                   "proxy_cpu_per_read_us": per / pieces * 1e3 if pieces else None,
+                                   "wakeups_per_request": woke[t] / n}])
+        print(f"  {t:<20} {done[t]:>5} requests  proxy CPU {per:.3f} ms per request, "
+              f"{per / pieces * 1e3 if pieces else 0:.1f} us per read; {woke[t] / n:.1f} wake-ups per request")
 
 
 def stream_phase(args, fig: dict, tmp: Path) -> None:
@@ -286,18 +326,24 @@ def stream_phase(args, fig: dict, tmp: Path) -> None:
     run :func:`stream_rounds`, stop them."""
     procs: list[subprocess.Popen] = []
     try:
-        sim_port, gw_port, sg_port = free_ports(3)
+        sim_port, gw_port, rr_port, sg_port = free_ports(4)
         sim_url = f"http://127.0.0.1:{sim_port}"
         procs.append(start_sim(sim_port, tmp / "sim-rt.log", "--block-size", "16", "--timing-preset", "gpu"))
         procs.append(start_gateway(gateway_config(gw_port, sim_url, 16), tmp / "gateway-rt.yaml"))
         targets = {"kvroute": f"http://127.0.0.1:{gw_port}"}
         target_procs = {"kvroute": procs[-1]}
+        # the same gateway without the cache-aware step (no tokenization, lookup or policy): the relay alone
+        procs.append(start_gateway({**gateway_config(rr_port, sim_url, 16), "policy": {"name": "round_robin"}},
+                                   tmp / "gateway-rt-rr.yaml"))
+        targets["kvroute round_robin"] = f"http://127.0.0.1:{rr_port}"
+        target_procs["kvroute round_robin"] = procs[-1]
         sglang = start_sglang(sg_port, sim_url, tmp / "sglang-rt.log")
         if sglang is not None:
             procs.append(sglang)
             targets["sglang-router"] = f"http://127.0.0.1:{sg_port}"
             target_procs["sglang-router"] = sglang
-        asyncio.run(stream_rounds(targets, target_procs, args.stream_seconds, args.rounds, fig))
+        for concurrency in sorted({int(c) for c in args.stream_concurrency.split(",")}, reverse=True):
+            asyncio.run(stream_rounds(targets, target_procs, args.stream_seconds, args.rounds, fig, concurrency))
     finally:
         stop_groups(procs)
 
@@ -311,6 +357,8 @@ def main() -> int:
     ap.add_argument("--processes", default="1", help="comma-separated gateway process counts to compare (e.g. 1,2)")
     ap.add_argument("--stream-seconds", type=float, default=10.0,
                     help="seconds per target per round of streamed completions at a real-time worker (0: skip)")
+    ap.add_argument("--stream-concurrency", default="8,2",
+                    help="comma-separated concurrencies of the streamed cells (2: pieces arrive spaced)")
     add_output_args(ap)
     args = ap.parse_args()
     fig = new_figures("bench_gateway", args)
