@@ -48,10 +48,9 @@ import time
 from pathlib import Path
 
 import aiohttp
-import psutil
 
 from lab.figures import add_chart, add_output_args, add_table, emit, new_figures
-from lab.process_sampler import tree_cpu_s
+from lab.process_sampler import tree_cpu_s, tree_wakeups
 from kvbench.workers import stop_groups, wait_ready
 from kvroute.up import free_ports
 
@@ -115,6 +114,12 @@ async def rate(session, url: str, body: bytes, concurrency: int, seconds: float)
     t0 = time.perf_counter()
     await asyncio.gather(*[client() for _ in range(concurrency)])
     return done[0] / (time.perf_counter() - t0)
+
+
+def wakeups(proc: subprocess.Popen | None) -> int:
+    """Wake-ups so far of every process below the ``timeout`` started for ``proc``
+    (:func:`lab.process_sampler.tree_wakeups`); 0 for None."""
+    return 0 if proc is None else tree_wakeups(proc.pid)
 
 
 def cpu_seconds(proc: subprocess.Popen | None) -> float:
@@ -237,32 +242,6 @@ def gateway_config(port: int, sim_url: str, block_size: int) -> dict:
     return {"listen": {"host": "127.0.0.1", "port": port},
             "models": [{"name": "tiny", "tokenizer": str(TINY), "block_size": block_size}],
             "workers": [{"id": "w0", "url": sim_url, "model": "tiny"}], "policy": {"name": "kv_aware"}}
-
-
-def wakeups(proc: subprocess.Popen | None) -> int:
-    """Voluntary context switches (a thread going to sleep, so one wake-up each) summed over
-    every thread of every process below ``proc`` (``/proc/PID/task/TID/status``); 0 for None.
-    A thread that has ended is no longer counted (its entry is gone): the proxies' threads live
-    as long as they do."""
-    if proc is None:
-        return 0
-    total = 0
-    try:
-        below = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.Error:
-        return 0
-    for child in below:
-        try:
-            tids = os.listdir(f"/proc/{child.pid}/task")
-        except OSError:
-            continue
-        for tid in tids:
-            try:
-                with open(f"/proc/{child.pid}/task/{tid}/status") as f:
-                    total += next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt"))
-            except (OSError, StopIteration):
-                continue
-    return total
 
 
 async def stream_rounds(targets: dict[str, str], procs: dict[str, subprocess.Popen], seconds: float,

@@ -1,11 +1,13 @@
-"""bench_gateway's wake-up count (``wakeups``) on real processes: every sleep of every thread of a
-process below the one started counts, and nothing is counted for no process."""
+"""The benchmarks' wake-up count (``lab.process_sampler.tree_wakeups``, bench_gateway's
+``wakeups``) on real processes: every sleep of every thread of a process below the root counts,
+and nothing is counted for no process."""
 from __future__ import annotations
 
 import subprocess
 import sys
 
 from bench_gateway import wakeups
+from lab.process_sampler import tree_wakeups
 
 # a main thread and a second thread each go to sleep 60 times, then it says so; both stay (an
 # ended thread's /proc entry, and its count, are gone)
@@ -33,8 +35,9 @@ def test_every_threads_sleeps_below_the_started_process_are_counted():
                             stdout=subprocess.PIPE, text=True)
     try:
         assert root.stdout.readline().strip() == "done"
-        counted = wakeups(root)
+        counted = tree_wakeups(root.pid)
         assert counted >= 120, counted  # 60 naps in each of two threads
+        assert wakeups(root) >= counted  # the same processes, read again later
         assert wakeups(None) == 0
     finally:
         root.kill()
