@@ -301,8 +301,9 @@ async def stream_rounds(targets: dict[str, str], procs: dict[str, subprocess.Pop
 
 
 def stream_phase(args, fig: dict, tmp: Path) -> None:
-    """Start a real-time sim, a kvroute gateway and sglang-router (when installed) in front of it,
-    run :func:`stream_rounds`, stop them."""
+    """Start a real-time sim and in front of it a kvroute gateway (kv_aware), one with
+    ``round_robin`` and sglang-router (when installed); run :func:`stream_rounds` at each of
+    ``args.stream_concurrencies``, highest first; stop them."""
     procs: list[subprocess.Popen] = []
     try:
         sim_port, gw_port, rr_port, sg_port = free_ports(4)
@@ -321,7 +322,7 @@ def stream_phase(args, fig: dict, tmp: Path) -> None:
             procs.append(sglang)
             targets["sglang-router"] = f"http://127.0.0.1:{sg_port}"
             target_procs["sglang-router"] = sglang
-        for concurrency in sorted({int(c) for c in args.stream_concurrency.split(",")}, reverse=True):
+        for concurrency in sorted(args.stream_concurrencies, reverse=True):
             asyncio.run(stream_rounds(targets, target_procs, args.stream_seconds, args.rounds, fig, concurrency))
     finally:
         stop_groups(procs)
@@ -340,6 +341,12 @@ def main() -> int:
                     help="comma-separated concurrencies of the streamed cells (2: pieces arrive spaced)")
     add_output_args(ap)
     args = ap.parse_args()
+    try:
+        args.stream_concurrencies = sorted({int(c) for c in args.stream_concurrency.split(",")})
+    except ValueError:
+        args.stream_concurrencies = []
+    if not args.stream_concurrencies or min(args.stream_concurrencies) < 1:
+        ap.error(f"--stream-concurrency: positive integers separated by commas, not {args.stream_concurrency!r}")
     fig = new_figures("bench_gateway", args)
     counts = sorted({int(n) for n in args.processes.split(",")})
     try:
