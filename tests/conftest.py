@@ -73,6 +73,25 @@ def logs_excerpt(log_dir: Path) -> str:
     return "\n".join(f"--- {name}\n{log_excerpt(texts[name])}" for name in order)
 
 
+def wait_workers_idle(base: str, timeout_s: float = 30) -> None:
+    """Wait until a load scrape taken after this call shows every worker of the gateway at
+    ``base`` idle (nothing running or waiting, nothing in flight through the gateway), so a
+    decision explained next is not made on a scrape from the previous request's run while the
+    request sent after it sees the next one. Fails the test after ``timeout_s``."""
+    start = time.monotonic()
+    while True:
+        since = time.monotonic() - start  # before the call: a scrape younger than this is newer than start
+        ws = httpx.get(base + "/admin/workers", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+                       timeout=30).json()["workers"]
+        if all(w["in_flight"] == 0 and w["engine"]["running"] == 0 and w["engine"]["waiting"] == 0
+               and w["engine"]["scrape_age_s"] is not None and w["engine"]["scrape_age_s"] < since
+               for w in ws):
+            return
+        if since > timeout_s:
+            pytest.fail(f"workers not idle in a scrape within {timeout_s}s: {ws}")
+        time.sleep(0.1)
+
+
 def wait_until(check, timeout_s: float = 20.0, what: str = "condition", interval_s: float = 0.1):
     """Poll ``check()`` every ``interval_s`` until it returns something truthy and return that;
     raise AssertionError naming ``what`` and the last value after ``timeout_s``."""

@@ -30,7 +30,7 @@ import psutil
 import pytest
 from openai import OpenAI
 
-from conftest import ADMIN_TOKEN, Proc, free_port, kvroute_argv, logs_excerpt, running_up
+from conftest import ADMIN_TOKEN, Proc, free_port, kvroute_argv, logs_excerpt, running_up, wait_workers_idle
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
@@ -125,21 +125,8 @@ class VllmCluster:
         return r.json()
 
     def wait_idle(self, timeout_s: float = 30) -> None:
-        """Wait until a load scrape taken after this call shows every worker idle (nothing
-        running or waiting, nothing in flight through the gateway), so a decision explained next
-        is not made on a scrape from the previous request's run while the request sent after it
-        sees the next one. Fails the test after ``timeout_s``."""
-        start = time.monotonic()
-        while True:
-            since = time.monotonic() - start  # before the call: a scrape younger than this is newer than start
-            ws = self.admin("GET", "/admin/workers").json()["workers"]
-            if all(w["in_flight"] == 0 and w["engine"]["running"] == 0 and w["engine"]["waiting"] == 0
-                   and w["engine"]["scrape_age_s"] is not None and w["engine"]["scrape_age_s"] < since
-                   for w in ws):
-                return
-            if since > timeout_s:
-                pytest.fail(f"workers not idle in a scrape within {timeout_s}s: {ws}")
-            time.sleep(0.1)
+        """:func:`conftest.wait_workers_idle` on this cluster's gateway."""
+        wait_workers_idle(self.base, timeout_s)
 
     def set_policy(self, policy: dict) -> dict:
         r = self.admin("PUT", "/admin/policy", policy)
