@@ -303,7 +303,7 @@ async def stream_rounds(targets: dict[str, str], procs: dict[str, subprocess.Pop
 def stream_phase(args, fig: dict, tmp: Path) -> None:
     """Start a real-time sim and in front of it a kvroute gateway (kv_aware), one with
     ``round_robin`` and sglang-router (when installed); run :func:`stream_rounds` at each of
-    ``args.stream_concurrencies``, highest first; stop them."""
+    ``args.stream_concurrencies`` (highest first, as parsed); stop them."""
     procs: list[subprocess.Popen] = []
     try:
         sim_port, gw_port, rr_port, sg_port = free_ports(4)
@@ -322,7 +322,7 @@ def stream_phase(args, fig: dict, tmp: Path) -> None:
             procs.append(sglang)
             targets["sglang-router"] = f"http://127.0.0.1:{sg_port}"
             target_procs["sglang-router"] = sglang
-        for concurrency in sorted(args.stream_concurrencies, reverse=True):
+        for concurrency in args.stream_concurrencies:
             asyncio.run(stream_rounds(targets, target_procs, args.stream_seconds, args.rounds, fig, concurrency))
     finally:
         stop_groups(procs)
@@ -342,7 +342,7 @@ def main() -> int:
     add_output_args(ap)
     args = ap.parse_args()
     try:
-        args.stream_concurrencies = sorted({int(c) for c in args.stream_concurrency.split(",")})
+        args.stream_concurrencies = sorted({int(c) for c in args.stream_concurrency.split(",")}, reverse=True)
     except ValueError:
         args.stream_concurrencies = []
     if not args.stream_concurrencies or min(args.stream_concurrencies) < 1:
