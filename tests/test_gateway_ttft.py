@@ -90,7 +90,7 @@ def test_the_models_line_is_learned_from_all_its_workers_before_each_has_its_own
     assert all(not w["prefill_rate"]["learned"] for w in state["workers"])
     line = state["models"]["tiny"]["prefill_rate"]
     assert line["learned"] is True and line["observed"] == 8 and line["ms_per_token"] > 0
-    wait_workers_idle(base)  # the last request's decode, seen running in a scrape, would weigh
+    wait_workers_idle(base)  # any of the last request's load still counted would weigh
     out = admin(base, "POST", "/admin/explain", chat("model-line-cold", 120)).json()
     for c in out["candidates"]:  # idle and cold: the model's line, not the prior
         assert c["predicted_ttft_ms"] == pytest.approx(
