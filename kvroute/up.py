@@ -47,18 +47,51 @@ GATEWAY_GRACE_S = 8.0  # under STOP_GRACE_S: the gateway exits before it is kill
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST_PORT = 10000  # below: well-known and registered services' ports
+
+
+def _chosen_port_range(path: Path = _EPHEMERAL_RANGE) -> range | None:
+    """Ports to choose from: ``_LOWEST_PORT`` up to the kernel's ephemeral range (Linux
+    ``net.ipv4.ip_local_port_range``, 32768-60999 by default), None where that range cannot be
+    read or leaves fewer than 1,000 ports below it. A port bound with port 0 (vLLM's engine and
+    executor sockets, ZMQ's wildcard binds, every outgoing connection) always comes from the
+    ephemeral range, so a port chosen below it is never taken by one of those between being
+    chosen and being bound."""
+    try:
+        low, _ = (int(v) for v in path.read_text().split())
+    except (OSError, ValueError):
+        return None
+    return range(_LOWEST_PORT, low) if low - _LOWEST_PORT >= 1000 else None
+
+
 def free_ports(n: int, host: str = "127.0.0.1", avoid: frozenset[int] | set[int] = frozenset()) -> list[int]:
     """``n`` distinct TCP ports free on ``host`` now and none in ``avoid`` (e.g. a port chosen for a
-    process that has not bound it yet). All are held open while choosing, so one call never returns
-    the same port twice; another process may still take one before it is used."""
-    socks, ports = [], []
+    process that has not bound it yet), drawn at random below the kernel's ephemeral range
+    (:func:`_chosen_port_range`; from it, through port 0, where there is no room below). All are
+    held open while choosing, so one call never returns the same port twice; another process
+    choosing ports for itself may still take one before it is used."""
+    socks: list[socket.socket] = []
+    ports: list[int] = []
+    chosen_from = _chosen_port_range()
+    draw = secrets.SystemRandom()
     try:
-        while len(ports) < n:
+        for attempt in range(50 * n + 1000):
+            if len(ports) == n:
+                break
+            port = draw.choice(chosen_from) if chosen_from is not None and attempt < 50 * n else 0
+            if port in avoid or port in ports:
+                continue
             sock = socket.socket()
             socks.append(sock)
-            sock.bind((host, 0))
+            try:
+                sock.bind((host, port))
+            except OSError:  # in use (or lingering); draw again
+                continue
             if sock.getsockname()[1] not in avoid:
                 ports.append(sock.getsockname()[1])
+        if len(ports) < n:
+            raise RuntimeError(f"no {n} free TCP ports on {host}")
         return ports
     finally:
         for sock in socks:

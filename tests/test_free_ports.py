@@ -1,0 +1,78 @@
+"""``kvroute.up.free_ports``: ports for processes not started yet come from below the kernel's
+ephemeral range, so no port-0 bind (vLLM's engine sockets, ZMQ's wildcard binds, outgoing
+connections) can take one before its process binds it; ports in use are never returned."""
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from kvroute import up
+
+
+@pytest.mark.parametrize(("text", "want"), [
+    ("32768\t60999\n", range(10000, 32768)),
+    ("40000 60999", range(10000, 40000)),
+    ("10500 60999", None),   # under 1,000 ports below it
+    ("1024 65535", None),
+    ("garbled", None),
+])
+def test_the_chosen_range_ends_where_the_ephemeral_range_starts(tmp_path: Path, text: str, want) -> None:
+    path = tmp_path / "ip_local_port_range"
+    path.write_text(text)
+    assert up._chosen_port_range(path) == want
+
+
+def test_a_missing_range_file_means_port_zero(tmp_path: Path) -> None:
+    assert up._chosen_port_range(tmp_path / "absent") is None
+
+
+def test_ports_come_from_below_the_ephemeral_range_and_are_distinct() -> None:
+    chosen_from = up._chosen_port_range()
+    if chosen_from is None:
+        pytest.skip("this host's ephemeral range leaves no room below it")
+    ports = up.free_ports(40, avoid={chosen_from.start, chosen_from.start + 1})
+    assert len(set(ports)) == 40
+    assert all(p in chosen_from for p in ports), sorted(ports)
+    assert not {chosen_from.start, chosen_from.start + 1} & set(ports)
+
+
+def test_ports_in_use_or_avoided_are_skipped_then_port_zero_fills_in(monkeypatch) -> None:
+    held: list[socket.socket] = []
+    try:
+        # a 6-port range: 4 held by listeners here, 1 avoided, so 1 is left to choose
+        window = None
+        for base in range(20000, 32000, 50):
+            socks = []
+            try:
+                for port in range(base, base + 6):
+                    s = socket.socket()
+                    socks.append(s)
+                    s.bind(("127.0.0.1", port))
+            except OSError:
+                for s in socks:
+                    s.close()
+                continue
+            for s in socks:
+                s.close()
+            window = range(base, base + 6)
+            break
+        assert window is not None, "no 6 free consecutive ports below 32000"
+        for port in window[:4]:
+            s = socket.socket()
+            s.bind(("127.0.0.1", port))
+            s.listen()
+            held.append(s)
+        monkeypatch.setattr(up, "_chosen_port_range", lambda: window)
+        first = up.free_ports(1, avoid={window[4]})
+        assert first == [window[5]]
+        two = up.free_ports(2, avoid={window[4]})
+        assert window[5] in two and len(set(two)) == 2
+        (other,) = set(two) - {window[5]}
+        assert other not in window  # drawn by the kernel (port 0) once the range ran out
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", other))
+    finally:
+        for s in held:
+            s.close()
