@@ -341,6 +341,7 @@ def test_theil_sen_ignores_outliers():
     intercept, slope = theil_sen(xs, ys)
     assert slope == pytest.approx(0.05, rel=1e-6) and intercept == pytest.approx(20.0, abs=1e-6)
     assert theil_sen([5.0, 5.0], [1.0, 2.0]) is None
+    assert theil_sen([], []) is None and theil_sen([5.0], [1.0]) is None  # no pair at all
 
 
 def test_theil_sen_is_the_median_of_the_pairwise_slopes_exactly():
