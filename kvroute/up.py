@@ -70,7 +70,8 @@ def free_ports(n: int, host: str = "127.0.0.1", avoid: frozenset[int] | set[int]
     process that has not bound it yet), drawn at random below the kernel's ephemeral range
     (:func:`_chosen_port_range`; from it, through port 0, where there is no room below). All are
     held open while choosing, so one call never returns the same port twice; another process
-    choosing ports for itself may still take one before it is used."""
+    choosing ports for itself may still take one before it is used. Raises RuntimeError when
+    ``n`` ports cannot be found."""
     socks: list[socket.socket] = []
     ports: list[int] = []
     chosen_from = _chosen_port_range()
@@ -83,11 +84,12 @@ def free_ports(n: int, host: str = "127.0.0.1", avoid: frozenset[int] | set[int]
             if port in avoid or port in ports:
                 continue
             sock = socket.socket()
-            socks.append(sock)
             try:
                 sock.bind((host, port))
             except OSError:  # in use (or lingering); draw again
+                sock.close()
                 continue
+            socks.append(sock)
             if sock.getsockname()[1] not in avoid:
                 ports.append(sock.getsockname()[1])
         if len(ports) < n:
