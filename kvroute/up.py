@@ -48,7 +48,7 @@ _PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
-_LOWEST_PORT = 10000  # below: well-known and registered services' ports
+_LOWEST_PORT = 10000  # below it: the well-known ports and the registered ports services most often use
 
 
 def _chosen_port_range(path: Path = _EPHEMERAL_RANGE) -> range | None:
