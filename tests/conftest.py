@@ -246,6 +246,18 @@ def capture() -> dict:
     return json.loads(CAPTURE.read_text())
 
 
+@pytest.fixture(scope="session")
+def vllm_snippets(tmp_path_factory):
+    """Runs snippets in vLLM's interpreter (``$KVR_VLLM_PYTHON``, checked as the e2e suite checks
+    it), paying vLLM's import once a session: :class:`vllm_snippets.VllmSnippets`."""
+    from e2e.conftest import vllm_python
+    from vllm_snippets import VllmSnippets
+
+    runner = VllmSnippets(vllm_python(), tmp_path_factory.mktemp("vllm-snippets") / "snippets.log")
+    yield runner
+    runner.close()
+
+
 @pytest.fixture
 def procs(tmp_path):
     """Factory: ``procs(name, argv, env=None) -> Proc``; every process is stopped at teardown."""

@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from e2e.conftest import vllm_python
 from kvroute.cli import build_parser
 from offload_agent.connector.config import CONNECTOR_CLASS, CONNECTOR_MODULE, TierSettings
 from router.config.schema import load_config
@@ -176,15 +174,13 @@ print(json.dumps({"block_size": args.block_size, "served": args.served_model_nam
 """
 
 
-def test_vllm_accepts_the_worker_command(compose):
+def test_vllm_accepts_the_worker_command(compose, vllm_snippets):
     """vLLM's own parser (the version the compose pins, 0.32) takes the workers' flags, including
     the KV events and tiers connector JSON, and the connector class imports in its interpreter."""
     svc = compose["services"]["vllm-w0"]
     assert svc["image"].endswith(":v0.32.0")
     argv = svc["command"]
-    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
-    done = subprocess.run([vllm_python(), "-c", _VLLM_CHECK, json.dumps(argv)], capture_output=True,
-                          text=True, timeout=240, env=env, cwd=REPO)
+    done = vllm_snippets.run(_VLLM_CHECK, [json.dumps(argv)])
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen == {"block_size": 16, "served": ["qwen2.5-1.5b-instruct"], "events_enabled": True,

@@ -23,7 +23,6 @@ import pytest
 import yaml
 from kubernetes_validate.utils import ValidationError as SchemaError
 
-from e2e.conftest import vllm_python
 from kvroute.cli import build_parser
 from offload_agent.connector.config import CONNECTOR_CLASS, CONNECTOR_MODULE, TierSettings
 from router.config.schema import parse_config
@@ -253,13 +252,11 @@ def test_redis_service_is_the_index_url(docs):
     assert port["targetPort"] in ports(container(dep["spec"]["template"]["spec"], "redis"))
 
 
-def test_vllm_accepts_the_worker_command(docs):
+def test_vllm_accepts_the_worker_command(docs, vllm_snippets):
     """vLLM 0.32's own parser takes the worker's flags (KV events and tiers connector JSON) and
     the connector class imports in its interpreter."""
     server = container(find(docs, "Deployment", "kvroute-vllm")["spec"]["template"]["spec"], "vllm")
-    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
-    done = subprocess.run([vllm_python(), "-c", _VLLM_CHECK, json.dumps(server["args"])], capture_output=True,
-                          text=True, timeout=240, env=env, cwd=REPO)
+    done = vllm_snippets.run(_VLLM_CHECK, [json.dumps(server["args"])])
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen == {"block_size": 16, "served": ["qwen2.5-1.5b-instruct"], "events_enabled": True,
@@ -316,11 +313,9 @@ def test_pd_worker_sets_carry_role_and_connector(pd_docs, docs, role):
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_pd_vllm_accepts_the_worker_command(pd_docs, role):
+def test_pd_vllm_accepts_the_worker_command(pd_docs, role, vllm_snippets):
     server = container(find(pd_docs, "Deployment", f"kvroute-vllm-{role}")["spec"]["template"]["spec"], "vllm")
-    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
-    done = subprocess.run([vllm_python(), "-c", _VLLM_CHECK, json.dumps(server["args"])], capture_output=True,
-                          text=True, timeout=240, env=env, cwd=REPO)
+    done = vllm_snippets.run(_VLLM_CHECK, [json.dumps(server["args"])])
     assert done.returncode == 0, done.stderr[-3000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen["connector"] == CONNECTOR_CLASS and seen["block_size"] == 16

@@ -12,7 +12,6 @@ with the first's cached blocks, as vLLM reports them.
 from __future__ import annotations
 
 import json
-import subprocess
 
 import anthropic
 import httpx
@@ -22,7 +21,7 @@ from conftest import wait_until
 from kvcore.tokenization import PromptTokenizer
 
 from .anthropic_bodies import messages_bodies, shared_full_blocks
-from .conftest import BLOCK_SIZE, vllm_python
+from .conftest import BLOCK_SIZE
 
 BODIES = messages_bodies()
 SDK_ARGS = ("model", "max_tokens", "messages", "system", "tools", "tool_choice", "thinking", "output_config")
@@ -58,13 +57,12 @@ def prompt_tokenizer(e2e_model) -> PromptTokenizer:
 
 
 @pytest.fixture(scope="module")
-def vllm_chat_bodies(prompt_tokenizer) -> list[dict]:
+def vllm_chat_bodies(prompt_tokenizer, vllm_snippets) -> list[dict]:
     """vLLM's chat body for each of BODIES; the disabled-thinking effort is checked separately
     against the server (count_tokens), since vLLM probes its running renderer for it."""
     args = {"bodies": [b for _, b in BODIES], "template": prompt_tokenizer._template,
             "effort": prompt_tokenizer.disabled_thinking_effort}
-    done = subprocess.run([vllm_python(), "-c", _CONVERT], input=json.dumps(args), capture_output=True,
-                          text=True, timeout=300)
+    done = vllm_snippets.run(_CONVERT, stdin=json.dumps(args), timeout_s=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
 
