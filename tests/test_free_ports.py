@@ -42,23 +42,8 @@ def test_ports_in_use_or_avoided_are_skipped_then_port_zero_fills_in(monkeypatch
     held: list[socket.socket] = []
     try:
         # a 6-port range: 4 held by listeners here, 1 avoided, so 1 is left to choose
-        window = None
-        for base in range(20000, 32000, 50):
-            socks = []
-            try:
-                for port in range(base, base + 6):
-                    s = socket.socket()
-                    socks.append(s)
-                    s.bind(("127.0.0.1", port))
-            except OSError:
-                for s in socks:
-                    s.close()
-                continue
-            for s in socks:
-                s.close()
-            window = range(base, base + 6)
-            break
-        assert window is not None, "no 6 free consecutive ports below 32000"
+        start = up.free_port_runs(1, 6, set())[0]
+        window = range(start, start + 6)
         for port in window[:4]:
             s = socket.socket()
             s.bind(("127.0.0.1", port))
