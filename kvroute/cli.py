@@ -10,28 +10,33 @@ import argparse
 import importlib
 import sys
 
-# (module, in order of the data flow). A part appears here only once it is built.
+# (command, the module that registers it), in order of the data flow. A part appears here only
+# once it is built.
 _PARTS = (
-    "simulator.cli",
-    "router.cli",
-    "offload_agent.cli",
-    "kvroute.up",
-    "kvbench.cli",
+    ("sim", "simulator.cli"),
+    ("serve", "router.cli"),
+    ("agent", "offload_agent.cli"),
+    ("up", "kvroute.up"),
+    ("bench", "kvbench.cli"),
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The top-level parser with every built subcommand."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The top-level parser with every built subcommand, or with only ``command``'s when it
+    names one (each part's module imports what its flags' defaults need: ``kvroute serve``
+    need not import the simulator's and the benchmarks' modules to start)."""
     parser = argparse.ArgumentParser(prog="kvroute", description="KV-cache-aware routing for vLLM clusters")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in _PARTS:
+    only = [m for c, m in _PARTS if c == command]
+    for name in only or [m for _, m in _PARTS]:
         importlib.import_module(name).register(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvroute`` console script; returns the process exit status."""
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv[0] if argv else None)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

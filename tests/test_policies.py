@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 
 from kvcore.index.base import TierMatch
-from router.policies.base import Candidate, RouteRequest, WorkerLoad
+from router.policies.base import Candidate, CandidateScore, Decision, RouteRequest, WorkerLoad
 from router.policies.factory import POLICY_NAMES, describe, make_policy
 from router.policies.kv_aware import KVAwarePolicy
 from router.policies.session import SessionPolicy
@@ -330,3 +330,15 @@ def test_factory_rejects_bad_config(cfg, message):
     with pytest.raises(ValueError) as err:
         make_policy(cfg)
     assert message in str(err.value)
+
+
+def test_score_of_finds_each_candidates_score_and_none_for_a_stranger():
+    workers = [f"w{i}" for i in range(300)]
+    decision = TTFTPolicy().choose(req(40), [cand(w, gpu=i % 7, in_flight=i % 3) for i, w in enumerate(workers)])
+    assert decision.score_of(decision.worker_id) is decision.scores[0]
+    for score in decision.scores:  # every holder asked once, as the dispatch queue's sizing does
+        assert decision.score_of(score.worker_id) is score
+    assert decision.score_of("w300") is None
+    assert Decision("a", "load", []).score_of("a") is None
+    first, second = CandidateScore("b", TierMatch(gpu=2), 0, 1.0), CandidateScore("b", TierMatch(gpu=5), 0, 2.0)
+    assert Decision("a", "load", [CandidateScore("a", TierMatch(), 0, 0.0), first, second]).score_of("b") is first

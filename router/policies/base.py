@@ -157,6 +157,19 @@ class Decision:
         """Candidates best first (the gateway retries a connect failure on the second)."""
         return [s.worker_id for s in self.scores]
 
+    def score_of(self, worker_id: str) -> CandidateScore | None:
+        """``worker_id``'s score (the first one, were an id listed twice), None when it was no
+        candidate. The chosen worker's is found at once; others through an index of ``scores``
+        built at the first such call (``scores`` must not change after it), so callers that ask
+        about every holder cost O(candidates), not O(candidates^2)."""
+        scores = self.scores
+        if scores and scores[0].worker_id == worker_id:
+            return scores[0]
+        by_id = self.__dict__.get("_score_by_id")
+        if by_id is None:
+            by_id = self.__dict__["_score_by_id"] = {s.worker_id: s for s in reversed(scores)}
+        return by_id.get(worker_id)
+
 
 class Policy(abc.ABC):
     """A routing policy. ``uses_index``: whether the gateway must look up prefix matches before

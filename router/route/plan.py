@@ -60,7 +60,7 @@ class RoutePlan:
         return min(held, max(0, n - 1) // bs) * bs
 
     def _score(self, worker_id: str) -> CandidateScore | None:
-        return next((s for s in self.decision.scores if s.worker_id == worker_id), None)
+        return self.decision.score_of(worker_id)
 
     def predicted_ttft_ms(self, worker_id: str) -> float | None:
         """The policy's TTFT prediction (ms from dispatch) for ``worker_id``, None when the policy
