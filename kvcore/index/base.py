@@ -53,6 +53,9 @@ class TierMatch:
         return {"gpu": self.gpu, "cpu": self.cpu, "ssd": self.ssd}
 
 
+NO_MATCH = TierMatch()  # the match of a worker holding none of a prompt (frozen: shared by all)
+
+
 @dataclass
 class WorkerIndexStats:
     """Blocks a worker holds per tier (confirmed entries) plus live speculative entries."""

@@ -95,7 +95,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from router.estimates.prefill_rate import DEFAULT_PREFILL_MS_PER_TOKEN, PrefillRate, work_tokens
+from router.estimates.prefill_rate import DECODE_INTERFERENCE_TOKENS, DEFAULT_PREFILL_MS_PER_TOKEN, PrefillRate
 from router.policies._config import boolean, check_keys, number
 from router.policies.base import Candidate, CandidateScore, Decision, Policy, RouteRequest
 from router.policies.kv_aware import (DEFAULT_TIER_CREDIT, PEER, PEER_KEYS, PeerSettings, note_peer, peer_credit,
@@ -226,32 +226,47 @@ class TTFTPolicy(Policy):
         return self.held_tokens(candidate, prompt_tokens, block_size) * _weight(candidate)
 
     def _score(self, candidate: Candidate, request: RouteRequest, prompt_tokens: int, block_size: int,
-               all_prompt_tokens: int | None) -> _Scored:
-        """One candidate's prediction and the figures its rank is made of."""
+               total_tokens: int) -> _Scored:
+        """One candidate's prediction and the figures its rank is made of; ``total_tokens``:
+        every prompt's tokens (``max(prompt_tokens, all_prompt_tokens)``). A candidate without
+        a match or peer blocks skips their arithmetic (its held and credited tokens are 0)."""
         load = candidate.load
-        held = self.held_tokens(candidate, prompt_tokens, block_size)
-        credit = held * _weight(candidate)
+        matched = candidate.matched
+        if matched.gpu or matched.cpu or matched.ssd:
+            held = self.held_tokens(candidate, prompt_tokens, block_size)
+            credit = held * _weight(candidate)
+        else:
+            held = credit = 0.0
         rate = self.rate_of(candidate)
-        peer_blocks, peer_weight, source = peer_credit(candidate, self.peer_pricing, request, rate.ms_per_token)
+        ms_per_token = rate.ms_per_token
+        peer_blocks = 0
+        if candidate.peer_blocks > 0:
+            peer_blocks, peer_weight, source = peer_credit(candidate, self.peer_pricing, request, ms_per_token)
+            if peer_blocks:
+                credit += peer_blocks * block_size * peer_weight
+        # max(0, x) as conditionals, the same values (this runs once per candidate per decision)
+        prefill, waiting = load.prefill_tokens, load.unseen_waiting
+        queued = (prefill if prefill > 0 else 0) + (waiting if waiting > 0 else 0) * self.engine_waiting_prefill_tokens
+        running, unseen = load.decoding, load.unseen_running
+        decoding = (running if running > 0 else 0) + (unseen if unseen > 0 else 0)
+        own = total_tokens - credit
+        # work_tokens(queued, own, decoding), then rate.ttft_ms(work)
+        work = ((queued if queued > 0.0 else 0.0) + (own if own > 0.0 else 0.0)
+                + DECODE_INTERFERENCE_TOKENS * (decoding if decoding > 0.0 else 0.0))
+        ttft_ms = rate.overhead_ms + ms_per_token * (work if work > 0.0 else 0.0)
+        score = CandidateScore(candidate.worker_id, matched, queued, ttft_ms,
+                               "" if candidate.evidence_trusted else "evidence distrusted", ttft_ms, work)
         if peer_blocks:
-            credit += peer_blocks * block_size * peer_weight
-        queued = max(0, load.prefill_tokens) + max(0, load.unseen_waiting) * self.engine_waiting_prefill_tokens
-        decoding = max(0, load.decoding) + max(0, load.unseen_running)
-        total = prompt_tokens if all_prompt_tokens is None else max(prompt_tokens, all_prompt_tokens)
-        work = work_tokens(queued, total - credit, decoding)
-        ttft_ms = rate.ttft_ms(work)
-        note = "" if candidate.evidence_trusted else "evidence distrusted"
-        score = CandidateScore(candidate.worker_id, candidate.matched, load=queued, cost=ttft_ms, note=note,
-                               predicted_ttft_ms=ttft_ms, work_tokens=work)
-        note_peer(score, candidate, peer_blocks, peer_weight, source)
-        return _Scored(score, credit, queued, held_tokens=held, ms_per_token=rate.ms_per_token,
-                       prefix_uses=candidate.prefix_uses)
+            note_peer(score, candidate, peer_blocks, peer_weight, source)
+        return _Scored(score, credit, queued, held, True, ms_per_token, 0.0, candidate.prefix_uses)
 
     def choose(self, request: RouteRequest, candidates: list[Candidate]) -> Decision:
         prompt_tokens = request.prompt_tokens
         bs = max(1, request.block_size)
-        scored = [self._score(c, request, prompt_tokens or 0, bs, request.all_prompt_tokens)
-                  for c in candidates]
+        prompt = prompt_tokens or 0
+        total = prompt if request.all_prompt_tokens is None else max(prompt, request.all_prompt_tokens)
+        score = self._score
+        scored = [score(c, request, prompt, bs, total) for c in candidates]
         # the rank (module docstring): a worker holding less than the longest prefix (by more
         # than a block, evidence weights aside) is scaled by the margin, and the prefix it would
         # recompute beyond the best-credited candidate's is charged once more
