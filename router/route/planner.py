@@ -413,16 +413,10 @@ class Router:
         blocks it can pull from a peer (capped by the prompt's creditable blocks,
         ``(prompt_tokens - 1) // block_size``; a worker registered here whose evidence is not
         credited is no peer)."""
-        registry = self.registry
-        model_rate = registry.model_rate(request.model).learned
-        lines = {request.model: model_rate}  # each worker's speed factor is against its model's line
-
-        def speed(r: WorkerRegistration) -> tuple[float, int] | None:  # registry.prefill_speed(r)
-            line = lines[r.model] if r.model in lines else lines.setdefault(r.model, registry.model_rate(r.model).learned)
-            return r.prefill_rate.speed_factor(line) if line is not None else None
-
-        out = [Candidate(r.id, r.load(), matches.get(r.id) or NO_MATCH, r.prefill_rate.learned, r.evidence_credited,
-                         r.evidence.credit_weight, None, 0, None, model_rate, speed(r))
+        model_rate = self.registry.model_rate(request.model).learned
+        out = [Candidate(r.id, r.load(), matches.get(r.id) or NO_MATCH, r.prefill_rate.learned,
+                         r.evidence_credited, r.evidence.credit_weight, model_prefill_rate=model_rate,
+                         prefill_speed=self.registry.prefill_speed(r))
                for r in regs]
         keys = blocks.first_keys if blocks is not None else []
         for c in out:
