@@ -152,6 +152,7 @@ class Decision:
     reason: str
     scores: list[CandidateScore]
     affinity_wait_s: float | None = None
+    _score_by_id: dict[str, CandidateScore] | None = field(default=None, init=False, repr=False, compare=False)
 
     def ranked_worker_ids(self) -> list[str]:
         """Candidates best first (the gateway retries a connect failure on the second)."""
@@ -165,10 +166,9 @@ class Decision:
         scores = self.scores
         if scores and scores[0].worker_id == worker_id:
             return scores[0]
-        by_id = self.__dict__.get("_score_by_id")
-        if by_id is None:
-            by_id = self.__dict__["_score_by_id"] = {s.worker_id: s for s in reversed(scores)}
-        return by_id.get(worker_id)
+        if self._score_by_id is None:
+            self._score_by_id = {s.worker_id: s for s in reversed(scores)}
+        return self._score_by_id.get(worker_id)
 
 
 class Policy(abc.ABC):

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvcore.index.base import TierMatch
+from kvcore.index.base import NO_MATCH, TierMatch
 from router.config.schema import ModelConfig
 from router.policies.base import CandidateScore, Decision, RouteRequest
 from router.route.pd import PDLegs
@@ -111,7 +111,7 @@ class RoutePlan:
         chosen worker, its matched blocks (all tiers, then per tier), the reason, candidates and
         the predicted cached tokens and TTFT (ms) there."""
         chosen = self.decision.worker_id
-        match = self.matches.get(chosen) or TierMatch()
+        match = self.matches.get(chosen) or NO_MATCH
         return {
             "model": self.lora_name or self.model.name,
             "policy": self.policy_name,
