@@ -13,7 +13,6 @@ import pytest
 from kvcore.index.base import TierMatch
 from router.policies.base import Candidate, CandidateScore, Decision, RouteRequest, WorkerLoad
 from router.policies.factory import POLICY_NAMES, describe, make_policy
-from router.policies.kv_aware import KVAwarePolicy
 from router.policies.session import SessionPolicy
 from router.policies.ttft import TTFTPolicy
 

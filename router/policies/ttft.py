@@ -220,11 +220,6 @@ class TTFTPolicy(Policy):
         credit_blocks = tier_weighted_blocks(candidate.matched, self.tier_credit)
         return min(credit_blocks, (prompt_tokens - 1) // block_size) * block_size
 
-    def credit_tokens(self, candidate: Candidate, prompt_tokens: int, block_size: int) -> float:
-        """Prefill tokens the candidate's cache is expected to save: :meth:`held_tokens` times its
-        evidence weight."""
-        return self.held_tokens(candidate, prompt_tokens, block_size) * _weight(candidate)
-
     def _score(self, candidate: Candidate, request: RouteRequest, prompt_tokens: int, block_size: int,
                total_tokens: int) -> _Scored:
         """One candidate's prediction and the figures its rank is made of; ``total_tokens``:
