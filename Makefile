@@ -6,7 +6,6 @@ VENV_STAMP := $(VENV)/.installed-kvroute-test
 PEERS_STAMP := $(VENV)/.installed-peers
 WORKERS ?= 2
 PORT ?= 8000
-TEST_PROCESSES ?= 2
 
 # vLLM (CPU build) lives in its own virtualenv, apart from the gateway's. The end-to-end suite
 # (tests/e2e) runs it through KVR_VLLM_PYTHON: set that to use an existing install, otherwise
@@ -66,15 +65,10 @@ run-vllm: $(VENV_STAMP) install-vllm
 
 # tests/test_bench_peers.py runs the peer routers: installed first, as everything else. The byte
 # path's tests (tests/torch: torch, no vLLM API) run in vLLM's interpreter, with pytest added there.
-# The rest runs in two passes: everything but tests/e2e in TEST_PROCESSES pytest-xdist processes
-# (whole files to each, so a module's fixtures start once), then tests/e2e alone, whose modules
-# each start real vLLM servers (one pass at a time: two starting at once on a small machine only
-# slow each other down).
 test: install-system $(VENV_STAMP) $(PEERS_STAMP) install-vllm
 	$(KVR_VLLM_PYTHON) -c 'import pytest, pytest_timeout' 2>/dev/null || $(KVR_VLLM_PYTHON) -m pip install -q pytest pytest-timeout
 	$(KVR_VLLM_PYTHON) -m pytest -q -p no:cacheprovider -c tests/torch/pytest.ini tests/torch
-	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_PROCESSES) --dist loadfile tests --ignore=tests/torch --ignore=tests/e2e
-	$(PY) -m pytest -q -p no:cacheprovider tests/e2e
+	$(PY) -m pytest -q -p no:cacheprovider tests --ignore=tests/torch
 
 # The peer routers `kvroute bench rig` compares with: sglang-router and vllm-router into .venv,
 # smg into .venv-peers-smg (its console script has the same name as sglang-router's).
