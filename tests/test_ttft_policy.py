@@ -14,7 +14,8 @@ import pytest
 from kvcore.index.base import TierMatch
 from router.config.schema import WorkerConfig
 from router.estimates.evidence import EvidenceTrust
-from router.estimates.prefill_rate import DECODE_INTERFERENCE_TOKENS, PrefillRate, PrefillRateEstimator, theil_sen
+from router.estimates.prefill_rate import (DECODE_INTERFERENCE_TOKENS, PrefillRate, PrefillRateEstimator, theil_sen,
+                                          work_tokens)
 from router.policies.base import Candidate, RouteRequest, WorkerLoad
 from router.policies.factory import DEFAULT_POLICY, describe, make_policy
 from router.workers.registry import WorkerRegistration
@@ -484,3 +485,28 @@ def test_a_line_that_traded_slope_for_overhead_is_capped_at_the_fastest_requests
     assert line.ms_per_token == pytest.approx(statistics.median((y - line.overhead_ms) / x for x, y in samples))
     assert line.ms_per_token > 0.05
     assert line.ttft_ms(924) - line.ttft_ms(124) > 40  # a cached 800-token prefix is worth something
+
+
+def test_each_prediction_is_work_tokens_on_the_line_with_negative_figures_taken_as_zero():
+    """The policy's per-candidate arithmetic (inlined for speed) gives what work_tokens and
+    PrefillRate.ttft_ms give, for odd loads too (negative figures count as 0)."""
+    policy = make_policy({"name": "ttft"})
+    rnd = random.Random(7)
+    request = req(900)
+    candidates = [cand(f"w{i}", gpu=rnd.choice([0, 0, 3, 20, 80]), prefill_tokens=rnd.randint(-50, 3000),
+                       decoding=rnd.randint(-2, 20), in_flight=1, unseen_waiting=rnd.randint(-1, 3),
+                       unseen_running=rnd.randint(-1, 3), trusted=rnd.random() > 0.2,
+                       rate=PrefillRate(rnd.uniform(0, 40), rnd.uniform(0.01, 0.2), 50))
+                  for i in range(60)]
+    for c in candidates:
+        c.evidence_weight = rnd.choice([1.0, 0.5, 0.0])
+    decision = policy.choose(request, candidates)
+    by_id = {c.worker_id: c for c in candidates}
+    assert len(decision.scores) == 60
+    for s in decision.scores:
+        c, load = by_id[s.worker_id], by_id[s.worker_id].load
+        credit = policy.held_tokens(c, 900, BS) * min(1.0, max(0.0, c.evidence_weight))
+        queued = max(0, load.prefill_tokens) + max(0, load.unseen_waiting) * policy.engine_waiting_prefill_tokens
+        work = work_tokens(queued, 900 - credit, max(0, load.decoding) + max(0, load.unseen_running))
+        assert s.load == queued and s.work_tokens == work
+        assert s.predicted_ttft_ms == s.cost == policy.rate_of(c).ttft_ms(work)

@@ -245,7 +245,8 @@ class TTFTPolicy(Policy):
         running, unseen = load.decoding, load.unseen_running
         decoding = (running if running > 0 else 0) + (unseen if unseen > 0 else 0)
         own = total_tokens - credit
-        # work_tokens(queued, own, decoding), then rate.ttft_ms(work)
+        # work_tokens(queued, own, decoding), then rate.ttft_ms(work), inlined (a quarter of a
+        # 1,024-candidate choose); test_ttft_policy checks both against those helpers
         work = ((queued if queued > 0.0 else 0.0) + (own if own > 0.0 else 0.0)
                 + DECODE_INTERFERENCE_TOKENS * (decoding if decoding > 0.0 else 0.0))
         ttft_ms = rate.overhead_ms + ms_per_token * (work if work > 0.0 else 0.0)
@@ -253,6 +254,8 @@ class TTFTPolicy(Policy):
                                "" if candidate.evidence_trusted else "evidence distrusted", ttft_ms, work)
         if peer_blocks:
             note_peer(score, candidate, peer_blocks, peer_weight, source)
+        # positional (keywords cost ~6% of a 1,024-candidate choose): score, credit_tokens,
+        # queued_tokens, held_tokens, holder, ms_per_token, rank_ms (set by choose), prefix_uses
         return _Scored(score, credit, queued, held, True, ms_per_token, 0.0, candidate.prefix_uses)
 
     def choose(self, request: RouteRequest, candidates: list[Candidate]) -> Decision:
