@@ -14,8 +14,8 @@ import pytest
 from kvcore.index.base import TierMatch
 from router.config.schema import WorkerConfig
 from router.estimates.evidence import EvidenceTrust
-from router.estimates.prefill_rate import (DECODE_INTERFERENCE_TOKENS, PrefillRate, PrefillRateEstimator, theil_sen,
-                                          work_tokens)
+from router.estimates.prefill_rate import (DECODE_INTERFERENCE_TOKENS, MODEL_LINE_TOLERANCE, PrefillRate,
+                                          PrefillRateEstimator, theil_sen, work_tokens)
 from router.policies.base import Candidate, RouteRequest, WorkerLoad
 from router.policies.factory import DEFAULT_POLICY, describe, make_policy
 from router.workers.registry import WorkerRegistration
@@ -218,6 +218,51 @@ def test_speed_factor_is_the_median_ratio_to_the_models_line():
     est.observe(900.0, 5000.0)  # one stall: the median does not move
     assert est.speed_factor(model_line) == (pytest.approx(2.0), 9)
     assert est.speed_factor(PrefillRate(20.0, 0.2)) == (pytest.approx(1.0), 9)  # a new reference
+
+
+def test_a_models_line_moves_only_past_its_dead_band():
+    """A noisy steady stream refits the line every 4 samples; with a 5% dead band the published
+    line (the object every worker's cached speed factor is keyed on) is replaced only by a refit
+    that predicts more than 5% away from it at the window's median or largest work; a real change
+    of speed is published within a window of samples."""
+    rng = random.Random(7)
+    model = PrefillRateEstimator(tolerance=MODEL_LINE_TOLERANCE)
+    plain = PrefillRateEstimator()  # the same samples, every refit published
+
+    def observe(ms_per_token: float) -> None:
+        work = rng.uniform(100, 3000)
+        ttft_ms = (20 + ms_per_token * work) * (1 + abs(rng.gauss(0, 0.2)))
+        model.observe(work, ttft_ms)
+        plain.observe(work, ttft_ms)
+
+    expected, refits, republished = None, 0, 0
+    for _ in range(400):
+        fit_before, published_before = plain.learned, model.learned
+        observe(0.05)
+        if plain.learned is fit_before:
+            assert model.learned is published_before
+            continue
+        refits += 1
+        xs = [x for x, _ in plain._samples]
+        fit = plain.learned
+        if expected is None or any(abs(fit.ttft_ms(x) - expected.ttft_ms(x)) > 0.05 * expected.ttft_ms(x)
+                                   for x in (statistics.median_low(xs), max(xs))):
+            expected = fit
+            republished += 1
+            assert model.learned == fit
+        else:
+            assert model.learned is published_before
+    assert refits >= 95 and 1 <= republished <= refits // 4, (refits, republished)
+    # twice as slow from now on: published within one window
+    for _ in range(64):
+        observe(0.1)
+    assert model.learned.ms_per_token == pytest.approx(0.1, rel=0.25)
+
+
+def test_a_dead_band_outside_zero_to_one_is_refused():
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="tolerance"):
+            PrefillRateEstimator(tolerance=bad)
 
 
 def test_other_clients_requests_count_as_queue():

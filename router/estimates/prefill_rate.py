@@ -23,7 +23,16 @@ bounded. The fit is refreshed every
 :data:`REFIT_EVERY` samples. Until :data:`MIN_SAMPLES` samples with distinct work have been seen
 the caller's prior is used. One estimator per worker and one per model (all of its workers'
 samples); a worker's :meth:`PrefillRateEstimator.speed_factor` against its model's line is what
-the ``ttft`` policy scales that line by. Pure computation: no clock, no I/O.
+the ``ttft`` policy scales that line by.
+
+The model's line is every worker's reference, so each new line makes every worker's speed factor
+be computed again (a median over each worker's window: O(workers x window) per new line). It is
+therefore published with a dead band, :data:`MODEL_LINE_TOLERANCE`: a refit replaces the
+published line only where the two predict more than that share apart at the window's median or
+largest work (the gap between two lines is linear in the work, so over that span it is largest
+at one of its ends). Refits of a steady line, which move it by its noise, leave it and the
+factors as they are; a real change of speed moves it within a few refits. Pure computation: no
+clock, no I/O.
 """
 from __future__ import annotations
 
@@ -40,6 +49,7 @@ DEFAULT_PREFILL_MS_PER_TOKEN = 0.1  # the prior prefill rate, 10k tokens/s: an 8
 WINDOW = 64
 MIN_SAMPLES = 8
 REFIT_EVERY = 4
+MODEL_LINE_TOLERANCE = 0.05  # a model's line is replaced when a refit predicts >5% otherwise (module docstring)
 _MIN_MS_PER_TOKEN = 1e-5  # a fitted slope is never taken below this (prefill is never free)
 
 
@@ -105,10 +115,25 @@ def theil_sen(xs: list[float], ys: list[float]) -> tuple[float, float] | None:
     return _median(y - slope * x), slope
 
 
-class PrefillRateEstimator:
-    """Learns one worker's :class:`PrefillRate` from ``(work_tokens, ttft_ms)`` observations."""
+def _moved(published: PrefillRate, fitted: PrefillRate, xs: list[float], tolerance: float) -> bool:
+    """Whether ``fitted`` predicts more than ``tolerance`` (a share) away from ``published`` at
+    the median or the largest of ``xs`` (the window's work, non-empty)."""
+    for x in (statistics.median_low(xs), max(xs)):
+        before = published.ttft_ms(x)
+        if abs(fitted.ttft_ms(x) - before) > tolerance * before:
+            return True
+    return False
 
-    def __init__(self, window: int = WINDOW) -> None:
+
+class PrefillRateEstimator:
+    """Learns one worker's (or one model's) :class:`PrefillRate` from ``(work_tokens, ttft_ms)``
+    observations. ``tolerance``: the dead band of :attr:`learned` (0: every refit is published;
+    the model's line uses :data:`MODEL_LINE_TOLERANCE`, module docstring)."""
+
+    def __init__(self, window: int = WINDOW, tolerance: float = 0.0) -> None:
+        if not 0.0 <= tolerance < 1.0:
+            raise ValueError(f"tolerance must be in [0, 1), got {tolerance}")
+        self.tolerance = tolerance
         self._samples: deque[tuple[float, float]] = deque(maxlen=window)
         self._since_fit = 0
         self._fit: PrefillRate | None = None
@@ -150,7 +175,9 @@ class PrefillRateEstimator:
             slope = max(slope, _MIN_MS_PER_TOKEN)
             # the intercept is re-taken with the clamped slope, so the line still runs through the data
             intercept = statistics.median(y - slope * x for x, y in zip(xs, ys))
-        self._fit = PrefillRate(max(0.0, intercept), slope, len(xs))
+        line = PrefillRate(max(0.0, intercept), slope, len(xs))
+        if self._fit is None or self.tolerance <= 0.0 or _moved(self._fit, line, xs, self.tolerance):
+            self._fit = line
 
     def speed_factor(self, reference: PrefillRate) -> tuple[float, int] | None:
         """How this worker's TTFTs compare with ``reference`` (the line of all of its model's
@@ -166,7 +193,10 @@ class PrefillRateEstimator:
         self._factor_key = key
         self._factor = None
         if len(self._samples) >= MIN_SAMPLES:
-            ratios = [y / p for x, y in self._samples if (p := reference.ttft_ms(x)) > 0]
+            # reference.ttft_ms(x) inlined (observe keeps x >= 0): this runs for every worker
+            # each time the model's line is republished
+            overhead_ms, ms_per_token = reference.overhead_ms, reference.ms_per_token
+            ratios = [y / p for x, y in self._samples if (p := overhead_ms + ms_per_token * x) > 0]
             if len(ratios) >= MIN_SAMPLES:
                 self._factor = (statistics.median(ratios), len(ratios))
         return self._factor

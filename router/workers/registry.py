@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from router.config.schema import WORKER_ROLES, WorkerConfig, WorkerRole
 from router.estimates.evidence import EvidenceTrust
-from router.estimates.prefill_rate import PrefillRateEstimator
+from router.estimates.prefill_rate import MODEL_LINE_TOLERANCE, PrefillRateEstimator
 from router.policies.base import WorkerLoad
 from router.shared.load_table import OthersLoad, SharedLoadTable, prefill_end_of
 from router.workers.event_watch import EVENTS_GRACE_S, EventStreamWatch
@@ -393,10 +393,12 @@ class WorkerRegistry:
         own speed factor against it (:meth:`router.estimates.prefill_rate.PrefillRateEstimator.speed_factor`):
         one estimator learns from all workers, so a gateway knows its hardware after a handful of
         requests rather than after a handful per worker, and one line fitted to many TTFTs is
-        steadier than one per worker."""
+        steadier than one per worker. Its line is published with a dead band
+        (:data:`~router.estimates.prefill_rate.MODEL_LINE_TOLERANCE`): each republished line
+        makes every worker's speed factor be computed again."""
         rate = self._model_rates.get(model)
         if rate is None:
-            rate = self._model_rates[model] = PrefillRateEstimator()
+            rate = self._model_rates[model] = PrefillRateEstimator(tolerance=MODEL_LINE_TOLERANCE)
         return rate
 
     def prefill_speed(self, reg: WorkerRegistration) -> tuple[float, int] | None:
