@@ -533,8 +533,9 @@ def test_a_line_that_traded_slope_for_overhead_is_capped_at_the_fastest_requests
 
 
 def test_each_prediction_is_work_tokens_on_the_line_with_negative_figures_taken_as_zero():
-    """The policy's per-candidate arithmetic (inlined for speed) gives what work_tokens and
-    PrefillRate.ttft_ms give, for odd loads too (negative figures count as 0)."""
+    """The policy's per-candidate arithmetic (inlined for speed) gives what work_tokens, rate_of
+    and PrefillRate.ttft_ms give, for odd loads too (negative figures count as 0), on the prior,
+    the model's line and the line scaled by a speed factor."""
     policy = make_policy({"name": "ttft"})
     rnd = random.Random(7)
     request = req(900)
@@ -543,8 +544,14 @@ def test_each_prediction_is_work_tokens_on_the_line_with_negative_figures_taken_
                        unseen_running=rnd.randint(-1, 3), trusted=rnd.random() > 0.2,
                        rate=PrefillRate(rnd.uniform(0, 40), rnd.uniform(0.01, 0.2), 50))
                   for i in range(60)]
+    model_line = PrefillRate(31.0, 0.07, 64)
     for c in candidates:
         c.evidence_weight = rnd.choice([1.0, 0.5, 0.0])
+        # the line: the prior, the model's, or the model's scaled by a speed factor
+        c.model_prefill_rate = rnd.choice([None, model_line, model_line])
+        c.prefill_speed = rnd.choice([None, (rnd.uniform(0.5, 2.0), rnd.randint(8, 64))])
+    assert {(c.model_prefill_rate is None, c.prefill_speed is None) for c in candidates} == {
+        (True, True), (True, False), (False, True), (False, False)}
     decision = policy.choose(request, candidates)
     by_id = {c.worker_id: c for c in candidates}
     assert len(decision.scores) == 60

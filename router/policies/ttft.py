@@ -232,8 +232,16 @@ class TTFTPolicy(Policy):
             credit = held * _weight(candidate)
         else:
             held = credit = 0.0
-        rate = self.rate_of(candidate)
-        ms_per_token = rate.ms_per_token
+        # rate_of(candidate) inlined, without its PrefillRate (test_ttft_policy checks the two agree)
+        model = candidate.model_prefill_rate
+        if model is None or not self.learn_prefill_rate:
+            overhead_ms, ms_per_token = self.prior.overhead_ms, self.prior.ms_per_token
+        elif candidate.prefill_speed is None:
+            overhead_ms, ms_per_token = model.overhead_ms, model.ms_per_token
+        else:
+            factor, samples = candidate.prefill_speed
+            k = 1.0 + (factor - 1.0) * samples / (samples + SPEED_PRIOR_SAMPLES)
+            overhead_ms, ms_per_token = model.overhead_ms * k, model.ms_per_token * k
         peer_blocks = 0
         if candidate.peer_blocks > 0:
             peer_blocks, peer_weight, source = peer_credit(candidate, self.peer_pricing, request, ms_per_token)
@@ -249,7 +257,7 @@ class TTFTPolicy(Policy):
         # 1,024-candidate choose); test_ttft_policy checks both against those helpers
         work = ((queued if queued > 0.0 else 0.0) + (own if own > 0.0 else 0.0)
                 + DECODE_INTERFERENCE_TOKENS * (decoding if decoding > 0.0 else 0.0))
-        ttft_ms = rate.overhead_ms + ms_per_token * (work if work > 0.0 else 0.0)
+        ttft_ms = overhead_ms + ms_per_token * (work if work > 0.0 else 0.0)
         score = CandidateScore(candidate.worker_id, matched, queued, ttft_ms,
                                "" if candidate.evidence_trusted else "evidence distrusted", ttft_ms, work)
         if peer_blocks:

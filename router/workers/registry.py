@@ -193,10 +193,11 @@ class WorkerRegistration:
         """A snapshot of the load the policies see: this process's requests plus the other
         gateway processes' (:mod:`router.shared.load_table`)."""
         o = self.others()
-        return WorkerLoad(in_flight=self.in_flight + o.in_flight, prefill_tokens=self.prefill_tokens + o.prefill_tokens,
-                          decoding=self.decoding + o.decoding, engine_running=self.engine_running,
-                          engine_waiting=self.engine_waiting, kv_usage=self.kv_usage,
-                          unseen_running=self.unseen_running, unseen_waiting=self.unseen_waiting)
+        # positional (once per candidate per decision; keywords cost ~2.5x): in_flight,
+        # prefill_tokens, decoding, engine_running, engine_waiting, kv_usage, unseen_running, unseen_waiting
+        return WorkerLoad(self.in_flight + o.in_flight, self.prefill_tokens + o.prefill_tokens, self.decoding + o.decoding,
+                          self.engine_running, self.engine_waiting, self.kv_usage, self.unseen_running,
+                          self.unseen_waiting)
 
     def record_scrape(self, running: int | None, waiting: int | None, kv_usage: float | None) -> None:
         """Store one ``/metrics`` scrape, and how much of it was not the gateway's own requests
