@@ -29,14 +29,17 @@ The model's line is every worker's reference, so each new line makes every worke
 be computed again (a median over each worker's window: O(workers x window) per new line). It is
 therefore published with a dead band, :data:`MODEL_LINE_TOLERANCE`: a refit replaces the
 published line only where the two predict more than that share apart at the window's median or
-largest work (the gap between two lines is linear in the work, so over that span it is largest
-at one of its ends). Refits of a steady line, which move it by its noise, leave it and the
-factors as they are; a real change of speed moves it within a few refits. Pure computation: no
-clock, no I/O.
+largest work (between those two, the relative gap is largest at one of them). Below the median,
+where the overhead is most of a prediction, the published line may be further from the latest
+fit than that: the overhead is the noisiest figure of a fit, and checking there too would
+republish it far more often. Refits of a steady line, which move it by its noise, leave it and the
+factors as they are; a real change of speed moves it within a few refits. The published line's
+``samples`` are those of the fit it came from. Pure computation: no clock, no I/O.
 """
 from __future__ import annotations
 
 import functools
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
@@ -120,8 +123,8 @@ def _moved(published: PrefillRate, fitted: PrefillRate, xs: list[float], toleran
     the median or the largest of ``xs`` (the window's work, non-empty)."""
     for x in (statistics.median_low(xs), max(xs)):
         before = published.ttft_ms(x)
-        if abs(fitted.ttft_ms(x) - before) > tolerance * before:
-            return True
+        if not math.isfinite(before) or abs(fitted.ttft_ms(x) - before) > tolerance * before:
+            return True  # (a non-finite published line is always replaced)
     return False
 
 

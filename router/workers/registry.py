@@ -193,7 +193,7 @@ class WorkerRegistration:
         """A snapshot of the load the policies see: this process's requests plus the other
         gateway processes' (:mod:`router.shared.load_table`)."""
         o = self.others()
-        # positional (once per candidate per decision; keywords cost ~2.5x): in_flight,
+        # positional (once per candidate per decision; keywords cost more, docs/tuning/gateway_cpu.md): in_flight,
         # prefill_tokens, decoding, engine_running, engine_waiting, kv_usage, unseen_running, unseen_waiting
         return WorkerLoad(self.in_flight + o.in_flight, self.prefill_tokens + o.prefill_tokens, self.decoding + o.decoding,
                           self.engine_running, self.engine_waiting, self.kv_usage, self.unseen_running,
