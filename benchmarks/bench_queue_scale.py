@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""The dispatch queue's look at the queue (``DispatchQueue.pump``) at N workers with K requests
+waiting for busy prefix holders: the CPU one opening of a worker costs a saturated cluster.
+
+In one process, on the real router pieces (the tiny test tokenizer, the memory index, the
+registry, the ``ttft`` policy with its default queue: ``affinity: policy``, one request before its
+first byte per worker, two for a prefix holder):
+
+- ``--workers`` workers, each busy with two requests before their first byte and no TTFT
+  prediction (closed, holder or not);
+- ``--waiting`` chat requests of ~600 words, each of a conversation whose prompt worker ``w<i>``
+  holds in the index (its gpu tier), queued with ``take_turn``;
+- ``--openings`` times: a worker that holds none of them gets the first byte of both its
+  requests (it opens) and the pump runs. Each waiting request is decided again over every
+  worker (``Router.redecide``); each prefers its busy holder, so none leaves and the worker is
+  made busy again for the next opening.
+
+Prints the pump's wall time per opening (median and largest) in milliseconds, per waiting request
+and in all, and how many requests left the queue (0: each waited for its holder). In-process: no
+sockets.
+
+    .venv/bin/python benchmarks/bench_queue_scale.py [--workers 1024] [--waiting 1,8,32] [--openings 20]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import orjson  # noqa: E402
+
+from kvcore.index.memory import MemoryIndex  # noqa: E402
+from router.config.schema import ModelConfig, RoutingConfig, WorkerConfig  # noqa: E402
+from router.route.dispatch_queue import DispatchQueue  # noqa: E402
+from router.route.planner import PolicyHolder, Router  # noqa: E402
+from router.route.prompt_blocks import TokenizerPool  # noqa: E402
+from router.telemetry.metrics import GatewayMetrics  # noqa: E402
+from router.workers.registry import WorkerRegistry  # noqa: E402
+
+TINY = ROOT / "tests/fixtures/tiny-model"
+BLOCK_SIZE = 16
+
+
+async def measure(workers: int, waiting: int, openings: int) -> dict[str, float]:
+    """One cell of the module docstring; ``pump_ms`` median and max, and how many requests left
+    the queue (0 expected: each waits for its holder)."""
+    if not 0 < waiting < workers:
+        raise ValueError("need 0 < waiting < workers")
+    model = ModelConfig(name="tiny", tokenizer=str(TINY), block_size=BLOCK_SIZE)
+    pool = TokenizerPool([model], threads=1)
+    await pool.load()
+    registry = WorkerRegistry()
+    for i in range(workers):
+        registry.add(WorkerConfig(id=f"w{i}", url=f"http://127.0.0.1:1/w{i}", model="tiny")).healthy = True
+    holder = PolicyHolder({"name": "ttft"})
+    metrics = GatewayMetrics(registry.all)
+    index = MemoryIndex()
+    router = Router([model], pool, index, registry, holder, metrics, RoutingConfig())
+    queue = DispatchQueue(router, registry, metrics, lambda: holder.policy.queue)
+    busy = {r.id: [r.begin(500), r.begin(500)] for r in registry.all()}  # past holder_prefills (2) too
+    tasks = []
+    try:
+        for c in range(waiting):
+            body = {"model": "tiny", "messages": [{"role": "user", "content": " ".join(f"c{c}w{i}" for i in range(600))}]}
+            raw = orjson.dumps(body)
+            plan = await router.plan("chat", body, [], raw)
+            await index.store(f"w{c}", "gpu", list(plan.blocks.first_keys))
+            plan = await router.plan("chat", body, [], raw)  # now it sees its holder
+            tasks.append(asyncio.create_task(queue.take_turn(plan)))
+        for _ in range(50):
+            await asyncio.sleep(0.01)
+            if queue.queued == waiting:
+                break
+        if queue.queued != waiting:
+            raise RuntimeError(f"{queue.queued} of {waiting} requests queued")
+        times_s = []
+        for j in range(openings):
+            reg = registry.get(f"w{workers - 1 - j % (workers - waiting)}")
+            for handle in busy[reg.id]:
+                handle.first_byte()
+            t0 = time.perf_counter()
+            queue.pump()
+            times_s.append(time.perf_counter() - t0)
+            for handle in busy[reg.id]:
+                handle.finish()
+            busy[reg.id] = [reg.begin(500), reg.begin(500)]
+            await asyncio.sleep(0)
+        return {"pump_ms": statistics.median(times_s) * 1e3, "pump_max_ms": max(times_s) * 1e3,
+                "left": waiting - queue.queued}
+    finally:
+        queue.close()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        pool.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workers", type=int, default=1024)
+    ap.add_argument("--waiting", default="1,8,32", help="comma-separated counts of waiting requests")
+    ap.add_argument("--openings", type=int, default=20)
+    args = ap.parse_args()
+    print(f"{'workers':>8} {'waiting':>8} {'pump ms p50':>12} {'max':>8} {'per waiting ms':>15} {'left':>5}")
+    for waiting in (int(x) for x in args.waiting.split(",")):
+        got = asyncio.run(measure(args.workers, waiting, args.openings))
+        print(f"{args.workers:>8} {waiting:>8} {got['pump_ms']:12.2f} {got['pump_max_ms']:8.2f} "
+              f"{got['pump_ms'] / waiting:15.2f} {got['left']:>5}")
+
+
+if __name__ == "__main__":
+    main()
