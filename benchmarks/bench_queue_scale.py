@@ -11,13 +11,15 @@ first byte per worker, two for a prefix holder):
 - ``--waiting`` chat requests of ~600 words, each of a conversation whose prompt worker ``w<i>``
   holds in the index (its gpu tier), queued with ``take_turn``;
 - ``--openings`` times: a worker that holds none of them gets the first byte of both its
-  requests (it opens) and the pump runs. Each waiting request is decided again over every
-  worker (``Router.redecide``); each prefers its busy holder, so none leaves and the worker is
-  made busy again for the next opening.
+  requests (it opens) and the pump runs. Each waiting request is decided again
+  (``DispatchQueue._decide``: over every worker at its first look, then over those that changed
+  since, its holder and the opened worker); each prefers its busy holder, so none leaves and the
+  worker is made busy again for the next opening.
 
 Prints the pump's wall time per opening (median and largest) in milliseconds, per waiting request
-and in all, and how many requests left the queue (0: each waited for its holder). In-process: no
-sockets.
+and in all, how many requests left the queue (0: each waited for its holder), and how many of the
+queue's decisions scored every worker and how many only the changed ones
+(``kvroute_dispatch_queue_decisions_total``). In-process: no sockets.
 
     .venv/bin/python benchmarks/bench_queue_scale.py [--workers 1024] [--waiting 1,8,32] [--openings 20]
 """
@@ -91,8 +93,10 @@ async def measure(workers: int, waiting: int, openings: int) -> dict[str, float]
                 handle.finish()
             busy[reg.id] = [reg.begin(500), reg.begin(500)]
             await asyncio.sleep(0)
+        decisions = metrics.dispatch_queue_decisions
         return {"pump_ms": statistics.median(times_s) * 1e3, "pump_max_ms": max(times_s) * 1e3,
-                "left": waiting - queue.queued}
+                "left": waiting - queue.queued, "all_workers": decisions.labels("all_workers").value,
+                "changed_workers": decisions.labels("changed_workers").value}
     finally:
         queue.close()
         for task in tasks:
@@ -107,11 +111,12 @@ def main() -> None:
     ap.add_argument("--waiting", default="1,8,32", help="comma-separated counts of waiting requests")
     ap.add_argument("--openings", type=int, default=20)
     args = ap.parse_args()
-    print(f"{'workers':>8} {'waiting':>8} {'pump ms p50':>12} {'max':>8} {'per waiting ms':>15} {'left':>5}")
+    print(f"{'workers':>8} {'waiting':>8} {'pump ms p50':>12} {'max':>8} {'per waiting ms':>15} {'left':>5}"
+          f" {'decisions: all':>15} {'changed only':>13}")
     for waiting in (int(x) for x in args.waiting.split(",")):
         got = asyncio.run(measure(args.workers, waiting, args.openings))
         print(f"{args.workers:>8} {waiting:>8} {got['pump_ms']:12.2f} {got['pump_max_ms']:8.2f} "
-              f"{got['pump_ms'] / waiting:15.2f} {got['left']:>5}")
+              f"{got['pump_ms'] / waiting:15.2f} {got['left']:>5} {got['all_workers']:15.0f} {got['changed_workers']:13.0f}")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,9 @@ when the router knows least. Holding requests in the gateway instead:
   ``affinity: policy``, the worker the live policy chooses among all routable ones (their load as
   it is then, plus the prefill of the requests ahead of it in this queue that wait for the same
   worker: a busy holder shows its whole queue), so it waits while the policy prefers a closed
-  worker.
+  worker. Once it waits for a worker, a policy whose ranks are each worker's own (``ttft``)
+  re-scores at each look only the workers that changed since, with the same choice
+  (:meth:`DispatchQueue._decide`).
   Past ``affinity_wait_s`` any open worker may take it (the prefix is then computed a second time,
   and the worker's KV events tell the index). Among the workers it may go to, the live policy
   chooses (:meth:`~router.route.planner.Router.redecide`);
@@ -64,6 +66,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -77,6 +80,8 @@ from router.workers.registry import WorkerRegistration, WorkerRegistry
 
 log = logging.getLogger(__name__)
 TICK_S = 0.1  # while requests wait, look again at least this often (health, affinity expiry)
+FULL_REDECIDE_S = 1.0  # a waiting request is decided over every worker at least this often
+HISTORY_LOOKS = 16  # looks whose changed workers are kept (DispatchQueue._decide)
 
 
 class Reservation:
@@ -105,6 +110,7 @@ class _Entry:
     pool: frozenset[str] | None = None  # the only workers it may go to (a prefill leg's pool)
     policy: Policy | None = None  # the policy that re-chooses its worker (None: the live one)
     fresh: bool = False  # its plan was decided with nothing awaited since (take_turn's ``fresh``)
+    choice: _Choice | None = None  # its last decision while it waits (affinity: policy)
     future: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
     def affinity_wait_s(self, settings: QueueSettings) -> float:
@@ -119,11 +125,16 @@ class _Entry:
 
 
 class DispatchQueue:
-    """See the module docstring. ``settings()``: the live policy's :class:`QueueSettings`."""
+    """See the module docstring. ``settings()``: the live policy's :class:`QueueSettings`;
+    ``full_redecide_s``: how often at least a waiting request is decided over every worker
+    (:meth:`_decide`; 0: at every look)."""
 
     def __init__(self, router: Router, registry: WorkerRegistry, metrics: GatewayMetrics,
-                 settings: Callable[[], QueueSettings], clock: Callable[[], float] = time.monotonic) -> None:
+                 settings: Callable[[], QueueSettings], clock: Callable[[], float] = time.monotonic,
+                 full_redecide_s: float = FULL_REDECIDE_S) -> None:
         self.router = router
+        self.full_redecide_s = full_redecide_s
+        self._history: dict[str, _History] = {}  # model -> its workers' states at the last look
         self.registry = registry
         self.metrics = metrics
         self.settings = settings
@@ -245,49 +256,41 @@ class DispatchQueue:
             return
         settings = self.settings()
         now = self.clock()
-        for reg in self.registry.all():
-            reg.on_prefill_done = self._schedule_pump
         backlog: dict[str, float] = {}  # worker id -> prefill tokens of requests ahead waiting for it
-        routable: dict[str, list[WorkerRegistration]] = {}  # model -> its routable workers, this pump
-        is_open: dict[tuple[str, bool], bool] = {}  # (worker id, holder) -> open; a dispatch there drops it
-
-        def open_now(r: WorkerRegistration, holder: bool) -> bool:
-            got = is_open.get((r.id, holder))
-            if got is None:
-                got = is_open[(r.id, holder)] = _is_open(r, now, settings, holder)
-            return got
-
+        looks: dict[str, _Look] = {}  # model -> its routable workers in this look
         moved = False  # an entry before this one was dispatched or waits for a worker (backlog)
         for entry in sorted(self._entries, key=lambda e: e.order(now, settings)):
             if entry.future.done():  # cancelled: its waiter removes it when it runs
                 continue
             fresh, entry.fresh = entry.fresh and not moved, False
             model = entry.plan.model.name
-            regs = routable.get(model)
-            if regs is None:
-                regs = routable[model] = self.registry.routable(model)
-            if entry.pool is not None:
-                regs = [r for r in regs if r.id in entry.pool]
+            look = looks.get(model)
+            if look is None:
+                look = looks[model] = self._look(model, now, settings)
+            regs, ids = look.view(entry.pool)
             if not regs:
                 self._entries.remove(entry)
                 entry.future.set_exception(no_healthy_worker(entry.plan.model.name))
                 continue
-            holders = _holders(entry, regs)
-            ready = [r for r in regs if open_now(r, r.id in holders)]
-            if not ready:
+            holders = _holders(entry.held_blocks, ids)
+            if not look.any_ready(ids, holders):
                 continue
             affinity_wait_s = entry.affinity_wait_s(settings)
             if now - entry.arrival_s < affinity_wait_s and settings.affinity == "policy":
-                plan = entry.plan if fresh and _same_workers(entry.plan, regs) else \
-                    self.router.redecide(entry.plan, regs, backlog, entry.policy)
+                if fresh and _same_workers(entry.plan, regs):
+                    plan = entry.plan
+                    entry.choice = self._choice(entry, plan, look, backlog, now)
+                else:
+                    plan = self._decide(entry, look, regs, ids, holders, backlog, now)
                 chosen = plan.decision.worker_id
-                if not any(r.id == chosen for r in ready):
+                if not look.ready(chosen, holders):
                     backlog[chosen] = backlog.get(chosen, 0.0) + plan.uncached_tokens(chosen)
                     moved = True
                     continue
             else:
+                ready = look.ready_regs(ids, holders)
                 if now - entry.arrival_s < affinity_wait_s:
-                    top = max(entry.held_blocks.get(r.id, 0) for r in regs)
+                    top = max((n for w, n in entry.held_blocks.items() if w in ids), default=0)
                     ready = [r for r in ready if entry.held_blocks.get(r.id, 0) >= top - 1]
                 if not ready:
                     continue
@@ -300,32 +303,234 @@ class DispatchQueue:
                 if not _is_open(reg, now, settings, reg.id in holders):
                     continue
                 reservation = Reservation(reg, end_s, self._schedule_pump, now)
-            is_open.pop((reg.id, False), None)
-            is_open.pop((reg.id, True), None)
+            look.dispatched_to(reg)
             self._entries.remove(entry)
             entry.future.set_result((plan, reservation))
             moved = True
         if self._entries:
-            self._arm(now, settings)
+            wake_s = min((look.wake_s() for look in looks.values()), default=math.inf)
+            for entry in self._entries:
+                expiry = entry.arrival_s + entry.affinity_wait_s(settings)
+                if expiry > now:
+                    wake_s = min(wake_s, expiry)
+            wake_s = min(wake_s, now + TICK_S)
+            self._timer = asyncio.get_running_loop().call_later(max(0.0, wake_s - now) + 1e-4, self.pump)
             self._ensure_rematcher()
 
-    def _arm(self, now: float, settings: QueueSettings) -> None:
-        """Look again at the next predicted opening or affinity expiry, at most ``TICK_S`` away."""
-        wake_s = now + TICK_S
-        for reg in self.registry.all():
-            if not reg.routable:
-                continue
-            left_ms = reg.prefill_left_ms(now)
-            if math.isfinite(left_ms) and left_ms > settings.worker_queue_ms:
-                wake_s = min(wake_s, now + (left_ms - settings.worker_queue_ms) / 1000.0)
-            settled_s = reg.newest_pending_s() + settings.settle_ms / 1000.0
-            if settled_s > now:
-                wake_s = min(wake_s, settled_s)
-        for entry in self._entries:
-            expiry = entry.arrival_s + entry.affinity_wait_s(settings)
-            if expiry > now:
-                wake_s = min(wake_s, expiry)
-        self._timer = asyncio.get_running_loop().call_later(max(0.0, wake_s - now) + 1e-4, self.pump)
+    def _look(self, model: str, now: float, settings: QueueSettings) -> _Look:
+        """``model``'s routable workers for one look at the queue; with ``affinity: policy``, a
+        snapshot of each one's state (:meth:`Router.worker_state`) against the last look's, so
+        requests waiting for a worker re-score only those that changed (:meth:`_decide`)."""
+        regs = self.registry.routable(model)
+        for reg in regs:
+            reg.on_prefill_done = self._schedule_pump
+        look = _Look(regs, now, settings)
+        if settings.affinity == "policy":
+            history = self._history.get(model)
+            if history is None:
+                history = self._history[model] = _History()
+            look.history = history
+            history.snapshot({r.id: self.router.worker_state(r) for r in regs})
+        return look
+
+    def _decide(self, entry: _Entry, look: _Look, regs: list[WorkerRegistration], ids: dict[str, int],
+                holders: set[str], backlog: dict[str, float], now: float) -> RoutePlan:
+        """The policy's choice for a waiting request among all its routable workers ``regs``.
+
+        When the request already waits for a worker (:class:`_Choice`), the policy ranks each
+        worker apart from the others (``Policy.ranks_alone``: by its own state, the request and
+        the prefix holders') and neither that worker nor any worker it matched has changed since
+        (state, the prefill waiting for it ahead of this request, its prefix's recent uses),
+        only those, the workers whose state changed since (:meth:`Router.worker_state`, from the
+        look's history) or was sent a request in this look, and those with requests waiting
+        for them ahead of this one (then or now) are scored again: every other worker ranked
+        behind the chosen one then and ranks the same now, so the best of those scored is the
+        best of all. It is decided over every worker instead when any of that does not hold,
+        the policy, the request's matches or the model's learned line are not those of the last
+        decision, agents publish peer pulls (a worker's pull credit depends on other workers),
+        the history no longer reaches back to it, or ``full_redecide_s`` has passed since the
+        last such decision; and whenever the short list chooses a worker that may take the
+        request now (it leaves with a decision over every worker). Ties are broken among the
+        workers scored."""
+        choice = entry.choice
+        policy = self.router.policy.policy if entry.policy is None else entry.policy
+        history = look.history
+        if (choice is not None and history is not None and policy is choice.policy and entry.plan is choice.plan
+                and getattr(policy, "ranks_alone", False) and now - choice.full_s < self.full_redecide_s
+                and choice.worker_id in ids
+                and self.registry.model_rate(entry.plan.model.name).learned is choice.model_rate
+                and not self.router.peers.current()):
+            changed = history.changed_since(choice.snapshot)
+            uses = self.router.holder_uses(entry.plan)
+            if changed is not None and uses == choice.holder_uses and not any(
+                    w in changed or w in look.dispatched or backlog.get(w, 0.0) != choice.backlog.get(w, 0.0)
+                    for w in (choice.worker_id, *entry.plan.matches)):
+                short = {choice.worker_id, *entry.plan.matches, *changed, *look.dispatched, *choice.backlog,
+                         *backlog}
+                subset = sorted((regs[ids[w]] for w in short if w in ids), key=lambda r: ids[r.id])
+                plan = self.router.redecide(entry.plan, subset, backlog, entry.policy)
+                if not look.ready(plan.decision.worker_id, holders):
+                    self.metrics.dispatch_queue_decisions.labels("changed_workers").inc()
+                    entry.choice = _Choice(plan.decision.worker_id, policy, entry.plan, choice.model_rate,
+                                           uses, dict(backlog), history.seq, choice.full_s)
+                    return plan
+        plan = self.router.redecide(entry.plan, regs, backlog, entry.policy)
+        self.metrics.dispatch_queue_decisions.labels("all_workers").inc()
+        entry.choice = self._choice(entry, plan, look, backlog, now)
+        return plan
+
+    def _choice(self, entry: _Entry, plan: RoutePlan, look: _Look, backlog: dict[str, float],
+                now: float) -> _Choice:
+        """What ``plan``, decided over every worker now, was decided on (:meth:`_decide`)."""
+        policy = self.router.policy.policy if entry.policy is None else entry.policy
+        return _Choice(plan.decision.worker_id, policy, entry.plan,
+                       self.registry.model_rate(entry.plan.model.name).learned, self.router.holder_uses(entry.plan),
+                       dict(backlog),
+                       look.history.seq if look.history is not None else -1, now)
+
+
+@dataclass(eq=False)
+class _Choice:
+    """A waiting request's last decision under ``affinity: policy``: the worker it waits for,
+    and what that decision was made on (:meth:`DispatchQueue._decide`). ``snapshot``: the
+    history's :attr:`_History.seq` it saw; ``full_s``: when it was last decided over every
+    worker."""
+
+    worker_id: str
+    policy: Policy
+    plan: RoutePlan
+    model_rate: object
+    holder_uses: dict[str, int]
+    backlog: dict[str, float]
+    snapshot: int
+    full_s: float
+
+
+class _History:
+    """One model's routable workers' states (:meth:`Router.worker_state`) at the last look, and
+    which workers changed at each of the last :data:`HISTORY_LOOKS` looks."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.states: dict[str, object] = {}
+        self.changes: deque[tuple[int, set[str]]] = deque(maxlen=HISTORY_LOOKS)
+
+    def snapshot(self, states: dict[str, object]) -> None:
+        """Take the states of this look: a worker is changed when its state differs, or it was
+        routable at only one of this look and the last."""
+        old = self.states
+        self.seq += 1
+        changed = {w for w, s in states.items() if old.get(w) != s}
+        changed.update(w for w in old if w not in states)
+        self.changes.append((self.seq, changed))
+        self.states = states
+
+    def changed_since(self, seq: int) -> set[str] | None:
+        """Workers changed in the looks after look ``seq``; None when those are no longer all kept."""
+        if seq == self.seq:
+            return set()
+        if not self.changes or self.changes[0][0] > seq + 1:
+            return None
+        out: set[str] = set()
+        for at, changed in self.changes:
+            if at > seq:
+                out |= changed
+        return out
+
+
+class _Look:
+    """One model's routable workers in one look at the queue: which are open to a request that
+    holds no prefix there (and, asked, to a holder), and when the next may open. ``history``:
+    the model's :class:`_History` under ``affinity: policy``."""
+
+    def __init__(self, regs: list[WorkerRegistration], now: float, settings: QueueSettings) -> None:
+        self.regs = regs
+        self.ids = {r.id: i for i, r in enumerate(regs)}
+        self.now = now
+        self.settings = settings
+        self.history: _History | None = None
+        self.dispatched: set[str] = set()
+        self._views: dict[frozenset[str], tuple[list[WorkerRegistration], dict[str, int]]] = {}
+        self._holder_open: dict[str, bool] = {}
+        self.open: set[str] = set()
+        self._wake_s = math.inf
+        for reg in regs:
+            is_open, wake_s = _state_of(reg, now, settings)
+            if is_open:
+                self.open.add(reg.id)
+            if wake_s < self._wake_s:
+                self._wake_s = wake_s
+
+    def view(self, pool: frozenset[str] | None) -> tuple[list[WorkerRegistration], dict[str, int]]:
+        """The workers a request may go to (``pool``: only those) and their positions."""
+        if pool is None:
+            return self.regs, self.ids
+        got = self._views.get(pool)
+        if got is None:
+            regs = [r for r in self.regs if r.id in pool]
+            got = self._views[pool] = (regs, {r.id: i for i, r in enumerate(regs)})
+        return got
+
+    def ready(self, worker_id: str, holders: set[str]) -> bool:
+        """Whether ``worker_id`` may take a request whose prefix holders are ``holders`` now."""
+        if worker_id in self.open:
+            return True
+        if worker_id not in holders:
+            return False
+        got = self._holder_open.get(worker_id)
+        if got is None:
+            got = self._holder_open[worker_id] = _is_open(self.regs[self.ids[worker_id]], self.now,
+                                                          self.settings, True)
+        return got
+
+    def any_ready(self, ids: dict[str, int], holders: set[str]) -> bool:
+        """Whether any of ``ids`` may take such a request now."""
+        if len(ids) == len(self.ids):
+            if self.open:
+                return True
+        elif any(w in ids for w in self.open):
+            return True
+        return any(self.ready(w, holders) for w in holders if w in ids)
+
+    def ready_regs(self, ids: dict[str, int], holders: set[str]) -> list[WorkerRegistration]:
+        """Those of ``ids`` that may take such a request now, in registry order."""
+        chosen = {w for w in self.open if w in ids}
+        chosen.update(w for w in holders if w in ids and self.ready(w, holders))
+        return sorted((self.regs[self.ids[w]] for w in chosen), key=lambda r: self.ids[r.id])
+
+    def dispatched_to(self, reg: WorkerRegistration) -> None:
+        """A request was sent to ``reg`` (its reservation taken): look at it again."""
+        self.dispatched.add(reg.id)
+        self._holder_open.pop(reg.id, None)
+        is_open, wake_s = _state_of(reg, self.now, self.settings)
+        if is_open:
+            self.open.add(reg.id)
+        else:
+            self.open.discard(reg.id)
+        self._wake_s = min(self._wake_s, wake_s)
+
+    def wake_s(self) -> float:
+        """The next predicted opening or end of a settle time (monotonic s; inf: none)."""
+        return self._wake_s
+
+
+def _state_of(reg: WorkerRegistration, now: float, settings: QueueSettings) -> tuple[bool, float]:
+    """Whether ``reg`` is open to a request holding no prefix there (:func:`_is_open`), and when
+    it may next open (monotonic s): the end of its settle time or its predicted prefill left
+    down to ``worker_queue_ms``; inf when nothing is pending or nothing predicts it (the tick)."""
+    pending = reg.prefills_pending()
+    if pending == 0:
+        return reg.unseen_waiting <= 0, math.inf
+    wake_s = math.inf
+    settled_s = reg.newest_pending_s() + settings.settle_ms / 1000.0
+    if settled_s > now:
+        wake_s = settled_s
+    left_ms = reg.prefill_left_ms(now)
+    if math.isfinite(left_ms) and left_ms > settings.worker_queue_ms:
+        wake_s = min(wake_s, now + (left_ms - settings.worker_queue_ms) / 1000.0)
+    if reg.unseen_waiting > 0 or settled_s > now:
+        return False, wake_s
+    return pending < settings.worker_prefills or left_ms <= settings.worker_queue_ms, wake_s
 
 
 def _is_open(reg: WorkerRegistration, now: float, settings: QueueSettings, holder: bool = False) -> bool:
@@ -340,14 +545,18 @@ def _is_open(reg: WorkerRegistration, now: float, settings: QueueSettings, holde
     return pending < limit or reg.prefill_left_ms(now) <= settings.worker_queue_ms
 
 
-def _holders(entry: "_Entry", regs: list[WorkerRegistration]) -> set[str]:
-    """Workers holding ``entry``'s longest credited prefix (within one block) when that is more
-    than every routable worker holds (a prefix all of them hold sets none apart)."""
-    held = [entry.held_blocks.get(r.id, 0) for r in regs]
-    top, floor = max(held), min(held)
+def _holders(held_blocks: dict[str, int], ids: dict[str, int]) -> set[str]:
+    """Workers of ``ids`` holding the request's longest credited prefix (within one block) when
+    that is more than every one of them holds (a prefix all of them hold sets none apart);
+    ``held_blocks``: the request's credited matched blocks per worker id."""
+    held = {w: n for w, n in held_blocks.items() if w in ids}
+    if not held:
+        return set()
+    top = max(held.values())
+    floor = min(held.values()) if len(held) == len(ids) else 0
     if top <= floor:
         return set()
-    return {r.id for r, n in zip(regs, held) if n > floor and n >= top - 1}
+    return {w for w, n in held.items() if n > floor and n >= top - 1}
 
 
 def _held_blocks(plan: RoutePlan) -> dict[str, int]:

@@ -403,6 +403,26 @@ class Router:
         return sorted(regs, key=lambda r: r.in_flight)
 
 
+    def worker_state(self, reg: WorkerRegistration) -> tuple[object, ...]:
+        """Everything :meth:`_candidates` takes from ``reg`` itself (not from the request, its
+        matches or the peers): two equal states of one worker give equal candidates for one
+        request. The dispatch queue compares them between its looks
+        (:meth:`router.route.dispatch_queue.DispatchQueue._decide`)."""
+        return (reg, reg.load(), reg.prefill_rate.learned, reg.evidence_credited, reg.evidence.credit_weight,
+                self.registry.prefill_speed(reg))
+
+    def holder_uses(self, plan: RoutePlan) -> dict[str, int]:
+        """Per worker ``plan`` matched, the recent uses of its matched prefix as its candidate
+        carries them (``Candidate.prefix_uses``)."""
+        keys = plan.blocks.first_keys if plan.blocks is not None else []
+        return {wid: self._uses_at(keys, m.total) for wid, m in plan.matches.items()}
+
+    def _uses_at(self, keys: list[int], matched_blocks: int) -> int:
+        """:attr:`prefix_uses` at the last of ``keys`` (a prompt's first keys) a worker holding
+        ``matched_blocks`` matched; 0 when it matched none."""
+        depth = min(matched_blocks, len(keys))
+        return self.prefix_uses.uses(keys[depth - 1]) if depth > 0 else 0
+
     def _candidates(self, regs: list[WorkerRegistration], matches: dict[str, TierMatch],
                     request: RouteRequest, blocks: PromptBlocks | None = None) -> list[Candidate]:
         """The policy's candidates: each routable worker's load, match, learned rate (and the
@@ -420,9 +440,8 @@ class Router:
                for r in regs]
         keys = blocks.first_keys if blocks is not None else []
         for c in out:
-            depth = min(c.matched.total, len(keys))
-            if depth > 0:
-                c.prefix_uses = self.prefix_uses.uses(keys[depth - 1])
+            if c.matched.total > 0:
+                c.prefix_uses = self._uses_at(keys, c.matched.total)
         peers = self.peers.current()
         if not peers or not matches or not request.prompt_tokens:
             return out

@@ -38,6 +38,7 @@
 | kvroute_dispatch_queue_wait_seconds | histogram | | time a request waited in the dispatch queue (policy ``queue``) for an open worker |
 | kvroute_dispatch_queue_queued | gauge | | requests waiting in the dispatch queue now |
 | kvroute_dispatch_queue_rematches_total | counter | change | index lookups again for a waiting request (``queue.rematch_ms``): ``gained`` (a worker holds more of its prompt than before), ``lost`` (one holds less), ``none``; a lookup with both counts both |
+| kvroute_dispatch_queue_decisions_total | counter | workers | decisions again for a request waiting in the dispatch queue with ``affinity: policy``: ``all_workers`` (every routable worker scored), ``changed_workers`` (only the worker it waits for, its prefix holders and the workers whose state changed since its last decision: :meth:`router.route.dispatch_queue.DispatchQueue._decide`) |
 | kvroute_broken_streams_total | counter | worker, reason | streams a worker broke or left silent past ``stream_idle_s`` (ended with an error event) |
 | kvroute_tokenize_cache_total | counter | result | prefix token cache outcome per encoded text (``hit``, ``miss``, ``fallback``: junction unsafe, encoded whole) |
 | kvroute_tokenize_pieces_total | counter | engine | text pieces (between special tokens) of a byte-level BPE tokenizer :mod:`kvcore.bpe_fast` applies to, by the engine that encoded them: ``tiktoken`` (ASCII), ``tokenizers`` (the rest); the same ids either way |
@@ -215,6 +216,9 @@ class GatewayMetrics:
         self.dispatch_queue_rematches = LeanCounter("kvroute_dispatch_queue_rematches",
                                                     "Index lookups again for a request waiting in the dispatch queue",
                                                     ["change"], registry=r)
+        self.dispatch_queue_decisions = LeanCounter("kvroute_dispatch_queue_decisions",
+                                                     "Decisions again for a request waiting in the dispatch queue",
+                                                     ["workers"], registry=r)
         self.broken_streams = LeanCounter("kvroute_broken_streams", "Streams a worker broke or left silent mid-way",
                                           ["worker", "reason"], registry=r)
         self.retries = LeanCounter("kvroute_upstream_retries", "Connect failures retried on the next-best worker",

@@ -1,0 +1,271 @@
+"""The dispatch queue re-scores, for a request already waiting for a worker, only that worker,
+its prefix holders, the workers whose state changed since and those others wait for
+(``DispatchQueue._decide``): it must decide exactly as scoring every worker does.
+
+A seeded script drives two identical clusters of real router pieces (tiny tokenizer, memory
+index, registry, ``ttft`` with its queue) with a clock the test sets: one queue decides over
+every worker at every look (``full_redecide_s=0``), the other re-scores changed workers only.
+Each step changes one thing (a worker opens, takes work, finishes, is scraped, learns a TTFT,
+goes unhealthy or back, a request arrives or a dispatched one starts) and looks at the queue;
+after each step both must have dispatched the same requests to the same workers, and each
+waiting request must wait for the same worker."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import orjson
+import pytest
+
+from kvcore.index.memory import MemoryIndex
+from router.config.schema import ModelConfig, RoutingConfig, WorkerConfig
+from router.route.dispatch_queue import DispatchQueue, _History
+from router.route.planner import PolicyHolder, Router
+from router.route.prompt_blocks import TokenizerPool
+from router.telemetry.metrics import GatewayMetrics
+from router.workers.registry import WorkerRegistry
+
+BLOCK = 32
+WORKERS = 12
+CONVERSATIONS = 4  # conversation i holds its history on worker i (an even one also on i + 4, in part)
+QUEUE = {"enabled": True, "worker_prefills": 1, "holder_prefills": 1, "settle_ms": 0, "rematch_ms": 0,
+         "affinity": "policy", "affinity_wait_s": 600, "max_wait_s": 900}
+
+
+class Cluster:
+    """One gateway's router pieces over ``WORKERS`` workers, each busy with one unpredicted
+    request (closed until its first byte), and a queue."""
+
+    def __init__(self, pool: TokenizerPool, model: ModelConfig, full_redecide_s: float) -> None:
+        self.now_s = 1000.0
+        self.registry = WorkerRegistry()
+        for i in range(WORKERS):
+            self.registry.add(WorkerConfig(id=f"w{i}", url=f"http://127.0.0.1:1/w{i}", model="tiny")).healthy = True
+        holder = PolicyHolder({"name": "ttft", "queue": QUEUE})
+        self.metrics = GatewayMetrics(self.registry.all)
+        self.index = MemoryIndex()
+        self.router = Router([model], pool, self.index, self.registry, holder, self.metrics, RoutingConfig())
+        self.queue = DispatchQueue(self.router, self.registry, self.metrics, lambda: holder.policy.queue,
+                                   clock=lambda: self.now_s, full_redecide_s=full_redecide_s)
+        self.handles = {r.id: [r.begin(400)] for r in self.registry.all()}
+        self.waiting: dict[str, asyncio.Task] = {}
+        self.dispatched: dict[str, tuple[str, object]] = {}  # tag -> (worker, reservation)
+        self.prefixes: list[list[int]] = []  # each conversation's block keys
+        self.tags: dict[int, str] = {}  # id of a plan's request -> its tag
+
+    async def enqueue(self, tag: str, body: dict) -> None:
+        plan = await self.router.plan("chat", body, [], orjson.dumps(body))
+        self.tags[id(plan.request)] = tag
+        self.waiting[tag] = asyncio.create_task(self.queue.take_turn(plan))
+        await _settle()
+
+    def outcome(self) -> tuple[dict[str, str], dict[str, str]]:
+        """Where each dispatched request went, and which worker each waiting one waits for."""
+        for tag, task in list(self.waiting.items()):
+            if task.done():
+                plan, reservation = task.result()
+                self.dispatched[tag] = (plan.decision.worker_id, reservation)
+                del self.waiting[tag]
+        waits = {}
+        for entry in self.queue._entries:
+            if entry.choice is not None:
+                waits[self.tags[id(entry.plan.request)]] = entry.choice.worker_id
+        return {t: w for t, (w, _) in self.dispatched.items()}, waits
+
+    def decisions(self, workers: str) -> float:
+        return self.metrics.dispatch_queue_decisions.labels(workers).value
+
+    async def close(self) -> None:
+        self.queue.close()
+        for task in self.waiting.values():
+            task.cancel()
+        await asyncio.gather(*self.waiting.values(), return_exceptions=True)
+
+
+async def _settle() -> None:
+    for _ in range(4):
+        await asyncio.sleep(0)
+
+
+def _body(tag: str, words: int) -> dict:
+    return {"model": "tiny", "messages": [{"role": "user", "content": " ".join(f"{tag}{i}" for i in range(words))}]}
+
+
+def _learn(cluster: Cluster, reg, rng: random.Random, samples: int) -> None:
+    """``samples`` TTFTs of ``reg``, each worker at its own speed (1x-3x), so speed factors differ."""
+    slope_ms = 0.01 * (1 + int(reg.id[1:]) % 3) * rng.uniform(0.8, 1.2)
+    for _ in range(samples):
+        work = rng.randrange(100, 4000)
+        ttft_ms = 5.0 + work * slope_ms
+        reg.prefill_rate.observe(work, ttft_ms)
+        cluster.registry.model_rate("tiny").observe(work, ttft_ms)
+
+
+async def _step(cluster: Cluster, rng: random.Random, step: int) -> None:
+    """One random change (drawn from ``rng``, so both clusters get the same), then a look."""
+    regs = cluster.registry.all()
+    reg = regs[rng.randrange(len(regs))]
+    action = rng.choice(["open", "open", "open_many", "work", "finish", "scrape", "learn", "health", "health",
+                         "arrive", "burst", "hot", "hot", "start", "start", "tick"])
+    if action == "open":
+        for handle in cluster.handles[reg.id]:
+            handle.first_byte()
+    elif action == "open_many":  # several openings in one look: later requests see earlier ones sent
+        for other in rng.sample(regs, 4):
+            for handle in cluster.handles[other.id]:
+                handle.first_byte()
+    elif action == "work":
+        cluster.handles[reg.id].append(reg.begin(rng.randrange(0, 4000)))
+    elif action == "finish" and cluster.handles[reg.id]:
+        cluster.handles[reg.id].pop(0).finish()
+    elif action == "scrape":
+        reg.record_scrape(rng.randrange(0, 6), 0, rng.random())
+    elif action == "learn":
+        _learn(cluster, reg, rng, 8)
+    elif action == "health":
+        reg.healthy = not reg.healthy if rng.random() < 0.5 or not reg.healthy else reg.healthy
+    elif action == "arrive":
+        await cluster.enqueue(f"s{step}", _body(f"conv{rng.randrange(CONVERSATIONS)}", 200 + 40 * step % 400))
+    elif action == "burst":  # follow-ups of one conversation: those behind wait behind the first
+        owner = rng.randrange(CONVERSATIONS)
+        for k in range(3):
+            await cluster.enqueue(f"b{step}.{k}", _body(f"conv{owner}", 620 + 7 * k))
+    elif action == "hot":  # a conversation's prefix turns hot (other requests went through it)
+        keys = cluster.prefixes[rng.randrange(CONVERSATIONS)]
+        for _ in range(3):
+            cluster.router.prefix_uses.record(keys)
+    elif action == "start" and cluster.dispatched:
+        tag = sorted(cluster.dispatched)[rng.randrange(len(cluster.dispatched))]
+        worker_id, reservation = cluster.dispatched[tag]
+        if reservation is not None:
+            reservation.release()
+            cluster.dispatched[tag] = (worker_id, None)
+    elif action == "tick":  # held places open as their predicted prefill runs out
+        cluster.now_s += rng.uniform(0.02, 0.3)
+    cluster.now_s += 0.01
+    cluster.queue.pump()
+    await _settle()
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4, 5])
+async def test_changed_workers_only_decide_as_every_worker_does(tiny_model, seed):
+    model = ModelConfig(name="tiny", tokenizer=str(tiny_model), block_size=BLOCK)
+    pool = TokenizerPool([model], threads=1)
+    await pool.load()
+    clusters = [Cluster(pool, model, full_redecide_s=0.0), Cluster(pool, model, full_redecide_s=3600.0)]
+    try:
+        for cluster in clusters:  # each conversation's history held by its worker
+            for owner in range(CONVERSATIONS):
+                body = _body(f"conv{owner}", 600)
+                plan = await cluster.router.plan("chat", body, [], orjson.dumps(body))
+                keys = list(plan.blocks.first_keys)
+                cluster.prefixes.append(keys)
+                await cluster.index.store(f"w{owner}", "gpu", keys)
+                if owner % 2 == 0:  # a second holder, of part of it
+                    await cluster.index.store(f"w{owner + CONVERSATIONS}", "cpu", keys[: len(keys) // 2])
+            for owner in range(CONVERSATIONS):
+                await cluster.enqueue(f"c{owner}", _body(f"conv{owner}", 640))
+        rngs = [random.Random(seed), random.Random(seed)]
+        for cluster, rng in zip(clusters, rngs):  # every worker has learned its speed
+            for reg in cluster.registry.all():
+                _learn(cluster, reg, rng, 64)
+        waited = 0
+        for step in range(300):
+            for cluster, rng in zip(clusters, rngs):
+                await _step(cluster, rng, step)
+            full, short = (c.outcome() for c in clusters)
+            assert short == full, f"step {step}"
+            waited += len(full[1])
+        assert waited > 100  # requests did wait for busy workers along the way
+        assert clusters[0].decisions("changed_workers") == 0
+        assert clusters[1].decisions("changed_workers") > clusters[1].decisions("all_workers")
+    finally:
+        for cluster in clusters:
+            await cluster.close()
+        pool.close()
+
+
+def test_the_history_knows_which_workers_changed_and_forgets_old_looks():
+    history = _History()
+    history.snapshot({"w0": 1, "w1": 1})
+    first = history.seq
+    assert history.changed_since(first) == set()
+    history.snapshot({"w0": 1, "w1": 2})  # w1 changed
+    history.snapshot({"w0": 1})  # w1 left
+    history.snapshot({"w0": 1, "w1": 2})  # w1 back, with the state it had: changed (it was not scored)
+    assert history.changed_since(first) == {"w1"}
+    assert history.changed_since(history.seq - 1) == {"w1"}
+    history.snapshot({"w0": 3, "w1": 2})
+    assert history.changed_since(history.seq - 1) == {"w0"}
+    for _ in range(20):
+        history.snapshot({"w0": 3, "w1": 2})
+    assert history.changed_since(history.seq - 1) == set()
+    assert history.changed_since(first) is None  # too old: decide over every worker
+
+
+async def _twins(tiny_model, setup, change, seen: list | None = None) -> list[tuple[dict, dict]]:
+    """Both clusters (every worker / changed workers only) through ``setup(cluster)``, a look,
+    ``change(cluster)`` and a look: each one's outcome after the change (``seen``: gets the
+    clusters)."""
+    model = ModelConfig(name="tiny", tokenizer=str(tiny_model), block_size=BLOCK)
+    pool = TokenizerPool([model], threads=1)
+    await pool.load()
+    clusters = [Cluster(pool, model, full_redecide_s=0.0), Cluster(pool, model, full_redecide_s=3600.0)]
+    if seen is not None:
+        seen.extend(clusters)
+    try:
+        for cluster in clusters:
+            await setup(cluster)
+            cluster.queue.pump()
+            await _settle()
+            change(cluster)
+            cluster.now_s += 0.01
+            cluster.queue.pump()
+            await _settle()
+        return [c.outcome() for c in clusters]
+    finally:
+        for cluster in clusters:
+            await cluster.close()
+        pool.close()
+
+
+async def _waits_for(cluster: Cluster, holders: dict[str, tuple[str, float, int]]) -> None:
+    """``conv0``'s history held by each of ``holders`` (worker -> (tier, share of its blocks,
+    prefill tokens queued there)); every other worker open; its follow-up enqueued."""
+    body = _body("conv0", 600)
+    keys = list((await cluster.router.plan("chat", body, [], orjson.dumps(body))).blocks.first_keys)
+    cluster.prefixes.append(keys)
+    for worker_id, (tier, share, queued) in holders.items():
+        await cluster.index.store(worker_id, tier, keys[: int(len(keys) * share)])
+        cluster.handles[worker_id].append(cluster.registry.get(worker_id).begin(queued))
+    for reg in cluster.registry.all():
+        if reg.id not in holders:
+            for handle in cluster.handles[reg.id]:
+                handle.first_byte()
+    await cluster.enqueue("f", _body("conv0", 640))
+
+
+async def test_a_prefix_turning_hot_is_decided_over_every_worker(tiny_model):
+    """A conversation's follow-up waits for its busy holder while its prefix is private
+    (recomputing it elsewhere is charged three times); once other requests make the prefix hot
+    (charged once), an open worker wins for some of the holder's queues. The prefix's uses are
+    no worker's state: the change is seen by comparing them with the last decision's."""
+    flipped = 0
+    for queued in range(9500, 24000, 1500):
+        async def setup(cluster, queued=queued):
+            await _waits_for(cluster, {"w0": ("gpu", 1.0, queued)})
+            cluster.queue.pump()
+            await _settle()
+            cluster.before = cluster.outcome()
+
+        def hot(cluster):
+            for _ in range(3):
+                cluster.router.prefix_uses.record(cluster.prefixes[0])
+
+        clusters_seen: list = []
+        full, short = await _twins(tiny_model, setup, hot, clusters_seen)
+        assert short == full, queued
+        before = clusters_seen[0].before
+        assert before == ({}, {"f": "w0"}) or before[0]  # it waited for w0, or went at once
+        flipped += before == ({}, {"f": "w0"}) and bool(full[0])
+    assert flipped >= 3  # the prefix turning hot sent a waiting follow-up elsewhere
