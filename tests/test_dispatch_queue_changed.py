@@ -19,7 +19,8 @@ import pytest
 
 from kvcore.index.memory import MemoryIndex
 from router.config.schema import ModelConfig, RoutingConfig, WorkerConfig
-from router.route.dispatch_queue import DispatchQueue, _History
+from router.route.dispatch_queue import DispatchQueue
+from router.route.queue_look import WorkerHistory
 from router.route.planner import PolicyHolder, Router
 from router.route.prompt_blocks import TokenizerPool
 from router.telemetry.metrics import GatewayMetrics
@@ -186,7 +187,7 @@ async def test_changed_workers_only_decide_as_every_worker_does(tiny_model, seed
 
 
 def test_the_history_knows_which_workers_changed_and_forgets_old_looks():
-    history = _History()
+    history = WorkerHistory()
     history.snapshot({"w0": 1, "w1": 1})
     first = history.seq
     assert history.changed_since(first) == set()

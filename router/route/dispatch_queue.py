@@ -66,7 +66,6 @@ import asyncio
 import logging
 import math
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -75,13 +74,13 @@ from router.policies.base import Policy
 from router.policies.queue import QueueSettings
 from router.route.plan import RoutePlan
 from router.route.planner import Router
+from router.route.queue_look import Look, WorkerHistory, is_open
 from router.telemetry.metrics import GatewayMetrics
 from router.workers.registry import WorkerRegistration, WorkerRegistry
 
 log = logging.getLogger(__name__)
 TICK_S = 0.1  # while requests wait, look again at least this often (health, affinity expiry)
 FULL_REDECIDE_S = 1.0  # a waiting request is decided over every worker at least this often
-HISTORY_LOOKS = 16  # looks whose changed workers are kept (DispatchQueue._decide)
 
 
 class Reservation:
@@ -134,7 +133,7 @@ class DispatchQueue:
                  full_redecide_s: float = FULL_REDECIDE_S) -> None:
         self.router = router
         self.full_redecide_s = full_redecide_s
-        self._history: dict[str, _History] = {}  # model -> its workers' states at the last look
+        self._history: dict[str, WorkerHistory] = {}  # model -> its workers' states at the last look
         self.registry = registry
         self.metrics = metrics
         self.settings = settings
@@ -257,7 +256,7 @@ class DispatchQueue:
         settings = self.settings()
         now = self.clock()
         backlog: dict[str, float] = {}  # worker id -> prefill tokens of requests ahead waiting for it
-        looks: dict[str, _Look] = {}  # model -> its routable workers in this look
+        looks: dict[str, Look] = {}  # model -> its routable workers in this look
         moved = False  # an entry before this one was dispatched or waits for a worker (backlog)
         for entry in sorted(self._entries, key=lambda e: e.order(now, settings)):
             if entry.future.done():  # cancelled: its waiter removes it when it runs
@@ -300,7 +299,7 @@ class DispatchQueue:
             predicted_ms = plan.predicted_ttft_ms(reg.id)
             end_s = None if predicted_ms is None else now + predicted_ms / 1000.0
             with reg.claim():  # another gateway process may have taken it since it was read
-                if not _is_open(reg, now, settings, reg.id in holders):
+                if not is_open(reg, now, settings, reg.id in holders):
                     continue
                 reservation = Reservation(reg, end_s, self._schedule_pump, now)
             look.dispatched_to(reg)
@@ -317,23 +316,23 @@ class DispatchQueue:
             self._timer = asyncio.get_running_loop().call_later(max(0.0, wake_s - now) + 1e-4, self.pump)
             self._ensure_rematcher()
 
-    def _look(self, model: str, now: float, settings: QueueSettings) -> _Look:
+    def _look(self, model: str, now: float, settings: QueueSettings) -> Look:
         """``model``'s routable workers for one look at the queue; with ``affinity: policy``, a
         snapshot of each one's state (:meth:`Router.worker_state`) against the last look's, so
         requests waiting for a worker re-score only those that changed (:meth:`_decide`)."""
         regs = self.registry.routable(model)
         for reg in regs:
             reg.on_prefill_done = self._schedule_pump
-        look = _Look(regs, now, settings)
+        look = Look(regs, now, settings)
         if settings.affinity == "policy":
             history = self._history.get(model)
             if history is None:
-                history = self._history[model] = _History()
+                history = self._history[model] = WorkerHistory()
             look.history = history
             history.snapshot({r.id: self.router.worker_state(r) for r in regs})
         return look
 
-    def _decide(self, entry: _Entry, look: _Look, regs: list[WorkerRegistration], ids: dict[str, int],
+    def _decide(self, entry: _Entry, look: Look, regs: list[WorkerRegistration], ids: dict[str, int],
                 holders: set[str], backlog: dict[str, float], now: float) -> RoutePlan:
         """The policy's choice for a waiting request among all its routable workers ``regs``.
 
@@ -379,7 +378,7 @@ class DispatchQueue:
         entry.choice = self._choice(entry, plan, look, backlog, now)
         return plan
 
-    def _choice(self, entry: _Entry, plan: RoutePlan, look: _Look, backlog: dict[str, float],
+    def _choice(self, entry: _Entry, plan: RoutePlan, look: Look, backlog: dict[str, float],
                 now: float) -> _Choice:
         """What ``plan``, decided over every worker now, was decided on (:meth:`_decide`)."""
         policy = self.router.policy.policy if entry.policy is None else entry.policy
@@ -393,7 +392,7 @@ class DispatchQueue:
 class _Choice:
     """A waiting request's last decision under ``affinity: policy``: the worker it waits for,
     and what that decision was made on (:meth:`DispatchQueue._decide`). ``snapshot``: the
-    history's :attr:`_History.seq` it saw; ``full_s``: when it was last decided over every
+    history's :attr:`WorkerHistory.seq` it saw; ``full_s``: when it was last decided over every
     worker."""
 
     worker_id: str
@@ -404,145 +403,6 @@ class _Choice:
     backlog: dict[str, float]
     snapshot: int
     full_s: float
-
-
-class _History:
-    """One model's routable workers' states (:meth:`Router.worker_state`) at the last look, and
-    which workers changed at each of the last :data:`HISTORY_LOOKS` looks."""
-
-    def __init__(self) -> None:
-        self.seq = 0
-        self.states: dict[str, object] = {}
-        self.changes: deque[tuple[int, set[str]]] = deque(maxlen=HISTORY_LOOKS)
-
-    def snapshot(self, states: dict[str, object]) -> None:
-        """Take the states of this look: a worker is changed when its state differs, or it was
-        routable at only one of this look and the last."""
-        old = self.states
-        self.seq += 1
-        changed = {w for w, s in states.items() if old.get(w) != s}
-        changed.update(w for w in old if w not in states)
-        self.changes.append((self.seq, changed))
-        self.states = states
-
-    def changed_since(self, seq: int) -> set[str] | None:
-        """Workers changed in the looks after look ``seq``; None when those are no longer all kept."""
-        if seq == self.seq:
-            return set()
-        if not self.changes or self.changes[0][0] > seq + 1:
-            return None
-        out: set[str] = set()
-        for at, changed in self.changes:
-            if at > seq:
-                out |= changed
-        return out
-
-
-class _Look:
-    """One model's routable workers in one look at the queue: which are open to a request that
-    holds no prefix there (and, asked, to a holder), and when the next may open. ``history``:
-    the model's :class:`_History` under ``affinity: policy``."""
-
-    def __init__(self, regs: list[WorkerRegistration], now: float, settings: QueueSettings) -> None:
-        self.regs = regs
-        self.ids = {r.id: i for i, r in enumerate(regs)}
-        self.now = now
-        self.settings = settings
-        self.history: _History | None = None
-        self.dispatched: set[str] = set()
-        self._views: dict[frozenset[str], tuple[list[WorkerRegistration], dict[str, int]]] = {}
-        self._holder_open: dict[str, bool] = {}
-        self.open: set[str] = set()
-        self._wake_s = math.inf
-        for reg in regs:
-            is_open, wake_s = _state_of(reg, now, settings)
-            if is_open:
-                self.open.add(reg.id)
-            if wake_s < self._wake_s:
-                self._wake_s = wake_s
-
-    def view(self, pool: frozenset[str] | None) -> tuple[list[WorkerRegistration], dict[str, int]]:
-        """The workers a request may go to (``pool``: only those) and their positions."""
-        if pool is None:
-            return self.regs, self.ids
-        got = self._views.get(pool)
-        if got is None:
-            regs = [r for r in self.regs if r.id in pool]
-            got = self._views[pool] = (regs, {r.id: i for i, r in enumerate(regs)})
-        return got
-
-    def ready(self, worker_id: str, holders: set[str]) -> bool:
-        """Whether ``worker_id`` may take a request whose prefix holders are ``holders`` now."""
-        if worker_id in self.open:
-            return True
-        if worker_id not in holders:
-            return False
-        got = self._holder_open.get(worker_id)
-        if got is None:
-            got = self._holder_open[worker_id] = _is_open(self.regs[self.ids[worker_id]], self.now,
-                                                          self.settings, True)
-        return got
-
-    def any_ready(self, ids: dict[str, int], holders: set[str]) -> bool:
-        """Whether any of ``ids`` may take such a request now."""
-        if len(ids) == len(self.ids):
-            if self.open:
-                return True
-        elif any(w in ids for w in self.open):
-            return True
-        return any(self.ready(w, holders) for w in holders if w in ids)
-
-    def ready_regs(self, ids: dict[str, int], holders: set[str]) -> list[WorkerRegistration]:
-        """Those of ``ids`` that may take such a request now, in registry order."""
-        chosen = {w for w in self.open if w in ids}
-        chosen.update(w for w in holders if w in ids and self.ready(w, holders))
-        return sorted((self.regs[self.ids[w]] for w in chosen), key=lambda r: self.ids[r.id])
-
-    def dispatched_to(self, reg: WorkerRegistration) -> None:
-        """A request was sent to ``reg`` (its reservation taken): look at it again."""
-        self.dispatched.add(reg.id)
-        self._holder_open.pop(reg.id, None)
-        is_open, wake_s = _state_of(reg, self.now, self.settings)
-        if is_open:
-            self.open.add(reg.id)
-        else:
-            self.open.discard(reg.id)
-        self._wake_s = min(self._wake_s, wake_s)
-
-    def wake_s(self) -> float:
-        """The next predicted opening or end of a settle time (monotonic s; inf: none)."""
-        return self._wake_s
-
-
-def _state_of(reg: WorkerRegistration, now: float, settings: QueueSettings) -> tuple[bool, float]:
-    """Whether ``reg`` is open to a request holding no prefix there (:func:`_is_open`), and when
-    it may next open (monotonic s): the end of its settle time or its predicted prefill left
-    down to ``worker_queue_ms``; inf when nothing is pending or nothing predicts it (the tick)."""
-    pending = reg.prefills_pending()
-    if pending == 0:
-        return reg.unseen_waiting <= 0, math.inf
-    wake_s = math.inf
-    settled_s = reg.newest_pending_s() + settings.settle_ms / 1000.0
-    if settled_s > now:
-        wake_s = settled_s
-    left_ms = reg.prefill_left_ms(now)
-    if math.isfinite(left_ms) and left_ms > settings.worker_queue_ms:
-        wake_s = min(wake_s, now + (left_ms - settings.worker_queue_ms) / 1000.0)
-    if reg.unseen_waiting > 0 or settled_s > now:
-        return False, wake_s
-    return pending < settings.worker_prefills or left_ms <= settings.worker_queue_ms, wake_s
-
-
-def _is_open(reg: WorkerRegistration, now: float, settings: QueueSettings, holder: bool = False) -> bool:
-    if reg.unseen_waiting > 0:
-        return False
-    pending = reg.prefills_pending()
-    if pending == 0:
-        return True
-    if now - reg.newest_pending_s() < settings.settle_ms / 1000.0:
-        return False  # the last request sent there may not have reached the engine yet
-    limit = max(settings.worker_prefills, settings.holder_prefills) if holder else settings.worker_prefills
-    return pending < limit or reg.prefill_left_ms(now) <= settings.worker_queue_ms
 
 
 def _holders(held_blocks: dict[str, int], ids: dict[str, int]) -> set[str]:
