@@ -459,3 +459,36 @@ def test_the_supervisor_sleeps_until_a_signal_or_a_due_restart():
     assert sup._wait_s(101.0) == 0.0
     sup.children = [object(), object(), object()]
     assert sup._wait_s(100.0) == sv.IDLE_WAIT_S
+
+
+def test_prefill_left_is_the_latest_predicted_end_of_every_process(tmp_path):
+    """A worker's predicted prefill left (the dispatch queue's opening rule) is the latest end
+    among this process's requests, its holds and the other processes' requests: inf once any of
+    them is unpredicted or past its end without a first byte, 0 with none pending."""
+    path = create_table(tmp_path / "load", 2)
+    tables = [SharedLoadTable(path, 2, row) for row in range(2)]
+    a, b = (WorkerRegistry(shared_load=t).add(WorkerConfig(id="w0", url="http://127.0.0.1:1", model="m"))
+            for t in tables)
+    now = time.monotonic()
+    assert a.prefill_left_ms(now) == b.prefill_left_ms(now) == 0.0
+    mine = a.begin(100, predicted_ttft_ms=400.0)
+    now = mine.dispatch_s
+    assert a.prefill_left_ms(now) == pytest.approx(400.0) and b.prefill_left_ms(now) == pytest.approx(400.0)
+    theirs = b.begin(100, predicted_ttft_ms=900.0)  # the other process's, ending later
+    assert a.prefill_left_ms(now) == pytest.approx((theirs.dispatch_s + 0.9 - now) * 1000.0)
+    key = object()
+    a.reserve(key, end_s=now + 2.0, now_s=now)  # a hold ending later still
+    assert a.prefill_left_ms(now) == pytest.approx(2000.0) and b.prefill_left_ms(now) == pytest.approx(2000.0)
+    assert a.prefill_left_ms(now + 0.5) == float("inf")  # mine is past its end without a first byte
+    mine.first_byte()
+    assert a.prefill_left_ms(now + 0.5) == pytest.approx(1500.0)
+    assert a.prefill_left_ms(now + 1.0) == float("inf")  # theirs overdue, seen through the table
+    a.unreserve(key)
+    unpredicted = b.begin(50)
+    assert a.prefill_left_ms(now) == float("inf") == b.prefill_left_ms(now)
+    for handle in (mine, theirs, unpredicted):
+        handle.first_byte()
+        handle.finish()
+    assert a.prefill_left_ms(now) == b.prefill_left_ms(now) == 0.0
+    for table in tables:
+        table.close()

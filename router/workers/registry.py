@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Coroutine
 from contextlib import AbstractContextManager, nullcontext
@@ -173,8 +174,14 @@ class WorkerRegistration:
         return True
 
     def _own_newest_pending_s(self) -> float:
-        return max((*(h.dispatch_s for h in self.prefilling), *(at for _, at in self.reserved.values())),
-                   default=0.0)
+        newest = 0.0  # plain loops: the dispatch queue asks every worker at each look
+        for handle in self.prefilling:
+            if handle.dispatch_s > newest:
+                newest = handle.dispatch_s
+        for _, at in self.reserved.values():
+            if at > newest:
+                newest = at
+        return newest
 
     def _pending_ends(self) -> list[float | None]:
         return [*self.prefilling.values(), *(end for end, _ in self.reserved.values())]
@@ -240,15 +247,20 @@ class WorkerRegistration:
         when one has no prediction or is past its predicted end without a first byte (the
         prediction was short: only the first byte tells). The other gateway processes' requests
         count too. ``now``: ``time.monotonic()``."""
-        ends = self._pending_ends()
-        others_end = self.others().prefill_end_s
-        if others_end > 0.0:
-            ends.append(others_end)
-        if not ends:
-            return 0.0
-        if any(e is None or e < now for e in ends):
-            return float("inf")
-        return (max(ends) - now) * 1000.0
+        latest = self.others().prefill_end_s  # 0.0: none; plain loops, as above
+        if 0.0 < latest < now:
+            return math.inf
+        for end in self.prefilling.values():
+            if end is None or end < now:
+                return math.inf
+            if end > latest:
+                latest = end
+        for end, _ in self.reserved.values():
+            if end is None or end < now:
+                return math.inf
+            if end > latest:
+                latest = end
+        return 0.0 if latest == 0.0 else (latest - now) * 1000.0
 
     def _prefill_done(self, handle: "InFlight") -> None:
         if self.prefilling.pop(handle, False) is not False and self.on_prefill_done is not None:
