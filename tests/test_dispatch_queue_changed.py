@@ -12,6 +12,7 @@ waiting request must wait for the same worker."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 
 import orjson
@@ -21,6 +22,7 @@ from kvcore.index.memory import MemoryIndex
 from router.config.schema import ModelConfig, RoutingConfig, WorkerConfig
 from router.route.dispatch_queue import DispatchQueue
 from router.route.queue_look import WorkerHistory
+from router.shared.load_table import OthersLoad
 from router.route.planner import PolicyHolder, Router
 from router.route.prompt_blocks import TokenizerPool
 from router.telemetry.metrics import GatewayMetrics
@@ -270,3 +272,138 @@ async def test_a_prefix_turning_hot_is_decided_over_every_worker(tiny_model):
         assert before == ({}, {"f": "w0"}) or before[0]  # it waited for w0, or went at once
         flipped += before == ({}, {"f": "w0"}) and bool(full[0])
     assert flipped >= 3  # the prefix turning hot sent a waiting follow-up elsewhere
+
+
+async def _both(tiny_model, script) -> list[tuple[dict, dict]]:
+    """``script(cluster)`` on a cluster deciding over every worker and on one re-scoring changed
+    workers only; each one's outcome at the end."""
+    model = ModelConfig(name="tiny", tokenizer=str(tiny_model), block_size=BLOCK)
+    pool = TokenizerPool([model], threads=1)
+    await pool.load()
+    out = []
+    try:
+        for full_redecide_s in (0.0, 3600.0):
+            cluster = Cluster(pool, model, full_redecide_s)
+            try:
+                await script(cluster)
+                out.append(cluster.outcome())
+            finally:
+                await cluster.close()
+    finally:
+        pool.close()
+    return out
+
+
+async def _look(cluster: Cluster) -> None:
+    cluster.now_s += 0.01
+    cluster.queue.pump()
+    await _settle()
+
+
+async def _only(cluster: Cluster, *worker_ids: str) -> dict:
+    for reg in cluster.registry.all():
+        reg.healthy = reg.id in worker_ids
+    body = _body("conv0", 600)
+    keys = list((await cluster.router.plan("chat", body, [], orjson.dumps(body))).blocks.first_keys)
+    await cluster.index.store("w0", "gpu", keys)  # w0 holds the history, with a long queue
+    cluster.handles["w0"].append(cluster.registry.get("w0").begin(200_000))
+    return {w: cluster.registry.get(w) for w in worker_ids}
+
+
+async def test_a_decision_made_with_peer_pulls_is_made_again_over_every_worker_once_they_go(tiny_model):
+    """While agents publish peer pulls, a worker's pull credit depends on the others' blocks; a
+    request decided then waits for w1 (busy, pulling w0's blocks). Once the peer table empties
+    (agents stopped, or it went stale) no worker's state changed, yet every rank did: the
+    request is decided over every worker again and goes to the open w2."""
+
+    async def script(cluster):
+        regs = await _only(cluster, "w0", "w1", "w2")
+        for handle in cluster.handles["w2"]:
+            handle.first_byte()  # w2 open
+        cluster.router.peers.update({"w0": {"peer": {"serve": "10.0.0.1:9000"}},
+                                     "w1": {"peer": {"pull": True, "block_bytes": 65536}}})
+        await cluster.enqueue("f", _body("conv0", 640))
+        await _look(cluster)
+        assert cluster.outcome() == ({}, {"f": "w1"}), regs
+        cluster.router.peers.update({})
+        await _look(cluster)
+
+    full, short = await _both(tiny_model, script)
+    assert full == short == ({"f": "w2"}, {})
+
+
+class _OtherProcess:
+    """Another gateway process's load on one worker, as the shared load table shows it."""
+
+    def __init__(self) -> None:
+        self.load = OthersLoad()
+
+    def others(self, slot):
+        return self.load
+
+    def publish(self, *args, **kwargs) -> None:
+        pass
+
+    def claim(self):
+        return contextlib.nullcontext()
+
+
+async def test_a_look_decides_on_its_snapshot_though_another_process_changes_a_worker_meanwhile(tiny_model):
+    """Another gateway process sends a long prompt to w1 right after a look took its snapshot
+    (w1 light) and before that look's decisions; the request waits for w0. By the next look that
+    prompt is gone and w1 is as the snapshot had it: had the decision seen w1 heavy, w1 would
+    count as unchanged and never be scored again. Decisions read the look's snapshot, so the
+    request goes to w1."""
+    heavy = OthersLoad(in_flight=1, prefill_tokens=1_000_000, pending=1)
+
+    async def script(cluster):
+        regs = await _only(cluster, "w0", "w1")
+        other = _OtherProcess()
+        regs["w1"].shared = (other, 0)
+        for handle in cluster.handles["w1"]:
+            handle.first_byte()  # open, as far as this process goes
+        other.load = heavy
+        await cluster.enqueue("f", _body("conv0", 640))
+        assert cluster.outcome() == ({}, {"f": "w0"})
+        other.load = OthersLoad()
+        look = cluster.queue._look
+
+        def then_the_other_process_sends(*args):
+            got = look(*args)
+            other.load = heavy
+            return got
+
+        cluster.queue._look = then_the_other_process_sends
+        await _look(cluster)
+        cluster.queue._look = look
+        other.load = OthersLoad()
+        await _look(cluster)
+
+    full, short = await _both(tiny_model, script)
+    assert full == short == ({"f": "w1"}, {})
+
+
+async def test_candidates_from_worker_states_are_the_candidates_read_live(tiny_model):
+    """``Router._candidates`` builds each candidate inline from the registration, or from a
+    ``worker_state`` taken earlier (the dispatch queue's look): the same candidates."""
+    model = ModelConfig(name="tiny", tokenizer=str(tiny_model), block_size=BLOCK)
+    pool = TokenizerPool([model], threads=1)
+    await pool.load()
+    cluster = Cluster(pool, model, 0.0)
+    try:
+        rng = random.Random(7)
+        regs = cluster.registry.all()
+        for reg in regs:
+            _learn(cluster, reg, rng, 40)
+            reg.record_scrape(rng.randrange(4), rng.randrange(3), rng.random())
+        for _ in range(20):  # one worker's reported hits run well below the index's predictions
+            regs[3].evidence.observe(1000, 10)
+        plan = await cluster.router.plan("chat", _body("conv0", 300), [], orjson.dumps(_body("conv0", 300)))
+        live = cluster.router._candidates(regs, plan.matches, plan.request, plan.blocks)
+        states = {r.id: cluster.router.worker_state(r) for r in regs}
+        taken = cluster.router._candidates(regs, plan.matches, plan.request, plan.blocks, states)
+        assert taken == live and any(c.prefill_speed is not None for c in live)
+        assert len({repr(c.load) for c in live}) > 1 and len({c.evidence_weight for c in live}) > 1
+    finally:
+        await cluster.close()
+        pool.close()

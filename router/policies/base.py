@@ -178,10 +178,11 @@ class Policy(abc.ABC):
     (else the body's ``user``), None when the policy has no use for a session key; ``queue``:
     the dispatch queue's settings (the config's ``queue`` key, set by the factory), whose
     defaults are ``default_queue``; ``pd``: prefill-decode disaggregation (the config's ``pd``
-    key, :mod:`router.policies.pd`, set by the factory; off by default). ``ranks_alone``: each
-    candidate's rank depends only on its own fields, the request and the longest prefix
-    holders' (so the best of a subset holding the chosen worker, every holder and every
-    candidate that changed is the best of all: the dispatch queue re-scores only those,
+    key, :mod:`router.policies.pd`, set by the factory; off by default). ``ranks_alone``: with no
+    peer pulls, each candidate's rank depends only on its own fields, the request and the
+    fields of the candidates the request's prefix matched (so the best of a subset holding the
+    chosen worker, every matched one and every candidate that changed, load waiting ahead of it
+    included, is the best of all: the dispatch queue re-scores only those,
     :meth:`router.route.dispatch_queue.DispatchQueue._decide`); False unless a policy says so."""
 
     name: str = ""

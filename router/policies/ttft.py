@@ -138,7 +138,7 @@ class TTFTPolicy(Policy):
 
     name = "ttft"
     uses_index = True
-    ranks_alone = True  # a rank: the candidate's own TTFT, margins and credit against the longest holders'
+    ranks_alone = True  # a rank: its own TTFT, margin and credit against the matched candidates' best
     default_queue = QueueSettings(enabled=True, worker_prefills=1, worker_queue_ms=50.0, affinity_wait_s=5.0)
     CONFIG_KEYS: tuple[str, ...] = ("tier_credit", "prefill_overhead_ms", "prefill_ms_per_token",
                                     "learn_prefill_rate", "engine_waiting_prefill_tokens", "spread_margin",

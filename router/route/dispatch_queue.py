@@ -255,6 +255,8 @@ class DispatchQueue:
             return
         settings = self.settings()
         now = self.clock()
+        for reg in self.registry.all():
+            reg.on_prefill_done = self._schedule_pump
         backlog: dict[str, float] = {}  # worker id -> prefill tokens of requests ahead waiting for it
         looks: dict[str, Look] = {}  # model -> its routable workers in this look
         moved = False  # an entry before this one was dispatched or waits for a worker (backlog)
@@ -306,6 +308,9 @@ class DispatchQueue:
             self._entries.remove(entry)
             entry.future.set_result((plan, reservation))
             moved = True
+        for look in looks.values():
+            if look.history is not None:  # changed at the next look, whatever their state then
+                look.history.touched |= look.dispatched
         if self._entries:
             wake_s = min((look.wake_s() for look in looks.values()), default=math.inf)
             for entry in self._entries:
@@ -321,15 +326,15 @@ class DispatchQueue:
         snapshot of each one's state (:meth:`Router.worker_state`) against the last look's, so
         requests waiting for a worker re-score only those that changed (:meth:`_decide`)."""
         regs = self.registry.routable(model)
-        for reg in regs:
-            reg.on_prefill_done = self._schedule_pump
         look = Look(regs, now, settings)
         if settings.affinity == "policy":
             history = self._history.get(model)
             if history is None:
                 history = self._history[model] = WorkerHistory()
             look.history = history
-            history.snapshot({r.id: self.router.worker_state(r) for r in regs})
+            states = {r.id: self.router.worker_state(r) for r in regs}
+            history.snapshot(states)
+            look.states = dict(states)  # what this look decides on (a worker sent a request: live)
         return look
 
     def _decide(self, entry: _Entry, look: Look, regs: list[WorkerRegistration], ids: dict[str, int],
@@ -338,19 +343,22 @@ class DispatchQueue:
 
         When the request already waits for a worker (:class:`_Choice`), the policy ranks each
         worker apart from the others (``Policy.ranks_alone``: by its own state, the request and
-        the prefix holders') and neither that worker nor any worker it matched has changed since
-        (state, the prefill waiting for it ahead of this request, its prefix's recent uses),
-        only those, the workers whose state changed since (:meth:`Router.worker_state`, from the
-        look's history) or was sent a request in this look, and those with requests waiting
-        for them ahead of this one (then or now) are scored again: every other worker ranked
-        behind the chosen one then and ranks the same now, so the best of those scored is the
-        best of all. It is decided over every worker instead when any of that does not hold,
-        the policy, the request's matches or the model's learned line are not those of the last
-        decision, agents publish peer pulls (a worker's pull credit depends on other workers),
-        the history no longer reaches back to it, or ``full_redecide_s`` has passed since the
-        last such decision; and whenever the short list chooses a worker that may take the
-        request now (it leaves with a decision over every worker). Ties are broken among the
-        workers scored."""
+        the matched workers') and neither that worker nor any worker the request matched has
+        changed since (state, the prefill waiting for it ahead of this request, its prefix's
+        recent uses), only those, the workers whose state changed since
+        (:meth:`Router.worker_state`, from the look's history) or that were sent a request in
+        this look, and those with requests waiting for them ahead of this one (then or now) are
+        scored again: every other worker ranked behind the chosen one then and ranks the same
+        now, so the best of those scored is the best of all. It is decided over every worker
+        instead when any of that does not hold; when the policy, the request's matches or the
+        model's learned line are not those of the last decision; when agents publish peer
+        pulls now or did then (a worker's pull credit depends on other workers); when the
+        history no longer reaches back to it; when ``full_redecide_s`` has passed since the last
+        such decision; and whenever the short list chooses a worker that may take the request
+        now (it leaves with a decision over every worker). Ties are broken among the workers
+        scored. Every decision of a look reads the workers' states from the look's snapshot
+        (``Look.states``; a worker sent a request in it: its live state), so the next look
+        compares what the decisions saw, whatever other gateway processes did in between."""
         choice = entry.choice
         policy = self.router.policy.policy if entry.policy is None else entry.policy
         history = look.history
@@ -358,7 +366,7 @@ class DispatchQueue:
                 and getattr(policy, "ranks_alone", False) and now - choice.full_s < self.full_redecide_s
                 and choice.worker_id in ids
                 and self.registry.model_rate(entry.plan.model.name).learned is choice.model_rate
-                and not self.router.peers.current()):
+                and not choice.peers and not self.router.peers.current()):
             changed = history.changed_since(choice.snapshot)
             uses = self.router.holder_uses(entry.plan)
             if changed is not None and uses == choice.holder_uses and not any(
@@ -367,13 +375,13 @@ class DispatchQueue:
                 short = {choice.worker_id, *entry.plan.matches, *changed, *look.dispatched, *choice.backlog,
                          *backlog}
                 subset = sorted((regs[ids[w]] for w in short if w in ids), key=lambda r: ids[r.id])
-                plan = self.router.redecide(entry.plan, subset, backlog, entry.policy)
+                plan = self.router.redecide(entry.plan, subset, backlog, entry.policy, look.states)
                 if not look.ready(plan.decision.worker_id, holders):
                     self.metrics.dispatch_queue_decisions.labels("changed_workers").inc()
                     entry.choice = _Choice(plan.decision.worker_id, policy, entry.plan, choice.model_rate,
-                                           uses, dict(backlog), history.seq, choice.full_s)
+                                           uses, False, dict(backlog), history.seq, choice.full_s)
                     return plan
-        plan = self.router.redecide(entry.plan, regs, backlog, entry.policy)
+        plan = self.router.redecide(entry.plan, regs, backlog, entry.policy, look.states)
         self.metrics.dispatch_queue_decisions.labels("all_workers").inc()
         entry.choice = self._choice(entry, plan, look, backlog, now)
         return plan
@@ -384,7 +392,7 @@ class DispatchQueue:
         policy = self.router.policy.policy if entry.policy is None else entry.policy
         return _Choice(plan.decision.worker_id, policy, entry.plan,
                        self.registry.model_rate(entry.plan.model.name).learned, self.router.holder_uses(entry.plan),
-                       dict(backlog),
+                       bool(self.router.peers.current()), dict(backlog),
                        look.history.seq if look.history is not None else -1, now)
 
 
@@ -400,6 +408,7 @@ class _Choice:
     plan: RoutePlan
     model_rate: object
     holder_uses: dict[str, int]
+    peers: bool  # agents published peer pulls then
     backlog: dict[str, float]
     snapshot: int
     full_s: float

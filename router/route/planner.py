@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 
@@ -25,7 +25,8 @@ from router.config.schema import ModelConfig, RoutingConfig
 from router.errors import bad_request, no_healthy_worker, unknown_model
 from router.estimates.peer_credit import peer_blocks_by_worker
 from router.estimates.prefix_uses import PrefixUses
-from router.policies.base import Candidate, Decision, Policy, RouteRequest
+from router.estimates.prefill_rate import PrefillRate
+from router.policies.base import Candidate, Decision, Policy, RouteRequest, WorkerLoad
 from router.policies.factory import describe, make_policy
 from router.route.pd import PDLegs, choose_decode, pools, prefill_policy, split_or_whole
 from router.route.plan import RoutePlan
@@ -38,6 +39,18 @@ from router.workers.peers import PeerTable
 from router.workers.registry import WorkerRegistration, WorkerRegistry
 
 log = logging.getLogger("kvroute.routing")
+
+
+class WorkerState(NamedTuple):
+    """What a policy's candidate takes from one worker itself (:meth:`Router.worker_state`): its
+    load, learned TTFT line, evidence trust and weight, and speed factor against the model's line."""
+
+    reg: WorkerRegistration
+    load: WorkerLoad
+    prefill_rate: PrefillRate | None
+    evidence_credited: bool
+    evidence_weight: float
+    prefill_speed: tuple[float, int] | None
 
 
 class PolicyHolder:
@@ -329,14 +342,17 @@ class Router:
         return replace(base, decision=decision, workers={r.id: r for r in decode_regs}, pd=legs)
 
     def redecide(self, plan: RoutePlan, regs: list[WorkerRegistration],
-                  backlog_tokens: Mapping[str, float] | None = None, policy: Policy | None = None) -> RoutePlan:
+                  backlog_tokens: Mapping[str, float] | None = None, policy: Policy | None = None,
+                  states: Mapping[str, WorkerState] | None = None) -> RoutePlan:
         """The live policy's (or ``policy``'s: a prefill leg's) choice among ``regs`` (non-empty),
         with their load as it is now and the prefix matches ``plan`` looked up: a new plan
         sharing ``plan``'s tokens and matches (the dispatch queue's decision once workers open).
         ``backlog_tokens``: per worker id, prefill tokens of requests waiting in the gateway
-        ahead of this one for that worker, added to its load. Consumes no tie-break draw."""
+        ahead of this one for that worker, added to its load; ``states``: per worker id, the
+        state to decide on (:meth:`worker_state`, taken a moment ago) instead of the live one
+        (a worker not in it: its live state). Consumes no tie-break draw."""
         policy = self.policy.policy if policy is None else policy
-        candidates = self._candidates(regs, plan.matches, plan.request, plan.blocks)
+        candidates = self._candidates(regs, plan.matches, plan.request, plan.blocks, states)
         for c in candidates:
             extra = (backlog_tokens or {}).get(c.worker_id, 0.0)
             if extra:
@@ -403,13 +419,13 @@ class Router:
         return sorted(regs, key=lambda r: r.in_flight)
 
 
-    def worker_state(self, reg: WorkerRegistration) -> tuple[object, ...]:
+    def worker_state(self, reg: WorkerRegistration) -> WorkerState:
         """Everything :meth:`_candidates` takes from ``reg`` itself (not from the request, its
         matches or the peers): two equal states of one worker give equal candidates for one
         request. The dispatch queue compares them between its looks
         (:meth:`router.route.dispatch_queue.DispatchQueue._decide`)."""
-        return (reg, reg.load(), reg.prefill_rate.learned, reg.evidence_credited, reg.evidence.credit_weight,
-                self.registry.prefill_speed(reg))
+        return WorkerState(reg, reg.load(), reg.prefill_rate.learned, reg.evidence_credited,
+                           reg.evidence.credit_weight, self.registry.prefill_speed(reg))
 
     def holder_uses(self, plan: RoutePlan) -> dict[str, int]:
         """Per worker ``plan`` matched, the recent uses of its matched prefix as its candidate
@@ -424,7 +440,8 @@ class Router:
         return self.prefix_uses.uses(keys[depth - 1]) if depth > 0 else 0
 
     def _candidates(self, regs: list[WorkerRegistration], matches: dict[str, TierMatch],
-                    request: RouteRequest, blocks: PromptBlocks | None = None) -> list[Candidate]:
+                    request: RouteRequest, blocks: PromptBlocks | None = None,
+                    states: Mapping[str, WorkerState] | None = None) -> list[Candidate]:
         """The policy's candidates: each routable worker's load, match, learned rate (and the
         model's, :meth:`~router.workers.registry.WorkerRegistry.model_rate`, with the worker's speed
         factor against it) and evidence, the recent
@@ -432,12 +449,21 @@ class Router:
         and, when agents publish peer-pull states (:mod:`router.estimates.peer_credit`), its peer info and the
         blocks it can pull from a peer (capped by the prompt's creditable blocks,
         ``(prompt_tokens - 1) // block_size``; a worker registered here whose evidence is not
-        credited is no peer)."""
+        credited is no peer). ``states``: as :meth:`redecide`'s (the fields :meth:`worker_state`
+        reads, inline below without one; test_dispatch_queue_changed checks the two agree)."""
         model_rate = self.registry.model_rate(request.model).learned
-        out = [Candidate(r.id, r.load(), matches.get(r.id) or NO_MATCH, r.prefill_rate.learned,
-                         r.evidence_credited, r.evidence.credit_weight, model_prefill_rate=model_rate,
-                         prefill_speed=self.registry.prefill_speed(r))
-               for r in regs]
+        if states is None:
+            out = [Candidate(r.id, r.load(), matches.get(r.id) or NO_MATCH, r.prefill_rate.learned,
+                             r.evidence_credited, r.evidence.credit_weight, model_prefill_rate=model_rate,
+                             prefill_speed=self.registry.prefill_speed(r))
+                   for r in regs]
+        else:
+            out = []
+            for r in regs:
+                st = states.get(r.id) or self.worker_state(r)
+                out.append(Candidate(r.id, st.load, matches.get(r.id) or NO_MATCH, st.prefill_rate,
+                                     st.evidence_credited, st.evidence_weight, model_prefill_rate=model_rate,
+                                     prefill_speed=st.prefill_speed))
         keys = blocks.first_keys if blocks is not None else []
         for c in out:
             if c.matched.total > 0:
@@ -460,4 +486,4 @@ class Router:
         return out
 
 
-__all__ = ["PolicyHolder", "Router"]
+__all__ = ["PolicyHolder", "Router", "WorkerState"]

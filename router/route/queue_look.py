@@ -21,14 +21,18 @@ class WorkerHistory:
         self.seq = 0
         self.states: dict[str, object] = {}
         self.changes: deque[tuple[int, set[str]]] = deque(maxlen=HISTORY_LOOKS)
+        self.touched: set[str] = set()  # workers to count as changed at the next look
 
     def snapshot(self, states: dict[str, object]) -> None:
-        """Take the states of this look: a worker is changed when its state differs, or it was
-        routable at only one of this look and the last."""
+        """Take the states of this look: a worker is changed when its state differs, it was
+        routable at only one of this look and the last, or it was :attr:`touched` (sent a request
+        in the last look: the decisions after that saw it live, not as the snapshot had it)."""
         old = self.states
         self.seq += 1
         changed = {w for w, s in states.items() if old.get(w) != s}
         changed.update(w for w in old if w not in states)
+        changed |= self.touched
+        self.touched = set()
         self.changes.append((self.seq, changed))
         self.states = states
 
@@ -56,6 +60,7 @@ class Look:
         self.now = now
         self.settings = settings
         self.history: WorkerHistory | None = None
+        self.states: dict[str, object] | None = None  # the workers' states decisions read (history's look)
         self.dispatched: set[str] = set()
         self._views: dict[frozenset[str], tuple[list[WorkerRegistration], dict[str, int]]] = {}
         self._holder_open: dict[str, bool] = {}
@@ -108,6 +113,8 @@ class Look:
     def dispatched_to(self, reg: WorkerRegistration) -> None:
         """A request was sent to ``reg`` (its reservation taken): look at it again."""
         self.dispatched.add(reg.id)
+        if self.states is not None:
+            self.states.pop(reg.id, None)  # decided on live from now on
         self._holder_open.pop(reg.id, None)
         opened, wake_s = open_and_wake(reg, self.now, self.settings)
         if opened:
@@ -129,13 +136,14 @@ def open_and_wake(reg: WorkerRegistration, now: float, settings: QueueSettings) 
     if pending == 0:
         return reg.unseen_waiting <= 0, math.inf
     wake_s = math.inf
-    settled_s = reg.newest_pending_s() + settings.settle_ms / 1000.0
-    if settled_s > now:
-        wake_s = settled_s
+    newest_s = reg.newest_pending_s()
+    settling = now - newest_s < settings.settle_ms / 1000.0  # as is_open has it
+    if settling:
+        wake_s = newest_s + settings.settle_ms / 1000.0
     left_ms = reg.prefill_left_ms(now)
     if math.isfinite(left_ms) and left_ms > settings.worker_queue_ms:
         wake_s = min(wake_s, now + (left_ms - settings.worker_queue_ms) / 1000.0)
-    if reg.unseen_waiting > 0 or settled_s > now:
+    if reg.unseen_waiting > 0 or settling:
         return False, wake_s
     return pending < settings.worker_prefills or left_ms <= settings.worker_queue_ms, wake_s
 
