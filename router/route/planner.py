@@ -53,6 +53,9 @@ class WorkerState(NamedTuple):
     prefill_speed: tuple[float, int] | None
 
 
+_new_tuple = tuple.__new__
+
+
 class PolicyHolder:
     """The live policy; :meth:`replace` builds (validates) the new one first, then swaps it in one
     assignment, so a request sees either the old policy or the new one, never a mix."""
@@ -424,8 +427,9 @@ class Router:
         matches or the peers): two equal states of one worker give equal candidates for one
         request. The dispatch queue compares them between its looks
         (:meth:`router.route.dispatch_queue.DispatchQueue._decide`)."""
-        return WorkerState(reg, reg.load(), reg.prefill_rate.learned, reg.evidence_credited,
-                           reg.evidence.credit_weight, self.registry.prefill_speed(reg))
+        # tuple.__new__ skips the named tuple's own __new__ (a third of this call; once per worker per look)
+        return _new_tuple(WorkerState, (reg, reg.load(), reg.prefill_rate.learned, reg.evidence_credited,
+                                        reg.evidence.credit_weight, self.registry.prefill_speed(reg)))
 
     def holder_uses(self, plan: RoutePlan) -> dict[str, int]:
         """Per worker ``plan`` matched, the recent uses of its matched prefix as its candidate
