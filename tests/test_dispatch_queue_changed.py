@@ -20,7 +20,9 @@ import pytest
 
 from kvcore.index.memory import MemoryIndex
 from router.config.schema import ModelConfig, RoutingConfig, WorkerConfig
+from router.policies.base import Policy
 from router.route.dispatch_queue import DispatchQueue
+from router.route.pd import DECODE_POLICY
 from router.route.queue_look import WorkerHistory
 from router.shared.load_table import OthersLoad
 from router.route.planner import PolicyHolder, Router
@@ -39,7 +41,9 @@ class Cluster:
     """One gateway's router pieces over ``WORKERS`` workers, each busy with one unpredicted
     request (closed until its first byte), and a queue."""
 
-    def __init__(self, pool: TokenizerPool, model: ModelConfig, full_redecide_s: float) -> None:
+    def __init__(self, pool: TokenizerPool, model: ModelConfig, full_redecide_s: float,
+                 policy: Policy | None = None) -> None:
+        self.policy = policy  # what re-chooses waiting requests (None: the live ttft)
         self.now_s = 1000.0
         self.registry = WorkerRegistry()
         for i in range(WORKERS):
@@ -59,7 +63,7 @@ class Cluster:
     async def enqueue(self, tag: str, body: dict) -> None:
         plan = await self.router.plan("chat", body, [], orjson.dumps(body))
         self.tags[id(plan.request)] = tag
-        self.waiting[tag] = asyncio.create_task(self.queue.take_turn(plan))
+        self.waiting[tag] = asyncio.create_task(self.queue.take_turn(plan, policy=self.policy))
         await _settle()
 
     def outcome(self) -> tuple[dict[str, str], dict[str, str]]:
@@ -150,12 +154,16 @@ async def _step(cluster: Cluster, rng: random.Random, step: int) -> None:
     await _settle()
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3, 4, 5])
-async def test_changed_workers_only_decide_as_every_worker_does(tiny_model, seed):
+@pytest.mark.parametrize("seed, policy", [(1, None), (2, None), (3, None), (4, None), (5, None),
+                                          (6, DECODE_POLICY), (7, DECODE_POLICY)])
+async def test_changed_workers_only_decide_as_every_worker_does(tiny_model, seed, policy):
+    """``policy``: None, the live ``ttft``; the P/D decode leg's (a whole request waiting for
+    the decode pool)."""
     model = ModelConfig(name="tiny", tokenizer=str(tiny_model), block_size=BLOCK)
     pool = TokenizerPool([model], threads=1)
     await pool.load()
-    clusters = [Cluster(pool, model, full_redecide_s=0.0), Cluster(pool, model, full_redecide_s=3600.0)]
+    clusters = [Cluster(pool, model, full_redecide_s=0.0, policy=policy),
+                Cluster(pool, model, full_redecide_s=3600.0, policy=policy)]
     try:
         for cluster in clusters:  # each conversation's history held by its worker
             for owner in range(CONVERSATIONS):

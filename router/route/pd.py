@@ -181,6 +181,7 @@ class DecodePolicy(Policy):
 
     name = "pd_decode"
     uses_index = True
+    ranks_alone = True  # a cost from the candidate's own load and match (score_decode)
 
     def choose(self, request: RouteRequest, candidates: list[Candidate]) -> Decision:
         return choose_decode(request, candidates)[0]
