@@ -32,8 +32,8 @@ when the router knows least. Holding requests in the gateway instead:
   it is then, plus the prefill of the requests ahead of it in this queue that wait for the same
   worker: a busy holder shows its whole queue), so it waits while the policy prefers a closed
   worker. Once it waits for a worker, a policy whose ranks are each worker's own
-  (``ttft``; the P/D decode leg's) re-scores at each look only the workers that changed since, with the same choice
-  (:meth:`DispatchQueue._decide`).
+  (``ttft``; the P/D decode leg's) re-scores at each look only the workers that changed since,
+  with the same choice (:meth:`DispatchQueue._decide`).
   Past ``affinity_wait_s`` any open worker may take it (the prefix is then computed a second time,
   and the worker's KV events tell the index). Among the workers it may go to, the live policy
   chooses (:meth:`~router.route.planner.Router.redecide`);
