@@ -279,7 +279,7 @@ class DispatchQueue:
             affinity_wait_s = entry.affinity_wait_s(settings)
             if now - entry.arrival_s < affinity_wait_s and settings.affinity == "policy":
                 if fresh and _same_workers(entry.plan, regs):
-                    plan = entry.plan  # read the live states with nothing awaited since the snapshot
+                    plan = entry.plan  # it read the live states, nothing awaited before this look
                     entry.choice = self._choice(entry, plan, look, backlog, now)
                 else:
                     plan = self._decide(entry, look, regs, ids, holders, backlog, now)
