@@ -363,7 +363,7 @@ class DispatchQueue:
         policy = self.router.policy.policy if entry.policy is None else entry.policy
         history = look.history
         if (choice is not None and history is not None and policy is choice.policy and entry.plan is choice.plan
-                and getattr(policy, "ranks_alone", False) and now - choice.full_s < self.full_redecide_s
+                and policy.ranks_alone and now - choice.full_s < self.full_redecide_s
                 and choice.worker_id in ids
                 and self.registry.model_rate(entry.plan.model.name).learned is choice.model_rate
                 and not choice.peers and not self.router.peers.current()):
