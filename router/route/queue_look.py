@@ -128,16 +128,18 @@ class Look:
         return self._wake_s
 
 
-def open_and_wake(reg: WorkerRegistration, now: float, settings: QueueSettings) -> tuple[bool, float]:
-    """Whether ``reg`` is open to a request holding no prefix there (:func:`is_open`), and when
-    it may next open (monotonic s): the end of its settle time or its predicted prefill left
-    down to ``worker_queue_ms``; inf when nothing is pending or nothing predicts it (the tick)."""
+def open_and_wake(reg: WorkerRegistration, now: float, settings: QueueSettings,
+                  holder: bool = False) -> tuple[bool, float]:
+    """Whether ``reg`` is open (:func:`is_open`; ``holder``: to a request whose longest prefix it
+    holds), and when it may next open (monotonic s): the end of its settle time or its predicted
+    prefill left down to ``worker_queue_ms``; inf when nothing is pending or nothing predicts it
+    (the tick)."""
     pending = reg.prefills_pending()
     if pending == 0:
         return reg.unseen_waiting <= 0, math.inf
     wake_s = math.inf
     newest_s = reg.newest_pending_s()
-    settling = now - newest_s < settings.settle_ms / 1000.0  # as is_open has it
+    settling = now - newest_s < settings.settle_ms / 1000.0  # the last request sent may not have reached the engine
     if settling:
         wake_s = newest_s + settings.settle_ms / 1000.0
     left_ms = reg.prefill_left_ms(now)
@@ -145,16 +147,13 @@ def open_and_wake(reg: WorkerRegistration, now: float, settings: QueueSettings) 
         wake_s = min(wake_s, now + (left_ms - settings.worker_queue_ms) / 1000.0)
     if reg.unseen_waiting > 0 or settling:
         return False, wake_s
-    return pending < settings.worker_prefills or left_ms <= settings.worker_queue_ms, wake_s
+    limit = max(settings.worker_prefills, settings.holder_prefills) if holder else settings.worker_prefills
+    return pending < limit or left_ms <= settings.worker_queue_ms, wake_s
 
 
 def is_open(reg: WorkerRegistration, now: float, settings: QueueSettings, holder: bool = False) -> bool:
-    if reg.unseen_waiting > 0:
-        return False
-    pending = reg.prefills_pending()
-    if pending == 0:
-        return True
-    if now - reg.newest_pending_s() < settings.settle_ms / 1000.0:
-        return False  # the last request sent there may not have reached the engine yet
-    limit = max(settings.worker_prefills, settings.holder_prefills) if holder else settings.worker_prefills
-    return pending < limit or reg.prefill_left_ms(now) <= settings.worker_queue_ms
+    """Whether ``reg`` may take a request now (the dispatch queue's rule, module docstring of
+    :mod:`router.route.dispatch_queue`): no waiting requests of other clients, and none pending
+    or, past the settle time, fewer pending than the limit or the predicted prefill left within
+    ``worker_queue_ms``."""
+    return open_and_wake(reg, now, settings, holder)[0]
