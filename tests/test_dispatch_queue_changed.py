@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import time
 
 import orjson
 import pytest
@@ -42,13 +43,13 @@ class Cluster:
     request (closed until its first byte), and a queue."""
 
     def __init__(self, pool: TokenizerPool, model: ModelConfig, full_redecide_s: float,
-                 policy: Policy | None = None) -> None:
+                 policy: Policy | None = None, queue: dict | None = None) -> None:
         self.policy = policy  # what re-chooses waiting requests (None: the live ttft)
         self.now_s = 1000.0
         self.registry = WorkerRegistry()
         for i in range(WORKERS):
             self.registry.add(WorkerConfig(id=f"w{i}", url=f"http://127.0.0.1:1/w{i}", model="tiny")).healthy = True
-        holder = PolicyHolder({"name": "ttft", "queue": QUEUE})
+        holder = PolicyHolder({"name": "ttft", "queue": QUEUE if queue is None else queue})
         self.metrics = GatewayMetrics(self.registry.all)
         self.index = MemoryIndex()
         self.router = Router([model], pool, self.index, self.registry, holder, self.metrics, RoutingConfig())
@@ -59,11 +60,13 @@ class Cluster:
         self.dispatched: dict[str, tuple[str, object]] = {}  # tag -> (worker, reservation)
         self.prefixes: list[list[int]] = []  # each conversation's block keys
         self.tags: dict[int, str] = {}  # id of a plan's request -> its tag
+        self.fresh = False  # requests arrive as the gateway sends them (take_turn's ``fresh``)
 
     async def enqueue(self, tag: str, body: dict) -> None:
         plan = await self.router.plan("chat", body, [], orjson.dumps(body))
         self.tags[id(plan.request)] = tag
-        self.waiting[tag] = asyncio.create_task(self.queue.take_turn(plan, policy=self.policy))
+        fresh = self.fresh and self.policy is None
+        self.waiting[tag] = asyncio.create_task(self.queue.take_turn(plan, policy=self.policy, fresh=fresh))
         await _settle()
 
     def outcome(self) -> tuple[dict[str, str], dict[str, str]]:
@@ -106,6 +109,29 @@ def _learn(cluster: Cluster, reg, rng: random.Random, samples: int) -> None:
         ttft_ms = 5.0 + work * slope_ms
         reg.prefill_rate.observe(work, ttft_ms)
         cluster.registry.model_rate("tiny").observe(work, ttft_ms)
+
+
+async def _held_conversations(cluster: Cluster) -> None:
+    """Each conversation's history held by its worker (an even one's also in part, in the cpu
+    tier, by the worker ``CONVERSATIONS`` on)."""
+    for owner in range(CONVERSATIONS):
+        body = _body(f"conv{owner}", 600)
+        plan = await cluster.router.plan("chat", body, [], orjson.dumps(body))
+        keys = list(plan.blocks.first_keys)
+        cluster.prefixes.append(keys)
+        await cluster.index.store(f"w{owner}", "gpu", keys)
+        if owner % 2 == 0:
+            await cluster.index.store(f"w{owner + CONVERSATIONS}", "cpu", keys[: len(keys) // 2])
+
+
+def _learned(clusters: list[Cluster], seed: int) -> list[random.Random]:
+    """Every worker of each cluster has learned its speed, alike in each; one ``seed``ed
+    generator per cluster, in the same state, to drive its steps."""
+    rngs = [random.Random(seed) for _ in clusters]
+    for cluster, rng in zip(clusters, rngs):
+        for reg in cluster.registry.all():
+            _learn(cluster, reg, rng, 64)
+    return rngs
 
 
 async def _step(cluster: Cluster, rng: random.Random, step: int) -> None:
@@ -165,21 +191,11 @@ async def test_changed_workers_only_decide_as_every_worker_does(tiny_model, seed
     clusters = [Cluster(pool, model, full_redecide_s=0.0, policy=policy),
                 Cluster(pool, model, full_redecide_s=3600.0, policy=policy)]
     try:
-        for cluster in clusters:  # each conversation's history held by its worker
-            for owner in range(CONVERSATIONS):
-                body = _body(f"conv{owner}", 600)
-                plan = await cluster.router.plan("chat", body, [], orjson.dumps(body))
-                keys = list(plan.blocks.first_keys)
-                cluster.prefixes.append(keys)
-                await cluster.index.store(f"w{owner}", "gpu", keys)
-                if owner % 2 == 0:  # a second holder, of part of it
-                    await cluster.index.store(f"w{owner + CONVERSATIONS}", "cpu", keys[: len(keys) // 2])
+        for cluster in clusters:
+            await _held_conversations(cluster)
             for owner in range(CONVERSATIONS):
                 await cluster.enqueue(f"c{owner}", _body(f"conv{owner}", 640))
-        rngs = [random.Random(seed), random.Random(seed)]
-        for cluster, rng in zip(clusters, rngs):  # every worker has learned its speed
-            for reg in cluster.registry.all():
-                _learn(cluster, reg, rng, 64)
+        rngs = _learned(clusters, seed)
         waited = 0
         for step in range(300):
             for cluster, rng in zip(clusters, rngs):
@@ -194,6 +210,128 @@ async def test_changed_workers_only_decide_as_every_worker_does(tiny_model, seed
         for cluster in clusters:
             await cluster.close()
         pool.close()
+
+
+@pytest.mark.parametrize("seed", [21, 22, 23])
+async def test_a_fresh_request_at_an_empty_queue_goes_at_once_as_the_look_sends_it(tiny_model, seed):
+    """A request fresh from the policy at an empty queue is sent without the look over every
+    worker (``DispatchQueue._at_once``) when its chosen worker is open to it: every request must
+    go where, and wait for what, the look would have sent it. One cluster takes that path, its
+    twin always looks; both re-score changed workers only."""
+    model = ModelConfig(name="tiny", tokenizer=str(tiny_model), block_size=BLOCK)
+    pool = TokenizerPool([model], threads=1)
+    await pool.load()
+    queue = {**QUEUE, "holder_prefills": 2}  # a holder of the longest prefix takes a second request
+    clusters = [Cluster(pool, model, 3600.0, queue=queue), Cluster(pool, model, 3600.0, queue=queue)]
+    at_once = []
+    fast = clusters[0].queue._at_once
+
+    def counted(*args):
+        got = fast(*args)
+        at_once.append(got is not None)
+        return got
+
+    clusters[0].queue._at_once = counted
+    clusters[1].queue._at_once = lambda *args: None  # the twin always takes the look
+    try:
+        for cluster in clusters:
+            cluster.fresh = True
+            await _held_conversations(cluster)
+        rngs = _learned(clusters, seed)
+        waited = 0
+        for step in range(300):
+            for cluster, rng in zip(clusters, rngs):
+                await _step(cluster, rng, step)
+                if step % 10 == 9:  # the cluster catches up: every request so far starts its prefill
+                    _catch_up(cluster)
+                    await _look(cluster)
+            went, waits = clusters[0].outcome()
+            assert (went, waits) == clusters[1].outcome(), f"step {step}"
+            waited += len(waits)
+        assert sum(at_once) >= 10 and not all(at_once)  # both ways were taken, and some waited
+        assert waited >= 10
+    finally:
+        for cluster in clusters:
+            await cluster.close()
+        pool.close()
+
+
+async def _one_fresh(tiny_model, queue: dict, holder_queued: int, change=None) -> tuple[Cluster, str]:
+    """A cluster with ``queue``: w0 holds ``conv0``'s history with ``holder_queued`` prefill
+    tokens before its first byte (besides its first request), every other worker open; a fresh
+    follow-up planned, ``change(cluster, plan)`` applied, then its turn taken. Returns the
+    cluster (closed) and the worker the policy chose."""
+    model = ModelConfig(name="tiny", tokenizer=str(tiny_model), block_size=BLOCK)
+    pool = TokenizerPool([model], threads=1)
+    await pool.load()
+    cluster = Cluster(pool, model, 3600.0, queue=queue)
+    try:
+        body = _body("conv0", 600)
+        keys = list((await cluster.router.plan("chat", body, [], orjson.dumps(body))).blocks.first_keys)
+        await cluster.index.store("w0", "gpu", keys)
+        if holder_queued:
+            cluster.handles["w0"].append(cluster.registry.get("w0").begin(holder_queued))
+        for reg in cluster.registry.all()[1:]:
+            for handle in cluster.handles[reg.id]:
+                handle.first_byte()
+        cluster.now_s = time.monotonic() + 1.0  # the queue's clock past the requests' starts (no settling)
+        follow_up = _body("conv0", 640)
+        plan = await cluster.router.plan("chat", follow_up, [], orjson.dumps(follow_up))
+        cluster.tags[id(plan.request)] = "f"
+        if change is not None:
+            change(cluster, plan)
+        cluster.waiting["f"] = asyncio.create_task(cluster.queue.take_turn(plan, fresh=True))
+        await _settle()
+        cluster.outcome()
+        return cluster, plan.decision.worker_id
+    finally:
+        await cluster.close()
+        pool.close()
+
+
+async def test_a_holder_open_to_its_follow_up_takes_it_without_a_look(tiny_model):
+    """w0 holds the conversation and has one request before its first byte: closed to others
+    (``worker_prefills`` 1), open to a holder (``holder_prefills`` 2). The follow-up goes there
+    at once: no look at the queue was taken (no worker history kept)."""
+    cluster, chosen = await _one_fresh(tiny_model, {**QUEUE, "holder_prefills": 2}, 0)
+    assert chosen == "w0"
+    assert {t: w for t, (w, _) in cluster.dispatched.items()} == {"f": "w0"}
+    assert cluster.queue._history == {}
+
+
+async def test_under_affinity_holder_a_fresh_request_takes_the_look_and_waits_for_its_holder(tiny_model):
+    """With ``affinity: holder`` the policy's choice does not stand within the affinity wait:
+    the policy prefers an open worker to w0's long queue, yet the request waits for w0."""
+    cluster, chosen = await _one_fresh(tiny_model, {**QUEUE, "affinity": "holder"}, 200_000)
+    assert chosen != "w0"
+    assert cluster.dispatched == {} and list(cluster.waiting) == ["f"]
+
+
+async def test_a_fresh_plan_whose_worker_went_unhealthy_is_decided_again(tiny_model):
+    """The chosen worker turned unroutable after the decision: the look decides again, among
+    the workers still routable."""
+    gone = []
+
+    def unhealthy(cluster, plan):
+        gone.append(plan.decision.worker_id)
+        cluster.registry.get(plan.decision.worker_id).healthy = False
+
+    cluster, chosen = await _one_fresh(tiny_model, {**QUEUE, "holder_prefills": 2}, 0, unhealthy)
+    assert gone == [chosen] == ["w0"]
+    went = {t: w for t, (w, _) in cluster.dispatched.items()}
+    assert list(went) == ["f"] and went["f"] != "w0"
+
+
+def _catch_up(cluster: Cluster) -> None:
+    """Every request sent so far starts (its reservation released) and gives its first byte."""
+    cluster.outcome()
+    for tag, (worker_id, reservation) in list(cluster.dispatched.items()):
+        if reservation is not None:
+            reservation.release()
+            cluster.dispatched[tag] = (worker_id, None)
+    for handles in cluster.handles.values():
+        for handle in handles:
+            handle.first_byte()
 
 
 def test_the_history_knows_which_workers_changed_and_forgets_old_looks():

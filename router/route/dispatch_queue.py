@@ -158,11 +158,19 @@ class DispatchQueue:
         policy decided ``plan`` with nothing awaited since, so every input of its choice is
         as it was: the first look at the queue then keeps that decision instead of making it
         again, unless requests before it in the queue were dispatched or waited for a worker
-        in that look, or it may go only to some of the plan's workers. With the queue off:
+        in that look, or it may go only to some of the plan's workers; at an empty queue it is
+        sent without the look over every worker when the look would keep its decision and send
+        it (:meth:`_at_once`). With the queue off:
         ``(plan, None)`` at once. Raises GatewayError 503 when no worker (of ``pool``) serves
         the model any more; cancelling the wait gives up its place."""
-        if not self.settings().enabled:
+        settings = self.settings()
+        if not settings.enabled:
             return plan, None
+        if fresh and policy is None and not self._entries:
+            reservation = self._at_once(plan, pool, settings)
+            if reservation is not None:
+                self.metrics.dispatch_queue_wait_s.observe(0.0)
+                return plan, reservation
         entry = _Entry(plan, self.clock(), _size_tokens(plan), _held_blocks(plan), pool, policy,
                        fresh=fresh and policy is None)
         self._entries.append(entry)
@@ -177,6 +185,32 @@ class DispatchQueue:
             raise
         finally:
             self.metrics.dispatch_queue_wait_s.observe(self.clock() - entry.arrival_s)
+
+    def _at_once(self, plan: RoutePlan, pool: frozenset[str] | None,
+                 settings: QueueSettings) -> Reservation | None:
+        """The first look at an empty queue for a fresh ``plan`` (:meth:`take_turn`), without
+        the look over every worker when its decision stands: under ``affinity: policy``, within
+        its affinity wait, the look keeps a fresh plan's decision (its workers are the routable
+        ones, nothing having been awaited since it was made) and dispatches it when the chosen
+        worker is open to it (a holder of its longest credited prefix by the holder limit).
+        Returns the reservation taken there, or None when the request must take the look
+        (another affinity rule, no affinity wait, the chosen worker closed or gone); the
+        reservation is taken under the same shared lock and open rule as :meth:`pump`'s."""
+        own = plan.decision.affinity_wait_s
+        if settings.affinity != "policy" or (settings.affinity_wait_s if own is None else own) <= 0:
+            return None
+        reg = plan.workers.get(plan.decision.worker_id)
+        if reg is None or not reg.routable or (pool is not None and reg.id not in pool):
+            return None
+        holder = reg.id in _holders(_held_blocks(plan), plan.workers)
+        now = self.clock()
+        reg.on_prefill_done = self._schedule_pump
+        with reg.claim():  # another gateway process may have taken it since it was read
+            if not is_open(reg, now, settings, holder):
+                return None
+            predicted_ms = plan.predicted_ttft_ms(reg.id)
+            return Reservation(reg, None if predicted_ms is None else now + predicted_ms / 1000.0,
+                               self._schedule_pump, now)
 
     def _ensure_rematcher(self) -> None:
         """Start the lookups again (:meth:`_rematch_while_waiting`) while requests wait, unless
