@@ -5,7 +5,8 @@ One simulated worker (``kvroute sim`` with a huge ``--speedup``, so the engine a
 once) is reached three ways: straight, through ``kvroute serve`` (kv_aware policy, exact
 tokenization, index lookup, speculative insert), and through sglang-router
 (``--policy round_robin``) when it is installed (``pip install sglang-router``). For a short chat
-and an ~8k-token chat, at concurrency 1 and 32, the targets take turns in rounds (so drift hits
+(each message numbered apart: no two requests alike) and an ~8k-token chat (one system prompt,
+the same request each time), at concurrency 1 and 32, the targets take turns in rounds (so drift hits
 all alike) and the table prints p50/p99 latency and what each proxy adds over the straight path.
 Then each target's most requests per second at concurrency 64 (short chat) for a few seconds.
 Last (``--stream-seconds``, 0 to skip), the relay of a token stream at a worker's real pace: a
@@ -38,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import itertools
 import json
 import os
 import random
@@ -45,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -78,16 +81,27 @@ def long_system_prompt(target_tokens: int) -> str:
     return " ".join(words)
 
 
-async def one(session: aiohttp.ClientSession, url: str, body: bytes) -> float:
+def numbered_chats() -> Callable[[], bytes]:
+    """Short chat bodies, each message numbered apart from the last (as clients' messages differ,
+    so no text of it was seen before: what a gateway keeps per text is not what is measured)."""
+    count = itertools.count()
+    head = b'{"model": "tiny", "messages": [{"role": "user", "content": "Hello, how are you today? ('
+    tail = b')"}], "max_tokens": 1}'
+    return lambda: b"%s%d%s" % (head, next(count), tail)
+
+
+async def one(session: aiohttp.ClientSession, url: str, body: bytes | Callable[[], bytes]) -> float:
+    """One request of ``body`` (a callable: its next body), its latency in seconds."""
+    data = body() if callable(body) else body
     t0 = time.perf_counter()
-    async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+    async with session.post(url, data=data, headers={"Content-Type": "application/json"}) as r:
         await r.read()
         if r.status != 200:
             raise RuntimeError(f"{url}: {r.status}")
     return time.perf_counter() - t0
 
 
-async def closed_loop(session, url: str, body: bytes, concurrency: int, n: int) -> list[float]:
+async def closed_loop(session, url: str, body: bytes | Callable[[], bytes], concurrency: int, n: int) -> list[float]:
     """``n`` requests from ``concurrency`` clients each sending its next when the last returns."""
     out: list[float] = []
     left = [n]
@@ -101,7 +115,7 @@ async def closed_loop(session, url: str, body: bytes, concurrency: int, n: int) 
     return out
 
 
-async def rate(session, url: str, body: bytes, concurrency: int, seconds: float) -> float:
+async def rate(session, url: str, body: bytes | Callable[[], bytes], concurrency: int, seconds: float) -> float:
     """Completed requests per second with ``concurrency`` clients for ``seconds``."""
     done = [0]
     end = time.perf_counter() + seconds
@@ -138,11 +152,9 @@ def pct(xs: list[float], q: float) -> float:
 async def run(targets: dict[str, str], procs: dict[str, subprocess.Popen | None], args, fig: dict) -> None:
     """Measure every target (latency cells, then throughput), print the tables and add them to
     ``fig`` (tables ``latency`` and ``throughput``)."""
-    short = {"model": "tiny", "messages": [{"role": "user", "content": "Hello, how are you today?"}],
-             "max_tokens": 1}
     long_ = {"model": "tiny", "messages": [{"role": "system", "content": long_system_prompt(8000)},
                                            {"role": "user", "content": "Summarize."}], "max_tokens": 1}
-    workloads = {"short chat": json.dumps(short).encode(), "8k-token chat": json.dumps(long_).encode()}
+    workloads = {"short chat": numbered_chats(), "8k-token chat": json.dumps(long_).encode()}
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=120)) as session:
         for name, body in workloads.items():  # warm every path (tokenizer, caches, pools)
