@@ -21,7 +21,13 @@ and in all, how many requests left the queue (0: each waited for its holder), an
 queue's decisions scored every worker and how many only the changed ones
 (``kvroute_dispatch_queue_decisions_total``). In-process: no sockets.
 
+``--fresh N`` measures instead what a request pays on its way through an empty queue: ``N``
+short chats, each planned over idle workers (``Router.plan``) then given its turn
+(``take_turn`` with ``fresh=True``, sent at once by the decision it arrived with); median
+microseconds of each, and how many kept their decision.
+
     .venv/bin/python benchmarks/bench_queue_scale.py [--workers 1024] [--waiting 1,8,32] [--openings 20]
+    .venv/bin/python benchmarks/bench_queue_scale.py --fresh 300 --workers 8,256,1024
 """
 from __future__ import annotations
 
@@ -105,18 +111,63 @@ async def measure(workers: int, waiting: int, openings: int) -> dict[str, float]
         pool.close()
 
 
+async def measure_fresh(workers: int, requests: int) -> dict[str, float]:
+    """A fresh request at an empty queue over ``workers`` idle workers (``--fresh``): median
+    microseconds of ``Router.plan`` (a short chat, a different one each time) and of
+    ``DispatchQueue.take_turn`` with ``fresh=True`` (sent at once: the decision kept, the chosen
+    worker open), and how many were sent by the decision they arrived with (all, expected)."""
+    model = ModelConfig(name="tiny", tokenizer=str(TINY), block_size=BLOCK_SIZE)
+    pool = TokenizerPool([model], threads=1)
+    await pool.load()
+    registry = WorkerRegistry()
+    for i in range(workers):
+        registry.add(WorkerConfig(id=f"w{i}", url=f"http://127.0.0.1:1/w{i}", model="tiny")).healthy = True
+    holder = PolicyHolder({"name": "ttft"})
+    metrics = GatewayMetrics(registry.all)
+    router = Router([model], pool, MemoryIndex(), registry, holder, metrics, RoutingConfig())
+    queue = DispatchQueue(router, registry, metrics, lambda: holder.policy.queue)
+    plan_s, turn_s, kept = [], [], 0
+    try:
+        for c in range(requests):
+            body = {"model": "tiny", "messages": [{"role": "user", "content": f"hello {c}, how are you?"}]}
+            raw = orjson.dumps(body)
+            t0 = time.perf_counter()
+            plan = await router.plan("chat", body, [], raw)
+            t1 = time.perf_counter()
+            sent, reservation = await queue.take_turn(plan, fresh=True)
+            turn_s.append(time.perf_counter() - t1)
+            plan_s.append(t1 - t0)
+            kept += sent is plan
+            reservation.release()
+    finally:
+        queue.close()
+        pool.close()
+    return {"plan_us": statistics.median(plan_s) * 1e6, "take_turn_us": statistics.median(turn_s) * 1e6,
+            "kept": kept}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--workers", type=int, default=1024)
+    ap.add_argument("--workers", default="1024", help="comma-separated worker counts")
     ap.add_argument("--waiting", default="1,8,32", help="comma-separated counts of waiting requests")
     ap.add_argument("--openings", type=int, default=20)
+    ap.add_argument("--fresh", type=int, default=0, metavar="REQUESTS",
+                    help="instead: REQUESTS fresh requests at an empty queue over idle workers")
     args = ap.parse_args()
+    counts = [int(x) for x in args.workers.split(",")]
+    if args.fresh:
+        print(f"{'workers':>8} {'requests':>9} {'plan us p50':>12} {'take_turn us p50':>17} {'kept':>5}")
+        for workers in counts:
+            got = asyncio.run(measure_fresh(workers, args.fresh))
+            print(f"{workers:>8} {args.fresh:>9} {got['plan_us']:12.1f} {got['take_turn_us']:17.1f} {got['kept']:>5}")
+        return
     print(f"{'workers':>8} {'waiting':>8} {'pump ms p50':>12} {'max':>8} {'per waiting ms':>15} {'left':>5}"
           f" {'decisions: all':>15} {'changed only':>13}")
-    for waiting in (int(x) for x in args.waiting.split(",")):
-        got = asyncio.run(measure(args.workers, waiting, args.openings))
-        print(f"{args.workers:>8} {waiting:>8} {got['pump_ms']:12.2f} {got['pump_max_ms']:8.2f} "
-              f"{got['pump_ms'] / waiting:15.2f} {got['left']:>5} {got['all_workers']:15.0f} {got['changed_workers']:13.0f}")
+    for workers in counts:
+        for waiting in (int(x) for x in args.waiting.split(",")):
+            got = asyncio.run(measure(workers, waiting, args.openings))
+            print(f"{workers:>8} {waiting:>8} {got['pump_ms']:12.2f} {got['pump_max_ms']:8.2f} {got['pump_ms'] / waiting:15.2f}"
+                  f" {got['left']:>5} {got['all_workers']:15.0f} {got['changed_workers']:13.0f}")
 
 
 if __name__ == "__main__":

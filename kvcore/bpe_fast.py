@@ -157,10 +157,6 @@ def _isolate(pieces: list[str], split: Any) -> list[str] | None:
     return out
 
 
-PIECE_CACHE_MAX_CHARS = 256  # pieces kept with their ids (FastBPE._piece)
-PIECE_CACHE_ENTRIES = 4096
-
-
 class FastBPE:
     """``backend.encode(text, add_special_tokens).ids`` exactly, through tiktoken where the module
     docstring's conditions hold and through ``backend`` (a ``tokenizers.Tokenizer``) elsewhere.
@@ -183,7 +179,6 @@ class FastBPE:
         self._leading = leading or []
         self.fast_pieces = 0
         self.slow_pieces = 0
-        self._pieces: dict[str, tuple[tuple[int, ...], bool]] = {}  # short piece -> (ids, by tiktoken)
 
     @classmethod
     def build(cls, backend: Any) -> FastBPE:
@@ -232,30 +227,7 @@ class FastBPE:
         return out
 
     def _piece(self, text: str) -> list[int]:
-        """Ids of text holding no non-normalized added token (encoded on its own by tokenizers).
-        A piece of at most :data:`PIECE_CACHE_MAX_CHARS` characters is kept with its ids (a
-        template's separators and role headers, a short system prompt: the same text, the same
-        ids), up to :data:`PIECE_CACHE_ENTRIES` of them (then all are dropped); a kept piece
-        counts for the engine that encoded it."""
-        short = len(text) <= PIECE_CACHE_MAX_CHARS
-        if short:
-            got = self._pieces.get(text)
-            if got is not None:
-                ids, fast = got
-                if fast:
-                    self.fast_pieces += 1
-                else:
-                    self.slow_pieces += 1
-                return list(ids)
-        ids, fast = self._encode_piece(text)
-        if short:
-            if len(self._pieces) >= PIECE_CACHE_ENTRIES:
-                self._pieces.clear()
-            self._pieces[text] = (tuple(ids), fast)
-        return ids
-
-    def _encode_piece(self, text: str) -> tuple[list[int], bool]:
-        """:meth:`_piece`'s ids, encoded, and whether tiktoken made them (else tokenizers)."""
+        """Ids of text holding no non-normalized added token (encoded on its own by tokenizers)."""
         if text.isascii() and (self._normalized_re is None or self._normalized_re.search(text) is None):
             try:
                 ids = self._encode_split(text)
@@ -265,9 +237,9 @@ class FastBPE:
             # all bytes spelt: where the regex leaves characters unmatched, tiktoken drops them
             if ids is not None and len(self._decode_bytes(ids)) == len(text):
                 self.fast_pieces += 1
-                return ids, True
+                return ids
         self.slow_pieces += 1
-        return encode_ids(self._backend, [text], False)[0], False
+        return encode_ids(self._backend, [text], False)[0]
 
     def _encode_split(self, text: str) -> list[int] | None:
         """tiktoken's ids of ASCII ``text`` after the leading splits (None: left to tokenizers)."""

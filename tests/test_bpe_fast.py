@@ -16,7 +16,6 @@ import pytest
 import tiktoken
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from kvcore import bpe_fast
 from kvcore.bpe_fast import FastBPE, fast_bpe_unsupported_reason
 from kvcore.token_cache import PrefixTokenCache, encode_ids
 from kvcore.tokenization import PromptTokenizer
@@ -144,31 +143,6 @@ def test_non_ascii_text_is_left_to_tokenizers(gpt2_style):
     text = "caf\u00e9 au lait<|im_end|>plain ascii tail"
     assert fast.encode_many([text], False) == encode_ids(gpt2_style, [text], False)
     assert (fast.slow_pieces, fast.fast_pieces) == (1, 1)
-
-
-def test_short_pieces_are_kept_with_their_ids_and_the_cache_is_bounded(gpt2_style, monkeypatch):
-    """A chat template's pieces recur (separators, role headers, a system prompt): a short piece
-    is encoded once, then served from the cache with the same ids, counted for the engine that
-    made them; the ids handed out are copies; the cache drops everything when full."""
-    monkeypatch.setattr(bpe_fast, "PIECE_CACHE_ENTRIES", 8)
-    fast = FastBPE.build(gpt2_style)
-    texts = ["<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
-             "<|im_start|>system\nYou are terse.<|im_end|>\n<|im_start|>user\ncaf\u00e9?<|im_end|>\n"]
-    want = encode_ids(gpt2_style, texts, False)
-    first = fast.encode_many(texts, False)
-    assert first == want
-    encoded = (fast.fast_pieces, fast.slow_pieces)
-    assert encoded == (8, 1)  # "user\ncafé?" by tokenizers, 8 by tiktoken ("\n" four times)
-    first[0][0] = -1  # a caller's list is its own
-    assert fast.encode_many(texts, False) == want
-    assert (fast.fast_pieces, fast.slow_pieces) == (16, 2)
-    assert len(fast._pieces) == 5  # distinct pieces: "system...", "\n", "user\nhi", "assistant\n", "user\ncafé?"
-    long_piece = "word " * 60  # over 256 characters: encoded each time, never kept
-    assert fast.encode_many([long_piece], False) == encode_ids(gpt2_style, [long_piece], False)
-    assert long_piece not in fast._pieces
-    others = [f"<|im_start|>user\nq{i}<|im_end|>" for i in range(4)]
-    assert fast.encode_many(others, False) == encode_ids(gpt2_style, others, False)
-    assert len(fast._pieces) <= 8  # full at 8: dropped, then refilled
 
 
 def _bpe(vocab_tokens: list[str], merges: list[tuple[str, str]], **pre) -> Tokenizer:
