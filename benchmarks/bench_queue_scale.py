@@ -55,11 +55,10 @@ TINY = ROOT / "tests/fixtures/tiny-model"
 BLOCK_SIZE = 16
 
 
-async def measure(workers: int, waiting: int, openings: int) -> dict[str, float]:
-    """One cell of the module docstring; ``pump_ms`` median and max, and how many requests left
-    the queue (0 expected: each waits for its holder)."""
-    if not 0 < waiting < workers:
-        raise ValueError("need 0 < waiting < workers")
+async def _gateway(workers: int) -> tuple[TokenizerPool, WorkerRegistry, MemoryIndex, Router, DispatchQueue,
+                                          GatewayMetrics]:
+    """One gateway's routing pieces over ``workers`` healthy workers (``w0``...), the ``ttft``
+    policy with its default queue; the tokenizer pool loaded (close it when done)."""
     model = ModelConfig(name="tiny", tokenizer=str(TINY), block_size=BLOCK_SIZE)
     pool = TokenizerPool([model], threads=1)
     await pool.load()
@@ -70,7 +69,15 @@ async def measure(workers: int, waiting: int, openings: int) -> dict[str, float]
     metrics = GatewayMetrics(registry.all)
     index = MemoryIndex()
     router = Router([model], pool, index, registry, holder, metrics, RoutingConfig())
-    queue = DispatchQueue(router, registry, metrics, lambda: holder.policy.queue)
+    return pool, registry, index, router, DispatchQueue(router, registry, metrics, lambda: holder.policy.queue), metrics
+
+
+async def measure(workers: int, waiting: int, openings: int) -> dict[str, float]:
+    """One cell of the module docstring; ``pump_ms`` median and max, and how many requests left
+    the queue (0 expected: each waits for its holder)."""
+    if not 0 < waiting < workers:
+        raise ValueError("need 0 < waiting < workers")
+    pool, registry, index, router, queue, metrics = await _gateway(workers)
     busy = {r.id: [r.begin(500), r.begin(500)] for r in registry.all()}  # past holder_prefills (2) too
     tasks = []
     try:
@@ -116,16 +123,7 @@ async def measure_fresh(workers: int, requests: int) -> dict[str, float]:
     microseconds of ``Router.plan`` (a short chat, a different one each time) and of
     ``DispatchQueue.take_turn`` with ``fresh=True`` (sent at once: the decision kept, the chosen
     worker open), and how many were sent by the decision they arrived with (all, expected)."""
-    model = ModelConfig(name="tiny", tokenizer=str(TINY), block_size=BLOCK_SIZE)
-    pool = TokenizerPool([model], threads=1)
-    await pool.load()
-    registry = WorkerRegistry()
-    for i in range(workers):
-        registry.add(WorkerConfig(id=f"w{i}", url=f"http://127.0.0.1:1/w{i}", model="tiny")).healthy = True
-    holder = PolicyHolder({"name": "ttft"})
-    metrics = GatewayMetrics(registry.all)
-    router = Router([model], pool, MemoryIndex(), registry, holder, metrics, RoutingConfig())
-    queue = DispatchQueue(router, registry, metrics, lambda: holder.policy.queue)
+    pool, _, _, router, queue, _ = await _gateway(workers)
     plan_s, turn_s, kept = [], [], 0
     try:
         for c in range(requests):
