@@ -114,8 +114,7 @@ class _Entry:
 
     def affinity_wait_s(self, settings: QueueSettings) -> float:
         """The policy's wait for this request (``Decision.affinity_wait_s``), else the queue's."""
-        own = self.plan.decision.affinity_wait_s
-        return settings.affinity_wait_s if own is None else own
+        return _affinity_wait_s(self.plan, settings)
 
     def order(self, now: float, settings: QueueSettings) -> tuple[int, float, float]:
         if now - self.arrival_s >= settings.max_wait_s:
@@ -196,8 +195,7 @@ class DispatchQueue:
         Returns the reservation taken there, or None when the request must take the look
         (another affinity rule, no affinity wait, the chosen worker closed or gone); the
         reservation is taken under the same shared lock and open rule as :meth:`pump`'s."""
-        own = plan.decision.affinity_wait_s
-        if settings.affinity != "policy" or (settings.affinity_wait_s if own is None else own) <= 0:
+        if settings.affinity != "policy" or _affinity_wait_s(plan, settings) <= 0:
             return None
         reg = plan.workers.get(plan.decision.worker_id)
         if reg is None or not reg.routable or (pool is not None and reg.id not in pool):
@@ -460,6 +458,13 @@ def _holders(held_blocks: dict[str, int], ids: dict[str, int]) -> set[str]:
     if top <= floor:
         return set()
     return {w for w, n in held.items() if n > floor and n >= top - 1}
+
+
+def _affinity_wait_s(plan: RoutePlan, settings: QueueSettings) -> float:
+    """How long ``plan``'s request waits for the workers its affinity allows: the policy's wait
+    for it (``Decision.affinity_wait_s``), else the queue's."""
+    own = plan.decision.affinity_wait_s
+    return settings.affinity_wait_s if own is None else own
 
 
 def _held_blocks(plan: RoutePlan) -> dict[str, int]:
