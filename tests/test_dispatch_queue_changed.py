@@ -8,7 +8,9 @@ every worker at every look (``full_redecide_s=0``), the other re-scores changed 
 Each step changes one thing (a worker opens, takes work, finishes, is scraped, learns a TTFT,
 goes unhealthy or back, a request arrives or a dispatched one starts) and looks at the queue;
 after each step both must have dispatched the same requests to the same workers, and each
-waiting request must wait for the same worker."""
+waiting request must wait for the same worker. A fresh request at an empty queue, sent without
+the look when its chosen worker is open to it (``DispatchQueue._at_once``), is checked the same
+way against a twin that always looks."""
 from __future__ import annotations
 
 import asyncio
