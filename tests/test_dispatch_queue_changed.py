@@ -324,6 +324,43 @@ async def test_a_fresh_plan_whose_worker_went_unhealthy_is_decided_again(tiny_mo
     assert list(went) == ["f"] and went["f"] != "w0"
 
 
+@pytest.mark.parametrize("at_once", [False, True])
+async def test_a_worker_routable_again_since_the_plan_read_them_is_decided_over(tiny_model, at_once):
+    """``Router.plan`` reads the routable workers before its awaits (tokenizing, the lookup): a
+    worker that turns routable meanwhile is no candidate of the plan. w0 and w1 both hold the
+    conversation; w0, with one request before its first byte, is open to a holder; w1, idle, was
+    unhealthy when the plan was made and is healthy again at the request's turn. The look decides
+    again over the routable workers and sends it to w1; the at-once path must not keep the plan's
+    w0 (its twin with the path off shows what the look does)."""
+    model = ModelConfig(name="tiny", tokenizer=str(tiny_model), block_size=BLOCK)
+    pool = TokenizerPool([model], threads=1)
+    await pool.load()
+    cluster = Cluster(pool, model, 3600.0, queue={**QUEUE, "holder_prefills": 2})
+    if not at_once:
+        cluster.queue._at_once = lambda *args: None
+    try:
+        body = _body("conv0", 600)
+        keys = list((await cluster.router.plan("chat", body, [], orjson.dumps(body))).blocks.first_keys)
+        await cluster.index.store("w0", "gpu", keys)
+        await cluster.index.store("w1", "gpu", keys)
+        for reg in cluster.registry.all()[1:]:
+            for handle in cluster.handles[reg.id]:
+                handle.first_byte()
+        cluster.registry.get("w1").healthy = False
+        cluster.now_s = time.monotonic() + 1.0  # past the requests' starts (no settling)
+        follow_up = _body("conv0", 640)
+        plan = await cluster.router.plan("chat", follow_up, [], orjson.dumps(follow_up))
+        assert "w1" not in plan.workers and plan.decision.worker_id == "w0"
+        cluster.registry.get("w1").healthy = True  # a probe during the plan's awaits
+        cluster.tags[id(plan.request)] = "f"
+        cluster.waiting["f"] = asyncio.create_task(cluster.queue.take_turn(plan, fresh=True))
+        await _settle()
+        assert cluster.outcome() == ({"f": "w1"}, {})
+    finally:
+        await cluster.close()
+        pool.close()
+
+
 def _catch_up(cluster: Cluster) -> None:
     """Every request sent so far starts (its reservation released) and gives its first byte."""
     cluster.outcome()

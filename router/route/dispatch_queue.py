@@ -189,16 +189,20 @@ class DispatchQueue:
                  settings: QueueSettings) -> Reservation | None:
         """The first look at an empty queue for a fresh ``plan`` (:meth:`take_turn`), without
         the look over every worker when its decision stands: under ``affinity: policy``, within
-        its affinity wait, the look keeps a fresh plan's decision (its workers are the routable
-        ones, nothing having been awaited since it was made) and dispatches it when the chosen
-        worker is open to it (a holder of its longest credited prefix by the holder limit).
-        Returns the reservation taken there, or None when the request must take the look
-        (another affinity rule, no affinity wait, the chosen worker closed or gone); the
-        reservation is taken under the same shared lock and open rule as :meth:`pump`'s."""
+        its affinity wait, the look keeps a fresh plan's decision (when its workers are the routable
+        ones) and dispatches it when the chosen worker is open to it (a holder of its longest
+        credited prefix by the holder limit). Returns the reservation taken there, or None when
+        the request must take the look (another affinity rule, no affinity wait, the routable
+        workers (of ``pool``) not the plan's: one came back or left during the plan's awaits,
+        so the look decides again; the chosen worker closed); the reservation is taken under
+        the same shared lock and open rule as :meth:`pump`'s."""
         if settings.affinity != "policy" or _affinity_wait_s(plan, settings) <= 0:
             return None
+        regs = self.registry.routable(plan.model.name)
+        if pool is not None:
+            regs = [r for r in regs if r.id in pool]
         reg = plan.workers.get(plan.decision.worker_id)
-        if reg is None or not reg.routable or (pool is not None and reg.id not in pool):
+        if reg is None or not _same_workers(plan, regs):
             return None
         holder = reg.id in _holders(_held_blocks(plan), plan.workers)
         now = self.clock()
