@@ -205,14 +205,20 @@ class DispatchQueue:
         if reg is None or not _same_workers(plan, regs):
             return None
         holder = reg.id in _holders(_held_blocks(plan), plan.workers)
-        now = self.clock()
         reg.on_prefill_done = self._schedule_pump
+        return self._reserve(plan, reg, self.clock(), settings, holder)
+
+    def _reserve(self, plan: RoutePlan, reg: WorkerRegistration, now: float, settings: QueueSettings,
+                 holder: bool) -> Reservation | None:
+        """``reg``'s reservation for ``plan``'s request (ending at the policy's predicted first
+        token), taken under the gateway processes' shared lock if ``reg`` is still open to it
+        (``holder``: a holder of its longest credited prefix); None when it is not."""
+        predicted_ms = plan.predicted_ttft_ms(reg.id)
+        end_s = None if predicted_ms is None else now + predicted_ms / 1000.0
         with reg.claim():  # another gateway process may have taken it since it was read
             if not is_open(reg, now, settings, holder):
                 return None
-            predicted_ms = plan.predicted_ttft_ms(reg.id)
-            return Reservation(reg, None if predicted_ms is None else now + predicted_ms / 1000.0,
-                               self._schedule_pump, now)
+            return Reservation(reg, end_s, self._schedule_pump, now)
 
     def _ensure_rematcher(self) -> None:
         """Start the lookups again (:meth:`_rematch_while_waiting`) while requests wait, unless
@@ -334,12 +340,9 @@ class DispatchQueue:
                 plan = entry.plan if fresh and _same_workers(entry.plan, ready) else \
                     self.router.redecide(entry.plan, ready, policy=entry.policy)
             reg = plan.workers[plan.decision.worker_id]
-            predicted_ms = plan.predicted_ttft_ms(reg.id)
-            end_s = None if predicted_ms is None else now + predicted_ms / 1000.0
-            with reg.claim():  # another gateway process may have taken it since it was read
-                if not is_open(reg, now, settings, reg.id in holders):
-                    continue
-                reservation = Reservation(reg, end_s, self._schedule_pump, now)
+            reservation = self._reserve(plan, reg, now, settings, reg.id in holders)
+            if reservation is None:
+                continue
             look.dispatched_to(reg)
             self._entries.remove(entry)
             entry.future.set_result((plan, reservation))
