@@ -277,9 +277,12 @@ async def gateway_phases(streams: scale.EventStreams, socks: list, gw_port: int,
         seqs[worker] += 1
     t_sent = time.monotonic()
     want = sum(seqs)
-    async with httpx.AsyncClient(timeout=30) as client:
+    async with httpx.AsyncClient() as client:
         while True:
-            r = await client.get(f"http://127.0.0.1:{gw_port}/admin/index", headers={"Authorization": "Bearer bench"})
+            # the gateway's loop may be busy applying the flood for long stretches: each read may
+            # take what is left of the whole wait
+            r = await client.get(f"http://127.0.0.1:{gw_port}/admin/index", headers={"Authorization": "Bearer bench"},
+                                 timeout=max(end - time.monotonic(), 1.0))
             workers = r.json()["workers"]
             applied = sum((w.get("kv_events") or {}).get("batches_applied", 0) for w in workers.values())
             if applied >= want:

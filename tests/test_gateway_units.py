@@ -190,7 +190,7 @@ def test_health_hysteresis():
 
 
 def test_event_stream_counts_while_connected_or_in_grace_and_says_why_when_not(caplog):
-    sub = SimpleNamespace(connected=False, batches_received=7)
+    sub = SimpleNamespace(connected=False, batches_received=7, last_received_monotonic_s=None)
     watch = EventStreamWatch("w", "tcp://10.0.0.5:5557")
     assert watch.judge(None, age_s=100.0) is None and watch.problem is None
     assert watch.judge(sub, age_s=1.0, grace_s=5.0) is True  # still connecting
@@ -202,10 +202,24 @@ def test_event_stream_counts_while_connected_or_in_grace_and_says_why_when_not(c
     assert watch.judge(sub, age_s=60.0) is True and watch.problem is None
 
 
+def test_a_stream_whose_batches_arrive_counts_before_its_monitor_says_connected(caplog):
+    """A busy loop may read a subscriber's first batches before the ZMQ monitor's CONNECTED
+    event: batches read within the grace count as a live stream; once they stop for longer, and
+    the monitor still says nothing, the stream stops counting."""
+    sub = SimpleNamespace(connected=False, batches_received=120, last_received_monotonic_s=1000.0)
+    watch = EventStreamWatch("w", "tcp://10.0.0.5:5557")
+    with caplog.at_level(logging.WARNING, logger="kvroute.registry"):
+        assert watch.judge(sub, age_s=30.0, grace_s=5.0, now_s=1004.9) is True
+        assert caplog.records == [] and watch.problem is None
+        assert watch.judge(sub, age_s=36.0, grace_s=5.0, now_s=1005.1) is False
+    assert watch.problem == "not connected to the KV-event publisher at tcp://10.0.0.5:5557 (120 batches received)"
+
+
 def test_a_worker_whose_events_stopped_is_not_credited():
     async def go():
         reg = WorkerRegistry().add(WorkerConfig(id="w", url="http://h:1", model="m", events="tcp://h:2"))
-        reg.ingest = SimpleNamespace(subscriber=SimpleNamespace(connected=False, batches_received=0))
+        reg.ingest = SimpleNamespace(subscriber=SimpleNamespace(
+            connected=False, batches_received=0, last_received_monotonic_s=None))
         credited_at_start = reg.evidence_credited
         live = reg.check_events(reg.added_monotonic + 10.0, grace_s=5.0)
         return credited_at_start, live, reg.evidence_credited, reg.events.problem

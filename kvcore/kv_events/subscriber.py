@@ -128,6 +128,7 @@ class EventSubscriber:
         self.last_batch_wall_s: float | None = None  # wall clock of the last applied batch
         self.last_batch_monotonic_s: float | None = None
         self.batches_received = 0
+        self.last_received_monotonic_s: float | None = None  # monotonic time of the last batch read
         self.batches_applied = 0
         self.gaps = 0
         self.replays = 0
@@ -275,6 +276,7 @@ class EventSubscriber:
     # ---- stream logic -------------------------------------------------------------------------
     async def _on_message(self, seq: int, payload: bytes) -> None:
         self.batches_received += 1
+        self.last_received_monotonic_s = time.monotonic()
         if self._sub_last is not None and seq <= self._sub_last:
             self.restarts += 1
             await self._reset(f"publisher restarted: seq {seq} after {self._sub_last}", routine=True)

@@ -8,6 +8,7 @@ again (:attr:`router.workers.registry.WorkerRegistration.evidence_credited`).
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 log = logging.getLogger("kvroute.registry")
@@ -16,8 +17,10 @@ EVENTS_GRACE_S = 5.0  # a new worker's KV-event subscriber gets this long to con
 
 
 class EventStreamWatch:
-    """``live``: True while the subscriber is connected to the publisher (or still within the
-    grace after the worker was added), False once it has been missing longer, None when no
+    """``live``: True while the subscriber is connected to the publisher, or batches reached it
+    within the grace (the socket monitor's CONNECTED may be handled after the first batches when
+    the loop is busy), or the worker was added within the grace; False once all three have been
+    missing longer; None when no
     subscriber runs here (no event stream, or the agents write the index with Redis);
     ``problem``: why it is not live (None while live)."""
 
@@ -29,14 +32,16 @@ class EventStreamWatch:
         self.live: bool | None = None
         self.problem: str | None = None
 
-    def judge(self, subscriber: Any, age_s: float, grace_s: float = EVENTS_GRACE_S) -> bool | None:
-        """Re-judge from ``subscriber`` (an object with ``connected`` and ``batches_received``,
-        :class:`kvcore.kv_events.subscriber.EventSubscriber`; None: none runs) for a worker added
-        ``age_s`` seconds ago. Logs a WARNING when the stream stops counting, INFO when it counts
-        again. Returns the new ``live``."""
+    def judge(self, subscriber: Any, age_s: float, grace_s: float = EVENTS_GRACE_S,
+              now_s: float | None = None) -> bool | None:
+        """Re-judge from ``subscriber`` (an object with ``connected``, ``batches_received`` and
+        ``last_received_monotonic_s``, :class:`kvcore.kv_events.subscriber.EventSubscriber`;
+        None: none runs) for a worker added ``age_s`` seconds ago, at ``now_s``
+        (``time.monotonic()``; default: now). Logs a WARNING when the stream stops counting, INFO
+        when it counts again. Returns the new ``live``."""
         if subscriber is None:
             live, problem = None, None
-        elif subscriber.connected or age_s < grace_s:
+        elif subscriber.connected or age_s < grace_s or self._received_within(subscriber, grace_s, now_s):
             live, problem = True, None
         else:
             live = False
@@ -49,3 +54,10 @@ class EventStreamWatch:
             log.info("worker %s: KV events flow again; its prefix evidence is credited", self.worker_id)
         self.live, self.problem = live, problem
         return live
+
+    @staticmethod
+    def _received_within(subscriber: Any, grace_s: float, now_s: float | None) -> bool:
+        last_s = subscriber.last_received_monotonic_s
+        if last_s is None:
+            return False
+        return (time.monotonic() if now_s is None else now_s) - last_s < grace_s

@@ -130,7 +130,7 @@ class WorkerRegistration:
         """Re-judge whether the worker's KV events flow (:meth:`router.workers.event_watch.
         EventStreamWatch.judge`; ``now``: ``time.monotonic()``); None without an ingestor here."""
         sub = self.ingest.subscriber if self.ingest is not None else None
-        return self.events.judge(sub, now - self.added_monotonic, grace_s)
+        return self.events.judge(sub, now - self.added_monotonic, grace_s, now)
 
     def event_state(self) -> dict[str, Any] | None:
         """The embedded KV-event ingestor's state (seq, event age, gaps, replays, resyncs,
