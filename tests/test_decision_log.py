@@ -65,9 +65,16 @@ def test_gateway_ms_is_the_time_to_the_send_less_the_queue_wait():
 
 def test_candidates_are_cut_and_zero_capacity_keeps_nothing():
     log = DecisionLog(capacity=2)
-    entry = log.record(_plan("w0", workers=40), "big")
+    plan = _plan("w0", workers=40)
+    log.record(plan, "big")
+    [entry] = log.snapshot()
+    # the candidates are written when read, where and as explain writes them
+    assert list(entry)[3:12] == list(plan.explain())
+    assert entry["candidates"] == plan.explain(MAX_CANDIDATES)["candidates"]
     assert len(entry["candidates"]) == MAX_CANDIDATES and entry["candidates_total"] == 40
-    assert entry["candidates"][0]["worker"] == "w0"
+    assert [c["worker"] for c in entry["candidates"][:3]] == ["w0", "x0", "x1"]
+    assert entry["candidates"][1] == {"worker": "x0", "matched_blocks": {"gpu": 0, "cpu": 0, "ssd": 0},
+                                      "load": 0.0, "cost": 1.0, "note": ""}
     off = DecisionLog(capacity=0)
     assert off.record(_plan("w0"), "r") is None and off.snapshot() == [] and len(off) == 0
 

@@ -257,14 +257,17 @@ class KVAwarePolicy(Policy):
         for c in candidates:
             load = self.load_model.load_blocks(c.load, bs)
             credit = self.credit_blocks(c.matched, num_blocks) if c.evidence_trusted else 0.0
-            peer_blocks, peer_weight, source = peer_credit(
-                c, self.peer_pricing, request,
-                c.prefill_rate.ms_per_token if c.prefill_rate is not None else DEFAULT_PREFILL_MS_PER_TOKEN)
-            if peer_blocks:
-                credit = min(float(num_blocks), credit + peer_blocks * peer_weight)
+            peer_blocks = 0
+            if c.peer_blocks > 0:  # (peer_credit's answer is (0, 0.0, "") otherwise)
+                peer_blocks, peer_weight, source = peer_credit(
+                    c, self.peer_pricing, request,
+                    c.prefill_rate.ms_per_token if c.prefill_rate is not None else DEFAULT_PREFILL_MS_PER_TOKEN)
+                if peer_blocks:
+                    credit = min(float(num_blocks), credit + peer_blocks * peer_weight)
             cost = (num_blocks - credit) + self.load_weight * load
             score = CandidateScore(c.worker_id, c.matched, load, cost)
-            note_peer(score, c, peer_blocks, peer_weight, source)
+            if peer_blocks:
+                note_peer(score, c, peer_blocks, peer_weight, source)
             if not c.evidence_trusted:
                 score.note = "evidence distrusted"  # its matched blocks earn no credit
             scored.append(_Scored(score, credit))

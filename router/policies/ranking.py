@@ -20,8 +20,11 @@ def lowest(items: Sequence[T], keys: Sequence[Callable[[T], float]], name: Calla
     non-empty."""
     tied = list(items)
     for key in keys:
-        best = min(key(i) for i in tied)
-        tied = [i for i in tied if key(i) <= best + EPS]
+        if len(tied) == 1:  # nothing left to break: the later keys would keep it
+            return tied[0]
+        values = list(map(key, tied))  # each item's key once (it is read twice below)
+        cut = min(values) + EPS
+        tied = [i for i, v in zip(tied, values) if v <= cut]
     tied.sort(key=name)
     return tied[_index(rand, len(tied))]
 

@@ -91,6 +91,7 @@ are noted ``hot prefix (recent uses: N)`` or ``private prefix (recent uses: N)``
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -277,11 +278,25 @@ class TTFTPolicy(Policy):
         # the rank (module docstring): a worker holding less than the longest prefix (by more
         # than a block, evidence weights aside) is scaled by the margin, and the prefix it would
         # recompute beyond the best-credited candidate's is charged once more
-        top_held = max(s.held_tokens for s in scored)
-        top_credit = max(s.credit_tokens for s in scored)
+        top_held = top_credit = -math.inf
+        min_held = math.inf
+        for s in scored:  # max and min of the figures below, in one pass
+            held = s.held_tokens
+            if held > top_held:
+                top_held = held
+            if held < min_held:
+                min_held = held
+            if s.credit_tokens > top_credit:
+                top_credit = s.credit_tokens
+        hold_cut = top_held - bs + EPS
+        hot = False
         for s in scored:
-            s.holder = s.held_tokens >= top_held - bs + EPS
-        hot = prefix_is_hot(scored)
+            s.holder = holder = s.held_tokens >= hold_cut
+            if holder and not hot and s.held_tokens > 0 and s.prefix_uses >= HOT_PREFIX_USES:
+                # hot: some holder's matched prefix had HOT_PREFIX_USES or more of the gateway's
+                # recent requests through its last block (router.estimates.prefix_uses); not hot:
+                # a conversation's history, or no holder at all
+                hot = True
         weight = self.recompute_weight if hot else self.private_recompute_weight
         kind = "hot" if hot else "private"
         for s in scored:
@@ -297,7 +312,7 @@ class TTFTPolicy(Policy):
             reason = "peer_pull"
         elif not best.holder:
             reason = "spread"
-        elif best.held_tokens > min(s.held_tokens for s in scored) + EPS:
+        elif best.held_tokens > min_held + EPS:
             reason = "prefix_hit"
         else:
             reason = "load"
@@ -305,13 +320,6 @@ class TTFTPolicy(Policy):
         private = not hot and top_held > 0
         return Decision(best.worker_id, reason, [s.score for s in ranked],
                         affinity_wait_s=self.private_affinity_wait_s if private else None)
-
-
-def prefix_is_hot(scored: list[_Scored]) -> bool:
-    """Whether the longest holders' prefix is hot: some holder's matched prefix had
-    ``HOT_PREFIX_USES`` or more of the gateway's recent requests through its last block
-    (:mod:`router.estimates.prefix_uses`). Not hot: a conversation's history, or no holder at all."""
-    return any(s.holder and s.held_tokens > 0 and s.prefix_uses >= HOT_PREFIX_USES for s in scored)
 
 
 def _weight(candidate: Candidate) -> float:

@@ -64,7 +64,17 @@ class SummaryWindowError(ValueError):
 
 
 class DecisionEntry(dict):
-    """One decision (the module docstring's shape); a dict, so it serializes as it is."""
+    """One decision (the module docstring's shape), as a dict; its ``candidates`` are kept as the
+    policy's :class:`~router.policies.base.CandidateScore` objects (``scores``, the best
+    :data:`MAX_CANDIDATES`, the chosen first: a decision's scores are not changed once made) and
+    written out as explain's dicts only when read (:meth:`view`, what :meth:`DecisionLog.snapshot`
+    returns); until then the dict's own ``candidates`` is an empty list."""
+
+    __slots__ = ("scores",)
+
+    def view(self) -> dict[str, Any]:
+        """A copy with ``candidates`` written out, ready to serialize."""
+        return {**self, "candidates": [s.as_dict() for s in self.scores]}
 
 
 class DecisionLog:
@@ -84,8 +94,10 @@ class DecisionLog:
         if not self.capacity:
             return None
         entry = DecisionEntry(request_id=request_id, time_unix_s=round(time.time(), 3), model=plan.model.name)
-        entry.update(plan.explain(MAX_CANDIDATES))
-        entry["candidates_total"] = len(plan.decision.scores)
+        entry.update(plan.explain(0))  # the candidates' dicts are written when read (DecisionEntry.view)
+        scores = plan.decision.scores
+        entry.scores = scores[:MAX_CANDIDATES]
+        entry["candidates_total"] = len(scores)
         entry["queue_wait_ms"] = round(max(0.0, queue_wait_ms), 3)
         entry["worker"] = None
         entry["gateway_ms"] = None
@@ -135,7 +147,7 @@ class DecisionLog:
 
     def snapshot(self, limit: int | None = None, worker: str | None = None,
                  since_unix_s: float | None = None) -> list[dict[str, Any]]:
-        """Entries newest first, as copies: at most ``limit``, only those sent to (or, before
+        """Entries newest first, as copies (:meth:`DecisionEntry.view`): at most ``limit``, only those sent to (or, before
         sending, chosen as) ``worker``, only those decided after ``since_unix_s``."""
         if not self.capacity:
             return []
@@ -145,7 +157,7 @@ class DecisionLog:
                 break
             if worker is not None and (entry["worker"] or entry["chosen"]) != worker:
                 continue
-            out.append(dict(entry))
+            out.append(entry.view())
             if limit is not None and len(out) >= limit:
                 break
         return out

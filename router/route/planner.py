@@ -457,9 +457,10 @@ class Router:
         reads, inline below without one; test_dispatch_queue_changed checks the two agree)."""
         model_rate = self.registry.model_rate(request.model).learned
         if states is None:
+            # registry.prefill_speed(r) inlined: every r serves request.model, whose line is model_rate
             out = [Candidate(r.id, r.load(), matches.get(r.id) or NO_MATCH, r.prefill_rate.learned,
                              r.evidence_credited, r.evidence.credit_weight, model_prefill_rate=model_rate,
-                             prefill_speed=self.registry.prefill_speed(r))
+                             prefill_speed=None if model_rate is None else r.prefill_rate.speed_factor(model_rate))
                    for r in regs]
         else:
             out = []
