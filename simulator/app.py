@@ -11,7 +11,8 @@
   (:mod:`kvcore.responses_input`), answers stored for ``previous_response_id`` on this server.
 - ``GET /v1/models``, ``POST /tokenize`` (``{count, max_model_len, tokens, token_strs}``),
   ``POST /detokenize`` (``{prompt}``), ``GET /health``, ``POST /reset_prefix_cache``,
-  ``GET /metrics`` (vLLM's metric names, see :mod:`simulator.metrics`).
+  ``GET /metrics`` (vLLM's metric names, see :mod:`simulator.metrics`; ``GET /metrics/?name[]=N``
+  only the metrics named, as vLLM answers it).
 - Simulator only (no vLLM counterpart): ``GET /sim/requests`` returns the last bodies and headers
   received on the POST routes that take a body (completions, chat, messages, tokenize, detokenize), oldest
   first, as ``{"requests": [{"method", "path", "headers",
@@ -45,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import re
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -55,6 +57,8 @@ import orjson
 import xxhash
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
+from prometheus_client import make_asgi_app
+from starlette.routing import Mount
 
 from kvcore.data_parallel import DP_RANK_HEADER, rank_endpoint
 from kvcore.responses_input import responses_to_chat
@@ -200,6 +204,11 @@ class SimServer:
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"])
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
+        # as vLLM mounts it (vllm/entrypoints/serve/instrumentator/metrics.py): any longer path
+        # is prometheus_client's ASGI app, which honours its name[] filter
+        metrics_mount = Mount("/metrics", make_asgi_app(registry=self.registry))
+        metrics_mount.path_regex = re.compile("^/metrics(?P<path>.*)$")
+        app.router.routes.append(metrics_mount)
         app.add_api_route("/sim/requests", self.sim_requests, methods=["GET"])
         app.add_api_route("/sim/requests", self.sim_requests_clear, methods=["DELETE"])
         return app

@@ -125,7 +125,9 @@ class _EngineCollector:
 
 
 def make_registry(server: ServerView) -> CollectorRegistry:
-    """A fresh registry holding one collector for ``server``."""
-    registry = CollectorRegistry(auto_describe=False)
+    """A fresh registry holding one collector for ``server``; its names are learnt by one collect
+    at registration (``auto_describe``), so prometheus_client's ``name[]`` filter
+    (``restricted_registry``, what ``GET /metrics/?name[]=...`` answers) finds them."""
+    registry = CollectorRegistry(auto_describe=True)
     registry.register(_EngineCollector(server))
     return registry

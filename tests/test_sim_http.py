@@ -2,6 +2,7 @@
 cached_tokens, /tokenize parity with real vLLM, metrics, errors, recorded requests, disconnects."""
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import time
@@ -11,6 +12,10 @@ import openai
 import pytest
 
 from conftest import Proc, free_port, kvroute_argv, wait_http
+from router.config.schema import LoadScrapeConfig, WorkerConfig
+from router.upstream_http import UpstreamHTTP
+from router.workers.calls import filtered_path, parse_engine_load, scrape_once
+from router.workers.registry import WorkerRegistration
 
 
 @pytest.fixture(scope="module")
@@ -230,3 +235,25 @@ def test_reset_prefix_cache_and_bad_flags(sim, client, tiny_model):
     bad = subprocess.run(kvroute_argv("sim", "--model", str(tiny_model), "--kv-events-config", cfg),
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown_field" in bad.stderr
+
+
+def test_the_gateways_load_scrape_reads_the_filtered_page_as_vllm_serves_it(sim):
+    """``/metrics/?name[]=...`` answers the three gauges alone (vLLM mounts prometheus_client's
+    app there; router/workers/calls.py), and the gateway's scrape takes that form here."""
+    whole = httpx.get(sim + "/metrics", timeout=10).text
+    filtered = httpx.get(sim + filtered_path("/metrics"), timeout=10)
+    names = {line.split("{")[0] for line in filtered.text.splitlines() if line and not line.startswith("#")}
+    assert filtered.status_code == 200
+    assert names == {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"}
+
+    async def scrape():
+        client = UpstreamHTTP()
+        try:
+            reg = WorkerRegistration(WorkerConfig(id="s", url=sim, model="tiny"))
+            return await scrape_once(client, reg, LoadScrapeConfig()), reg
+        finally:
+            await client.close()
+
+    ok, reg = asyncio.run(scrape())
+    assert ok and reg.scrape_filtered is True
+    assert (reg.engine_running, reg.engine_waiting, reg.kv_usage) == parse_engine_load(whole)

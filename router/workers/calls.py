@@ -11,6 +11,17 @@ The load comes from vLLM's Prometheus text at ``/metrics``: ``vllm:num_requests_
 ``vllm:num_requests_waiting`` (summed over label sets, e.g. DP engines) and
 ``vllm:kv_cache_usage_perc`` (0..1, the maximum over label sets); a worker that is one data
 parallel rank reads only its own ``engine="<rank>"`` label sets.
+
+A scrape asks for those three metrics alone where the worker can answer so: vLLM serves
+``/metrics`` twice (``vllm/entrypoints/serve/instrumentator/metrics.py``): the exact path through
+prometheus-fastapi-instrumentator, the whole page (~48 kB on vLLM 0.32), and any longer path
+through prometheus_client's ASGI app, which honours its ``name[]`` filter
+(``prometheus_client/exposition.py``): ``/metrics/?name[]=...`` is ~0.5 kB, so a scrape costs
+both the worker's API server and the gateway a small fraction of the page. The first scrape of a
+worker tries that form (:func:`filtered_path`); a worker that does not answer it with 200 and at
+least one of the three metrics (another engine, an older server, a proxy in between) is scraped
+at the configured path from then on (``WorkerRegistration.scrape_filtered``). A configured path
+with a query of its own is used as it is.
 """
 from __future__ import annotations
 
@@ -18,6 +29,7 @@ import asyncio
 import gzip
 import time
 import zlib
+from urllib.parse import quote
 
 import orjson
 
@@ -29,6 +41,17 @@ _RUNNING = "vllm:num_requests_running"
 _WAITING = "vllm:num_requests_waiting"
 _KV_USAGE = "vllm:kv_cache_usage_perc"
 _NAMES = (_RUNNING, _WAITING, _KV_USAGE)
+
+
+FILTER_QUERY = "?" + "&".join(f"name%5B%5D={quote(name, safe=':')}" for name in _NAMES)  # as sent (yarl keeps ":")
+
+
+def filtered_path(path: str) -> str | None:
+    """``path`` as the filtered form of the page (the module docstring): ``/metrics`` ->
+    ``/metrics/?name%5B%5D=vllm%3Anum_requests_running&...``; None for a path with a query."""
+    if "?" in path:
+        return None
+    return path.rstrip("/") + "/" + FILTER_QUERY
 
 
 def parse_engine_load(text: str, rank: int | None = None) -> tuple[int | None, int | None, float | None]:
@@ -123,13 +146,28 @@ async def probe_once(client: UpstreamHTTP, reg: WorkerRegistration, cfg: HealthC
 
 
 async def scrape_once(client: UpstreamHTTP, reg: WorkerRegistration, cfg: LoadScrapeConfig) -> bool:
-    """One ``GET {url}/metrics``; stores the engine load on ``reg``; returns success. A failed
-    scrape forgets the last figures (a dead worker's last queue must not weigh on routing)."""
+    """One ``GET {url}/metrics`` (its filtered form where the worker answers it: the module
+    docstring); stores the engine load on ``reg``; returns success. A failed scrape forgets the
+    last figures (a dead worker's last queue must not weigh on routing)."""
+    rank = reg.cfg.data_parallel_rank
+    path = filtered_path(cfg.path) if reg.scrape_filtered is not False else None
+    if path is not None:
+        got = await _get(client, reg.url + path, cfg.timeout_s)
+        if isinstance(got, str):  # no answer (down, not up yet): nothing learnt about the form
+            reg.forget_scrape()
+            return False
+        if got[0] == 200:
+            load = parse_engine_load(got[1].decode(errors="replace"), rank)
+            if load != (None, None, None):
+                reg.scrape_filtered = True
+                reg.record_scrape(*load)
+                return True
+        reg.scrape_filtered = False  # answered, not in that form: the configured path from now on
     got = await _get(client, reg.url + cfg.path, cfg.timeout_s)
     if isinstance(got, str) or got[0] != 200:
         reg.forget_scrape()
         return False
-    reg.record_scrape(*parse_engine_load(got[1].decode(errors="replace"), reg.cfg.data_parallel_rank))
+    reg.record_scrape(*parse_engine_load(got[1].decode(errors="replace"), rank))
     return True
 
 

@@ -70,6 +70,7 @@ class WorkerRegistration:
         self.prefill_rate = PrefillRateEstimator()
         self.evidence = EvidenceTrust()
         self.last_scrape_monotonic: float | None = None
+        self.scrape_filtered: bool | None = None  # the filtered /metrics page works here (calls.scrape_once)
         self.ingest: EventIngestor | None = None  # the KV-event ingestor in embedded mode
         self.tasks: list[asyncio.Task] = []
         self.added_monotonic = time.monotonic()
@@ -280,7 +281,8 @@ class WorkerRegistration:
             "prefill_left_ms": _finite_ms(self.prefill_left_ms(now)),
             "engine": {"running": self.engine_running, "waiting": self.engine_waiting,
                        "kv_cache_usage": self.kv_usage,
-                       "scrape_age_s": _age(self.last_scrape_monotonic, now)},
+                       "scrape_age_s": _age(self.last_scrape_monotonic, now),
+                       "scrape_filtered": self.scrape_filtered},
             "last_probe_error": self.health.last_error,
             "kv_events": self.event_state(),
             "events_live": self.events.live, "events_problem": self.events.problem,
