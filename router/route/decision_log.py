@@ -147,8 +147,9 @@ class DecisionLog:
 
     def snapshot(self, limit: int | None = None, worker: str | None = None,
                  since_unix_s: float | None = None) -> list[dict[str, Any]]:
-        """Entries newest first, as copies (:meth:`DecisionEntry.view`): at most ``limit``, only those sent to (or, before
-        sending, chosen as) ``worker``, only those decided after ``since_unix_s``."""
+        """Entries newest first, as copies (:meth:`DecisionEntry.view`): at most ``limit``, only
+        those sent to (or, before sending, chosen as) ``worker``, only those decided after
+        ``since_unix_s``."""
         if not self.capacity:
             return []
         out: list[dict[str, Any]] = []

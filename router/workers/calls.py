@@ -18,10 +18,11 @@ prometheus-fastapi-instrumentator, the whole page (~48 kB on vLLM 0.32), and any
 through prometheus_client's ASGI app, which honours its ``name[]`` filter
 (``prometheus_client/exposition.py``): ``/metrics/?name[]=...`` is ~0.5 kB, so a scrape costs
 both the worker's API server and the gateway a small fraction of the page. The first scrape of a
-worker tries that form (:func:`filtered_path`); a worker that does not answer it with 200 and at
-least one of the three metrics (another engine, an older server, a proxy in between) is scraped
-at the configured path from then on (``WorkerRegistration.scrape_filtered``). A configured path
-with a query of its own is used as it is.
+worker tries that form (:func:`filtered_path`); a worker that answers it with anything but 200
+and at least one of the three metrics (another engine, an older server, a proxy in between) is
+scraped at the configured path from then on (``WorkerRegistration.scrape_filtered``), while one
+that does not answer at all (not up yet) decides nothing. A configured path with a query of its
+own is used as it is.
 """
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ FILTER_QUERY = "?" + "&".join(f"name%5B%5D={quote(name, safe=':')}" for name in 
 
 def filtered_path(path: str) -> str | None:
     """``path`` as the filtered form of the page (the module docstring): ``/metrics`` ->
-    ``/metrics/?name%5B%5D=vllm%3Anum_requests_running&...``; None for a path with a query."""
+    ``/metrics/?name%5B%5D=vllm:num_requests_running&...``; None for a path with a query."""
     if "?" in path:
         return None
     return path.rstrip("/") + "/" + FILTER_QUERY

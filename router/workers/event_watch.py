@@ -20,9 +20,8 @@ class EventStreamWatch:
     """``live``: True while the subscriber is connected to the publisher, or batches reached it
     within the grace (the socket monitor's CONNECTED may be handled after the first batches when
     the loop is busy), or the worker was added within the grace; False once all three have been
-    missing longer; None when no
-    subscriber runs here (no event stream, or the agents write the index with Redis);
-    ``problem``: why it is not live (None while live)."""
+    missing longer; None when no subscriber runs here (no event stream, or the agents write the
+    index with Redis); ``problem``: why it is not live (None while live)."""
 
     __slots__ = ("worker_id", "endpoint", "live", "problem")
 
