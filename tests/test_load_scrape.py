@@ -12,9 +12,9 @@ from aiohttp import web
 
 from conftest import free_port
 from router.config.schema import LoadScrapeConfig, WorkerConfig
-from router.upstream_http import UpstreamHTTP
 from router.workers.calls import FILTER_QUERY, filtered_path, scrape_once
 from router.workers.registry import WorkerRegistration
+from test_shared_probes import lean_client
 
 PAGE = ('# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
         '# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{engine="0",model_name="m"} 1.0\n'
@@ -71,9 +71,9 @@ def test_the_filtered_path_names_the_three_gauges_and_a_query_of_ones_own_is_kep
 def test_a_worker_answering_the_filtered_form_is_scraped_in_it_alone():
     async def go():
         worker = Worker((200, PAGE))
-        async with serving(worker) as url, contextlib.aclosing(_Client()) as c:
+        async with serving(worker) as url, lean_client() as client:
             reg = _reg(url)
-            oks = [await scrape_once(c.http, reg, LoadScrapeConfig()) for _ in range(3)]
+            oks = [await scrape_once(client, reg, LoadScrapeConfig()) for _ in range(3)]
             return oks, reg, worker.calls
 
     oks, reg, calls = asyncio.run(go())
@@ -87,9 +87,9 @@ def test_a_worker_without_the_form_falls_back_to_the_page_once_and_for_all():
         for name, filtered in (("404", None), ("another page", (200, "<html>metrics index</html>")),
                                ("500", (500, PAGE))):
             worker = Worker(filtered)
-            async with serving(worker) as url, contextlib.aclosing(_Client()) as c:
+            async with serving(worker) as url, lean_client() as client:
                 reg = _reg(url)
-                oks = [await scrape_once(c.http, reg, LoadScrapeConfig()) for _ in range(3)]
+                oks = [await scrape_once(client, reg, LoadScrapeConfig()) for _ in range(3)]
                 out[name] = (oks, reg.scrape_filtered, _load(reg), worker.calls)
         return out
 
@@ -101,15 +101,15 @@ def test_a_worker_without_the_form_falls_back_to_the_page_once_and_for_all():
 def test_a_worker_not_up_yet_decides_nothing_and_is_scraped_filtered_once_up():
     async def go():
         port = free_port()
-        async with contextlib.aclosing(_Client()) as c:
+        async with lean_client() as client:
             reg = _reg(f"http://127.0.0.1:{port}")
             reg.record_scrape(5, 5, 0.5)
-            down = await scrape_once(c.http, reg, LoadScrapeConfig(timeout_s=2.0))
+            down = await scrape_once(client, reg, LoadScrapeConfig(timeout_s=2.0))
             after_down = (reg.scrape_filtered, _load(reg))
             worker = Worker((200, PAGE))
             async with serving(worker, port):
-                up = await scrape_once(c.http, reg, LoadScrapeConfig())
-            gone = await scrape_once(c.http, reg, LoadScrapeConfig(timeout_s=2.0))
+                up = await scrape_once(client, reg, LoadScrapeConfig())
+            gone = await scrape_once(client, reg, LoadScrapeConfig(timeout_s=2.0))
             return down, after_down, up, worker.calls, gone, reg.scrape_filtered, _load(reg)
 
     down, after_down, up, calls, gone, form, load = asyncio.run(go())
@@ -121,19 +121,10 @@ def test_a_worker_not_up_yet_decides_nothing_and_is_scraped_filtered_once_up():
 def test_a_configured_path_with_a_query_is_scraped_as_it_is():
     async def go():
         worker = Worker((200, PAGE))
-        async with serving(worker) as url, contextlib.aclosing(_Client()) as c:
+        async with serving(worker) as url, lean_client() as client:
             reg = _reg(url)
-            ok = await scrape_once(c.http, reg, LoadScrapeConfig(path="/metrics?x=1"))
+            ok = await scrape_once(client, reg, LoadScrapeConfig(path="/metrics?x=1"))
             return ok, reg.scrape_filtered, worker.calls
 
     assert asyncio.run(go()) == (True, None, ["/metrics?x=1"])
 
-
-class _Client:
-    """The gateway's lean client (router.upstream_http), closed by ``aclosing``."""
-
-    def __init__(self) -> None:
-        self.http = UpstreamHTTP()
-
-    async def aclose(self) -> None:
-        await self.http.close()

@@ -13,9 +13,9 @@ import pytest
 
 from conftest import Proc, free_port, kvroute_argv, wait_http
 from router.config.schema import LoadScrapeConfig, WorkerConfig
-from router.upstream_http import UpstreamHTTP
 from router.workers.calls import filtered_path, parse_engine_load, scrape_once
 from router.workers.registry import WorkerRegistration
+from test_shared_probes import lean_client
 
 
 @pytest.fixture(scope="module")
@@ -247,12 +247,9 @@ def test_the_gateways_load_scrape_reads_the_filtered_page_as_vllm_serves_it(sim)
     assert names == {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"}
 
     async def scrape():
-        client = UpstreamHTTP()
-        try:
+        async with lean_client() as client:
             reg = WorkerRegistration(WorkerConfig(id="s", url=sim, model="tiny"))
             return await scrape_once(client, reg, LoadScrapeConfig()), reg
-        finally:
-            await client.close()
 
     ok, reg = asyncio.run(scrape())
     assert ok and reg.scrape_filtered is True
