@@ -6,6 +6,9 @@ VENV_STAMP := $(VENV)/.installed-kvroute-test
 PEERS_STAMP := $(VENV)/.installed-peers
 WORKERS ?= 2
 PORT ?= 8000
+# pytest-xdist workers for `make test`: the e2e package (real vLLM) runs as one group on one worker
+# while the other runs the rest (tests/conftest.py groups them); TEST_WORKERS=0 runs all in-process
+TEST_WORKERS ?= 2
 
 # vLLM (CPU build) lives in its own virtualenv, apart from the gateway's. The end-to-end suite
 # (tests/e2e) runs it through KVR_VLLM_PYTHON: set that to use an existing install, otherwise
@@ -68,7 +71,7 @@ run-vllm: $(VENV_STAMP) install-vllm
 test: install-system $(VENV_STAMP) $(PEERS_STAMP) install-vllm
 	$(KVR_VLLM_PYTHON) -c 'import pytest, pytest_timeout' 2>/dev/null || $(KVR_VLLM_PYTHON) -m pip install -q pytest pytest-timeout
 	$(KVR_VLLM_PYTHON) -m pytest -q -p no:cacheprovider -c tests/torch/pytest.ini tests/torch
-	$(PY) -m pytest -q -p no:cacheprovider tests --ignore=tests/torch
+	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile tests --ignore=tests/torch
 
 # The peer routers `kvroute bench rig` compares with: sglang-router and vllm-router into .venv,
 # smg into .venv-peers-smg (its console script has the same name as sglang-router's).

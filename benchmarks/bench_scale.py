@@ -25,6 +25,7 @@ Per worker count N:
 3. gateway (``--gateway``): ``kvroute serve`` with N workers whose ``events:`` are ZMQ sockets
    of this process (XPUB, vLLM's wire format, no replay socket) and whose HTTP side is one fake
    aiohttp process on N ports (``/health``, a vLLM-shaped ``/metrics`` page with nothing running,
+   ``/metrics/?name[]=...`` restricted to the names asked as vLLM 0.32 answers it,
    ``/v1/completions`` answered at once: the engine is not what is measured). The fill part's
    batches are published as fast as the sockets take them; the gateway's CPU (its process tree,
    user + system) and wall time until ``/admin/index`` shows every batch applied give its ingest
@@ -104,8 +105,16 @@ n_ports = int(sys.argv[1])
 page = open(sys.argv[2]).read()
 async def health(request):
     return web.Response(text="")
+filtered = {}
+def named(line):
+    return line.split(" ")[2] if line.startswith("#") else line.split("{")[0].split(" ")[0]
 async def metrics(request):
     return web.Response(text=page)
+async def metrics_named(request):  # vLLM's mount of prometheus_client's app: its name[] filter
+    names = frozenset(request.query.getall("name[]", []))
+    if names not in filtered:
+        filtered[names] = "".join(line + "\n" for line in page.splitlines() if named(line) in names)
+    return web.Response(text=filtered[names])
 async def completions(request):
     body = await request.json()
     n = len(body.get("prompt", "").split())
@@ -120,6 +129,7 @@ async def main():
         app = web.Application(client_max_size=1 << 28)
         app.router.add_get("/health", health)
         app.router.add_get("/metrics", metrics)
+        app.router.add_get("/metrics/", metrics_named)
         app.router.add_get("/v1/models", models)
         app.router.add_post("/v1/completions", completions)
         runner = web.AppRunner(app, access_log=None)
@@ -254,8 +264,8 @@ async def gateway_phases(streams: scale.EventStreams, socks: list, gw_port: int,
     """With one bound XPUB per worker in ``socks`` (kept open throughout, as a running engine
     keeps its publisher): wait for the gateway's subscriptions, publish the fill part's batches
     as fast as the sockets take them and wait until ``/admin/index`` shows them all applied; then
-    the idle window; then the routed requests. Returns the ``ingest``, ``idle_cpu_ms_per_s`` and
-    ``requests`` figures. Raises RuntimeError when the gateway does not subscribe or apply in
+    the idle window; then the routed requests. Returns the ``ingest``, ``idle_cpu_ms_per_s``,
+    ``load_scrape`` (workers scraped in the filtered form, whole, not yet) and ``requests`` figures. Raises RuntimeError when the gateway does not subscribe or apply in
     time."""
     import zmq
 
@@ -307,6 +317,11 @@ async def gateway_phases(streams: scale.EventStreams, socks: list, gw_port: int,
     cpu1, t1 = tree_cpu_s(gw_pid), time.monotonic()
     idle = (cpu1 - cpu0) / (t1 - t0)
     out["idle_cpu_ms_per_s"] = round(idle * 1e3, 1)
+    async with httpx.AsyncClient() as client:  # which form of /metrics the idle window's scrapes took
+        r = await client.get(f"http://127.0.0.1:{gw_port}/admin/workers", headers={"Authorization": "Bearer bench"},
+                             timeout=30)
+    forms = [(w.get("engine") or {}).get("scrape_filtered") for w in r.json()["workers"]]
+    out["load_scrape"] = {"filtered": forms.count(True), "whole": forms.count(False), "undecided": forms.count(None)}
     # the ingest window less what following the workers (probes, load scrapes) costs anyway
     gi = out["ingest"]
     ingest_cpu = max(1e-9, gi["cpu_s"] - idle * gi["wall_s"])

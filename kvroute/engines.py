@@ -106,7 +106,8 @@ def tier_argv_env(args: argparse.Namespace, i: int, agent_socket: str | None = N
     return ["--kv-transfer-config", json.dumps(cfg)], connector_env()
 
 
-TIER_OPTIONS = ("peer_locate_timeout_ms", "peer_pull_deadline_ms", "peer_pull_min_blocks", "agent_wait_s")
+TIER_OPTIONS = ("peer_locate_timeout_ms", "peer_pull_deadline_ms", "peer_connect_timeout_ms", "peer_pull_min_blocks",
+                "agent_wait_s")
 
 
 def tier_options(pairs: list[str]) -> dict[str, float]:

@@ -25,9 +25,10 @@ connection. Requests (``op``) and answers:
 little-endian uint32
     -> ``{"ok": true, "peer": worker id or null, "blocks": m}``: a peer's agent holds blocks
     ``s .. s + m - 1`` of this prompt (by the cluster index), m <= n.
-``pull`` ``{"op": "pull", "peer": id, "deadline_ms": x, "fingerprint_digest": hex, "stream": true,
-"payload_bytes": 16 x k}`` + k tier keys (``fingerprint_digest``: the asking shard's, absent:
-shard (0, 0); a shard that said no hello: ``ok`` false)
+``pull`` ``{"op": "pull", "peer": id, "deadline_ms": x, "connect_timeout_ms": y, "fingerprint_digest": hex,
+"stream": true, "payload_bytes": 16 x k}`` + k tier keys (``fingerprint_digest``: the asking
+shard's, absent: shard (0, 0); a shard that said no hello: ``ok`` false; ``connect_timeout_ms``:
+the bound on reaching the peer's agent, absent: 1000)
     -> progress frames ``{"blocks": n}`` (no ``"ok"``; n grows, about every MiB) while the
     agent receives the blocks into the shard's *pull area*, then ``{"ok": true, "blocks": j,
     "error": str|null}``: blocks ``0 .. j-1`` lie verified (checksum, key, fingerprint) at
@@ -322,10 +323,12 @@ class AgentLink:
         return self._area[2]
 
     def pull(self, peer: str, keys: list[bytes], fingerprint_digest: bytes, deadline_ms: float,
-             into: memoryview | None = None, on_blocks: Callable[[int], None] | None = None) -> LinkPull:
+             into: memoryview | None = None, on_blocks: Callable[[int], None] | None = None,
+             connect_timeout_ms: float | None = None) -> LinkPull:
         """Have the agent pull ``keys`` (16-byte tier keys, a prefix chain) of this link's shard
         (``fingerprint_digest``, 16 bytes, the one its hello said) from ``peer`` (a worker id
-        from ``locate``) within ``deadline_ms``. Needs an answered worker hello (its
+        from ``locate``) within ``deadline_ms`` (the agent's connect and handshake with the peer
+        within ``connect_timeout_ms``, default 1000). Needs an answered worker hello (its
         ``block_bytes`` sizes the blocks).
 
         The agent receives the blocks into this shard's pull area (:meth:`pull_area`) and says
@@ -347,6 +350,8 @@ class AgentLink:
                                f"{len(keys)} blocks need {len(keys) * bb}", None)
         header = {"op": "pull", "peer": peer, "deadline_ms": deadline_ms, "stream": True,
                   "fingerprint_digest": bytes(fingerprint_digest).hex()}
+        if connect_timeout_ms is not None:
+            header["connect_timeout_ms"] = connect_timeout_ms
         deadline = time.monotonic() + deadline_ms / 1000 + PULL_ANSWER_SLACK_S
         landed, area = 0, None
         try:

@@ -617,6 +617,7 @@ class TierService:
         payload. None as the answer: the link dropped during the pull."""
         peer = header["peer"]
         deadline_s = float(header.get("deadline_ms", 1000)) / 1000
+        connect_timeout_ms = header.get("connect_timeout_ms")
         if len(payload) % KEY_BYTES:
             raise ValueError("keys must be 16 bytes each")
         keys = [bytes(payload[i:i + KEY_BYTES]) for i in range(0, len(payload), KEY_BYTES)]
@@ -661,7 +662,9 @@ class TierService:
             self._pulled_from.add(addr)
             try:
                 result = await self.client.pull(addr, shard.shm.fingerprint_digest, bb, keys,
-                                                max(0.0, end - loop.time()), on_block, into=shard.pull_area)
+                                                max(0.0, end - loop.time()), on_block, into=shard.pull_area,
+                                                connect_timeout_s=None if connect_timeout_ms is None
+                                                else float(connect_timeout_ms) / 1000)
             except _LinkGone:
                 log.info("connector link dropped during a pull from %s", peer)
                 self.breaker.abandon(peer)

@@ -37,6 +37,24 @@ PROCESS_DEADLINE_S = 600  # no process a test starts outlives this
 SESSION_DEADLINE_S = 5400
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """``make test`` runs under pytest-xdist (``-n 2 --dist loadfile``): each module runs whole on
+    one worker (its module fixtures start once), and the e2e package is one unit, so its vLLM
+    servers never run beside each other (vLLM's CPU build binds every server's threads to the
+    same core; ``e2e/conftest.py`` orders that package) and its ``cluster`` starts once. The
+    package comes first in collection order, so one worker takes it while the other runs the
+    rest. (xdist's ``loadgroup`` marks do not group under pytest 9.2, whose node ids xdist 3.8
+    cannot rewrite.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleOrE2E(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "tests/e2e" if module.startswith("tests/e2e/") else module
+
+    return ModuleOrE2E(config, log)
+
+
 def free_port() -> int:
     """One free TCP port on 127.0.0.1 (for a setup that needs several, use :func:`free_ports`)."""
     return free_ports(1)[0]

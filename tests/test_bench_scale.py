@@ -61,5 +61,7 @@ def test_quick_run_reports_what_the_streams_make(tmp_path):
         assert gi["entries"] == d["entries"] and gi["entries_match"]
         assert gi["events_per_cpu_s"] > 0 and gi["rss_bytes_per_entry"] != 0
         assert g["idle_cpu_ms_per_s"] >= 0
+        # the fleet answers vLLM's filtered /metrics form, and the gateway scraped every worker in it
+        assert g["load_scrape"] == {"filtered": r["workers"], "whole": 0, "undecided": 0}
         assert g["requests"]["ok"] == g["requests"]["sent"] > 0 and g["requests"]["cpu_ms_per_request"] > 0
         assert r["largest_cluster_gateway"] > 0

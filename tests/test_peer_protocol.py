@@ -541,6 +541,16 @@ async def test_a_peer_that_does_not_know_the_secret_is_refused_or_silent_peers_t
                 await client.close()
                 server.close()
             assert res.blocks == 0 and res.error.startswith(want), res
+        # a pull's own bound (the connector's peer_connect_timeout_ms, through the agent) wins
+        server = await asyncio.start_server(silent, "127.0.0.1", 0)
+        client = PeerClient(connect_timeout_s=5.0)
+        try:
+            res = await client.pull(f"127.0.0.1:{server.sockets[0].getsockname()[1]}", FPD, 4096, keys, 10,
+                                    Collect(4096), connect_timeout_s=0.2)
+        finally:
+            await client.close()
+            server.close()
+        assert res.blocks == 0 and res.error.startswith("connection: handshake timed out after 0.2 s"), res
 
 
 async def _raw_handshake(port: int):

@@ -31,6 +31,9 @@ class TierSettings:
     unused), and blocks missing locally may be pulled from peers' agents. When it does not answer
     within ``agent_wait_s`` at start, the connector runs its own local tiers as configured above.
     ``peer_pull_deadline_ms``: longest wait for a pull (what has not come by then is recomputed);
+    ``peer_connect_timeout_ms``: longest wait of each of the pull's tries for the peer's agent to
+    connect and answer the handshake (within the deadline; a peer that does not is skipped for a
+    back-off, :class:`offload_agent.tier_service.PeerBreaker`);
     ``peer_locate_timeout_ms``: longest wait for the agent to say which peer holds a prefix (the
     request waits meanwhile, other requests' steps run; past it the blocks are computed); ``peer_pull_min_blocks``: a prompt missing fewer blocks than this
     locally is not looked up (its pull would save less than the lookup costs the engine).
@@ -43,6 +46,7 @@ class TierSettings:
     agent_socket: str | None = None
     agent_wait_s: float = 10.0
     peer_pull_deadline_ms: float = 1000.0
+    peer_connect_timeout_ms: float = 1000.0
     peer_locate_timeout_ms: float = 100.0
     peer_pull_min_blocks: float = 4.0
 
@@ -62,7 +66,7 @@ class TierSettings:
         if ssd_dir is None and ssd_bytes:
             raise ValueError("kv_connector_extra_config.ssd_tier_bytes needs ssd_tier_dir")
         timing = {}
-        for key, default in (("agent_wait_s", 10.0), ("peer_pull_deadline_ms", 1000.0),
+        for key, default in (("agent_wait_s", 10.0), ("peer_pull_deadline_ms", 1000.0), ("peer_connect_timeout_ms", 1000.0),
                              ("peer_locate_timeout_ms", 100.0), ("peer_pull_min_blocks", 4.0)):
             value = extra.get(key, default)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:

@@ -865,7 +865,8 @@ class _AgentPuller:
             left_ms = (give_up - time.monotonic()) * 1000
             if left_ms <= 0:
                 return done, f"deadline: the pull's time ran out between its parts{_tries(retries)}"
-            got = self.link.pull(peer, part, self.digest, left_ms, into[done * bb:(done + len(part)) * bb])
+            got = self.link.pull(peer, part, self.digest, left_ms, into[done * bb:(done + len(part)) * bb],
+                                 connect_timeout_ms=self.settings.peer_connect_timeout_ms)
             done += got.blocks
             if got.blocks < len(part):
                 if not wait or _no_retry(got.error):

@@ -158,8 +158,9 @@ class _Pull:
     """The state of one pull across its requests."""
 
     def __init__(self, addr: str, fingerprint: bytes, block_bytes: int, keys: list[bytes], deadline: float,
-                 on_block: OnBlock, into: memoryview | None) -> None:
+                 on_block: OnBlock, into: memoryview | None, connect_timeout_s: float) -> None:
         self.addr = addr
+        self.connect_timeout_s = connect_timeout_s
         self.fingerprint = fingerprint
         self.block_bytes = block_bytes
         self.keys = keys
@@ -200,7 +201,8 @@ class PeerClient:
 
     # ---- public ----
     async def pull(self, addr: str, fingerprint_digest: bytes, block_bytes: int, keys: list[bytes],
-                   deadline_s: float, on_block: OnBlock, *, into: memoryview | None = None) -> PullResult:
+                   deadline_s: float, on_block: OnBlock, *, into: memoryview | None = None,
+                   connect_timeout_s: float | None = None) -> PullResult:
         """Pull the blocks of ``keys`` (16-byte tier keys, a prefix chain) from the peer at
         ``addr`` (``"host:port"``), stopping at the first missing or bad one or after
         ``deadline_s`` seconds from now.
@@ -208,6 +210,7 @@ class PeerClient:
         ``on_block(i, payload)`` is called for block i in order, only after its checksum, key and
         fingerprint were verified; ``payload`` (``block_bytes`` bytes) is valid only during the
         call; it may return an awaitable, which is awaited (and not cut by the deadline).
+        ``connect_timeout_s``: this pull's bound on connect plus handshake (default: the client's).
         ``into`` (writable, at least ``len(keys) x block_bytes`` bytes): block i is received
         straight into ``into[i x block_bytes:]`` (no copy; ``payload`` is that view, valid after
         the call; the bytes of a block that failed its checksum are left there too). Returns a
@@ -232,7 +235,7 @@ class PeerClient:
         t0 = time.perf_counter()
         link = self._links.setdefault(addr, _Link())
         st = _Pull(addr, bytes(fingerprint_digest), block_bytes, list(keys), loop.time() + deadline_s, on_block,
-                   into)
+                   into, self.connect_timeout_s if connect_timeout_s is None else connect_timeout_s)
         error: str | None = None
         try:
             await self._pull(st, host_port, link)
@@ -283,7 +286,7 @@ class PeerClient:
     async def _connect(self, st: _Pull, host: str, port: int, link: _Link) -> _Conn:
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
-        limit = min(st.deadline, loop.time() + self.connect_timeout_s)
+        limit = min(st.deadline, loop.time() + st.connect_timeout_s)
         try:
             async with asyncio.timeout_at(limit):
                 sock = await self._open_socket(host, port)
@@ -313,7 +316,7 @@ class PeerClient:
     def _timeout_error(self, st: _Pull, what: str) -> _PullError:
         if asyncio.get_running_loop().time() >= st.deadline:
             return _PullError(ERR_DEADLINE, f"{what} at the pull's deadline")
-        return _PullError(ERR_CONNECTION, f"{what} after {self.connect_timeout_s} s ({st.addr})")
+        return _PullError(ERR_CONNECTION, f"{what} after {st.connect_timeout_s} s ({st.addr})")
 
     @staticmethod
     async def _open_socket(host: str, port: int) -> socket.socket:

@@ -57,7 +57,7 @@ PROMPT_TOKENS = 900                 # 28 full blocks (the prefill side saves the
 N = 28
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 # two loaded cores: give the lookup and the pull room (what moves is checked here, not how fast)
-PEER_LIMITS = {"peer_locate_timeout_ms": 5000.0, "peer_pull_deadline_ms": 10000.0}
+PEER_LIMITS = {"peer_locate_timeout_ms": 5000.0, "peer_pull_deadline_ms": 10000.0, "peer_connect_timeout_ms": 5000.0}
 PREFILL_LEG = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                "remote_block_ids": None, "remote_host": None, "remote_port": None}
 MIN_PREFILL_TOKENS = 256
