@@ -19,6 +19,10 @@ in a shuffled order, each with the prompt's keys as fresh ints:
   partition) through redis-py's ``RedisCluster`` pipeline, for comparison with the pre-encoded
   per-node pipelines (no match computed).
 
+``--timed`` names the variants timed (default all four); an untimed ``memory`` is not built (the
+variants' answers are then checked against each other). A gateway holds one index: timed alone,
+the mirror's lookups do not share the caches with two more 4M-entry indexes and a 1 MB fetch.
+
 Prints p50/p99 wall ms per repeat and over all repeats, and writes them with ``--json``.
 
     .venv/bin/python benchmarks/bench_index_cluster.py            # 64, 256, 1,024 workers (a few minutes)
@@ -52,6 +56,9 @@ from kvcore.index.redis_cluster import RedisClusterIndex  # noqa: E402
 from kvcore.index.redis_cluster_mirror import RedisClusterMirrorIndex  # noqa: E402
 from kvcore.kv_events.ingest import write_ops  # noqa: E402
 from kvroute.up import free_ports  # noqa: E402
+
+
+VARIANTS = ("cluster (plain)", "cluster + mirror", "memory", "redis-py RedisCluster (fetch)")
 
 
 def cluster_info(port: int) -> str:
@@ -150,18 +157,20 @@ async def one_size(url: str, workers: int, groups: int, args: argparse.Namespace
     t0 = time.perf_counter()
     await mirror.open()
     bootstrap_s = time.perf_counter() - t0
-    mem = MemoryIndex()
-    await populate_groups(mem, prompt, workers, groups, args.blocks_per_worker)
-    variants = {"cluster (plain)": plain, "cluster + mirror": mirror, "memory": mem}
+    variants = {"cluster (plain)": plain, "cluster + mirror": mirror}
+    if "memory" in args.timed:
+        variants["memory"] = MemoryIndex()
+        await populate_groups(variants["memory"], prompt, workers, groups, args.blocks_per_worker)
     results = {v: await idx.match(prompt) for v, idx in variants.items()}
-    assert all(r == results["memory"] for r in results.values()), "variants disagree"
-    assert len(results["memory"]) == workers
+    assert all(r == results["cluster (plain)"] for r in results.values()), "variants disagree"
+    assert len(results["cluster (plain)"]) == workers
     fetch = RedisPyFetch(url, plain)
     variants["redis-py RedisCluster (fetch)"] = fetch
+    variants = {v: idx for v, idx in variants.items() if v in args.timed}
     shards = {f"{h}:{p}": len(v) for (h, p), v in plain.shard_of_partitions().items()}
     layout = f"{groups} prefix groups" if groups else "each worker its own prefix length"
     print(f"\n{workers} workers x {args.blocks_per_worker} blocks ({layout}), {len(prompt)}-block prompt "
-          f"({len(results['memory'])} "
+          f"({len(results['cluster (plain)'])} "
           f"match); partitions per shard {shards}; populated through the cluster in {populate_s:.1f} s; mirror "
           f"bootstrap {bootstrap_s:.1f} s")
     print(f"  {'variant':30} " + " ".join(f"{'rep' + str(r + 1) + ' p50/p99':>16}" for r in range(args.repeats))
@@ -193,7 +202,8 @@ async def main() -> None:
     ap.add_argument("--shards", type=int, default=3)
     ap.add_argument("--quick", action="store_true",
                     help="8 and 32 workers, own prefix lengths, a 4k-token prompt, 1 repeat of 30 rounds")
-    ap.add_argument("--workers", default="64,256,1024", help="worker counts, comma-separated (one run each)")
+    ap.add_argument("--workers", default=None,
+                    help="worker counts, comma-separated (one run each; default 64,256,1024, quick 8,32)")
     ap.add_argument("--prefix-groups", default="0,8",
                     help="layouts, comma-separated: 0 = every worker its own prefix length, G = G groups of workers")
     ap.add_argument("--blocks-per-worker", type=int, default=4096)
@@ -201,11 +211,17 @@ async def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--timed", default=",".join(VARIANTS),
+                    help=f"variants timed, comma-separated, of: {', '.join(VARIANTS)}")
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = ap.parse_args()
+    args.timed = [v.strip() for v in args.timed.split(",") if v.strip()]
+    if not args.timed or set(args.timed) - set(VARIANTS):
+        ap.error(f"--timed: variants of {', '.join(VARIANTS)}")
     if args.quick:
-        args.workers, args.blocks_per_worker, args.prompt_tokens, args.rounds, args.repeats = "8,32", 512, 4096, 30, 1
+        args.blocks_per_worker, args.prompt_tokens, args.rounds, args.repeats = 512, 4096, 30, 1
         args.prefix_groups = "0"
+    args.workers = args.workers or ("8,32" if args.quick else "64,256,1024")
     procs: list[subprocess.Popen] = []
     url = args.cluster_url
     if url is None:

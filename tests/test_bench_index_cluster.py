@@ -26,3 +26,15 @@ def test_bench_index_cluster_quick_prints_and_writes_every_variant(tmp_path: Pat
         for v in s["variants"].values():
             assert 0 < v["p50_ms"] <= v["p99_ms"] and len(v["repeats_p50_p99_ms"]) == 1
     assert "3-shard Redis Cluster" in run.stdout and "cluster + mirror" in run.stdout
+
+
+def test_timed_picks_the_variants_and_an_unknown_one_is_refused(tmp_path: Path) -> None:
+    out = tmp_path / "mirror.json"
+    bench = [sys.executable, str(REPO / "benchmarks" / "bench_index_cluster.py"), "--quick", "--workers", "8"]
+    run = subprocess.run([*bench, "--timed", "cluster + mirror", "--json", str(out)],
+                         capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    [size] = json.loads(out.read_text())["sizes"]
+    assert size["workers"] == 8 and set(size["variants"]) == {"cluster + mirror"}
+    bad = subprocess.run([*bench, "--timed", "mirror"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert bad.returncode == 2 and "--timed: variants of cluster (plain), cluster + mirror" in bad.stderr
