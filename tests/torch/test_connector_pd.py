@@ -217,9 +217,11 @@ class LateLink:
         self.hello_answer = {"ok": True, "pull_bytes": 64 * BB}
         self.landed = landed
         self.calls: list[list[bytes]] = []
+        self.connect_timeouts_ms: list[float | None] = []
 
-    def pull(self, peer, keys, digest, deadline_ms, into):
+    def pull(self, peer, keys, digest, deadline_ms, into, connect_timeout_ms=None):
         self.calls.append(list(keys))
+        self.connect_timeouts_ms.append(connect_timeout_ms)
         got = 0
         for i, k in enumerate(keys):
             if not self.landed(k):
@@ -229,9 +231,9 @@ class LateLink:
         return LinkPull(got, None, None)
 
 
-def _puller(link, deadline_ms: float) -> vc._AgentPuller:
+def _puller(link, deadline_ms: float, **extra) -> vc._AgentPuller:
     settings = TierSettings.from_extra({"cpu_tier_bytes": 1 << 20, "agent_socket": "/nonexistent",
-                                        "peer_pull_deadline_ms": deadline_ms})
+                                        "peer_pull_deadline_ms": deadline_ms, **extra})
     p = vc._AgentPuller(settings, {"op": "hello", "role": "worker", "block_bytes": BB}, b"d" * 16)
     p.link, p.greeted = link, True
     return p
@@ -242,9 +244,10 @@ def test_a_waiting_pull_asks_again_for_the_tail_until_it_lands():
     t0 = time.monotonic()
     link = LateLink(lambda k: k[0] <= 5 or time.monotonic() - t0 > 0.05)    # blocks 6..8 land after 50 ms
     into = bytearray(len(keys) * BB)
-    assert _puller(link, 5000)("p0", keys, memoryview(into), wait=True) == (8, None)
+    assert _puller(link, 5000, peer_connect_timeout_ms=2500)("p0", keys, memoryview(into), wait=True) == (8, None)
     assert link.calls[0] == keys and all(c == keys[5:] for c in link.calls[1:]) and len(link.calls) >= 2
     assert bytes(into) == b"".join(k[:1] * BB for k in keys)
+    assert set(link.connect_timeouts_ms) == {2500.0}  # each try bounds the agent's connect by the setting
 
 
 def test_a_waiting_pull_gives_up_at_its_deadline_and_a_plain_one_at_once():
@@ -269,7 +272,7 @@ def test_a_waiting_pull_stops_asking_a_peer_its_agent_skips(first):
     breaker = "breaker: peer 'p0' skipped for 1.0 s more after 1 failed pulls in a row"
 
     class DownLink(LateLink):
-        def pull(self, peer, keys, digest, deadline_ms, into):
+        def pull(self, peer, keys, digest, deadline_ms, into, connect_timeout_ms=None):
             self.calls.append(list(keys))
             return LinkPull(0, first if first and len(self.calls) == 1 else breaker, None)
 
@@ -284,11 +287,11 @@ def test_a_waiting_pull_asks_again_after_a_corrupted_transfer():
     keys = [bytes([i]) * 16 for i in range(1, 9)]
 
     class CorruptOnce(LateLink):
-        def pull(self, peer, keys, digest, deadline_ms, into):
+        def pull(self, peer, keys, digest, deadline_ms, into, connect_timeout_ms=None):
             if not self.calls:
                 self.calls.append(list(keys))
                 return LinkPull(2, "checksum: block 2 differs", None)
-            return super().pull(peer, keys, digest, deadline_ms, into)
+            return super().pull(peer, keys, digest, deadline_ms, into, connect_timeout_ms)
 
     link = CorruptOnce(lambda k: True)
     into = bytearray(len(keys) * BB)

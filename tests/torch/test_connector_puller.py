@@ -21,7 +21,7 @@ class FakeLink:
     def call(self, header):
         return {"ok": True}
 
-    def pull(self, peer, keys, digest, deadline_ms, into):
+    def pull(self, peer, keys, digest, deadline_ms, into, connect_timeout_ms=None):
         self.calls.append((list(keys), into.nbytes, deadline_ms))
         got = 0
         for i, k in enumerate(keys):
