@@ -749,3 +749,34 @@ def test_the_breaker_counts_only_failures_that_blame_the_peer() -> None:
     b.abandon("p")
     assert b.allow("p", "h:1") is None
     assert b.allow("p", "h:2") is None and b.state() == {}   # moved: starts afresh
+
+
+def test_a_pull_bounds_the_peer_handshake_by_the_connectors_setting(tmp_path: Path, monkeypatch) -> None:
+    """The pull header's ``connect_timeout_ms`` (the connector's ``peer_connect_timeout_ms``) bounds
+    the agent's connect and handshake with the peer within the pull's deadline: a peer that takes
+    the connection and never answers fails the pull after that bound, not the agent's default."""
+    monkeypatch.setattr(tier_service, "PEERS_TTL_S", 0.0)
+    keys = [bytes([i + 1]) * 16 for i in range(4)]
+
+    async def main():
+        server = PeerServer(HeldSource(keys))
+        gate = Gate(await server.start())
+        gate.answering = False
+        addr = await gate.start()
+        svc = TierService("b", "tiny", BS, tmp_path / "b.sock", tmp_path / "b.shm", 64 * BLOCK_BYTES,
+                          PeerIndex(addr), peer_pull_max_bytes=PULL_BYTES)
+        await svc.start()
+        link = AgentLink(str(tmp_path / "b.sock"), timeout_s=30)
+        try:
+            assert (await asyncio.to_thread(hello, link))["ok"]
+            t0 = time.monotonic()
+            got = await asyncio.to_thread(link.pull, "p", keys, FP.digest(), 20_000, None, None, 300)
+            took = time.monotonic() - t0
+            assert got.blocks == 0 and got.error.startswith("connection: handshake timed out after 0.3 s"), got
+            assert took < 10 and gate.connections == 1
+        finally:
+            link.close()
+            await svc.stop()
+            await gate.close()
+            await server.close()
+    asyncio.run(main())

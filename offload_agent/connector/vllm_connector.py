@@ -537,7 +537,9 @@ class KVRouteTierConnector(KVConnectorBase_V1):
     def _locate_pool(self) -> ThreadPoolExecutor:
         if self._locator is None:
             self._locator = ThreadPoolExecutor(1, thread_name_prefix="kvroute-locate")
-            self._locate_link = AgentLink(self.settings.agent_socket, timeout_s=1.0)
+            # the link waits as long as the scheduler may wait for the answer (peer_locate_timeout_ms)
+            self._locate_link = AgentLink(self.settings.agent_socket,
+                                          timeout_s=max(1.0, self.settings.peer_locate_timeout_ms / 1000))
         return self._locator
 
     def _connect_locate_link(self) -> None:

@@ -304,7 +304,9 @@ P1, P2, P3 = _tokens(11), _tokens(12), _tokens(13)
 # moment; one pull brings 28 of 28 blocks within milliseconds, the other logged "pull of 28 blocks
 # from tp-a: 0 came (connection: handshake timed out after 1.0 s (127.0.0.1:PORT))" or "4 came
 # (deadline: ...)", and vLLM recomputed. With PEER_LIMITS' 5 s both ranks pull all 28 (seen
-# 2026-12-07); a machine loaded past that still gets the xfail below rather than a failure.
+# 2026-12-07). Under the parallel suite's load the lookup before it then missed, silently: B's agent
+# counted the locate (28 blocks) but the connector's link to it gave up after a fixed 1 s; that link
+# now waits peer_locate_timeout_ms. A machine loaded past these still gets the xfail below.
 PULL_STALLS = ("a rank's pull, or the peer lookup before it, missed its deadline: this machine woke the agents "
                "seconds late while B's engine and TP workers polled (module docstring), vLLM recomputes")
 

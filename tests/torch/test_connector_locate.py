@@ -1,6 +1,7 @@
 """The scheduler side's peer lookup (``locate``) over a real Unix socket: the request is asked
 about again (``None``) while the agent has not answered, the answer is taken once it comes, a
-lookup past ``peer_locate_timeout_ms`` gives up (the blocks are computed) and a prefix no peer
+lookup past ``peer_locate_timeout_ms`` gives up (the blocks are computed), one answered late but
+within it is taken, and a prefix no peer
 holds is not asked about again for ``NO_PEER_TTL_S``. The agent here is a stand-in speaking the
 link's frames (:mod:`offload_agent.agent_link`), answering when the test lets it. Runs in vLLM's
 interpreter (the connector imports vLLM)."""
@@ -89,6 +90,19 @@ def test_lookup_is_asked_again_until_the_agent_answers(tmp_path):
     assert (header["op"], header["start_block"], header["max_blocks"]) == ("locate", 2, 6)
     assert tokens == list(range(8 * BLOCK))         # the prompt's tokens up to the last block asked
     assert c.stats["locate_timeouts"] == 0
+
+
+def test_an_answer_after_a_second_is_taken_within_the_locate_timeout(tmp_path):
+    """The link to the agent waits as long as the scheduler may (``peer_locate_timeout_ms``): an
+    agent busy for 1.5 s still names the peer (a 1 s link bound made that "no peer", silently)."""
+    agent = SlowAgent(str(tmp_path / "a.sock"), {"ok": True, "peer": "w0", "blocks": 5})
+    c = _scheduler(str(tmp_path / "a.sock"), timeout_ms=5_000)
+    st = _request(8)
+    t0 = time.monotonic()
+    assert c._locate(st, 2, 8) is None
+    threading.Timer(1.5, agent.go.set).start()
+    assert _until(lambda: c._locate(st, 2, 8)) == ("w0", 5)
+    assert time.monotonic() - t0 >= 1.5 and c.stats["locate_failures"] == 0 and c.stats["locate_timeouts"] == 0
 
 
 def test_a_late_answer_gives_up_and_a_prefix_no_peer_holds_is_not_asked_again(tmp_path, caplog):
