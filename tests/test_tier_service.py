@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import random
@@ -646,6 +647,28 @@ class Gate:
         self._server.close()
 
 
+@contextlib.asynccontextmanager
+async def gated_agent(tmp_path: Path, keys: list[bytes], connect_timeout_s: float | None = None):
+    """Agent "b" (a :class:`TierService` with a link to it) whose one peer "p" is a PeerServer
+    holding ``keys`` behind a :class:`Gate`; yields ``(svc, link, gate, addr)``, all stopped after."""
+    server = PeerServer(HeldSource(keys))
+    gate = Gate(await server.start())
+    addr = await gate.start()
+    svc = TierService("b", "tiny", BS, tmp_path / "b.sock", tmp_path / "b.shm", 64 * BLOCK_BYTES,
+                      PeerIndex(addr), peer_pull_max_bytes=PULL_BYTES)
+    if connect_timeout_s is not None:
+        svc.client.connect_timeout_s = connect_timeout_s
+    await svc.start()
+    link = AgentLink(str(tmp_path / "b.sock"), timeout_s=30)
+    try:
+        yield svc, link, gate, addr
+    finally:
+        link.close()
+        await svc.stop()
+        await gate.close()
+        await server.close()
+
+
 async def until(cond, timeout_s: float = 30.0) -> None:
     end = time.monotonic() + timeout_s
     while not cond():
@@ -665,27 +688,20 @@ def test_a_peer_that_stops_answering_is_skipped_for_a_growing_back_off_then_retr
     keys = [bytes([i + 1]) * 16 for i in range(4)]
 
     async def main():
-        server = PeerServer(HeldSource(keys))
-        gate = Gate(await server.start())
-        addr = await gate.start()
-        svc = TierService("b", "tiny", BS, tmp_path / "b.sock", tmp_path / "b.shm", 64 * BLOCK_BYTES,
-                          PeerIndex(addr), peer_pull_max_bytes=PULL_BYTES)
-        svc.client.connect_timeout_s = 30.0         # the handshake waits for the whole deadline
-        await svc.start()
-        link = AgentLink(str(tmp_path / "b.sock"), timeout_s=30)
-        tokens = list(range(100, 100 + 4 * BS))
-        svc.index.store_sync("p", "cpu", block_keys(tokens, BS, "tiny"))   # the peer holds the prompt
+        # the agent's own connect bound is long: the handshake waits for the whole deadline
+        async with gated_agent(tmp_path, keys, connect_timeout_s=30.0) as (svc, link, gate, addr):
+            tokens = list(range(100, 100 + 4 * BS))
+            svc.index.store_sync("p", "cpu", block_keys(tokens, BS, "tiny"))   # the peer holds the prompt
 
-        def locate() -> dict:
-            return link.call({"op": "locate", "start_block": 0, "max_blocks": 4, "cache_salt": None},
-                             memoryview(array.array("I", tokens)).cast("B"))
+            def locate() -> dict:
+                return link.call({"op": "locate", "start_block": 0, "max_blocks": 4, "cache_salt": None},
+                                 memoryview(array.array("I", tokens)).cast("B"))
 
-        async def pull():
-            t0 = time.monotonic()
-            got = await asyncio.to_thread(link.pull, "p", keys, FP.digest(), deadline_ms)
-            return got, time.monotonic() - t0
+            async def pull():
+                t0 = time.monotonic()
+                got = await asyncio.to_thread(link.pull, "p", keys, FP.digest(), deadline_ms)
+                return got, time.monotonic() - t0
 
-        try:
             assert (await asyncio.to_thread(hello, link))["ok"]
             assert await asyncio.to_thread(locate) == {"ok": True, "peer": "p", "blocks": 4}
             got, _ = await pull()
@@ -725,11 +741,6 @@ def test_a_peer_that_stops_answering_is_skipped_for_a_growing_back_off_then_retr
             assert (got.blocks, got.error) == (4, None)
             assert svc.breaker.state() == {} and svc.counters["breaker_skips"] == 5
             assert await asyncio.to_thread(locate) == {"ok": True, "peer": "p", "blocks": 4}
-        finally:
-            link.close()
-            await svc.stop()
-            await gate.close()
-            await server.close()
     asyncio.run(main())
 
 
@@ -759,24 +770,12 @@ def test_a_pull_bounds_the_peer_handshake_by_the_connectors_setting(tmp_path: Pa
     keys = [bytes([i + 1]) * 16 for i in range(4)]
 
     async def main():
-        server = PeerServer(HeldSource(keys))
-        gate = Gate(await server.start())
-        gate.answering = False
-        addr = await gate.start()
-        svc = TierService("b", "tiny", BS, tmp_path / "b.sock", tmp_path / "b.shm", 64 * BLOCK_BYTES,
-                          PeerIndex(addr), peer_pull_max_bytes=PULL_BYTES)
-        await svc.start()
-        link = AgentLink(str(tmp_path / "b.sock"), timeout_s=30)
-        try:
+        async with gated_agent(tmp_path, keys) as (_svc, link, gate, _addr):
+            gate.answering = False
             assert (await asyncio.to_thread(hello, link))["ok"]
             t0 = time.monotonic()
             got = await asyncio.to_thread(link.pull, "p", keys, FP.digest(), 20_000, None, None, 300)
             took = time.monotonic() - t0
             assert got.blocks == 0 and got.error.startswith("connection: handshake timed out after 0.3 s"), got
             assert took < 10 and gate.connections == 1
-        finally:
-            link.close()
-            await svc.stop()
-            await gate.close()
-            await server.close()
     asyncio.run(main())
