@@ -265,7 +265,8 @@ async def gateway_phases(streams: scale.EventStreams, socks: list, gw_port: int,
     keeps its publisher): wait for the gateway's subscriptions, publish the fill part's batches
     as fast as the sockets take them and wait until ``/admin/index`` shows them all applied; then
     the idle window; then the routed requests. Returns the ``ingest``, ``idle_cpu_ms_per_s``,
-    ``load_scrape`` (workers scraped in the filtered form, whole, not yet) and ``requests`` figures. Raises RuntimeError when the gateway does not subscribe or apply in
+    ``load_scrape`` (workers scraped in the filtered form, whole, not yet) and ``requests``
+    figures. Raises RuntimeError when the gateway does not subscribe or apply in
     time."""
     import zmq
 

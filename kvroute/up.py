@@ -578,8 +578,8 @@ def register(subparsers) -> None:
     p.add_argument("--ssd-tier-bytes", type=int, default=None, help="vllm engine: bytes of SSD tier per worker")
     p.add_argument("--tier-option", action="append", default=[], metavar="KEY=VALUE",
                    help="vllm engine with tiers: a KV connector setting, repeatable: peer_locate_timeout_ms "
-                        "(default 100), peer_pull_deadline_ms (1000), peer_connect_timeout_ms (1000), peer_pull_min_blocks (4), "
-                        "agent_wait_s (10)")
+                        "(default 100), peer_pull_deadline_ms (1000), peer_connect_timeout_ms (1000), "
+                        "peer_pull_min_blocks (4), agent_wait_s (10)")
     p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                    help="LoRA adapters every worker serves beside the model (vLLM's flag and forms: NAME=PATH or "
                         "JSON with name and path); vLLM workers get --enable-lora and --max-loras, the gateway "

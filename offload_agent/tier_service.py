@@ -617,7 +617,7 @@ class TierService:
         payload. None as the answer: the link dropped during the pull."""
         peer = header["peer"]
         deadline_s = float(header.get("deadline_ms", 1000)) / 1000
-        connect_timeout_ms = header.get("connect_timeout_ms")
+        connect_s = float(header["connect_timeout_ms"]) / 1000 if "connect_timeout_ms" in header else None
         if len(payload) % KEY_BYTES:
             raise ValueError("keys must be 16 bytes each")
         keys = [bytes(payload[i:i + KEY_BYTES]) for i in range(0, len(payload), KEY_BYTES)]
@@ -663,8 +663,7 @@ class TierService:
             try:
                 result = await self.client.pull(addr, shard.shm.fingerprint_digest, bb, keys,
                                                 max(0.0, end - loop.time()), on_block, into=shard.pull_area,
-                                                connect_timeout_s=None if connect_timeout_ms is None
-                                                else float(connect_timeout_ms) / 1000)
+                                                connect_timeout_s=connect_s)
             except _LinkGone:
                 log.info("connector link dropped during a pull from %s", peer)
                 self.breaker.abandon(peer)

@@ -175,8 +175,10 @@ def test_connector_settings_for_the_agent(tmp_path: Path) -> None:
                      "peer_pull_deadline_ms": 250}
     st = TierSettings.from_extra(extra)
     assert (st.agent_socket, st.peer_pull_deadline_ms, st.agent_wait_s, st.peer_locate_timeout_ms,
-            st.peer_pull_min_blocks, st.peer_connect_timeout_ms) == (extra["agent_socket"], 250.0, 10.0, 100.0, 4.0, 1000.0)
-    assert TierSettings.from_extra({"cpu_tier_bytes": 1, "peer_connect_timeout_ms": 5000}).peer_connect_timeout_ms == 5000.0
+            st.peer_pull_min_blocks, st.peer_connect_timeout_ms) == (extra["agent_socket"], 250.0, 10.0, 100.0, 4.0,
+                                                                     1000.0)
+    longer = TierSettings.from_extra({"cpu_tier_bytes": 1, "peer_connect_timeout_ms": 5000})
+    assert longer.peer_connect_timeout_ms == 5000.0
     for bad in ({"peer_pull_deadline_ms": -1}, {"agent_wait_s": True}, {"peer_locate_timeout_ms": "x"},
                 {"peer_connect_timeout_ms": -2}, {"agent_socket": 5}):
         with pytest.raises(ValueError, match=next(iter(bad))):

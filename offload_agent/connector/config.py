@@ -66,8 +66,9 @@ class TierSettings:
         if ssd_dir is None and ssd_bytes:
             raise ValueError("kv_connector_extra_config.ssd_tier_bytes needs ssd_tier_dir")
         timing = {}
-        for key, default in (("agent_wait_s", 10.0), ("peer_pull_deadline_ms", 1000.0), ("peer_connect_timeout_ms", 1000.0),
-                             ("peer_locate_timeout_ms", 100.0), ("peer_pull_min_blocks", 4.0)):
+        for key, default in (("agent_wait_s", 10.0), ("peer_pull_deadline_ms", 1000.0),
+                             ("peer_connect_timeout_ms", 1000.0), ("peer_locate_timeout_ms", 100.0),
+                             ("peer_pull_min_blocks", 4.0)):
             value = extra.get(key, default)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise ValueError(f"kv_connector_extra_config.{key} must be a number >= 0, got {value!r}")
