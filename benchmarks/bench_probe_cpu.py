@@ -53,19 +53,14 @@ PERIOD_S = 2.0  # the default health interval, a multiple of the load scrape's: 
 FLEET = r'''
 import asyncio, random, sys
 from aiohttp import web
+from lab.metrics_page import NamedPages
 ports = [int(p) for p in sys.argv[1].split(",")]
 page = open(sys.argv[2]).read()
 event_ports = [int(p) for p in sys.argv[3].split(",")] if len(sys.argv) > 3 and sys.argv[3] else []
 event_rate = float(sys.argv[4]) if len(sys.argv) > 4 else 0.0
 filtered = len(sys.argv) > 5 and sys.argv[5] == "1"
 calls = {"/health": 0, "/metrics": 0}
-pages = {}
-def page_of(names):
-    """The page restricted to metrics ``names``, as prometheus_client's name[] filter answers."""
-    if names not in pages:
-        keep = lambda line: (line.split(" ")[2] if line.startswith("#") else line.split("{")[0].split(" ")[0]) in names
-        pages[names] = "".join(line + "\n" for line in page.splitlines() if keep(line))
-    return pages[names]
+pages = NamedPages(page)
 async def handle(request):
     path = "/metrics" if request.path.startswith("/metrics") else request.path
     calls[path] += 1
@@ -75,7 +70,7 @@ async def handle(request):
         return web.Response(text=page)
     if not filtered:  # an engine without vLLM's mount of prometheus_client's app
         return web.Response(status=404)
-    return web.Response(text=page_of(tuple(sorted(request.query.getall("name[]", [])))))
+    return web.Response(text=pages.of(request.query.getall("name[]", [])))
 async def count(request):
     return web.json_response(calls)
 async def main():
@@ -249,7 +244,7 @@ def main() -> None:
                 log = work / f"fleet-{n}-{filtered}.log"
                 fleet = start([sys.executable, "-c", FLEET, ",".join(map(str, ports)), str(page),
                                ",".join(map(str, event_ports)), str(args.event_rate), "1" if filtered == "yes" else "0"],
-                              log, env={"PYTHONPATH": str(ROOT)})
+                              log, env={"PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "benchmarks")])})
                 try:
                     wait_for(lambda: "ready" in log.read_text(), 120, "the worker fleet")
                     for p in procs:

@@ -101,20 +101,16 @@ INDEXES = {"memory": MemoryIndex, "host": host_index}  # --index name -> () -> K
 FLEET = r'''
 import asyncio, json, sys
 from aiohttp import web
+from lab.metrics_page import NamedPages
 n_ports = int(sys.argv[1])
 page = open(sys.argv[2]).read()
 async def health(request):
     return web.Response(text="")
-filtered = {}
-def named(line):
-    return line.split(" ")[2] if line.startswith("#") else line.split("{")[0].split(" ")[0]
+pages = NamedPages(page)
 async def metrics(request):
     return web.Response(text=page)
 async def metrics_named(request):  # vLLM's mount of prometheus_client's app: its name[] filter
-    names = frozenset(request.query.getall("name[]", []))
-    if names not in filtered:
-        filtered[names] = "".join(line + "\n" for line in page.splitlines() if named(line) in names)
-    return web.Response(text=filtered[names])
+    return web.Response(text=pages.of(request.query.getall("name[]", [])))
 async def completions(request):
     body = await request.json()
     n = len(body.get("prompt", "").split())
@@ -396,7 +392,8 @@ async def measure_gateway(streams: scale.EventStreams, work: Path, texts: list[s
     ctx.set(zmq.MAX_SOCKETS, 4 * n + 64)
     socks = []
     fleet_log = work / f"fleet-{n}.log"
-    fleet = start([sys.executable, "-c", FLEET, str(n), str(page)], fleet_log)
+    fleet = start([sys.executable, "-c", FLEET, str(n), str(page)], fleet_log,
+                  {"PYTHONPATH": str(Path(__file__).resolve().parent)})
     gw = None
     try:
         event_ports = []
