@@ -44,7 +44,10 @@ post-processor's fixed ids around the text's ids (``TemplateProcessing``, ``Bert
 Plain text (a completions prompt without special tokens) has no such cut, so it is encoded whole
 unless it repeats exactly (a verified overlap window would only be a heuristic: the pre-tokenizer's
 regex and BPE merges may look arbitrarily far); a completions prompt that contains special tokens
-is cut like a chat.
+is cut like a chat. Most plain texts are never sent twice, and storing one costs more than its
+lookup (the ids copied into the cache's shared ints, the entry, an eviction), so a plain text is
+stored at its second sighting: the digests of the last :data:`SEEN_ONCE_MAX` plain texts seen once
+are kept, and only a text among them is stored (from its third sighting on it is a hit).
 
 Structure
 ---------
@@ -78,6 +81,7 @@ from typing import Any
 DEFAULT_MAX_TOKENS = 2_000_000
 ENTRY_OVERHEAD_TOKENS = 32  # ~250 bytes measured (map slot, key, entry, tuple header), in 8-byte units
 DEFAULT_MIN_TEXT_CHARS = 512  # shorter texts encode in ~0.05 ms: a lookup would save nothing
+SEEN_ONCE_MAX = 4096  # plain texts remembered (by digest, 16 bytes) until they are seen again
 DEFAULT_MIN_SEGMENT_CHARS = 256
 _KEY_BYTES = 16
 _KNOWN_POST_PROCESSORS = {"TemplateProcessing", "BertProcessing", "RobertaProcessing", "ByteLevel"}
@@ -193,6 +197,7 @@ class PrefixTokenCache:
         self._wrap = special_wrap(backend, raw[0])
         self._ints = list(range(backend.get_vocab_size(with_added_tokens=True)))
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
+        self._seen_once: OrderedDict[bytes, None] = OrderedDict()  # plain texts' digests (docstring)
         self._size_tokens = 0
         self._cached_tokens = 0
         self._lock = threading.Lock()
@@ -231,6 +236,7 @@ class PrefixTokenCache:
         """Drop every entry (the counters stay)."""
         with self._lock:
             self._entries.clear()
+            self._seen_once.clear()
             self._size_tokens = self._cached_tokens = 0
 
     # ---- internals ----------------------------------------------------------------------------
@@ -273,6 +279,8 @@ class PrefixTokenCache:
                 base_i, chain = i, found
                 segments = [entries[k].ids for k in chain]
                 break
+        if base_i < 0 and len(cuts) == 1 and not self._second_sighting(keys[0]):
+            return self._encode([text], False)[0]  # a plain text seen for the first time: not stored
         base_pos = cuts[base_i] if base_i >= 0 else 0
         if base_i >= 0 and base_pos < len(text) and self._straddles(text, base_pos):
             with self._lock:
@@ -327,6 +335,20 @@ class PrefixTokenCache:
                 _, gone = entries.popitem(last=False)
                 self._account(gone, -1)
         return out
+
+    def _second_sighting(self, key: bytes) -> bool:
+        """Whether the plain text of digest ``key`` (not in the cache) was seen once before, and
+        so is to be stored now; otherwise it is remembered and counted as a miss."""
+        with self._lock:
+            seen = self._seen_once
+            if key in seen:
+                del seen[key]
+                return True
+            seen[key] = None
+            if len(seen) > SEEN_ONCE_MAX:
+                seen.popitem(last=False)
+            self._misses += 1
+            return False
 
     def _shared(self, ids: list[int]) -> tuple[int, ...]:
         """``ids`` as a tuple of the shared ``int`` objects of :attr:`_ints` (8 bytes per id held,

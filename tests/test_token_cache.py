@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken, Tokenizer
 
+import kvcore.token_cache as token_cache
 from kvcore.token_cache import ENTRY_OVERHEAD_TOKENS, PrefixTokenCache, UnsupportedTokenizer, encode_ids
 from kvcore.tokenization import PromptTokenizer
 from router.config.schema import ModelConfig
@@ -242,6 +243,37 @@ def test_memory_bound_holds_and_lru_keeps_the_live_chain(tiny_tok):
         assert cache.stats().size_tokens <= bound
     cache.clear()
     assert cache.stats().entries == cache.stats().size_tokens == 0
+
+
+def test_a_plain_text_is_stored_at_its_second_sighting_and_hits_from_its_third(tiny_tok):
+    """A completions prompt without special tokens has no cut: the first sighting encodes it and
+    keeps only its digest, the second stores its ids, the third takes every id from the cache."""
+    cache = PrefixTokenCache(tiny_tok._backend, min_text_chars=0)
+    text = " ".join(f"word{i}" for i in range(300))
+    want = _plain(tiny_tok, text)
+    seen = []
+    for _ in range(3):
+        assert cache.encode(text, False) == want
+        st_ = cache.stats()
+        seen.append((st_.hits, st_.misses, st_.entries, st_.hit_tokens))
+    assert seen == [(0, 1, 0, 0), (0, 2, 1, 0), (1, 2, 1, len(want))]
+    # a chat (cut at its special tokens) is stored at its first sighting, as before
+    chat = tiny_tok.render_chat({"messages": [{"role": "user", "content": text}]})
+    assert cache.encode(chat, False) == _plain(tiny_tok, chat)
+    assert cache.stats().entries > 1
+
+
+def test_plain_texts_seen_once_are_remembered_within_a_bound(tiny_tok, monkeypatch):
+    monkeypatch.setattr(token_cache, "SEEN_ONCE_MAX", 2)
+    cache = PrefixTokenCache(tiny_tok._backend, min_text_chars=0)
+    a, b, c = (f"text {name} " * 40 for name in "abc")
+    for t in (a, b, c, a):  # a was forgotten when c came: its second sighting is a first one again
+        assert cache.encode(t, False) == _plain(tiny_tok, t)
+    assert cache.stats().entries == 0
+    assert cache.encode(c, False) == _plain(tiny_tok, c)  # c is still remembered: stored now
+    assert cache.stats().entries == 1
+    cache.clear()
+    assert cache.encode(a, False) == _plain(tiny_tok, a) and cache.stats().entries == 0
 
 
 def test_zero_bound_caches_nothing(tiny_tok):
