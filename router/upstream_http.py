@@ -296,13 +296,8 @@ class UpstreamResponse:
         if fut is None or fut.done():  # the piping coroutine was cancelled: keep the bytes
             self._sink = self._pipe = None
             return
-        chunks = self._chunks
-        if chunks:
-            if len(chunks) == 1 and not self._paused:  # the common case of _take, inline
-                data = chunks.pop()
-                self._size = 0
-            else:
-                data = self._take()
+        if self._chunks:
+            data = self._take()
             if self._idle_timer is not None:
                 self._idle_until = self._loop.time() + self._idle_s
             try:
