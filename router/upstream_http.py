@@ -212,6 +212,18 @@ class UpstreamResponse:
         if not self._head.done():
             self._head.set_result(None)
 
+    def _on_body(self, data: bytes) -> None:
+        if self._done:
+            return
+        self._chunks.append(data)
+        self._size += len(data)
+        if self._size > HIGH_WATER and not self._paused and self._conn is not None:
+            self._paused = True
+            self._conn.transport.pause_reading()
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
     def _on_message_complete(self, keep_alive: bool) -> None:
         if self._interim:
             self._interim = False
@@ -492,19 +504,9 @@ class _Conn(asyncio.Protocol):
             resp._on_headers_complete(self.parser.get_status_code())
 
     def on_body(self, body: bytes) -> None:
-        # the response's side of a body piece, here rather than in a method of the response: this
-        # runs for every piece of every stream (one call fewer per piece)
         resp = self.resp
-        if resp is None or resp._done:
-            return
-        resp._chunks.append(body)
-        resp._size += len(body)
-        if resp._size > HIGH_WATER and not resp._paused:
-            resp._paused = True
-            self.transport.pause_reading()
-        w = resp._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
+        if resp is not None:
+            resp._on_body(body)
 
     def on_message_complete(self) -> None:
         resp = self.resp

@@ -42,18 +42,13 @@ class DirectWriter:
         c = self._cycle
         return c.response_started and c.chunked_encoding is True and not c.response_complete
 
-    def chunk(self, body: bytes) -> bool:
+    def chunk(self, body: bytes) -> None:
         """``body`` (non-empty) as one chunk of a chunked body, as ``send`` of
         ``{"type": "http.response.body", "body": body, "more_body": True}`` writes it; nothing
-        once the client has gone (or its transport is closing, before uvicorn has heard).
-        Returns ``not self.paused`` after the write: False when the caller should wait for
-        :meth:`drain` before the next chunk (one call per piece where a stream's relay would
-        otherwise make two)."""
+        once the client has gone (or its transport is closing, before uvicorn has heard)."""
         transport = self._transport
-        cycle = self._cycle
-        if not cycle.disconnected and not transport.is_closing():
+        if not self._cycle.disconnected and not transport.is_closing():
             transport.write(b"%x\r\n%s\r\n" % (len(body), body))
-        return not self._flow.write_paused or cycle.disconnected
 
     @property
     def paused(self) -> bool:

@@ -364,34 +364,27 @@ class Upstream:
         idle_s = self.timeouts.stream_idle_s
         writer = writer_for(send)
 
-        first_pending = opening or after_first is not None  # sent() still has work to do
-
         def sent(data: bytes) -> None:
             """``data`` has gone to the client: the first token's bookkeeping, once."""
-            nonlocal opening, after_first, first_pending
+            nonlocal opening, after_first
             if opening and not opening_only(data):
                 opening = False
                 handle.first_byte()
             if after_first is not None and not opening:
                 after_first()
                 after_first = None
-            first_pending = opening or after_first is not None
 
         try:
             try:
                 if writer is not None and writer.chunked:
                     # each socket read of the worker's answer goes on from the connection's own
-                    # callback, as the ASGI loop below would send it; past the first token a piece
-                    # costs this call, the watcher's and the write's
-                    feed = watcher.feed if watcher is not None else None
-                    write_chunk = writer.chunk
-
+                    # callback, as the ASGI loop below would send it
                     def on_data(data: bytes) -> bool:
-                        out = feed(data) if feed is not None else data
-                        go_on = write_chunk(out) if out else not writer.paused
-                        if first_pending:
-                            sent(data)
-                        return go_on
+                        out = watcher.feed(data) if watcher is not None else data
+                        if out:
+                            writer.chunk(out)
+                        sent(data)
+                        return not writer.paused
 
                     go_on = on_data(chunk) if chunk else True
                     while not (go_on and await resp.pipe(on_data, idle_s)):
