@@ -13,6 +13,10 @@ turns (so drift hits both alike):
 
 - ``tokenize path``: the gateway's tokenization step in this process (``router.route.prompt_blocks``: chat
   template, encode, block keys), CPU time (``time.process_time``) per request;
+- ``plain prompts``: completions prompts without special tokens (``--conversations`` x ``--turns``
+  of them, each about ``--tokens`` tokens, none sent twice, as a trace's unique prompts), through
+  the same step: a plain text has no cut, so the cache only pays off when a text comes again, and
+  this says what it costs when none does (it stores a plain text at its second sighting);
 - ``gateway process``: the same bodies sent to two ``kvroute serve`` processes over one simulated
   worker (``kvroute sim``, near-instant), one with ``routing.tokenize_cache_max_tokens: 0``, one
   request at a time; the CPU time each gateway used (``/proc/<pid>/task/*/schedstat``, ns), per
@@ -93,18 +97,28 @@ def interleaved(convs: list[list[dict]]) -> list[tuple[int, dict]]:
     return [(t, c[t]) for t in range(len(convs[0])) for c in convs]
 
 
-def run_tokenize_path(tok: PromptTokenizer, model: ModelConfig, reqs: list[tuple[int, dict]]) -> dict[str, float]:
-    """CPU ms per request of the gateway's tokenization step (mean over all, and the last turn)."""
+def run_tokenize_path(tok: PromptTokenizer, model: ModelConfig, reqs: list[tuple[int, dict]],
+                      kind: str = "chat") -> dict[str, float]:
+    """CPU ms per request of the gateway's tokenization step on ``kind`` bodies (mean over all, and
+    the last turn)."""
     last = max(t for t, _ in reqs)
     all_ms, last_ms = [], []
     for t, body in reqs:
         c0 = time.process_time()
-        _prompt_blocks(tok, model, "chat", body, None)
+        _prompt_blocks(tok, model, kind, body, None)
         ms = (time.process_time() - c0) * 1e3
         all_ms.append(ms)
         if t == last:
             last_ms.append(ms)
     return {"all": statistics.fmean(all_ms), "last": statistics.fmean(last_ms)}
+
+
+def plain_prompts(tok: PromptTokenizer, n: int, tokens: int, seed: int) -> list[dict]:
+    """``n`` completions bodies of about ``tokens`` prompt tokens each, no two alike."""
+    rnd = random.Random(seed)
+    tokens_per_word = len(tok.encode_text(_words(rnd, 1000), False)) / 1000
+    return [{"model": "tiny", "prompt": f"{i}: " + _words(rnd, int(tokens / tokens_per_word)), "max_tokens": 1}
+            for i in range(n)]
 
 
 def process_cpu_s(proc: subprocess.Popen) -> float:
@@ -213,6 +227,18 @@ def main() -> int:
     add_table(fig, "cache", [{"hits": st.hits, "misses": st.misses, "fallbacks": st.fallbacks, "entries": st.entries,
                               "cached_tokens": st.cached_tokens, "size_tokens": st.size_tokens,
                               "max_tokens": st.max_tokens}])
+    plain: dict[str, list[float]] = {"off": [], "on": []}
+    for r in range(args.repeats):
+        bodies = plain_prompts(toks["off"], args.conversations * args.turns, args.tokens, seed=300 + r)
+        for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
+            plain[mode].append(run_tokenize_path(toks[mode], model, [(0, b) for b in bodies], "completion")["all"])
+    ratio = statistics.median(plain["on"]) / statistics.median(plain["off"])
+    print(f"\nplain prompts, each once ({args.conversations * args.turns} completions of ~{args.tokens} tokens), "
+          f"CPU ms per request: cache off {summary(plain['off'])}, on {summary(plain['on'])}, on/off {ratio:.3f}")
+    add_table(fig, "cpu", [{"measurement": "plain prompts", "turns": "each once",
+                            **{f"cache_{m}_cpu_per_request_ms": statistics.median(plain[m]) for m in plain},
+                            **{f"cache_{m}_repeats_ms": list(plain[m]) for m in plain},
+                            "on_off_ratio": ratio, "speedup": 1 / ratio}])
     if args.no_gateway:
         emit(fig, args)
         return 0
