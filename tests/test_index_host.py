@@ -91,6 +91,57 @@ def test_a_block_held_by_many_workers_costs_one_entry(tmp_path):
     assert host.counters()["holder_sets"] == 48  # one set per prefix length, not per key
 
 
+def test_a_prompt_that_changes_holders_at_every_block_answers_as_the_memory_index(tmp_path):
+    # 100 workers, each a different prefix (gpu, then cpu, then ssd), a few with a hole: the
+    # lookup reads the holder sets as one matrix (kvcore.index.chain_rows); with a speculative
+    # entry of this process it walks them one int at a time: the same answers either way
+    clock = Clock()  # freed holder sets come back after their quarantine
+    host = _writer(tmp_path / "index", max_keys=20_000, max_workers=128, max_holder_sets=8192, clock=clock)
+    mem = MemoryIndex(clock=clock)
+    prompt = list(range(1, 301))
+    for w in range(100):
+        clock.now += 1.0
+        g, c, s = 2 * w + 3, w % 7, w % 3
+        for tier, keys in (("gpu", prompt[:g]), ("cpu", prompt[g:g + c]), ("ssd", prompt[g + c:g + c + s])):
+            host.store_sync(f"w{w}", tier, keys)
+            mem.store_sync(f"w{w}", tier, keys)
+        if w % 10 == 9:  # a hole: the block after the tenth is gone
+            assert host.remove_sync(f"w{w}", "gpu", [prompt[10]]) == mem.remove_sync(f"w{w}", "gpu", [prompt[10]])
+    assert host.counters()["dropped_keys"] == 0
+    got = host.match_sync(prompt)
+    assert got == mem.match_sync(prompt)
+    assert got["w5"] == TierMatch(gpu=13, cpu=5, ssd=2)
+    assert got["w19"] == TierMatch(gpu=10)
+    assert host.match_sync(prompt[:150]) == mem.match_sync(prompt[:150])
+    host.store_speculative_sync("w0", prompt[:50], 60.0)
+    mem.store_speculative_sync("w0", prompt[:50], 60.0)
+    spec = host.match_sync(prompt)
+    assert spec == mem.match_sync(prompt)
+    assert spec["w0"] == TierMatch(gpu=50) and {w: m for w, m in spec.items() if w != "w0"} == {
+        w: m for w, m in got.items() if w != "w0"}
+
+
+def test_many_workers_on_a_few_prefixes_answer_as_the_memory_index(tmp_path):
+    # 140 workers (9 words of slots: the matrix path) and three holder changes
+    clock = Clock()
+    host = _writer(tmp_path / "index", max_keys=1_000, max_workers=160, max_holder_sets=64, clock=clock)
+    mem = MemoryIndex(clock=clock)
+    prompt = list(range(1, 101))
+    for w in range(140):
+        clock.now += 1.0  # the sets this worker's stores free are reusable for the next
+        for index in (host, mem):
+            index.store_sync(f"w{w}", "gpu", prompt[:50])
+            if w % 7 == 0:
+                index.store_sync(f"w{w}", "cpu", prompt[50:60])
+            if w == 139:
+                index.store_sync(f"w{w}", "ssd", prompt[50:90])
+    assert host.counters()["dropped_keys"] == 0
+    got = host.match_sync(prompt)
+    assert got == mem.match_sync(prompt)
+    assert len(got) == 140 and got["w1"] == TierMatch(gpu=50)
+    assert got["w7"] == TierMatch(gpu=50, cpu=10) and got["w139"] == TierMatch(gpu=50, ssd=40)
+
+
 def test_duplicate_copies_stay_until_the_last_removal(tmp_path):
     host = _writer(tmp_path / "index", max_keys=100, max_workers=4, max_holder_sets=16)
     host.store_sync("a", "gpu", [7, 8])

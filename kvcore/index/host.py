@@ -77,6 +77,7 @@ from typing import Callable
 import numpy as np
 
 from kvcore.index.base import TIERS, KVIndex, TierMatch, WorkerIndexStats, check_tier
+from kvcore.index.chain_rows import matches_from_runs, run_lengths, scratch
 from kvcore.index.memory import MemoryIndex, drop_extra_copy, gpu_positions, run_chains, tier_matches
 from kvcore.ticks import ticks
 
@@ -92,6 +93,10 @@ MUL = 0x9E3779B97F4A7C15
 _M64 = (1 << 64) - 1
 _STRIDE = 4
 _EMPTY_SET = 1  # the set with no holders (a key on its way out)
+# a lookup reads the holder sets as one matrix (kvcore.index.chain_rows) from this many holder
+# changes along the prompt, or this many 64-bit words of named slots (16 slots each)
+_MANY_CHANGES = 32
+_MANY_WORDS = 8
 _SCALAR_TAIL = 48  # keys left after a probe round that are finished one slot at a time
 
 # header words (uint64 each)
@@ -161,10 +166,13 @@ class HostIndex(KVIndex):
         self._keys_np = np.frombuffer(mm, np.uint64, self.capacity, lay["keys"])
         self._ids_np = np.frombuffer(mm, np.uint32, self.capacity, lay["ids"])
         self._sets_off = lay["sets"]
+        self._sets_np = np.frombuffer(mm, np.uint64, max_holder_sets * self._words, lay["sets"]).reshape(
+            max_holder_sets, self._words)
         self._cap_u64 = np.uint64(self.capacity)
         self._names: dict[int, str] = {}
         self._slots: dict[str, int] = {}
         self._names_version = -1
+        self._named_words = 1
         self._sel_all = sum(1 << (_STRIDE * s) for s in range(max_workers))
         self._now = time.monotonic if clock is None else clock
         self.speculative = MemoryIndex(slot_of=self.slot, clock=self._now)  # this process's own entries
@@ -226,7 +234,7 @@ class HostIndex(KVIndex):
             return
         for view in (self._header, self._counts, self._keys, self._ids, self._used):
             view.release()
-        del self._keys_np, self._ids_np
+        del self._keys_np, self._ids_np, self._sets_np
         try:
             self._mm.close()
         except BufferError:  # a numpy view still alive somewhere; the mapping goes with it
@@ -259,6 +267,7 @@ class HostIndex(KVIndex):
                 names[slot] = raw.rstrip(b"\0").decode("utf-8", "replace")
         self._names = names
         self._slots = {name: slot for slot, name in names.items()}
+        self._named_words = min(self._words, max(names, default=0) // (64 // _STRIDE) + 1)
         self._names_version = version
 
     def slot(self, worker: str) -> int:
@@ -732,11 +741,26 @@ class HostIndex(KVIndex):
     def _snapshot(self, keys: Sequence[int]) -> tuple[np.ndarray, dict[int, int]]:
         """Holder-set ids of ``keys`` and the masks of the sets among them (0 and the empty set
         map to 0)."""
-        arr = np.frombuffer(struct.pack(f"{len(keys)}Q", *keys), np.uint64)
-        ids = self._find_many(arr)
+        ids = self._find_many(np.frombuffer(struct.pack(f"{len(keys)}Q", *keys), np.uint64))
+        return ids, self._masks_of(ids)
+
+    def _masks_of(self, ids: np.ndarray) -> dict[int, int]:
         masks = {sid: self._read_set(sid) for sid in np.unique(ids).tolist() if sid > 1}
         masks[0] = masks[_EMPTY_SET] = 0
-        return ids, masks
+        return masks
+
+    def _match_rows(self, ids: np.ndarray, change: np.ndarray, end: int) -> dict[str, TierMatch]:
+        """:meth:`match_sync` for a run that changes holders at many blocks: the sets read as
+        rows of one matrix straight from the file (:mod:`kvcore.index.chain_rows`), only as many
+        words as the highest named slot needs."""
+        names = self._names_now()
+        words = self._named_words
+        starts = np.concatenate((np.zeros(1, np.int64), change))
+        rows = scratch.get("rows", (starts.size, self._words), np.uint64)
+        np.take(self._sets_np, ids[starts], axis=0, out=rows, mode="clip")  # ids < max_holder_sets
+        if words < self._words:
+            rows = rows[:, :words]
+        return matches_from_runs(run_lengths(rows, starts, end), names)
 
     def _names_now(self) -> dict[int, str]:
         self._refresh_names()
@@ -748,28 +772,39 @@ class HostIndex(KVIndex):
     def match_sync(self, keys: Sequence[int]) -> dict[str, TierMatch]:
         """Per worker, the longest run of ``keys`` from block 0 held in some tier, split by tier
         (:meth:`KVIndex.match`), over the shared entries and this process's speculative ones.
-        The shared part is vectorized: the holder-set ids of all keys in one probe, then the
-        chains visit only the blocks where the ids (or the speculative bits) change."""
+        The holder-set ids of all keys come from one vectorized probe; the run ends at the first
+        block nobody holds. With no speculative entries and many holder changes or many workers,
+        the sets at the changes are read as rows of one matrix (:meth:`_match_rows`); else the
+        chains walk the changes one Python int at a time (and every block, with speculative
+        entries of this process to merge)."""
         if not keys:
             return {}
         spec = self.speculative
         spec.expire_sync()
-        ids, masks = self._snapshot(keys)
+        ids = self._find_many(np.frombuffer(struct.pack(f"{len(keys)}Q", *keys), np.uint64))
         spec_masks = spec._masks
         if spec_masks:
+            masks = self._masks_of(ids)
             get = spec_masks.get
             values = [masks[sid] | get(k, 0) for sid, k in zip(ids.tolist(), keys)]
             v = values[0]
             if not v:
                 return {}
             steps = ((i, values[i] or None) for i in range(1, len(values)))
+            end = len(keys)
         else:
-            v = masks[int(ids[0])]
-            if not v:
+            absent = np.flatnonzero(ids <= _EMPTY_SET)
+            end = int(absent[0]) if absent.size else len(keys)
+            if not end:
                 return {}
-            change = (np.flatnonzero(ids[1:] != ids[:-1]) + 1).tolist()
-            steps = ((i, masks[int(ids[i])] or None) for i in change)
-        drops, alive, end = run_chains(v, steps, len(keys), self._sel_all)
+            change = np.flatnonzero(ids[1:end] != ids[:end - 1]) + 1
+            self._refresh_names()
+            if change.size >= _MANY_CHANGES or self._named_words >= _MANY_WORDS:
+                return self._match_rows(ids, change, end)
+            masks = self._masks_of(ids[np.concatenate((np.zeros(1, np.int64), change))])
+            v = masks[int(ids[0])]
+            steps = ((i, masks[int(ids[i])]) for i in change.tolist())
+        drops, alive, end = run_chains(v, steps, end, self._sel_all)
         return tier_matches(drops, alive, end, self._names_now(), _STRIDE)
 
     async def gpu_holders(self, keys: Sequence[int]) -> dict[str, int]:

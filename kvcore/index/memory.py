@@ -34,6 +34,7 @@ from itertools import repeat
 import numpy as np
 
 from kvcore.index.base import TIERS, KVIndex, TierMatch, WorkerIndexStats, check_tier
+from kvcore.index.chain_rows import matches_from_runs
 
 _SPEC = 3  # bit of a slot's nibble for speculative entries (after gpu, cpu, ssd)
 _STRIDE = 4  # bits per slot in a key's int
@@ -604,17 +605,7 @@ def _tier_matches_many(drops: Sequence[tuple[int, int, int, int]], alive: tuple[
         cols = np.flatnonzero(matrix.any(0))
         lengths = np.array([n for _, n in rows], np.int64)
         runs[chain, cols] = lengths[matrix[:, cols].argmax(0)]
-    held = np.flatnonzero(runs[2])
-    g = runs[0, held]
-    gc = np.maximum(runs[1, held], g)
-    # workers share a few splits: one frozen TierMatch per (gpu, cpu, ssd), found as one int each
-    code = (g << 42) | ((gc - g) << 21) | (runs[2, held] - gc)  # run lengths < 2**21 blocks
-    kinds, which = np.unique(code, return_inverse=True)
-    mask = (1 << 21) - 1
-    shared = [TierMatch(k >> 42, (k >> 21) & mask, k & mask) for k in kinds.tolist()]
-    out = dict(zip(map(names.get, held.tolist()), [shared[i] for i in which.tolist()]))
-    out.pop(None, None)  # slots without a name
-    return out  # type: ignore[return-value]
+    return matches_from_runs(runs, names)
 
 
 def _record(lengths: dict[int, int], bits: int, length: int) -> None:
