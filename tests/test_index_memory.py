@@ -219,3 +219,52 @@ def test_tier_matches_for_hundreds_of_workers_equal_the_one_by_one_path(monkeypa
         monkeypatch.undo()
         assert many == one_by_one
         assert len(many) == len(names)
+
+
+def _brute_match(held: dict[tuple[str, int], set[str]], workers: list[str], prompt: list[int]) -> dict[str, TierMatch]:
+    """Per worker, block by block from block 0: the gpu run (gpu or speculative), the gpu|cpu
+    run and the any-tier run, split as TierMatch."""
+    out = {}
+    for w in workers:
+        runs = []
+        for tiers in ({"gpu", "spec"}, {"gpu", "cpu", "spec"}, {"gpu", "cpu", "ssd", "spec"}):
+            n = 0
+            while n < len(prompt) and held.get((w, prompt[n]), set()) & tiers:
+                n += 1
+            runs.append(n)
+        g, gc, total = runs[0], max(runs[1], runs[0]), runs[2]
+        if total:
+            out[w] = TierMatch(g, gc - g, total - gc)
+    return out
+
+
+@pytest.mark.parametrize("workers,seed", [(12, 1), (40, 2), (150, 3), (150, 4)])
+def test_long_prompts_with_many_holder_changes_match_the_block_by_block_answer(workers, seed):
+    """Prompts of 64 blocks and more go through the matrix of holder rows when holders change
+    often or workers are many (kvcore.index.chain_rows); holes, tiers and speculative entries
+    included, the answer is the one a block-by-block walk gives."""
+    rnd = random.Random(seed)
+    clock = Clock()
+    index = MemoryIndex(clock=clock)
+    names = [f"w{i}" for i in range(workers)]
+    prompt = [rnd.getrandbits(64) for _ in range(rnd.choice((64, 200, 700)))]
+    held: dict[tuple[str, int], set[str]] = {}
+    for w in names:
+        n = rnd.randrange(len(prompt) + 1)
+        cut = sorted(rnd.sample(range(n + 1), 2)) if n else [0, 0]
+        for tier, keys in (("gpu", prompt[:cut[0]]), ("cpu", prompt[cut[0]:cut[1]]), ("ssd", prompt[cut[1]:n])):
+            index.store_sync(w, tier, keys)
+            for k in keys:
+                held.setdefault((w, k), set()).add(tier)
+        if n > 3 and rnd.random() < 0.3:  # a hole
+            k = prompt[rnd.randrange(n)]
+            for tier in list(held[(w, k)]):
+                index.remove_sync(w, tier, [k])
+            held[(w, k)] = set()
+        if rnd.random() < 0.1:
+            spec = prompt[:rnd.randrange(1, len(prompt))]
+            index.store_speculative_sync(w, spec, 30.0)
+            for k in spec:
+                held.setdefault((w, k), set()).add("spec")
+    assert index.match_sync(prompt) == _brute_match(held, names, prompt)
+    assert index.match_sync(prompt[:70]) == _brute_match(held, names, prompt[:70])

@@ -29,17 +29,24 @@ import heapq
 import time
 import struct
 from collections.abc import Callable, Iterable, Iterator, KeysView, Sequence
-from itertools import repeat
+from itertools import compress, repeat
+from operator import ne
 
 import numpy as np
 
 from kvcore.index.base import TIERS, KVIndex, TierMatch, WorkerIndexStats, check_tier
-from kvcore.index.chain_rows import matches_from_runs
+from kvcore.index.chain_rows import matches_from_runs, run_lengths
 
 _SPEC = 3  # bit of a slot's nibble for speculative entries (after gpu, cpu, ssd)
 _STRIDE = 4  # bits per slot in a key's int
 _FEW_BITS = 16  # _record peels off at most this many bits one by one
 _MANY_WORKERS = 64  # tier_matches goes through numpy beyond this many workers and drops
+# match_sync reads a prompt of at least _ROWS_MIN_BLOCKS blocks as rows of one matrix
+# (kvcore.index.chain_rows) when its holders change at _MANY_CHANGES blocks or more, or its
+# entries are wider than _NARROW_BITS bits (more than 128 worker slots)
+_ROWS_MIN_BLOCKS = 64
+_MANY_CHANGES = 32
+_NARROW_BITS = 4 * 128
 
 
 class MemoryIndex(KVIndex):
@@ -401,7 +408,10 @@ class MemoryIndex(KVIndex):
         """Synchronous :meth:`match`. Three running ANDs of worker bits (at position ``4*slot``)
         from block 0: gpu (+speculative), gpu|cpu, and any tier; a worker's run in a chain ends
         where its bit drops out. One pass that stops at the first block no worker holds; a block
-        that every still-running worker holds in gpu costs one AND and a compare.
+        that every still-running worker holds in gpu costs one AND and a compare. A prompt of
+        :data:`_ROWS_MIN_BLOCKS` blocks or more whose holders change at many blocks, or whose
+        entries span more than 128 slots, goes instead as rows of one matrix, one row per change
+        (:mod:`kvcore.index.chain_rows`).
 
         ``hidden``: entry bits to ignore (from :meth:`confirmed_bits`), e.g. the confirmed tiers of
         workers whose agent's heartbeat expired (:class:`kvcore.index.redis_mirror.RedisMirrorIndex`);
@@ -414,16 +424,38 @@ class MemoryIndex(KVIndex):
         v = get(keys[0])
         if v is None:
             return {}
-        values = map(get, keys[1:])
         if hidden:
             keep = ~hidden
             v &= keep
             if not v:
                 return {}
-            values = (None if x is None else x & keep for x in values)
-        drops, alive, end = run_chains(v, enumerate(values, 1), len(keys), self._gpu_sel)
-        names = {slot: name for name, slot in self._slots.items()}
-        return tier_matches(drops, alive, end, names, _STRIDE)
+        if len(keys) < _ROWS_MIN_BLOCKS:
+            values = map(get, keys[1:])
+            if hidden:
+                values = (None if x is None else x & keep for x in values)
+            drops, alive, end = run_chains(v, enumerate(values, 1), len(keys), self._gpu_sel)
+            return tier_matches(drops, alive, end, self._names(), _STRIDE)
+        held = list(map(get, keys))
+        if hidden:
+            held = [None if x is None else x & keep or None for x in held]
+        try:
+            end = held.index(None)
+        except ValueError:
+            end = len(held)
+        change = list(compress(range(1, end), map(ne, held, held[1:end])))
+        width = self._gpu_sel.bit_length() + _STRIDE - 1  # entries hold no bits past the last slot
+        if len(change) < _MANY_CHANGES and width <= _NARROW_BITS:
+            drops, alive, end = run_chains(v, ((i, held[i]) for i in change), end, self._gpu_sel)
+            return tier_matches(drops, alive, end, self._names(), _STRIDE)
+        # many holder changes or many workers: the values at the changes as rows of one matrix
+        starts = [0] + change
+        nbytes = -(-width // 64) * 8
+        raw = b"".join([held[i].to_bytes(nbytes, "little") for i in starts])
+        rows = np.frombuffer(raw, np.uint64).reshape(len(starts), nbytes // 8)
+        return matches_from_runs(run_lengths(rows, np.array(starts, np.int64), end), self._names())
+
+    def _names(self) -> dict[int, str]:
+        return {slot: name for name, slot in self._slots.items()}
 
     async def gpu_holders(self, keys: Sequence[int]) -> dict[str, int]:
         return self.gpu_holders_sync(keys)
