@@ -238,33 +238,48 @@ def _brute_match(held: dict[tuple[str, int], set[str]], workers: list[str], prom
     return out
 
 
-@pytest.mark.parametrize("workers,seed", [(12, 1), (40, 2), (150, 3), (150, 4)])
-def test_long_prompts_with_many_holder_changes_match_the_block_by_block_answer(workers, seed):
-    """Prompts of 64 blocks and more go through the matrix of holder rows when holders change
-    often or workers are many (kvcore.index.chain_rows); holes, tiers and speculative entries
-    included, the answer is the one a block-by-block walk gives."""
+def _holder_ops(workers: int, seed: int, speculative: bool):
+    """A random cluster's writes over one long prompt: each worker a prefix split gpu / cpu /
+    ssd, some with a hole, some (``speculative``) with speculative entries. Returns (prompt,
+    worker names, ops as (method, args), what each worker holds per key)."""
     rnd = random.Random(seed)
-    clock = Clock()
-    index = MemoryIndex(clock=clock)
     names = [f"w{i}" for i in range(workers)]
-    prompt = [rnd.getrandbits(64) for _ in range(rnd.choice((64, 200, 700)))]
+    prompt = [rnd.getrandbits(63) for _ in range(rnd.choice((64, 200, 700)))]
     held: dict[tuple[str, int], set[str]] = {}
+    ops: list[tuple[str, tuple]] = []
     for w in names:
         n = rnd.randrange(len(prompt) + 1)
         cut = sorted(rnd.sample(range(n + 1), 2)) if n else [0, 0]
         for tier, keys in (("gpu", prompt[:cut[0]]), ("cpu", prompt[cut[0]:cut[1]]), ("ssd", prompt[cut[1]:n])):
-            index.store_sync(w, tier, keys)
+            if keys:
+                ops.append(("store", (w, tier, keys)))
             for k in keys:
                 held.setdefault((w, k), set()).add(tier)
         if n > 3 and rnd.random() < 0.3:  # a hole
             k = prompt[rnd.randrange(n)]
-            for tier in list(held[(w, k)]):
-                index.remove_sync(w, tier, [k])
+            for tier in sorted(held[(w, k)]):
+                ops.append(("remove", (w, tier, [k])))
             held[(w, k)] = set()
-        if rnd.random() < 0.1:
+        if speculative and rnd.random() < 0.1:
             spec = prompt[:rnd.randrange(1, len(prompt))]
-            index.store_speculative_sync(w, spec, 30.0)
+            ops.append(("store_speculative", (w, spec, 30.0)))
             for k in spec:
                 held.setdefault((w, k), set()).add("spec")
-    assert index.match_sync(prompt) == _brute_match(held, names, prompt)
-    assert index.match_sync(prompt[:70]) == _brute_match(held, names, prompt[:70])
+    return prompt, names, ops, held
+
+
+@pytest.mark.parametrize("workers,seed", [(12, 1), (40, 2), (150, 3), (150, 4)])
+async def test_long_prompts_with_many_holder_changes_match_the_block_by_block_answer(index, workers, seed):
+    """Prompts of 64 blocks and more go through the matrix of holder rows when holders change
+    often or workers are many (kvcore.index.chain_rows); holes, tiers and speculative entries
+    included, the answer is the one a block-by-block walk gives, on both backends."""
+    for speculative in (False, True):
+        prompt, names, ops, held = _holder_ops(workers, seed, speculative)
+        names = [f"{w}-{speculative}" for w in names]  # a fresh set of workers per round
+        held = {(f"{w}-{speculative}", k): t for (w, k), t in held.items()}
+        for method, (w, *rest) in ops:
+            await getattr(index, method)(f"{w}-{speculative}", *rest)
+        assert await index.match(prompt) == _brute_match(held, names, prompt)
+        assert await index.match(prompt[:70]) == _brute_match(held, names, prompt[:70])
+        for w in names:
+            await index.clear_worker(w)

@@ -46,6 +46,24 @@ async def test_heartbeat_ttl_expiry_stops_a_worker_counting(rindex):
     assert (await rindex.match(K))["dead"] == TierMatch(10, 0, 0)
 
 
+async def test_an_expired_worker_drops_out_of_a_long_prompt_with_many_holder_changes(rindex):
+    # 40 live workers, each its own prefix length (the matrix path: kvcore.index.chain_rows),
+    # and one whose heartbeat lapses while it holds the whole prompt, past every live prefix
+    prompt = list(range(1000, 1100))
+    await rindex.store("dead", "gpu", prompt)
+    for w in range(40):
+        await rindex.store(f"w{w}", "gpu", prompt[:w + 10])
+        await rindex.store(f"w{w}", "ssd", prompt[w + 10:w + 12])
+    assert (await rindex.match(prompt))["dead"] == TierMatch(100, 0, 0)
+
+    async def dead_expired() -> bool:
+        for w in range(40):
+            await rindex.heartbeat(f"w{w}")
+        return "dead" not in await rindex.match(prompt)
+    await until(dead_expired, timeout_s=5, what='"dead" expired')
+    assert await rindex.match(prompt) == {f"w{w}": TierMatch(w + 10, 0, 2) for w in range(40)}
+
+
 async def test_published_marker_tells_the_agent_to_republish(rindex):
     assert await rindex.heartbeat("w", mark_published=True) is False
     assert await rindex.heartbeat("w") is True

@@ -97,6 +97,7 @@ from itertools import compress, islice
 from operator import ne
 from typing import Any, TypeVar
 
+import numpy as np
 import redis.asyncio as aioredis
 import redis.exceptions
 from redis.asyncio.retry import Retry
@@ -106,6 +107,7 @@ from redis.commands.core import AsyncScript
 from kvcore.block_keys import ENCODING_VERSION
 from kvcore.index.base import TIERS, KVIndex, TierMatch, WorkerIndexStats, check_tier
 from kvcore.index.errors import IndexEncodingMismatch, IndexLayoutMismatch, IndexUnavailable
+from kvcore.index.chain_rows import matches_from_runs, run_lengths
 from kvcore.index.memory import tier_matches
 from kvcore.index.redis_scripts import LOG, SLOT_OF, SPECULATIVE_LUA, apply_body, clear_body
 
@@ -183,6 +185,32 @@ return {t[1] .. '.' .. string.format('%06d', tonumber(t[2])), out}
 # Redis SETBIT numbers bits from the most significant bit of each byte; reversing the bits of every
 # byte makes offset o bit o of a little-endian int.
 _REV_BITS = bytes(int(f"{b:08b}"[::-1], 2) for b in range(256))
+_REV_BITS_NP = np.frombuffer(_REV_BITS, np.uint8)
+# a lookup goes through the matrix of holder rows (kvcore.index.chain_rows) from this many
+# distinct bitmaps along the prompt, or past this many worker slots
+_MANY_CHANGES = 32
+_MANY_SLOTS = 128
+
+
+def _match_rows(bitmaps: list[bytes], starts: list[int], count: int, alive_mask: int,
+                names: dict[int, str]) -> dict[str, TierMatch]:
+    """:meth:`RedisIndex.match` without speculative entries, as one matrix: ``bitmaps[r]`` (Redis
+    bit order: bit ``4*slot + tier`` is the byte's most significant bit first) holds for blocks
+    ``starts[r]`` up to the next start, ``count`` blocks in all; ``alive_mask`` keeps the tiers of
+    workers with a live heartbeat. The run ends at the first row no live worker holds."""
+    width = max(max(map(len, bitmaps)), -(-alive_mask.bit_length() // 8))
+    row_bytes = -(-width // 8) * 8
+    raw = np.frombuffer(b"".join([b.ljust(row_bytes, b"\0") for b in bitmaps]), np.uint8)
+    rows = _REV_BITS_NP[raw].view("<u8").reshape(len(bitmaps), row_bytes // 8)
+    rows &= np.frombuffer(alive_mask.to_bytes(row_bytes, "little"), "<u8")
+    empty = np.flatnonzero(~rows.any(axis=1))
+    end = count
+    if empty.size:
+        if not empty[0]:
+            return {}
+        end = starts[int(empty[0])]
+        rows = rows[:empty[0]]
+    return matches_from_runs(run_lengths(rows, np.array(starts[:len(rows)], np.int64), end), names)
 _CONNECTION_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 _CLEAR_BATCH = 2000
 DEFAULT_STREAM_MAXLEN = 100_000  # change-log entries kept (about; see the module docstring)
@@ -590,6 +618,8 @@ class RedisIndex(KVIndex):
                         spec_slots[w] = s if s is not None else len(self._names) + len(spec_slots)
             names = dict(names)
             names.update({s: w for w, s in spec_slots.items()})
+        if not spec_reach and count and (len(starts) >= _MANY_CHANGES or len(flags) > _MANY_SLOTS):
+            return _match_rows(bitmaps, starts, count, alive_mask, names)
         n_rows = max(count, spec_reach)
         # Rows only change where a bitmap changes or speculative bits apply; visit just those.
         points = sorted(set(starts) | set(range(spec_reach + 1))) if spec_reach else starts
