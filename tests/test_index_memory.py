@@ -283,3 +283,29 @@ async def test_long_prompts_with_many_holder_changes_match_the_block_by_block_an
         assert await index.match(prompt[:70]) == _brute_match(held, names, prompt[:70])
         for w in names:
             await index.clear_worker(w)
+
+
+def test_past_64_slots_keys_with_the_same_holders_share_one_mask_and_unheld_masks_are_swept():
+    index = MemoryIndex()
+    for w in range(100):  # slots 0..99: masks up to 400 bits wide
+        index.store_sync(f"w{w}", "gpu", [10_000 + w])
+    prompt = list(range(1, 301))
+    for w in (3, 70, 99):
+        index.store_sync(f"w{w}", "gpu", prompt)
+    index.store_sync("w99", "cpu", prompt[:10])
+    masks = index._masks
+    assert all(masks[k] is masks[prompt[10]] for k in prompt[10:])
+    assert all(masks[k] is masks[prompt[0]] for k in prompt[:10])
+    assert masks[prompt[0]] is not masks[prompt[10]]
+    # churn: 12,000 holder sets of one key, each a value no key keeps once it is gone
+    for i in range(12_000):
+        holders = [f"w{64 + j}" for j in range(14) if i >> j & 1]
+        for w in holders:
+            index.store_sync(w, "ssd", [7])
+        for w in holders:
+            index.remove_sync(w, "ssd", [7])
+    assert index.match_sync(prompt) == {"w3": TierMatch(300), "w70": TierMatch(300), "w99": TierMatch(300)}
+    live = {id(v) for v in masks.values()}
+    assert len(live) == 100 + 2  # one value per single-holder key, two for the prompt
+    assert all(index._shared[v] is v for v in masks.values() if v.bit_length() > 256)
+    assert len(index._shared) < 2 * len(live) + 4096 + 1  # swept when it doubled

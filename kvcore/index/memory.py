@@ -17,7 +17,10 @@ Layout and memory:
   happens (vLLM duplicates are rare), so the common case stores no counter at all.
 
 Memory: per (block, worker) entry, a dict entry, an int key and an int value (4 bits per worker
-slot, so it grows with the worker count), plus the entry in ``_owned``. Each further worker
+slot, so it grows with the worker count), plus the entry in ``_owned``. Past 64 slots the int
+values are shared: every mask value is one object (``_shared``) that all keys with that value
+hold, so a key costs its dict entries whatever the mask's width, and a lookup finds equal
+neighbours by identity; values no key holds any longer are swept when the table has doubled. Each further worker
 holding the same key adds an ``_owned`` entry. The dicts in ``_owned`` take a few bytes per entry
 more than sets would, the price of never being walked by the GC (bytes per entry, measured:
 docs/tuning/memory_index.md). ``max_keys`` bounds the distinct keys: beyond it new keys are not
@@ -26,8 +29,9 @@ indexed (the index may under-report, never over-report) and ``dropped_keys`` cou
 from __future__ import annotations
 
 import heapq
-import time
 import struct
+import sys
+import time
 from collections.abc import Callable, Iterable, Iterator, KeysView, Sequence
 from itertools import compress, repeat
 from operator import ne
@@ -45,6 +49,10 @@ _MANY_WORKERS = 64  # tier_matches goes through numpy beyond this many workers a
 # (kvcore.index.chain_rows) when its holders change at _MANY_CHANGES blocks or more, or its
 # entries are wider than _NARROW_BITS bits (more than 128 worker slots)
 _ROWS_MIN_BLOCKS = 64
+# past 64 worker slots (masks wider than 256 bits) every mask value is one object that all keys
+# with that value hold (MemoryIndex._share); unheld ones are swept once the table has doubled
+_SHARED_FROM_BITS = 256
+_SWEEP_MIN = 4096
 _MANY_CHANGES = 32
 _NARROW_BITS = 4 * 128
 
@@ -71,6 +79,8 @@ class MemoryIndex(KVIndex):
         self._spec_calls = 0
         self._gpu_sel = 0  # bit 4*s for every slot s below the highest one handed out
         self.dropped_keys = 0
+        self._shared: dict[int, int] = {}  # mask value -> the one object keys with it hold
+        self._shared_kept = 0  # len(_shared) after the last sweep
 
     # ---- slots --------------------------------------------------------------------------------
     def _slot(self, worker: str) -> int:
@@ -85,6 +95,30 @@ class MemoryIndex(KVIndex):
             self._gpu_sel |= 1 << (_STRIDE * slot)
         return slot
 
+    def _sharing(self) -> Callable[[int], int] | None:
+        """:meth:`_share` once some slot is past the 64th (masks can be wide), else None."""
+        return self._share if self._gpu_sel >> _SHARED_FROM_BITS else None
+
+    def _share(self, v: int) -> int:
+        """The one object of mask value ``v``: every key with that value holds it, so memory per
+        key does not grow with the mask's width and a lookup's equal neighbours compare by
+        identity. Sweeps the values no key holds any longer when the table has doubled."""
+        shared = self._shared
+        one = shared.get(v)
+        if one is None:
+            if len(shared) >= 2 * self._shared_kept + _SWEEP_MIN:
+                self._sweep_shared()
+            shared[v] = one = v
+        return one
+
+    def _sweep_shared(self) -> None:
+        """Drop the shared values only the table itself references (CPython's reference count,
+        measured against a value known to be held by the table alone: :data:`_TABLE_ONLY_REFS`)."""
+        shared = self._shared
+        for v in [v for v, refs in _reference_counts(shared) if refs <= _TABLE_ONLY_REFS]:
+            del shared[v]
+        self._shared_kept = len(shared)
+
     # ---- writes -------------------------------------------------------------------------------
     async def store(self, worker: str, tier: str, keys: Sequence[int]) -> None:
         self.store_sync(worker, tier, keys)
@@ -97,6 +131,7 @@ class MemoryIndex(KVIndex):
         bit = 1 << (_STRIDE * slot + t)
         owned = self._owned[slot][t]
         masks = self._masks
+        share = self._sharing()
         for key in keys:
             v = masks.get(key)
             if v is None:
@@ -108,7 +143,7 @@ class MemoryIndex(KVIndex):
                 ref = (key, slot, t)
                 self._extra_refs[ref] = self._extra_refs.get(ref, 1) + 1
             else:
-                masks[key] = v | bit
+                masks[key] = share(v | bit) if share else v | bit
                 owned[key] = None
 
     async def remove(self, worker: str, tier: str, keys: Sequence[int]) -> int:
@@ -126,6 +161,7 @@ class MemoryIndex(KVIndex):
         owned = self._owned[slot][t]
         masks = self._masks
         extra = self._extra_refs
+        share = self._sharing()
         missing = 0
         for key in keys:
             v = masks.get(key)
@@ -137,7 +173,7 @@ class MemoryIndex(KVIndex):
             owned.pop(key, None)
             v ^= bit
             if v:
-                masks[key] = v
+                masks[key] = share(v) if share else v
             else:
                 del masks[key]
         return missing
@@ -152,6 +188,7 @@ class MemoryIndex(KVIndex):
             return
         positions = [check_tier(tier)] if tier is not None else [0, 1, 2, _SPEC]
         masks = self._masks
+        share = self._sharing()
         for t in positions:
             keep = ~(1 << (_STRIDE * slot + t))
             for key in self._owned[slot][t]:
@@ -160,7 +197,7 @@ class MemoryIndex(KVIndex):
                     continue
                 v &= keep
                 if v:
-                    masks[key] = v
+                    masks[key] = share(v) if share else v
                 else:
                     del masks[key]
             self._owned[slot][t].clear()
@@ -188,6 +225,7 @@ class MemoryIndex(KVIndex):
         spec = self._owned[slot][_SPEC]
         masks = self._masks
         get = masks.get
+        share = self._sharing()
         expiry = now + ttl_s
         for key in keys:
             v = get(key)
@@ -195,9 +233,9 @@ class MemoryIndex(KVIndex):
                 if len(masks) >= self.max_keys:
                     self.dropped_keys += 1
                     continue
-                masks[key] = bit
+                masks[key] = share(bit) if share else bit
             elif not v & bit:
-                masks[key] = v | bit
+                masks[key] = share(v | bit) if share else v | bit
             spec[key] = expiry
         self._spec_calls += 1
         batch = keys if isinstance(keys, tuple) else tuple(keys)
@@ -207,6 +245,7 @@ class MemoryIndex(KVIndex):
         """Clear ``slot``'s speculative bit of each key (its heap entries then expire as stale)."""
         spec = self._owned[slot][_SPEC]
         bit = 1 << (_STRIDE * slot + _SPEC)
+        share = self._sharing()
         for key in keys:
             if spec.pop(key, None) is None:
                 continue
@@ -214,7 +253,7 @@ class MemoryIndex(KVIndex):
             if v is not None:
                 v &= ~bit
                 if v:
-                    self._masks[key] = v
+                    self._masks[key] = share(v) if share else v
                 else:
                     del self._masks[key]
 
@@ -230,6 +269,7 @@ class MemoryIndex(KVIndex):
         slot freed and handed to another worker meanwhile only holds entries that are due too)."""
         heap = self._spec_heap
         masks = self._masks
+        share = self._sharing()
         while heap and heap[0][0] <= now:
             _, _, slot, keys = heapq.heappop(heap)
             owned = self._owned.get(slot)
@@ -248,7 +288,7 @@ class MemoryIndex(KVIndex):
                 if v is not None:
                     v &= keep
                     if v:
-                        masks[key] = v
+                        masks[key] = share(v) if share else v
                     else:
                         del masks[key]
 
@@ -298,7 +338,10 @@ class MemoryIndex(KVIndex):
         del holders
         masks = self._masks
         owned = self._owned
+        share = self._sharing()
         for v, keys in groups.items():
+            if share:
+                v = share(v)
             for i in range(0, len(keys), step_keys):
                 chunk = keys[i:i + step_keys]
                 fresh = struct.unpack(f">{len(chunk)}Q", struct.pack(f">{len(chunk)}Q", *chunk))
@@ -322,6 +365,7 @@ class MemoryIndex(KVIndex):
         bit = 1 << (_STRIDE * slot + t)
         owned = self._owned[slot][t]
         masks = self._masks
+        share = self._sharing()
         for key in keys:
             v = masks.get(key)
             if v is None or not v & bit:
@@ -329,7 +373,7 @@ class MemoryIndex(KVIndex):
             owned.pop(key, None)
             v ^= bit
             if v:
-                masks[key] = v
+                masks[key] = share(v) if share else v
             else:
                 del masks[key]
 
@@ -653,3 +697,21 @@ def _record(lengths: dict[int, int], bits: int, length: int) -> None:
     raw = np.frombuffer(bits.to_bytes((bits.bit_length() + 7) // 8, "little"), np.uint8)
     positions = np.flatnonzero(np.unpackbits(raw, bitorder="little")) + 1
     lengths.update(zip(positions.tolist(), repeat(length)))
+
+
+def _reference_counts(table: dict[int, int]) -> list[tuple[int, int]]:
+    """Each value of ``table`` with its reference count as seen from here."""
+    return [(v, sys.getrefcount(v)) for v in table]
+
+
+def _table_only_refs() -> int:
+    """The reference count :func:`_reference_counts` sees for a value held by its table alone
+    (as key and value), whatever this interpreter's counting."""
+    table: dict[int, int] = {}
+    value = (1 << 1000) | 7  # made at run time: a fresh object
+    table[value] = value
+    del value
+    return _reference_counts(table)[0][1]
+
+
+_TABLE_ONLY_REFS = _table_only_refs()
