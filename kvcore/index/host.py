@@ -801,9 +801,16 @@ class HostIndex(KVIndex):
             self._refresh_names()
             if change.size >= _MANY_CHANGES or self._named_words >= _MANY_WORDS:
                 return self._match_rows(ids, change, end)
-            masks = self._masks_of(ids[np.concatenate((np.zeros(1, np.int64), change))])
-            v = masks[int(ids[0])]
-            steps = ((i, masks[int(ids[i])]) for i in change.tolist())
+            read = self._read_set
+            sid = int(ids[0])
+            v = read(sid)
+            masks = {sid: v}
+            points = change.tolist()
+            sids = ids[change].tolist()
+            for sid in sids:
+                if sid not in masks:
+                    masks[sid] = read(sid)
+            steps = zip(points, map(masks.__getitem__, sids))
         drops, alive, end = run_chains(v, steps, end, self._sel_all)
         return tier_matches(drops, alive, end, self._names_now(), _STRIDE)
 

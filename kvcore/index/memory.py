@@ -46,15 +46,14 @@ _STRIDE = 4  # bits per slot in a key's int
 _FEW_BITS = 16  # _record peels off at most this many bits one by one
 _MANY_WORKERS = 64  # tier_matches goes through numpy beyond this many workers and drops
 # match_sync reads a prompt of at least _ROWS_MIN_BLOCKS blocks as rows of one matrix
-# (kvcore.index.chain_rows) when its holders change at _MANY_CHANGES blocks or more, or its
-# entries are wider than _NARROW_BITS bits (more than 128 worker slots)
+# (kvcore.index.chain_rows) when its entries are wider than _NARROW_BITS bits (more than 128
+# worker slots); narrower ints cost little to walk one by one
 _ROWS_MIN_BLOCKS = 64
+_NARROW_BITS = 4 * 128
 # past 64 worker slots (masks wider than 256 bits) every mask value is one object that all keys
 # with that value hold (MemoryIndex._share); unheld ones are swept once the table has doubled
 _SHARED_FROM_BITS = 256
 _SWEEP_MIN = 4096
-_MANY_CHANGES = 32
-_NARROW_BITS = 4 * 128
 
 
 class MemoryIndex(KVIndex):
@@ -453,8 +452,8 @@ class MemoryIndex(KVIndex):
         from block 0: gpu (+speculative), gpu|cpu, and any tier; a worker's run in a chain ends
         where its bit drops out. One pass that stops at the first block no worker holds; a block
         that every still-running worker holds in gpu costs one AND and a compare. A prompt of
-        :data:`_ROWS_MIN_BLOCKS` blocks or more whose holders change at many blocks, or whose
-        entries span more than 128 slots, goes instead as rows of one matrix, one row per change
+        :data:`_ROWS_MIN_BLOCKS` blocks or more whose entries span more than 128 slots goes
+        instead as rows of one matrix, one row per change of holders
         (:mod:`kvcore.index.chain_rows`).
 
         ``hidden``: entry bits to ignore (from :meth:`confirmed_bits`), e.g. the confirmed tiers of
@@ -473,12 +472,14 @@ class MemoryIndex(KVIndex):
             v &= keep
             if not v:
                 return {}
-        if len(keys) < _ROWS_MIN_BLOCKS:
+        width = self._gpu_sel.bit_length() + _STRIDE - 1  # entries hold no bits past the last slot
+        if len(keys) < _ROWS_MIN_BLOCKS or width <= _NARROW_BITS:
             values = map(get, keys[1:])
             if hidden:
                 values = (None if x is None else x & keep for x in values)
             drops, alive, end = run_chains(v, enumerate(values, 1), len(keys), self._gpu_sel)
             return tier_matches(drops, alive, end, self._names(), _STRIDE)
+        # wide masks: the values where the holders change, as rows of one matrix
         held = list(map(get, keys))
         if hidden:
             held = [None if x is None else x & keep or None for x in held]
@@ -486,13 +487,8 @@ class MemoryIndex(KVIndex):
             end = held.index(None)
         except ValueError:
             end = len(held)
-        change = list(compress(range(1, end), map(ne, held, held[1:end])))
-        width = self._gpu_sel.bit_length() + _STRIDE - 1  # entries hold no bits past the last slot
-        if len(change) < _MANY_CHANGES and width <= _NARROW_BITS:
-            drops, alive, end = run_chains(v, ((i, held[i]) for i in change), end, self._gpu_sel)
-            return tier_matches(drops, alive, end, self._names(), _STRIDE)
-        # many holder changes or many workers: the values at the changes as rows of one matrix
-        starts = [0] + change
+        starts = [0]
+        starts += compress(range(1, end), map(ne, held, held[1:end]))
         nbytes = -(-width // 64) * 8
         raw = b"".join([held[i].to_bytes(nbytes, "little") for i in starts])
         rows = np.frombuffer(raw, np.uint64).reshape(len(starts), nbytes // 8)
