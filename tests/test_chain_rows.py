@@ -86,3 +86,14 @@ def test_random_rows_answer_as_the_python_walk(seed):
                 m |= rng.choice((1, 1, 1, 2, 4, 8, 3, 6, 9)) << (4 * s)
         masks.append(m or 1)  # no row is empty: the caller ends the run before one
     assert _matrix(masks, starts, end, slots) == _walk(masks, starts, end, slots)
+
+
+@pytest.mark.parametrize("tier_bits", [0b0010, 0b0100, 0b0110])
+def test_rows_held_in_cpu_or_ssd_only_give_no_gpu_run(tier_bits):
+    # no row holds a gpu or speculative bit (nor, for ssd, a cpu one): those chains are empty
+    slots = 20
+    masks = [sum(tier_bits << (4 * s) for s in range(slots - r)) for r in range(10)]
+    starts, end = list(range(0, 30, 3)), 30
+    got = _matrix(masks, starts, end, slots)
+    assert got == _walk(masks, starts, end, slots)
+    assert got["w0"].gpu == 0 and got["w0"].total == 30 and got["w19"].total == 3

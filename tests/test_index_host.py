@@ -142,6 +142,18 @@ def test_many_workers_on_a_few_prefixes_answer_as_the_memory_index(tmp_path):
     assert got["w7"] == TierMatch(gpu=50, cpu=10) and got["w139"] == TierMatch(gpu=50, ssd=40)
 
 
+def test_a_prompt_in_cpu_or_ssd_only_past_112_slots(tmp_path):
+    # 8 words of named slots take the matrix path even for one block; no row holds gpu
+    host = _writer(tmp_path / "index", max_keys=1_000, max_workers=160, max_holder_sets=256)
+    for w in range(120):
+        host.store_sync(f"w{w}", "gpu", [10_000 + w])
+    host.store_sync("w119", "cpu", [1])
+    host.store_sync("w5", "ssd", [1, 2])
+    assert host.match_sync([1]) == {"w119": TierMatch(cpu=1), "w5": TierMatch(ssd=1)}
+    assert host.match_sync([1, 2]) == {"w119": TierMatch(cpu=1), "w5": TierMatch(ssd=2)}
+    assert host.match_sync([2]) == {"w5": TierMatch(ssd=1)}
+
+
 def test_duplicate_copies_stay_until_the_last_removal(tmp_path):
     host = _writer(tmp_path / "index", max_keys=100, max_workers=4, max_holder_sets=16)
     host.store_sync("a", "gpu", [7, 8])

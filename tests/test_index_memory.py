@@ -309,3 +309,18 @@ def test_past_64_slots_keys_with_the_same_holders_share_one_mask_and_unheld_mask
     assert len(live) == 100 + 2  # one value per single-holder key, two for the prompt
     assert all(index._shared[v] is v for v in masks.values() if v.bit_length() > 256)
     assert len(index._shared) < 2 * len(live) + 4096 + 1  # swept when it doubled
+
+
+async def test_a_long_prompt_held_only_in_cpu_and_ssd_by_many_workers(index):
+    # past 128 slots and with many holder changes (the matrix path), no block in gpu: the gpu
+    # chain is empty, the others are not
+    prompt = list(range(5_000, 5_100))
+    for w in range(140):
+        await index.store(f"c{w}", "cpu", prompt[:w % 70 + 1])
+        await index.store(f"c{w}", "ssd", prompt[w % 70 + 1:w % 70 + 5])
+    want = {f"c{w}": TierMatch(0, w % 70 + 1, min(4, 100 - (w % 70 + 1))) for w in range(140)}
+    assert await index.match(prompt) == want
+    for w in range(140):
+        await index.clear_worker(f"c{w}", "cpu")
+    assert await index.match(prompt) == {}  # block 0 was held in cpu only
+    assert await index.match(prompt[1:]) == {"c0": TierMatch(0, 0, 4), "c70": TierMatch(0, 0, 4)}  # ssd from block 1

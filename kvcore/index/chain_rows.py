@@ -73,12 +73,15 @@ def run_lengths(rows: np.ndarray, starts: np.ndarray, end: int) -> np.ndarray:
     to ``starts[r + 1]``, which hold the same); ``starts``: ``(n,)`` int64, increasing from 0;
     ``end``: the run's end in blocks (the first block nobody holds, or the prompt's length). No
     row may be all zero (the caller ends the run before it). Chains whose tiers the rows hold
-    alike (a prompt held in gpu only) are computed once."""
+    alike (a prompt held in gpu only) are computed once; a chain none of whose tiers the rows
+    hold has runs of 0."""
     present = int(np.bitwise_or.reduce(rows, axis=None))
     runs = np.zeros((3, rows.shape[1] * _SLOTS_PER_WORD), np.int64)
     done: dict[tuple[int, ...], int] = {}
     for chain, tiers in enumerate(_CHAIN_TIERS):
         key = tuple(t for t in tiers if present & (_LOW << t))
+        if not key:  # no row holds any of this chain's tiers (a prompt in cpu or ssd only)
+            continue
         if key in done:
             runs[chain] = runs[done[key]]
             continue
