@@ -1,12 +1,13 @@
-"""Per-worker tier runs of a prompt from a matrix of holder rows, for prompts whose blocks change
-holders at many points (hundreds of workers each holding a different prefix length).
+"""Per-worker tier runs of a prompt from a matrix of holder rows, for lookups over many workers
+or many holder changes (hundreds of workers each holding a different prefix length).
 
 :func:`kvcore.index.memory.run_chains` walks the prompt's holder changes one Python int at a time:
 about a dozen operations on a ``4 * workers``-bit int per change, ~2.5 ms for 1,024 changes at
-1,024 workers. Here the changes are rows of one ``uint64`` matrix (the host index's holder sets,
-read straight from the shared file) and the three chains (gpu + speculative, gpu | cpu, any tier)
-are a handful of numpy passes over it: each worker's run ends at the first row whose running AND
-lost its bit, found from the few words where a bit drops.
+1,024 workers. Here the changes are rows of one ``uint64`` matrix (the host index's holder sets
+read straight from the shared file; the in-process index's ints and the Redis index's bitmaps
+converted) and the three chains (gpu + speculative, gpu | cpu, any tier) are a handful of numpy
+passes over it: each worker's run ends at the first row without its bit, found from the few
+words where a bit drops. Each backend says when it takes this path.
 
 Layout: a row holds ``4 * slots`` bits, bit ``4*slot + tier`` set when the worker in that slot
 holds the block in that tier (0 gpu, 1 cpu, 2 ssd, 3 speculative), as
@@ -71,8 +72,8 @@ def run_lengths(rows: np.ndarray, starts: np.ndarray, end: int) -> np.ndarray:
 
     ``rows``: ``(n, words)`` uint64, the holder bits of block ``starts[r]`` (and of every block up
     to ``starts[r + 1]``, which hold the same); ``starts``: ``(n,)`` int64, increasing from 0;
-    ``end``: the run's end in blocks (the first block nobody holds, or the prompt's length). No
-    row may be all zero (the caller ends the run before it). Chains whose tiers the rows hold
+    ``end``: the run's end in blocks (the first block nobody holds, or the prompt's length). A
+    row of zeros ends every run there (callers end the run before one). Chains whose tiers the rows hold
     alike (a prompt held in gpu only) are computed once; a chain none of whose tiers the rows
     hold has runs of 0."""
     present = int(np.bitwise_or.reduce(rows, axis=None))
@@ -106,10 +107,10 @@ def _chain_runs(chain: np.ndarray, starts: np.ndarray, end: int, out: np.ndarray
     keep = np.flatnonzero(values)
     at, word, values = at[keep], word[keep], values[keep]
     lengths = starts[at // words + 1]
-    # mostly one slot per word: its bit's position is exact in float64's exponent
+    # mostly one slot per word: a power of two's position is exactly float64's exponent (frexp)
     single = (values & (values - np.uint64(1))) == 0
     if single.all():
-        slot = word * _SLOTS_PER_WORD + (np.log2(values.astype(np.float64)).astype(np.int64) >> 2)
+        slot = word * _SLOTS_PER_WORD + ((np.frexp(values.astype(np.float64))[1].astype(np.int64) - 1) >> 2)
     else:  # several slots leave at once: one bit per slot at its nibble's bit 0
         v = (values | values >> np.uint64(1) | values >> np.uint64(2) | values >> np.uint64(3)) & np.uint64(_LOW)
         bits = np.unpackbits(v.view(np.uint8).reshape(-1, 8), axis=1, bitorder="little")[:, ::_STRIDE]

@@ -17,10 +17,12 @@ Layout and memory:
   happens (vLLM duplicates are rare), so the common case stores no counter at all.
 
 Memory: per (block, worker) entry, a dict entry, an int key and an int value (4 bits per worker
-slot, so it grows with the worker count), plus the entry in ``_owned``. Past 64 slots the int
-values are shared: every mask value is one object (``_shared``) that all keys with that value
-hold, so a key costs its dict entries whatever the mask's width, and a lookup finds equal
-neighbours by identity; values no key holds any longer are swept when the table has doubled. Each further worker
+slot, so it grows with the worker count), plus the entry in ``_owned``. Once a slot numbered 64
+or higher has been handed out, the values written are shared: every mask value is one object
+(``_shared``) that all keys with that value hold, so a key costs its dict entries whatever the
+mask's width, and a lookup finds equal neighbours by identity; when a new value would make the
+table at least twice its size after the last sweep (plus 4,096), the values no key holds any
+longer are swept. Each further worker
 holding the same key adds an ``_owned`` entry. The dicts in ``_owned`` take a few bytes per entry
 more than sets would, the price of never being walked by the GC (bytes per entry, measured:
 docs/tuning/memory_index.md). ``max_keys`` bounds the distinct keys: beyond it new keys are not
@@ -50,8 +52,8 @@ _MANY_WORKERS = 64  # tier_matches goes through numpy beyond this many workers a
 # worker slots); narrower ints cost little to walk one by one
 _ROWS_MIN_BLOCKS = 64
 _NARROW_BITS = 4 * 128
-# past 64 worker slots (masks wider than 256 bits) every mask value is one object that all keys
-# with that value hold (MemoryIndex._share); unheld ones are swept once the table has doubled
+# once a slot numbered 64 or higher is handed out (masks wider than 256 bits), every mask value
+# written is one object that all keys with that value hold (MemoryIndex._share)
 _SHARED_FROM_BITS = 256
 _SWEEP_MIN = 4096
 
@@ -76,7 +78,7 @@ class MemoryIndex(KVIndex):
         # one entry per store_speculative call: (expiry, call number, slot, its keys)
         self._spec_heap: list[tuple[float, int, int, Sequence[int]]] = []
         self._spec_calls = 0
-        self._gpu_sel = 0  # bit 4*s for every slot s below the highest one handed out
+        self._gpu_sel = 0  # bit 4*s for every slot s handed out so far (never cleared)
         self.dropped_keys = 0
         self._shared: dict[int, int] = {}  # mask value -> the one object keys with it hold
         self._shared_kept = 0  # len(_shared) after the last sweep
@@ -101,7 +103,8 @@ class MemoryIndex(KVIndex):
     def _share(self, v: int) -> int:
         """The one object of mask value ``v``: every key with that value holds it, so memory per
         key does not grow with the mask's width and a lookup's equal neighbours compare by
-        identity. Sweeps the values no key holds any longer when the table has doubled."""
+        identity. Before adding a new value to a table at least twice its size after the last
+        sweep (plus :data:`_SWEEP_MIN`), sweeps the values no key holds any longer."""
         shared = self._shared
         one = shared.get(v)
         if one is None:
@@ -451,10 +454,10 @@ class MemoryIndex(KVIndex):
         """Synchronous :meth:`match`. Three running ANDs of worker bits (at position ``4*slot``)
         from block 0: gpu (+speculative), gpu|cpu, and any tier; a worker's run in a chain ends
         where its bit drops out. One pass that stops at the first block no worker holds; a block
-        that every still-running worker holds in gpu costs one AND and a compare. A prompt of
-        :data:`_ROWS_MIN_BLOCKS` blocks or more whose entries span more than 128 slots goes
-        instead as rows of one matrix, one row per change of holders
-        (:mod:`kvcore.index.chain_rows`).
+        that every still-running worker holds in gpu costs one AND and a compare. Once a slot
+        numbered 128 or higher has been handed out, a prompt of :data:`_ROWS_MIN_BLOCKS` blocks
+        or more goes instead as rows of one matrix, one row per change of holders
+        (:mod:`kvcore.index.chain_rows`; the whole prompt's entries are read first).
 
         ``hidden``: entry bits to ignore (from :meth:`confirmed_bits`), e.g. the confirmed tiers of
         workers whose agent's heartbeat expired (:class:`kvcore.index.redis_mirror.RedisMirrorIndex`);

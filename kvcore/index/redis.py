@@ -186,8 +186,9 @@ return {t[1] .. '.' .. string.format('%06d', tonumber(t[2])), out}
 # byte makes offset o bit o of a little-endian int.
 _REV_BITS = bytes(int(f"{b:08b}"[::-1], 2) for b in range(256))
 _REV_BITS_NP = np.frombuffer(_REV_BITS, np.uint8)
-# a lookup goes through the matrix of holder rows (kvcore.index.chain_rows) from this many
-# distinct bitmaps along the prompt, or past this many worker slots
+# a lookup goes through the matrix of holder rows (kvcore.index.chain_rows) from this many runs
+# of equal bitmaps along the prompt (the first included), or past this many worker slots, when
+# no speculative entry of this process covers block 0
 _MANY_CHANGES = 32
 _MANY_SLOTS = 128
 
