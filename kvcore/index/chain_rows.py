@@ -73,9 +73,9 @@ def run_lengths(rows: np.ndarray, starts: np.ndarray, end: int) -> np.ndarray:
     ``rows``: ``(n, words)`` uint64, the holder bits of block ``starts[r]`` (and of every block up
     to ``starts[r + 1]``, which hold the same); ``starts``: ``(n,)`` int64, increasing from 0;
     ``end``: the run's end in blocks (the first block nobody holds, or the prompt's length). A
-    row of zeros ends every run there (callers end the run before one). Chains whose tiers the rows hold
-    alike (a prompt held in gpu only) are computed once; a chain none of whose tiers the rows
-    hold has runs of 0."""
+    row of zeros ends every run there (callers end the run before one). Chains whose tiers the
+    rows hold alike (a prompt held in gpu only) are computed once; a chain none of whose tiers
+    the rows hold has runs of 0."""
     present = int(np.bitwise_or.reduce(rows, axis=None))
     runs = np.zeros((3, rows.shape[1] * _SLOTS_PER_WORD), np.int64)
     done: dict[tuple[int, ...], int] = {}
@@ -94,10 +94,9 @@ def run_lengths(rows: np.ndarray, starts: np.ndarray, end: int) -> np.ndarray:
 def _chain_runs(chain: np.ndarray, starts: np.ndarray, end: int, out: np.ndarray) -> None:
     """``out[slot]`` for each slot set in row 0 of ``chain`` (``(n, words)``, one bit per slot):
     ``starts[r]`` for the first row ``r`` without its bit, ``end`` when every row has it."""
-    words = chain.shape[1]
+    n, words = chain.shape
     first = chain[0]
     # the words where a slot's bit goes from set to clear at row r + 1, in row order
-    n = chain.shape[0]
     dropped = np.invert(chain[1:], out=scratch.get("dropped", (n - 1, words), np.uint64))
     np.bitwise_and(dropped, chain[:-1], out=dropped)
     dropped = dropped.ravel()
@@ -107,14 +106,11 @@ def _chain_runs(chain: np.ndarray, starts: np.ndarray, end: int, out: np.ndarray
     keep = np.flatnonzero(values)
     at, word, values = at[keep], word[keep], values[keep]
     lengths = starts[at // words + 1]
-    # mostly one slot per word: a power of two's position is exactly float64's exponent (frexp)
-    single = (values & (values - np.uint64(1))) == 0
-    if single.all():
+    if ((values & (values - np.uint64(1))) == 0).all():
+        # one slot per word, as usual: a power of two's position is float64's exponent, exactly
         slot = word * _SLOTS_PER_WORD + ((np.frexp(values.astype(np.float64))[1].astype(np.int64) - 1) >> 2)
-    else:  # several slots leave at once: one bit per slot at its nibble's bit 0
-        v = (values | values >> np.uint64(1) | values >> np.uint64(2) | values >> np.uint64(3)) & np.uint64(_LOW)
-        bits = np.unpackbits(v.view(np.uint8).reshape(-1, 8), axis=1, bitorder="little")[:, ::_STRIDE]
-        which, offset = np.nonzero(bits)  # row-major: still in row order
+    else:
+        which, offset = _slots_set(values)  # in row order still
         slot = word[which] * _SLOTS_PER_WORD + offset
         lengths = lengths[which]
     # a slot that comes back and leaves again keeps its first run (the first occurrence)
@@ -123,11 +119,16 @@ def _chain_runs(chain: np.ndarray, starts: np.ndarray, end: int, out: np.ndarray
     alive = np.bitwise_and.reduce(chain, axis=0)  # set in every row: runs to the end
     alive_at = np.flatnonzero(alive)
     if alive_at.size:
-        v = alive[alive_at]
-        v = (v | v >> np.uint64(1) | v >> np.uint64(2) | v >> np.uint64(3)) & np.uint64(_LOW)
-        bits = np.unpackbits(v.view(np.uint8).reshape(-1, 8), axis=1, bitorder="little")[:, ::_STRIDE]
-        which, offset = np.nonzero(bits)
+        which, offset = _slots_set(alive[alive_at])
         out[alive_at[which] * _SLOTS_PER_WORD + offset] = end
+
+
+def _slots_set(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """For ``values`` (uint64 words, any bits of a slot's nibble counting for the slot), each
+    slot with a bit set as (index into ``values``, slot within the word), in ``values``' order."""
+    v = (values | values >> np.uint64(1) | values >> np.uint64(2) | values >> np.uint64(3)) & np.uint64(_LOW)
+    bits = np.unpackbits(v.view(np.uint8).reshape(-1, 8), axis=1, bitorder="little")[:, ::_STRIDE]
+    return np.nonzero(bits)
 
 
 def matches_from_runs(runs: np.ndarray, names: dict[int, str]) -> dict[str, TierMatch]:

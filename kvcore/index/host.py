@@ -750,9 +750,9 @@ class HostIndex(KVIndex):
         return masks
 
     def _match_rows(self, ids: np.ndarray, change: np.ndarray, end: int) -> dict[str, TierMatch]:
-        """:meth:`match_sync` for a run that changes holders at many blocks: the sets read as
-        rows of one matrix straight from the file (:mod:`kvcore.index.chain_rows`), only as many
-        words as the highest named slot needs."""
+        """:meth:`match_sync` over many holder changes or many named slots: the sets at the
+        changes read as rows of one matrix straight from the file
+        (:mod:`kvcore.index.chain_rows`), only as many words as the highest named slot needs."""
         names = self._names_now()
         words = self._named_words
         starts = np.concatenate((np.zeros(1, np.int64), change))

@@ -17,15 +17,14 @@ Layout and memory:
   happens (vLLM duplicates are rare), so the common case stores no counter at all.
 
 Memory: per (block, worker) entry, a dict entry, an int key and an int value (4 bits per worker
-slot, so it grows with the worker count), plus the entry in ``_owned``. Once a slot numbered 64
-or higher has been handed out, the values written are shared: every mask value is one object
-(``_shared``) that all keys with that value hold, so a key costs its dict entries whatever the
-mask's width, and a lookup finds equal neighbours by identity; when a new value would make the
-table at least twice its size after the last sweep (plus 4,096), the values no key holds any
-longer are swept. Each further worker
-holding the same key adds an ``_owned`` entry. The dicts in ``_owned`` take a few bytes per entry
-more than sets would, the price of never being walked by the GC (bytes per entry, measured:
-docs/tuning/memory_index.md). ``max_keys`` bounds the distinct keys: beyond it new keys are not
+slot, so it grows with the worker count), plus the entry in ``_owned``. Each further worker
+holding the same key adds an ``_owned`` entry. Once a slot numbered 64 or higher has been handed
+out, the values written are shared: every mask value is one object (``_shared``) that all keys
+with that value hold, so a key costs its dict entries whatever the mask's width, and a lookup
+finds equal neighbours by identity; when a new value would make the table at least twice its
+size after the last sweep (plus 4,096), the values no key holds any longer are swept. The dicts
+in ``_owned`` take a few bytes per entry more than sets would, the price of never being walked by
+the GC (bytes per entry, measured: docs/tuning/memory_index.md). ``max_keys`` bounds the distinct keys: beyond it new keys are not
 indexed (the index may under-report, never over-report) and ``dropped_keys`` counts them.
 """
 from __future__ import annotations
