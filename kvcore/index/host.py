@@ -741,8 +741,12 @@ class HostIndex(KVIndex):
     def _snapshot(self, keys: Sequence[int]) -> tuple[np.ndarray, dict[int, int]]:
         """Holder-set ids of ``keys`` and the masks of the sets among them (0 and the empty set
         map to 0)."""
-        ids = self._find_many(np.frombuffer(struct.pack(f"{len(keys)}Q", *keys), np.uint64))
+        ids = self._ids_of(keys)
         return ids, self._masks_of(ids)
+
+    def _ids_of(self, keys: Sequence[int]) -> np.ndarray:
+        """Holder-set id of each of ``keys`` (uint32; 0 when absent)."""
+        return self._find_many(np.frombuffer(struct.pack(f"{len(keys)}Q", *keys), np.uint64))
 
     def _masks_of(self, ids: np.ndarray) -> dict[int, int]:
         masks = {sid: self._read_set(sid) for sid in np.unique(ids).tolist() if sid > 1}
@@ -781,7 +785,7 @@ class HostIndex(KVIndex):
             return {}
         spec = self.speculative
         spec.expire_sync()
-        ids = self._find_many(np.frombuffer(struct.pack(f"{len(keys)}Q", *keys), np.uint64))
+        ids = self._ids_of(keys)
         spec_masks = spec._masks
         if spec_masks:
             masks = self._masks_of(ids)

@@ -212,6 +212,8 @@ def _match_rows(bitmaps: list[bytes], starts: list[int], count: int, alive_mask:
         end = starts[int(empty[0])]
         rows = rows[:empty[0]]
     return matches_from_runs(run_lengths(rows, np.array(starts[:len(rows)], np.int64), end), names)
+
+
 _CONNECTION_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 _CLEAR_BATCH = 2000
 DEFAULT_STREAM_MAXLEN = 100_000  # change-log entries kept (about; see the module docstring)
