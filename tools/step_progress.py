@@ -14,6 +14,7 @@ Standard library only, except the optional ``rich``: it runs under any interpret
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from contextlib import contextmanager
@@ -129,6 +130,8 @@ def _escape(text: str) -> str:
 def _rich_progress(stream: TextIO):
     """A rich ``Progress`` drawing on ``stream`` when it is a (non-dumb) terminal and rich is
     installed; None otherwise."""
+    if not getattr(stream, "isatty", lambda: False)() or os.environ.get("TERM") == "dumb":
+        return None  # before importing rich: in CI it may be mid-install in a parallel make
     try:
         from rich.console import Console
         from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, SpinnerColumn, TextColumn,
