@@ -129,7 +129,7 @@ async def test_mixed_batch_over_zmq_indexes_both_stores_and_counts_the_unknown_t
     pub_port, replay_port = free_ports(2)
     pub = ReplayPublisher(pub_port, replay_port, topic=b"")
     index = MemoryIndex()
-    ing = EventIngestor("w0", pub.events_url, pub.replay_url, index, MODEL, BS, replay_timeout_s=0.5)
+    ing = EventIngestor("w0", pub.events_url, pub.replay_url, index, MODEL, BS, replay_timeout_s=5.0)
     caplog.set_level(logging.WARNING, logger="kvroute.kv_events")
     try:
         await ing.start()

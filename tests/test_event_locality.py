@@ -86,7 +86,7 @@ class Stream:
         pub_port, replay_port = free_ports(2)
         self.pub = ReplayPublisher(pub_port, replay_port, topic=b"")
         self.ing = EventIngestor(worker, self.pub.events_url, self.pub.replay_url, index, MODEL, BS,
-                                 replay_timeout_s=0.5, heartbeat_ttl_s=5.0)
+                                 replay_timeout_s=5.0, heartbeat_ttl_s=5.0)
 
     async def start(self) -> None:
         await self.ing.start()

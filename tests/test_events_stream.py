@@ -34,7 +34,11 @@ async def index(request):
 
 
 class Setup:
-    def __init__(self, index, replay: bool = True, buffer_steps: int = 10_000) -> None:
+    """``replay_timeout_s``: 5 s by default, so that a loaded machine (the parallel suite keeps
+    both cores busy) answers every replay that is answered at all; a test of a replay nobody
+    answers passes a short one."""
+
+    def __init__(self, index, replay: bool = True, buffer_steps: int = 10_000, replay_timeout_s: float = 5.0) -> None:
         self.index = index
         self.pub_port, self.replay_port = free_ports(2)
         self.replay = replay
@@ -42,7 +46,7 @@ class Setup:
         self.pub: ReplayPublisher | None = None
         self.ingestor = EventIngestor("w0", f"tcp://127.0.0.1:{self.pub_port}",
                                       f"tcp://127.0.0.1:{self.replay_port}" if replay else None,
-                                      index, "tiny", BS, replay_timeout_s=0.5, heartbeat_ttl_s=5.0)
+                                      index, "tiny", BS, replay_timeout_s=replay_timeout_s, heartbeat_ttl_s=5.0)
 
     def start_publisher(self) -> ReplayPublisher:
         self.pub = ReplayPublisher(self.pub_port, self.replay_port if self.replay else None,
@@ -205,7 +209,7 @@ async def test_agent_started_after_vllm_catches_up_through_replay(index, capture
 
 async def test_agent_started_before_vllm(index, capture, setup_factory):
     payloads = capture_payloads(capture)
-    s = setup_factory(index)
+    s = setup_factory(index, replay_timeout_s=0.5)
     await s.ingestor.start()  # nothing listening on either port yet
     sub = s.ingestor.subscriber
     # its catch-up asked the replay socket and got no answer (replay_timeout_s 0.5): vLLM not up
