@@ -38,7 +38,7 @@ SESSION_DEADLINE_S = 5400
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """Under pytest-xdist (``make test`` with ``TEST_WORKERS`` 2, its default on 4+ CPUs; ``-n 2
+    """Under pytest-xdist (``make test`` with ``TEST_WORKERS`` 2, its default on 2+ CPUs; ``-n 2
     --dist loadfile``): each module runs whole on
     one worker (its module fixtures start once), and the e2e package is one unit, so its vLLM
     servers never run beside each other (vLLM's CPU build binds every server's threads to the
