@@ -140,19 +140,23 @@ class VllmCluster:
 
     def reset_prefix_caches(self, timeout_s: float = 60) -> None:
         """``POST /reset_prefix_cache`` on every worker (plus one sub-block request each, which
-        makes vLLM publish the clear), then wait until the gateway's index and the
-        agents' Redis index hold nothing (the AllBlocksCleared events arrived, speculative
-        entries expired). Fails the test after ``timeout_s``."""
+        makes vLLM publish the clear), then wait until the gateway's index and what this
+        cluster's agents hold in Redis are empty (the AllBlocksCleared events arrived, speculative
+        entries expired). Other workers in the session's Redis are not this cluster's: an agent
+        of an earlier module that was killed rather than stopped leaves its blocks there. Fails
+        the test after ``timeout_s``."""
         end = time.monotonic() + timeout_s
         for w in self.workers.values():
             reset_prefix_cache(w.url, MODEL_NAME, timeout_s)
         while time.monotonic() < end:
             idx = self.admin("GET", "/admin/index").json()["workers"]
             gw_blocks = sum(sum(e["blocks"].values()) + e.get("speculative_blocks", 0) for e in idx.values())
-            if gw_blocks == 0 and redis_blocks(self.redis_url) == 0:
+            held = redis_blocks(self.redis_url)
+            if gw_blocks == 0 and not any(held.get(w, 0) for w in self.workers):
                 return
             time.sleep(0.25)
-        pytest.fail(f"indexes not empty {timeout_s}s after /reset_prefix_cache: {idx}")
+        pytest.fail(f"indexes not empty {timeout_s}s after /reset_prefix_cache: gateway {idx}; "
+                    f"Redis blocks per worker {held}")
 
 
 def redis_match(redis_url: str, keys: list[int]) -> dict[str, TierMatch]:
@@ -166,12 +170,12 @@ def redis_match(redis_url: str, keys: list[int]) -> dict[str, TierMatch]:
     return asyncio.run(go())
 
 
-def redis_blocks(redis_url: str) -> int:
-    """Blocks the agents hold in Redis over every worker and tier."""
-    async def go() -> int:
+def redis_blocks(redis_url: str) -> dict[str, int]:
+    """Blocks the agents hold in Redis, per worker holding any (every tier)."""
+    async def go() -> dict[str, int]:
         index = RedisIndex(redis_url, socket_timeout_s=REDIS_TIMEOUT_S)
         try:
-            return sum(sum(st.blocks.values()) for st in (await index.stats()).values())
+            return {w: sum(st.blocks.values()) for w, st in (await index.stats()).items()}
         finally:
             await index.close()
     return asyncio.run(go())
