@@ -63,7 +63,7 @@ from router.policies.base import Candidate, Policy, RouteRequest, WorkerLoad
 from router.policies.factory import make_policy
 
 REPO = Path(__file__).resolve().parents[1]
-SHIPPED_TRACE = REPO / "kvroute" / "bench" / "data" / "mooncake_conversation_1000.jsonl"
+SHIPPED_TRACE = REPO / "kvbench" / "data" / "mooncake_conversation_1000.jsonl"
 FULL_TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 
 
