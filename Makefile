@@ -41,8 +41,9 @@ $(PY):
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-# The package with its test extras, installed again whenever pyproject.toml changes.
-$(VENV_STAMP): pyproject.toml | $(PY)
+# The package with its test extras, installed again whenever pyproject.toml or the C extension of
+# the index's lookups (setup.py: optional, built in place where a C compiler is) changes.
+$(VENV_STAMP): pyproject.toml setup.py kvcore/index/_chain_native.c | $(PY)
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 

@@ -14,6 +14,10 @@ idle (``quiet``) or applies ``--write-rate`` store/remove batches per second of 
 (``writes``). The in-process index is timed in the writer (``--memory-max-workers`` caps the
 worker counts it is built for: at 1,024 workers it needs several GB).
 
+``--paths native,numpy`` (the default where the C extension is built) times every lookup both
+ways, one after the other on the same index: the C passes of ``kvcore/index/_chain_native.c``
+and the numpy passes of :mod:`kvcore.index.chain_rows` they stand in for.
+
     .venv/bin/python benchmarks/bench_index_host.py            # 64, 256, 1,024 workers
     .venv/bin/python benchmarks/bench_index_host.py --quick    # seconds
 """
@@ -32,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kvcore.index import chain_rows  # noqa: E402
 from kvcore.index.host import HostIndex  # noqa: E402
 from kvcore.index.memory import MemoryIndex  # noqa: E402
 
@@ -83,13 +88,14 @@ def time_lookups(index, prompt: list[int], n: int) -> list[float]:
     return out
 
 
-def run_reader(path: str, kw: dict, workers: int, prompt_blocks: int, n: int,
+def run_reader(path: str, kw: dict, workers: int, prompt_blocks: int, n: int, lookup_path: str,
                writer: HostIndex | None = None, write_rate: float = 0.0) -> dict:
     """Time ``n`` lookups in a new process that maps the file (this script with ``--reader``);
     meanwhile, with ``writer``, apply ``write_rate`` batches per second (each stores 16 new gpu
     blocks on one worker and removes the 16 it stored before). Adds ``writes_applied``."""
     argv = [sys.executable, __file__, "--reader", path, "--reader-bounds", json.dumps(kw),
-            "--workers", str(workers), "--prompt-blocks", str(prompt_blocks), "--lookups", str(n)]
+            "--workers", str(workers), "--prompt-blocks", str(prompt_blocks), "--lookups", str(n),
+            "--paths", lookup_path]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     applied = 0
     if writer is not None and write_rate > 0:
@@ -118,6 +124,7 @@ def run_reader(path: str, kw: dict, workers: int, prompt_blocks: int, n: int,
 
 
 def reader_main(args: argparse.Namespace) -> None:
+    chain_rows.use_native(args.paths == ["native"])
     idx = HostIndex(args.reader, **json.loads(args.reader_bounds))
     prompt = make_prompt(args.workers[0], args.prompt_blocks)
     got = idx.match_sync(prompt)
@@ -153,24 +160,32 @@ def one_size(workers: int, args: argparse.Namespace, tmp: str) -> dict:
     expect = {f"worker-{w:04d}" for w in range(workers)}
     got = host.match_sync(prompt)
     assert set(got) == expect and all(got[f"worker-{w:04d}"].gpu == n for w, n in enumerate(lengths)), "wrong match"
-    quiet = run_reader(path, kw, workers, args.prompt_blocks, args.lookups)
-    assert quiet.get("workers_matched") == workers, quiet
-    row["host_lookup_ms"] = {"p50": round(pct(quiet["lat"], 0.5), 3), "p99": round(pct(quiet["lat"], 0.99), 3)}
-    if args.write_rate > 0:
-        busy = run_reader(path, kw, workers, args.prompt_blocks, args.lookups, host, args.write_rate)
-        row["host_lookup_under_writes_ms"] = {"p50": round(pct(busy["lat"], 0.5), 3),
-                                              "p99": round(pct(busy["lat"], 0.99), 3),
-                                              "writes_applied": busy["writes_applied"]}
-    row["host_writer_lookup_ms"] = {"p50": round(pct(time_lookups(host, prompt, args.lookups), 0.5), 3)}
+    row["paths"] = {}
+    for lookup_path in args.paths:  # the first path's figures are also the row's own
+        chain_rows.use_native(lookup_path == "native")
+        fig = row["paths"][lookup_path] = {}
+        quiet = run_reader(path, kw, workers, args.prompt_blocks, args.lookups, lookup_path)
+        assert quiet.get("workers_matched") == workers, quiet
+        fig["host_lookup_ms"] = {"p50": round(pct(quiet["lat"], 0.5), 3), "p99": round(pct(quiet["lat"], 0.99), 3)}
+        if args.write_rate > 0:
+            busy = run_reader(path, kw, workers, args.prompt_blocks, args.lookups, lookup_path, host, args.write_rate)
+            fig["host_lookup_under_writes_ms"] = {"p50": round(pct(busy["lat"], 0.5), 3),
+                                                  "p99": round(pct(busy["lat"], 0.99), 3),
+                                                  "writes_applied": busy["writes_applied"]}
+        fig["host_writer_lookup_ms"] = {"p50": round(pct(time_lookups(host, prompt, args.lookups), 0.5), 3)}
     host.close_sync()
     os.unlink(path)
     if workers <= args.memory_max_workers:
         mem = MemoryIndex(max_keys=distinct + 1)
         _, spent_m = populate(mem, prompt, lengths, args.blocks_per_worker, seed=1)
-        lat = time_lookups(mem, prompt, args.lookups)
-        row["memory_lookup_ms"] = {"p50": round(pct(lat, 0.5), 3), "p99": round(pct(lat, 0.99), 3)}
+        for lookup_path in args.paths:
+            chain_rows.use_native(lookup_path == "native")
+            lat = time_lookups(mem, prompt, args.lookups)
+            row["paths"][lookup_path]["memory_lookup_ms"] = {"p50": round(pct(lat, 0.5), 3),
+                                                             "p99": round(pct(lat, 0.99), 3)}
         row["memory_store_keys_per_s"] = round(entries / spent_m)
         del mem
+    row.update(row["paths"][args.paths[0]])
     return row
 
 
@@ -185,10 +200,17 @@ def main() -> None:
     ap.add_argument("--write-rate", type=float, default=2000.0,
                     help="store+remove batches of 16 blocks per second during the second reader run (0: none)")
     ap.add_argument("--quick", action="store_true", help="16 and 64 workers, 512 blocks each, 50 lookups")
+    ap.add_argument("--paths", type=lambda v: v.split(","),
+                    default=["native", "numpy"] if chain_rows.native is not None else ["numpy"],
+                    help="lookup passes to time, comma-separated: native (the C extension), numpy")
     ap.add_argument("--out", help="write the rows as JSON here")
     ap.add_argument("--reader", help=argparse.SUPPRESS)
     ap.add_argument("--reader-bounds", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    bad = [p for p in args.paths if p not in ("native", "numpy")]
+    if bad or ("native" in args.paths and chain_rows.native is None):
+        ap.error(f"--paths: {bad or 'native'}: not available (the C extension is "
+                 f"{'built' if chain_rows.native is not None else 'not built'})")
     if args.reader:
         reader_main(args)
         return
@@ -199,14 +221,19 @@ def main() -> None:
         for w in args.workers:
             row = one_size(w, args, tmp)
             rows.append(row)
-            mem = row.get("memory_lookup_ms", {})
             print(f"{w:>5} workers  {row['entries']:>10,} entries  {row['bytes_per_entry']:6.2f} B/entry "
                   f"({row['mapped_bytes_per_entry']:.1f} mapped) "
-                  f"({row['file_resident_bytes'] / 2**20:7.1f} MiB)  store {row['store_keys_per_s']:>9,} keys/s  "
-                  f"lookup p50/p99 {row['host_lookup_ms']['p50']:.3f}/{row['host_lookup_ms']['p99']:.3f} ms"
-                  + (f" (under {args.write_rate:.0f} writes/s: {busy['p50']:.3f}/{busy['p99']:.3f})" if (busy := row.get("host_lookup_under_writes_ms")) else "")
-                  + (f"  | in-process p50/p99 {mem['p50']:.3f}/{mem['p99']:.3f} ms, "
-                     f"store {row['memory_store_keys_per_s']:,} keys/s" if mem else ""), flush=True)
+                  f"({row['file_resident_bytes'] / 2**20:7.1f} MiB)  store {row['store_keys_per_s']:>9,} keys/s"
+                  + (f"  in-process store {row['memory_store_keys_per_s']:,} keys/s"
+                     if "memory_store_keys_per_s" in row else ""), flush=True)
+            for lookup_path, fig in row["paths"].items():
+                mem = fig.get("memory_lookup_ms", {})
+                print(f"      {lookup_path:>6}: lookup p50/p99 {fig['host_lookup_ms']['p50']:.3f}/"
+                      f"{fig['host_lookup_ms']['p99']:.3f} ms"
+                      + (f" (under {args.write_rate:.0f} writes/s: {busy['p50']:.3f}/{busy['p99']:.3f})"
+                         if (busy := fig.get("host_lookup_under_writes_ms")) else "")
+                      + f"  in the writer p50 {fig['host_writer_lookup_ms']['p50']:.3f}"
+                      + (f"  | in-process p50/p99 {mem['p50']:.3f}/{mem['p99']:.3f} ms" if mem else ""), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"shape": args.shape, "prompt_blocks": args.prompt_blocks,
                                               "blocks_per_worker": args.blocks_per_worker, "rows": rows}, indent=1))

@@ -1,11 +1,22 @@
 # kvroute (gateway and agent) image for docker-compose.yml: `kvroute serve` / `kvroute agent`.
-FROM python:3.11-slim
-WORKDIR /opt/kvroute
-COPY pyproject.toml README.md ./
+# The wheel is built in a stage with a C compiler (the index's lookups in C, kvcore/index/
+# _chain_native.c); the image itself carries no compiler.
+FROM python:3.11-slim AS build
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev && rm -rf /var/lib/apt/lists/*
+WORKDIR /src
+COPY pyproject.toml setup.py README.md ./
 COPY kvcore ./kvcore
 COPY router ./router
 COPY offload_agent ./offload_agent
 COPY simulator ./simulator
 COPY kvroute ./kvroute
-RUN pip install --no-cache-dir .
+COPY kvbench ./kvbench
+RUN pip wheel --no-cache-dir --no-deps -w /wheels . \
+ && python -c "import glob, zipfile; names = zipfile.ZipFile(glob.glob('/wheels/kvroute-*.whl')[0]).namelist(); \
+assert any('_chain_native' in n for n in names), 'the C extension was not built'"
+
+FROM python:3.11-slim
+COPY --from=build /wheels /wheels
+RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
+WORKDIR /opt/kvroute
 ENTRYPOINT ["kvroute"]

@@ -12,6 +12,12 @@ words where a bit drops. Each backend says when it takes this path.
 Layout: a row holds ``4 * slots`` bits, bit ``4*slot + tier`` set when the worker in that slot
 holds the block in that tier (0 gpu, 1 cpu, 2 ssd, 3 speculative), as
 :class:`kvcore.index.memory.MemoryIndex`'s ints and :mod:`kvcore.index.host`'s holder sets.
+
+:func:`row_matches` and :func:`matches_from_runs` run in C when the optional extension
+``kvcore/index/_chain_native.c`` is built (``pip install`` builds it where a C compiler is found;
+:data:`NATIVE` says whether it was): one pass over the rows and the result dict built directly,
+with the same answers as the numpy passes here (``tests/test_chain_native.py`` compares them).
+The host index also probes its key table there (``probe_ids``).
 """
 from __future__ import annotations
 
@@ -20,6 +26,12 @@ import threading
 import numpy as np
 
 from kvcore.index.base import TierMatch
+
+try:
+    from kvcore.index import _chain_native as native
+except ImportError:  # not built (no C compiler at install time): the numpy passes below
+    native = None
+NATIVE = native is not None  # whether the C passes are in use (tests and benchmarks turn it off)
 
 _STRIDE = 4  # bits per slot
 _SLOTS_PER_WORD = 64 // _STRIDE
@@ -131,10 +143,46 @@ def _slots_set(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.nonzero(bits)
 
 
+def use_native(on: bool) -> bool:
+    """Use the C passes (when built) or the numpy ones; returns whether the C passes are now in
+    use. For side-by-side benchmarks and tests."""
+    global NATIVE
+    NATIVE = bool(on) and native is not None
+    return NATIVE
+
+
+def int_rows(masks: dict[int, int], keys: list[int], hidden: int, words: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """The C walk of :meth:`kvcore.index.memory.MemoryIndex.match_sync`'s wide path (only when
+    :data:`NATIVE`): per change of ``masks[key]`` (less ``hidden``'s bits) along ``keys``, a row
+    of ``words`` uint64 words; returns (rows, their blocks, the run's end). No rows when block 0
+    has no entry (or none left once hidden). The arrays are this thread's scratch, valid until
+    its next lookup."""
+    rows = scratch.get("int_rows", (len(keys), words), np.uint64)
+    starts = scratch.get("int_starts", (len(keys),), np.int64)
+    if hidden:
+        hidden &= (1 << (64 * words)) - 1
+    n, end = native.int_rows(masks, keys, hidden, rows, starts)
+    return rows[:n], starts[:n], end
+
+
+def row_matches(rows: np.ndarray, starts: np.ndarray, end: int, names: dict[int, str]) -> dict[str, TierMatch]:
+    """:func:`matches_from_runs` of :func:`run_lengths` (same arguments): per named slot holding
+    block 0 in some tier, its :class:`TierMatch`."""
+    if NATIVE:
+        return native.row_matches(rows, starts, end, names, _splits, _split)
+    return _matches_from_runs(run_lengths(rows, starts, end), names)
+
+
 def matches_from_runs(runs: np.ndarray, names: dict[int, str]) -> dict[str, TierMatch]:
     """Per named slot with a run in any tier, its :class:`TierMatch` from ``runs`` (``(3, slots)``
-    int64: gpu, gpu|cpu and any-tier run lengths in blocks). A TierMatch is frozen: one object
-    serves every worker, and every lookup, with the same (gpu, cpu, ssd)."""
+    int64: gpu, gpu|cpu and any-tier run lengths in blocks, each < 2**21). A TierMatch is
+    frozen: one object serves every worker, and every lookup, with the same (gpu, cpu, ssd)."""
+    if NATIVE:
+        return native.runs_matches(runs, names, _splits, _split)
+    return _matches_from_runs(runs, names)
+
+
+def _matches_from_runs(runs: np.ndarray, names: dict[int, str]) -> dict[str, TierMatch]:
     held = np.flatnonzero(runs[2])
     g = runs[0, held]
     gc = np.maximum(runs[1, held], g)

@@ -77,7 +77,8 @@ from typing import Callable
 import numpy as np
 
 from kvcore.index.base import TIERS, KVIndex, TierMatch, WorkerIndexStats, check_tier
-from kvcore.index.chain_rows import matches_from_runs, run_lengths, scratch
+from kvcore.index import chain_rows
+from kvcore.index.chain_rows import row_matches, scratch
 from kvcore.index.memory import MemoryIndex, drop_extra_copy, gpu_positions, run_chains, tier_matches
 from kvcore.ticks import ticks
 
@@ -745,7 +746,12 @@ class HostIndex(KVIndex):
         return ids, self._masks_of(ids)
 
     def _ids_of(self, keys: Sequence[int]) -> np.ndarray:
-        """Holder-set id of each of ``keys`` (uint32; 0 when absent)."""
+        """Holder-set id of each of ``keys`` (uint32; 0 when absent): the C probe of
+        :mod:`kvcore.index.chain_rows` when it is built, else :meth:`_find_many`."""
+        if chain_rows.NATIVE:
+            out = np.empty(len(keys), np.uint32)
+            chain_rows.native.probe_ids(keys, self._keys_np, self._ids_np, MUL, out)
+            return out
         return self._find_many(np.frombuffer(struct.pack(f"{len(keys)}Q", *keys), np.uint64))
 
     def _masks_of(self, ids: np.ndarray) -> dict[int, int]:
@@ -764,7 +770,7 @@ class HostIndex(KVIndex):
         np.take(self._sets_np, ids[starts], axis=0, out=rows, mode="clip")  # ids < max_holder_sets
         if words < self._words:
             rows = rows[:, :words]
-        return matches_from_runs(run_lengths(rows, starts, end), names)
+        return row_matches(rows, starts, end, names)
 
     def _names_now(self) -> dict[int, str]:
         self._refresh_names()

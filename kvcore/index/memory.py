@@ -40,7 +40,8 @@ from operator import ne
 import numpy as np
 
 from kvcore.index.base import TIERS, KVIndex, TierMatch, WorkerIndexStats, check_tier
-from kvcore.index.chain_rows import matches_from_runs, run_lengths
+from kvcore.index import chain_rows
+from kvcore.index.chain_rows import matches_from_runs, row_matches
 
 _SPEC = 3  # bit of a slot's nibble for speculative entries (after gpu, cpu, ssd)
 _STRIDE = 4  # bits per slot in a key's int
@@ -482,6 +483,10 @@ class MemoryIndex(KVIndex):
             drops, alive, end = run_chains(v, enumerate(values, 1), len(keys), self._gpu_sel)
             return tier_matches(drops, alive, end, self._names(), _STRIDE)
         # wide masks: the values where the holders change, as rows of one matrix
+        nbytes = -(-width // 64) * 8
+        if chain_rows.NATIVE:
+            rows, starts_np, end = chain_rows.int_rows(self._masks, keys, hidden, nbytes // 8)
+            return row_matches(rows, starts_np, end, self._names()) if len(rows) else {}
         held = list(map(get, keys))
         if hidden:
             held = [None if x is None else x & keep or None for x in held]
@@ -491,10 +496,9 @@ class MemoryIndex(KVIndex):
             end = len(held)
         starts = [0]
         starts += compress(range(1, end), map(ne, held, held[1:end]))
-        nbytes = -(-width // 64) * 8
         raw = b"".join([held[i].to_bytes(nbytes, "little") for i in starts])
         rows = np.frombuffer(raw, np.uint64).reshape(len(starts), nbytes // 8)
-        return matches_from_runs(run_lengths(rows, np.array(starts, np.int64), end), self._names())
+        return row_matches(rows, np.array(starts, np.int64), end, self._names())
 
     def _names(self) -> dict[int, str]:
         return {slot: name for name, slot in self._slots.items()}

@@ -107,7 +107,7 @@ from redis.commands.core import AsyncScript
 from kvcore.block_keys import ENCODING_VERSION
 from kvcore.index.base import TIERS, KVIndex, TierMatch, WorkerIndexStats, check_tier
 from kvcore.index.errors import IndexEncodingMismatch, IndexLayoutMismatch, IndexUnavailable
-from kvcore.index.chain_rows import matches_from_runs, run_lengths
+from kvcore.index.chain_rows import row_matches
 from kvcore.index.memory import tier_matches
 from kvcore.index.redis_scripts import LOG, SLOT_OF, SPECULATIVE_LUA, apply_body, clear_body
 
@@ -211,7 +211,7 @@ def _match_rows(bitmaps: list[bytes], starts: list[int], count: int, alive_mask:
             return {}
         end = starts[int(empty[0])]
         rows = rows[:empty[0]]
-    return matches_from_runs(run_lengths(rows, np.array(starts[:len(rows)], np.int64), end), names)
+    return row_matches(rows, np.array(starts[:len(rows)], np.int64), end, names)
 
 
 _CONNECTION_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
