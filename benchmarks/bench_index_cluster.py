@@ -19,6 +19,9 @@ in a shuffled order, each with the prompt's keys as fresh ints:
   partition) through redis-py's ``RedisCluster`` pipeline, for comparison with the pre-encoded
   per-node pipelines (no match computed).
 
+``--paths native,numpy`` times the variants once per lookup path within each repeat (the C passes
+of ``kvcore/index/_chain_native.c`` and the numpy ones of :mod:`kvcore.index.chain_rows`).
+
 ``--timed`` names the variants timed (default all four); an untimed ``memory`` is not built (the
 variants' answers are then checked against each other). A gateway holds one index: timed alone,
 the mirror's lookups do not share the caches with two more 4M-entry indexes and a 1 MB fetch.
@@ -51,6 +54,7 @@ from bench_index_lookup import closed_loop, pct  # noqa: E402
 from redis.asyncio.cluster import RedisCluster  # noqa: E402
 
 from kvcore.block_keys import block_keys  # noqa: E402
+from kvcore.index import chain_rows  # noqa: E402
 from kvcore.index.memory import MemoryIndex  # noqa: E402
 from kvcore.index.redis_cluster import RedisClusterIndex  # noqa: E402
 from kvcore.index.redis_cluster_mirror import RedisClusterMirrorIndex  # noqa: E402
@@ -175,16 +179,21 @@ async def one_size(url: str, workers: int, groups: int, args: argparse.Namespace
           f"bootstrap {bootstrap_s:.1f} s")
     print(f"  {'variant':30} " + " ".join(f"{'rep' + str(r + 1) + ' p50/p99':>16}" for r in range(args.repeats))
           + f" {'all p50':>8} {'all p99':>8}")
-    lat_all: dict[str, list[float]] = {v: [] for v in variants}
-    reps: dict[str, list[tuple[float, float]]] = {v: [] for v in variants}
+    # with several --paths, each repeat times every variant once per path, the paths in turn
+    labels = {(v, p): (f"{v} [{p}]" if len(args.paths) > 1 else v) for v in variants for p in args.paths}
+    lat_all: dict[str, list[float]] = {label: [] for label in labels.values()}
+    reps: dict[str, list[tuple[float, float]]] = {label: [] for label in labels.values()}
     await closed_loop(variants, packed, min(20, args.rounds), rnd)  # warm-up, not counted
     for _ in range(args.repeats):
-        lat, _cpu = await closed_loop(variants, packed, args.rounds, rnd)
-        for v, ls in lat.items():
-            lat_all[v] += ls
-            reps[v].append((statistics.median(ls), pct(ls, 0.99)))
+        for lookup_path in args.paths:
+            chain_rows.use_native(lookup_path == "native")
+            lat, _cpu = await closed_loop(variants, packed, args.rounds, rnd)
+            for v, ls in lat.items():
+                label = labels[v, lookup_path]
+                lat_all[label] += ls
+                reps[label].append((statistics.median(ls), pct(ls, 0.99)))
     out = {}
-    for v in variants:
+    for v in lat_all:
         print(f"  {v:30} " + " ".join(f"{a:>7.3f}/{b:<8.3f}" for a, b in reps[v])
               + f" {statistics.median(lat_all[v]):>8.3f} {pct(lat_all[v], 0.99):>8.3f}")
         out[v] = {"p50_ms": statistics.median(lat_all[v]), "p99_ms": pct(lat_all[v], 0.99),
@@ -213,11 +222,16 @@ async def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--timed", default=",".join(VARIANTS),
                     help=f"variants timed, comma-separated, of: {', '.join(VARIANTS)}")
+    ap.add_argument("--paths", type=lambda v: v.split(","), default=["native"] if chain_rows.native is not None else ["numpy"],
+                    help="lookup passes, comma-separated: native (the C extension, the default where built), numpy; "
+                         "several are timed in turn within each repeat")
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = ap.parse_args()
     args.timed = [v.strip() for v in args.timed.split(",") if v.strip()]
     if not args.timed or set(args.timed) - set(VARIANTS):
         ap.error(f"--timed: variants of {', '.join(VARIANTS)}")
+    if set(args.paths) - {"native", "numpy"} or ("native" in args.paths and chain_rows.native is None):
+        ap.error("--paths: native (only where the C extension is built) and numpy")
     if args.quick:
         args.blocks_per_worker, args.prompt_tokens, args.rounds, args.repeats = 512, 4096, 30, 1
         args.prefix_groups = "0"

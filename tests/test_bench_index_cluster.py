@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from kvcore.index import chain_rows
+
 REPO = Path(__file__).resolve().parents[1]
 VARIANTS = {"cluster (plain)", "cluster + mirror", "memory", "redis-py RedisCluster (fetch)"}
 
@@ -38,3 +42,18 @@ def test_timed_picks_the_variants_and_an_unknown_one_is_refused(tmp_path: Path) 
     assert size["workers"] == 8 and set(size["variants"]) == {"cluster + mirror"}
     bad = subprocess.run([*bench, "--timed", "mirror"], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert bad.returncode == 2 and "--timed: variants of cluster (plain), cluster + mirror" in bad.stderr
+    bad = subprocess.run([*bench, "--paths", "fortran"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert bad.returncode == 2 and "--paths: native" in bad.stderr
+
+
+def test_paths_time_each_variant_once_per_lookup_path(tmp_path: Path) -> None:
+    if chain_rows.native is None:
+        pytest.skip("the C extension is not built: numpy is the only path")
+    out = tmp_path / "paths.json"
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_index_cluster.py"), "--quick",
+                          "--workers", "8", "--timed", "cluster + mirror,memory", "--paths", "native,numpy",
+                          "--json", str(out)], capture_output=True, text=True, timeout=240, cwd=REPO)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    [size] = json.loads(out.read_text())["sizes"]
+    assert set(size["variants"]) == {f"{v} [{p}]" for v in ("cluster + mirror", "memory") for p in ("native", "numpy")}
+    assert all(len(v["repeats_p50_p99_ms"]) == 1 for v in size["variants"].values())

@@ -17,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import ADMIN_TOKEN, Proc, free_ports, kvroute_argv, wait_http, wait_until
+from kvcore.index import chain_rows
 from router.config.schema import WorkerConfig
 from router.processes import supervisor
 from router.processes.group import ENV_RUN_DIR, LOAD_FILE, merge_metrics
@@ -309,8 +310,11 @@ def test_one_index_for_both_and_a_reader_takes_over_when_the_writer_dies(two_pro
     """The processes share one host index (one writer ingests the KV events); killing the
     writer hands the writing to the other, and new prefixes are indexed again."""
     base, sims, gw = two_procs
-    views = {p: r.json()["host_index"] for p, r in _each_process(base, "/admin/index").items()}
+    index = {p: r.json() for p, r in _each_process(base, "/admin/index").items()}
+    views = {p: v["host_index"] for p, v in index.items()}
     assert sorted(v["writer"] for v in views.values()) == [False, True]
+    passes = "native" if chain_rows.native is not None else "numpy"  # the C extension where it is built
+    assert {v["lookup_passes"] for v in index.values()} == {passes}
     assert len({v["writer_pid"] for v in views.values()}) == 1
     writer_pid = views["0"]["writer_pid"]
     assert writer_pid in _children(gw.popen.pid)

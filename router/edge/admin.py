@@ -9,7 +9,7 @@
 | POST /admin/workers/{id}/drain[?wait_s=S] | 200 the entry (``draining: true``; ``drained: true`` once its in-flight count is 0; with ``wait_s`` the answer waits up to S s for that); 404 unknown |
 | GET /admin/policy | the live policy mapping (the config's ``policy`` section) |
 | PUT /admin/policy | body: a policy mapping; validated and swapped atomically; 200 the new mapping, 400 bad |
-| GET /admin/index | ``{"backend", "workers": {id: {"blocks", "speculative_blocks", "kv_events"}}}`` (``kv_events``: the embedded ingestor's, or with Redis the worker's agent's, seq, event age, gaps, replays, resyncs; null without one); with ``--processes N`` also ``"host_index"``: the shared index's ``keys``, ``holder_sets``, ``evicted_keys``, ``dropped_keys``, ``takeovers``, ``writer_pid``, ``writer`` (this process), bounds and file bytes |
+| GET /admin/index | ``{"backend", "workers": {id: {"blocks", "speculative_blocks", "kv_events"}}}`` (``kv_events``: the embedded ingestor's, or with Redis the worker's agent's, seq, event age, gaps, replays, resyncs; null without one); ``lookup_passes``: ``native`` where the C extension of the lookups over many workers is built, else ``numpy`` (kvcore/index/chain_rows.py); with ``--processes N`` also ``"host_index"``: the shared index's ``keys``, ``holder_sets``, ``evicted_keys``, ``dropped_keys``, ``takeovers``, ``writer_pid``, ``writer`` (this process), bounds and file bytes |
 | POST /admin/explain[?path] | a chat or completions body (or the body of routed ``path``, e.g. ``/v1/messages``) -> ``{"prompt_tokens", "blocks", "candidates", "chosen", "reason", ...}``; nothing is sent. A candidate a peer can supply blocks to also has ``peer_blocks``, ``peer_worker``, ``peer_credit`` (the weight per block) and ``peer_credit_source`` (``config``, ``measured``, ``prior``, ``unknown_block_bytes``) |
 | GET /admin/decisions[?limit=N&worker=ID&since_unix_s=T] | ``{"decisions": [...], "kept", "recorded"}``: recent decisions of real traffic, newest first (:mod:`router.route.decision_log`); 400 bad limit |
 | GET /admin/summary[?window_s=W&bucket_s=B] | the decisions of the last W s (default 300) in counts and B-second buckets (default 10): ``{"totals", "hit_rate", "predicted_hit_rate", "by_reason", "by_worker", "series": [...], ...}`` (:meth:`router.route.decision_log.DecisionLog.summary`; drawn by ``GET /dashboard``); 400 bad window or bucket |
@@ -35,6 +35,7 @@ import orjson
 from fastapi import APIRouter, Depends, Request, Response
 from pydantic import ValidationError
 
+from kvcore.index import chain_rows
 from kvcore.index.base import SupportsWorkerStates
 from kvcore.index.errors import IndexUnavailable
 from kvcore.index.host import HostIndex
@@ -226,7 +227,8 @@ async def get_index(gateway: GatewayDep) -> Response:
         reg = gateway.registry.get(wid)
         state = reg.event_state() if reg is not None else None
         entry["kv_events"] = state if state is not None else agents.get(wid)
-    out: dict[str, Any] = {"backend": gateway.cfg.index.backend, "workers": workers}
+    out: dict[str, Any] = {"backend": gateway.cfg.index.backend, "workers": workers,
+                           "lookup_passes": "native" if chain_rows.NATIVE else "numpy"}
     if hasattr(gateway.index, "__len__"):
         out["keys"] = len(gateway.index)
     if hasattr(gateway.index, "dropped_keys"):
