@@ -142,14 +142,14 @@ def one_size(workers: int, args: argparse.Namespace, tmp: str) -> dict:
     prompt = make_prompt(workers, args.prompt_blocks)
     lengths = prefix_lengths(args.shape, workers, args.prompt_blocks)
     distinct = args.prompt_blocks + sum(max(0, args.blocks_per_worker - n) for n in lengths)
-    # a bulk load makes holder sets faster than their quarantine frees them: the ladder, where
-    # each worker's store moves keys out of every set below it, needs ~workers**2 / 2 at once
-    sets = workers * workers // 2 + 4096 if args.shape == "ladder" else 65_536
-    kw = dict(max_keys=distinct, max_workers=workers, max_holder_sets=sets)
+    kw = dict(max_keys=distinct, max_workers=workers, max_holder_sets=args.max_holder_sets)
     path = os.path.join(tmp, f"index-{workers}")
     host = HostIndex(path, **kw)
     assert host.try_become_writer()
     entries, spent = populate(host, prompt, lengths, args.blocks_per_worker, seed=1)
+    if host.dropped_keys:
+        raise SystemExit(f"{workers} workers: the load dropped {host.dropped_keys} keys for want of a holder set; "
+                         f"raise --max-holder-sets")
     files = host.file_bytes()
     row = {"workers": workers, "entries": entries, "distinct_blocks": len(host),
            "holder_sets": host.counters()["holder_sets"], "dropped_keys": host.dropped_keys,
@@ -197,6 +197,8 @@ def main() -> None:
     ap.add_argument("--shape", choices=("groups", "ladder"), default="groups")
     ap.add_argument("--lookups", type=int, default=300)
     ap.add_argument("--memory-max-workers", type=int, default=256)
+    ap.add_argument("--max-holder-sets", type=int, default=65_536,
+                    help="the host index's holder-set bound (the gateway's default; the load must drop no key)")
     ap.add_argument("--write-rate", type=float, default=2000.0,
                     help="store+remove batches of 16 blocks per second during the second reader run (0: none)")
     ap.add_argument("--quick", action="store_true", help="16 and 64 workers, 512 blocks each, 50 lookups")

@@ -132,7 +132,7 @@ def test_bad_buffers_and_a_failing_factory_raise():
     rows[0, 0] = 1
     starts = np.array([0, 3], np.int64)
     names = {0: "w0"}
-    with pytest.raises(ValueError, match="items of 4 bytes"):
+    with pytest.raises(ValueError, match="wrong item size"):
         native.row_matches(rows.view(np.uint32), starts, 5, names, {}, chain_rows._split)
     with pytest.raises(ValueError, match="one offset per row"):
         native.row_matches(rows, starts[:1], 5, names, {}, chain_rows._split)
@@ -292,3 +292,58 @@ def test_int_rows_refuses_a_mask_wider_than_a_row_and_empty_starts():
     rows4, starts4 = np.zeros((4, 1), np.uint64), np.zeros(4, np.int64)
     assert native.int_rows({1: 0b1, 2: 0b101, 3: 0b101}, [1, 2, 3, 1], 0, rows4, starts4) == (3, 4)
     assert starts4[:3].tolist() == [0, 1, 3] and rows4[:3, 0].tolist() == [0b1, 0b101, 0b1]
+
+
+@needs_native
+def test_a_key_list_emptied_under_the_walk_is_not_read_and_bad_views_are_refused():
+    # review findings: Python code run during the walk (a hidden object's truth, a key's hash)
+    # emptied the caller's list, which the walk still read; a view whose rows are 12 bytes apart
+    # was read as if 8; float items passed as integers; numpy ints were refused by the probe
+    keys = [10**6 + i for i in range(1000)]
+    masks = {k: 1 for k in keys}
+
+    class Hidden:
+        def __bool__(self) -> bool:
+            keys.clear()
+            return False
+
+    rows, starts = np.zeros((1000, 1), np.uint64), np.zeros(1000, np.int64)
+    with pytest.raises(TypeError, match="hidden must be an int"):
+        native.int_rows(masks, keys, Hidden(), rows, starts)
+    armed = []
+
+    class Key(int):
+        def __hash__(self) -> int:
+            if armed:
+                del keys[1:]
+            return int.__hash__(self)
+
+        __eq__ = int.__eq__
+
+    keys[:] = [Key(1)] + [10**6 + i for i in range(999)]
+    masks = {k: 1 for k in keys}
+    armed.append(True)
+    assert native.int_rows(masks, keys, 0, rows, starts) == (1, 1000)  # its own copy: all 1,000 keys
+    assert len(keys) == 1
+
+    rec = np.zeros(3, dtype=[("a", "<u8", (1,)), ("pad", "<u4")])
+    rec["a"][:, 0] = [0x11, 1, 1]
+    with pytest.raises(ValueError, match="wrong strides"):
+        native.row_matches(rec["a"], np.array([0, 4, 8], np.int64), 10, {0: "a"}, {}, chain_rows._split)
+    with pytest.raises(ValueError, match="wrong item type"):
+        native.row_matches(np.ones((1, 1), np.float64), np.zeros(1, np.int64), 3, {0: "a"}, {}, chain_rows._split)
+    with pytest.raises(ValueError, match="out of range"):
+        native.runs_matches(np.array([[0], [0], [-3]], np.int64), {0: "a"}, {}, chain_rows._split)
+    with pytest.raises(TypeError, match="not subclasses"):
+        native.runs_matches(np.array([[1], [1], [1]], np.int64), type("Names", (dict,), {})({0: "a"}), {},
+                            chain_rows._split)
+
+    table_keys, table_ids = np.zeros(8, np.uint64), np.zeros(8, np.uint32)
+    home = (11 * 0x9E3779B97F4A7C15 % 2**64) % 8
+    table_keys[home], table_ids[home] = 11, 5
+    out = np.zeros(2, np.uint32)
+    native.probe_ids([np.uint64(11), np.int64(12)], table_keys, table_ids, 0x9E3779B97F4A7C15, out)
+    assert out.tolist() == [5, 0]
+    with pytest.raises(ValueError, match="wrong alignment"):
+        raw = np.zeros(8 * 8 + 4, np.uint8)
+        native.probe_ids([11], raw[4:].view(np.uint64), table_ids, 0x9E3779B97F4A7C15, np.zeros(1, np.uint32))

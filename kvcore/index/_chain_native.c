@@ -33,8 +33,11 @@
  *     walk ends at the first block with no entry or no bits left (`end`, else len(keys)). Raises
  *     OverflowError when a mask does not fit a row.
  *
- * Errors: TypeError / ValueError on buffers of the wrong shape, item size or length; whatever
- * make() raises.
+ * Buffers hold native little-endian integers of the size named, aligned to it (numpy arrays and
+ * their views of whole items); keys are ints or objects with __index__ (numpy's integers), read
+ * into a private tuple first. Errors: TypeError on arguments of the wrong type (dict subclasses
+ * included), ValueError on buffers of the wrong shape, item type, alignment or length and on
+ * negative runs, OverflowError on keys or masks out of range; whatever make() raises.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -50,15 +53,31 @@ static inline uint64_t chain_gpu(uint64_t v) { return (v | v >> 3) & LOW; }
 static inline uint64_t chain_gpu_cpu(uint64_t v) { return (v | v >> 1 | v >> 3) & LOW; }
 static inline uint64_t chain_any(uint64_t v) { return (v | v >> 1 | v >> 2 | v >> 3) & LOW; }
 
+/* A buffer of little-endian (native) integers of `itemsize` bytes, aligned to them, with
+   strides in whole items; -1 with ValueError (and nothing held) otherwise. */
 static int
 get_buffer(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t itemsize, const char *what)
 {
-    int flags = PyBUF_STRIDES | (writable ? PyBUF_WRITABLE : 0);
+    int flags = PyBUF_STRIDES | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(obj, view, flags) < 0)
         return -1;
-    if (view->itemsize != itemsize) {
-        PyErr_Format(PyExc_ValueError, "%s: items of %zd bytes, expected %zd", what,
-                     view->itemsize, itemsize);
+    const char *fmt = view->format ? view->format : "B";
+    if (*fmt == '@' || *fmt == '=' || *fmt == '<')
+        fmt++;
+    const char *why = NULL;
+    if (view->itemsize != itemsize)
+        why = "item size";
+    else if (fmt[0] == '\0' || fmt[1] != '\0' || strchr("bBhHiIlLqQnN", fmt[0]) == NULL)
+        why = "item type (integers, native byte order)";
+    else if ((uintptr_t)view->buf % (uintptr_t)itemsize)
+        why = "alignment";
+    else if (view->strides)
+        for (int d = 0; d < view->ndim && !why; d++)
+            if (view->strides[d] % itemsize)
+                why = "strides";
+    if (why) {
+        PyErr_Format(PyExc_ValueError, "%s: wrong %s: expected %zd-byte integers (got format '%s', %zd bytes)",
+                     what, why, itemsize, view->format ? view->format : "B", view->itemsize);
         PyBuffer_Release(view);
         return -1;
     }
@@ -68,7 +87,7 @@ get_buffer(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t itemsize, co
 static int
 check_contiguous_1d(Py_buffer *view, Py_ssize_t itemsize, const char *what)
 {
-    if (view->ndim != 1 || (view->strides && view->strides[0] != itemsize)) {
+    if (view->ndim != 1 || (view->strides && view->shape[0] > 1 && view->strides[0] != itemsize)) {
         PyErr_Format(PyExc_ValueError, "%s: expected a contiguous 1-D buffer", what);
         return -1;
     }
@@ -84,13 +103,13 @@ probe_ids(PyObject *self, PyObject *args)
     unsigned long long mul;
     if (!PyArg_ParseTuple(args, "OOOKO:probe_ids", &keys_obj, &tkeys_obj, &tids_obj, &mul, &out_obj))
         return NULL;
-    PyObject *seq = PySequence_Fast(keys_obj, "probe_ids: keys must be a list or tuple");
+    PyObject *seq = PySequence_Tuple(keys_obj);  /* our own references: nothing can change it under us */
     if (seq == NULL)
         return NULL;
     Py_buffer tk = {0}, ti = {0}, out = {0};
     uint64_t *homes = NULL, *want = NULL;
     PyObject *result = NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t n = PyTuple_GET_SIZE(seq);
     if (get_buffer(tkeys_obj, &tk, 0, 8, "table_keys") < 0)
         goto done;
     if (get_buffer(tids_obj, &ti, 0, 4, "table_ids") < 0)
@@ -115,9 +134,18 @@ probe_ids(PyObject *self, PyObject *args)
         PyErr_NoMemory();
         goto done;
     }
-    PyObject **items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t i = 0; i < n; i++) {
-        unsigned long long k = PyLong_AsUnsignedLongLong(items[i]);
+        PyObject *item = PyTuple_GET_ITEM(seq, i);
+        unsigned long long k;
+        if (PyLong_Check(item)) {
+            k = PyLong_AsUnsignedLongLong(item);
+        } else {  /* numpy's integers, as struct.pack takes them */
+            PyObject *as_int = PyNumber_Index(item);
+            if (as_int == NULL)
+                goto done;
+            k = PyLong_AsUnsignedLongLong(as_int);
+            Py_DECREF(as_int);
+        }
         if (k == (unsigned long long)-1 && PyErr_Occurred())
             goto done;
         want[i] = k;
@@ -174,12 +202,12 @@ build_matches(const int64_t *run_g, const int64_t *run_gc, const int64_t *run_a,
         return NULL;
     for (Py_ssize_t s = 0; s < slots; s++) {
         int64_t a = run_a[s * run_stride];
-        if (a <= 0)
+        if (a == 0)
             continue;
         int64_t g = run_g[s * run_stride], gc = run_gc[s * run_stride];
         if (gc < g)
             gc = g;
-        if (a >= RUN_LIMIT || g < 0 || gc > a) {
+        if (a < 0 || a >= RUN_LIMIT || g < 0 || gc > a) {
             PyErr_Format(PyExc_ValueError, "runs of slot %zd out of range (%lld, %lld, %lld)", s,
                          (long long)g, (long long)gc, (long long)a);
             goto fail;
@@ -227,8 +255,8 @@ fail:
 static int
 check_mappings(PyObject *names, PyObject *cache, PyObject *make)
 {
-    if (!PyDict_Check(names) || !PyDict_Check(cache)) {
-        PyErr_SetString(PyExc_TypeError, "names and cache must be dicts");
+    if (!PyDict_CheckExact(names) || !PyDict_CheckExact(cache)) {
+        PyErr_SetString(PyExc_TypeError, "names and cache must be dicts (not subclasses)");
         return -1;
     }
     if (!PyCallable_Check(make)) {
@@ -258,7 +286,7 @@ row_matches(PyObject *self, PyObject *args)
         goto done;
     if (check_contiguous_1d(&sv, 8, "starts") < 0)
         goto done;
-    if (rv.ndim != 2 || (rv.strides && rv.strides[1] != 8) || rv.shape[0] < 1) {
+    if (rv.ndim != 2 || (rv.strides && rv.shape[1] > 1 && rv.strides[1] != 8) || rv.shape[0] < 1) {
         PyErr_SetString(PyExc_ValueError, "rows: expected a 2-D buffer of at least one row, words contiguous");
         goto done;
     }
@@ -395,17 +423,22 @@ int_rows(PyObject *self, PyObject *args)
     PyObject *masks, *keys_obj, *hidden, *rows_obj, *starts_obj;
     if (!PyArg_ParseTuple(args, "OOOOO:int_rows", &masks, &keys_obj, &hidden, &rows_obj, &starts_obj))
         return NULL;
-    if (!PyDict_Check(masks)) {
+    if (!PyDict_CheckExact(masks)) {
         PyErr_SetString(PyExc_TypeError, "int_rows: masks must be a dict");
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(keys_obj, "int_rows: keys must be a list or tuple");
+    if (!PyLong_Check(hidden)) {
+        PyErr_SetString(PyExc_TypeError, "int_rows: hidden must be an int");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Tuple(keys_obj);  /* our own references: a key's __hash__ cannot pull them away */
     if (seq == NULL)
         return NULL;
+    PyObject *prev = NULL;  /* a strong reference: compared by identity */
     Py_buffer rv = {0}, sv = {0};
     uint64_t *keep = NULL;
     PyObject *result = NULL;
-    Py_ssize_t n_keys = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t n_keys = PyTuple_GET_SIZE(seq);
     if (get_buffer(rows_obj, &rv, 1, 8, "rows_out") < 0 || get_buffer(starts_obj, &sv, 1, 8, "starts_out") < 0)
         goto done;
     if (check_contiguous_1d(&sv, 8, "starts_out") < 0)
@@ -436,11 +469,9 @@ int_rows(PyObject *self, PyObject *args)
     }
     uint64_t *rows = rv.buf;
     int64_t *starts = sv.buf;
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    PyObject *prev = NULL;
     Py_ssize_t n = 0, end = n_keys;
     for (Py_ssize_t i = 0; i < n_keys; i++) {
-        PyObject *v = PyDict_GetItemWithError(masks, items[i]);  /* borrowed */
+        PyObject *v = PyDict_GetItemWithError(masks, PyTuple_GET_ITEM(seq, i));  /* borrowed */
         if (v == NULL) {
             if (PyErr_Occurred())
                 goto done;
@@ -449,6 +480,8 @@ int_rows(PyObject *self, PyObject *args)
         }
         if (v == prev)  /* the same int object: the same holders */
             continue;
+        Py_INCREF(v);
+        Py_XSETREF(prev, v);
         uint64_t *row = rows + n * words;
         if (int_to_row(v, (unsigned char *)row, row_bytes) < 0)
             goto done;
@@ -462,13 +495,13 @@ int_rows(PyObject *self, PyObject *args)
             end = i;
             break;
         }
-        prev = v;
         if (n && memcmp(row, row - words, row_bytes) == 0)
             continue;
         starts[n++] = i;
     }
     result = Py_BuildValue("nn", n, n ? end : 0);
 done:
+    Py_XDECREF(prev);
     PyMem_Free(keep);
     if (rv.obj) PyBuffer_Release(&rv);
     if (sv.obj) PyBuffer_Release(&sv);
