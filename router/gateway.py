@@ -17,7 +17,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from kvcore.index import make_index
+from kvcore.index import chain_rows, make_index
 from kvcore.index.base import SupportsWorkerStates
 from kvcore.index.errors import IndexEncodingMismatch, IndexUnavailable
 from kvcore.index.host import HostIndex
@@ -132,6 +132,9 @@ class Gateway:
         self.registry.add_task_factory(health_probe_task(client, self.cfg.health, self._health_changed, sharing))
         if self.cfg.load_scrape.enabled:
             self.registry.add_task_factory(load_scrape_task(client, self.cfg.load_scrape, sharing))
+        if not chain_rows.NATIVE:
+            log.info("index lookups over many workers take their numpy path: the C extension "
+                     "kvcore/index/_chain_native.c is not built (install kvroute where a C compiler is)")
         if self.cfg.index.backend == "memory":
             blocks = {m.name: m.block_size for m in self.cfg.models}
             board = None
