@@ -5,8 +5,9 @@ graph is, its cycles, and the imports that hide inside functions.
 Every ``import`` and ``from ... import`` counts, wherever it sits; each edge is marked
 ``module`` (runs on import), ``local`` (inside a function body: runs when called) or
 ``typing`` (under ``if TYPE_CHECKING:``: never runs). ``from a.b import c`` points at module
-``a.b.c`` when that is a module of ours, else at ``a.b``. Tests, benchmarks and tools are not
-counted.
+``a.b.c`` when that is a module of ours, else at ``a.b``. A C extension's source (``a/b/c.c``,
+built as module ``a.b.c``) is a module of ours that imports none. Tests, benchmarks and tools are
+not counted.
 
 Usage: python tools/import_graph.py [--under router] [--depth 2] [--json]
   prints modules, edges, levels (the longest chain of imports; a module importing none of ours
@@ -39,13 +40,13 @@ class Edge:
 
 def modules(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> dict[str, Path]:
     """Dotted module name -> file, for every ``.py`` file under the packages (``pkg/__init__.py``
-    is ``pkg``)."""
+    is ``pkg``) and every C extension source (``.c``: the module it builds)."""
     out: dict[str, Path] = {}
     for pkg in packages:
         base = root / pkg
         if not base.is_dir():
             continue
-        for path in sorted(base.rglob("*.py")):
+        for path in sorted([*base.rglob("*.py"), *base.rglob("*.c")]):
             parts = list(path.relative_to(root).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts.pop()
@@ -67,7 +68,10 @@ def _is_type_checking(test: ast.expr) -> bool:
 
 
 def imports_of(name: str, path: Path, known: dict[str, Path]) -> list[Edge]:
-    """The edges from module ``name`` (its file ``path``) to modules in ``known``."""
+    """The edges from module ``name`` (its file ``path``) to modules in ``known`` (none from a C
+    extension's source)."""
+    if path.suffix != ".py":
+        return []
     tree = ast.parse(path.read_text(), str(path))
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     edges: list[Edge] = []

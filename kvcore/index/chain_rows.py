@@ -28,7 +28,7 @@ import numpy as np
 from kvcore.index.base import TierMatch
 
 try:
-    from kvcore.index import _chain_native as native
+    import kvcore.index._chain_native as native
 except ImportError:  # not built (no C compiler at install time): the numpy passes below
     native = None
 NATIVE = native is not None  # whether the C passes are in use (tests and benchmarks turn it off)

@@ -77,7 +77,7 @@ from typing import Callable
 import numpy as np
 
 from kvcore.index.base import TIERS, KVIndex, TierMatch, WorkerIndexStats, check_tier
-from kvcore.index import chain_rows
+import kvcore.index.chain_rows as chain_rows
 from kvcore.index.chain_rows import row_matches, scratch
 from kvcore.index.memory import MemoryIndex, drop_extra_copy, gpu_positions, run_chains, tier_matches
 from kvcore.ticks import ticks

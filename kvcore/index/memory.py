@@ -40,7 +40,7 @@ from operator import ne
 import numpy as np
 
 from kvcore.index.base import TIERS, KVIndex, TierMatch, WorkerIndexStats, check_tier
-from kvcore.index import chain_rows
+import kvcore.index.chain_rows as chain_rows
 from kvcore.index.chain_rows import matches_from_runs, row_matches
 
 _SPEC = 3  # bit of a slot's nibble for speculative entries (after gpu, cpu, ssd)
