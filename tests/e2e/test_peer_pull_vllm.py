@@ -206,8 +206,17 @@ class Pair:
         return r.json(), worker or r.headers["x-kvroute-worker"]
 
     def admin(self, path: str, body: dict | None = None) -> dict:
-        r = (httpx.post(self.gateway + path, headers=AUTH, json=body, timeout=30) if body is not None
-             else httpx.get(self.gateway + path, headers=AUTH, timeout=30))
+        """A POST with ``body``, else a GET; a GET answered 503 ``index_unavailable`` is asked
+        again (up to 20 s): the Redis mirror is unavailable for a moment after one of its Redis
+        calls times out, which the parallel suite's load made happen once (a 0.5 s read)."""
+        if body is not None:
+            r = httpx.post(self.gateway + path, headers=AUTH, json=body, timeout=30)
+        else:
+            def answered() -> httpx.Response | None:
+                got = httpx.get(self.gateway + path, headers=AUTH, timeout=30)
+                unavailable = got.status_code == 503 and got.json()["error"]["code"] == "index_unavailable"
+                return None if unavailable else got
+            r = wait_until(answered, what=f"GET {path} answered with the index available")
         assert r.status_code == 200, r.text
         return r.json()
 
