@@ -15,6 +15,8 @@ from kvcore.index.base import TierMatch
 from kvcore.index.chain_rows import _matches_from_runs, run_lengths
 from kvcore.index.host import HostIndex
 from kvcore.index.memory import MemoryIndex, run_chains, tier_matches
+from test_chain_rows import random_rows
+from test_index_host import Clock, store_tier_ladder
 
 native = chain_rows.native
 
@@ -44,19 +46,7 @@ def numpy_path():
 
 
 def _random_rows(rng: random.Random, slots: int, n: int) -> tuple[list[int], list[int], int]:
-    starts = [0] + sorted(rng.sample(range(1, 5 * n), n - 1))
-    end = starts[-1] + rng.randint(1, 5)
-    holders = {s: rng.random() < 0.8 for s in range(slots)}
-    masks = []
-    for _ in range(n):
-        m = 0
-        for s in range(slots):
-            if rng.random() < 0.03:
-                holders[s] = not holders[s]  # a worker leaves, or comes back
-            if holders[s]:
-                m |= rng.choice((1, 1, 1, 2, 4, 8, 3, 6, 9, 15)) << (4 * s)
-        masks.append(m or 1)
-    return masks, starts, end
+    return random_rows(rng, slots, n, tier_sets=(1, 1, 1, 2, 4, 8, 3, 6, 9, 15))  # 15: every tier
 
 
 def _as_rows(masks: list[int], words: int) -> np.ndarray:
@@ -149,14 +139,6 @@ def test_bad_buffers_and_a_failing_factory_raise():
     assert native.row_matches(rows, starts, 5, names, {}, chain_rows._split) == {"w0": TierMatch(3, 0, 0)}
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def _host(tmp_path, capacity_keys: int, workers: int = 64, clock: Clock | None = None) -> HostIndex:
     idx = HostIndex(tmp_path / "index", max_keys=capacity_keys, max_workers=workers, max_holder_sets=4096,
                     clock=clock)
@@ -197,19 +179,11 @@ def test_probe_ids_finds_what_the_numpy_probe_finds(tmp_path, seed):
 def test_host_and_memory_lookups_answer_alike_on_both_paths(tmp_path, numpy_path):
     # 300 workers, each its own prefix (gpu, then cpu, then ssd), a few with holes: the matrix
     # path of both indexes, first on numpy (the fixture), then in C
-    clock = Clock()  # freed holder sets come back after their quarantine
+    clock = Clock()
     host = _host(tmp_path, 20_000, workers=320, clock=clock)
     mem = MemoryIndex(clock=clock)
     prompt = list(range(1, 701))
-    for w in range(300):
-        clock.now += 1.0
-        g, c, s = 2 * w + 3, w % 7, w % 3
-        for tier, keys in (("gpu", prompt[:g]), ("cpu", prompt[g:g + c]), ("ssd", prompt[g + c:g + c + s])):
-            host.store_sync(f"w{w}", tier, keys)
-            mem.store_sync(f"w{w}", tier, keys)
-        if w % 10 == 9:
-            host.remove_sync(f"w{w}", "gpu", [prompt[10]])
-            mem.remove_sync(f"w{w}", "gpu", [prompt[10]])
+    store_tier_ladder(host, mem, clock, prompt, 300)
     assert host.counters()["dropped_keys"] == 0
     queries = [prompt, prompt[:150], prompt[5:], [999_999] + prompt]
     on_numpy = [(host.match_sync(q), mem.match_sync(q), host.gpu_holders_sync(q)) for q in queries]

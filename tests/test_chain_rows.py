@@ -67,13 +67,12 @@ def test_speculative_bits_count_as_gpu_and_many_slots_leave_one_word_at_once():
     assert got == _walk(masks, starts, end, 17)
 
 
-@pytest.mark.parametrize("seed", range(8))
-def test_random_rows_answer_as_the_python_walk(seed):
-    rng = random.Random(seed)
-    slots = rng.choice((3, 16, 17, 70, 300))
-    n = rng.randint(1, 120)
-    starts = sorted(rng.sample(range(1, 5 * n), n - 1))
-    starts = [0] + starts
+def random_rows(rng: random.Random, slots: int, n: int,
+                tier_sets: tuple[int, ...] = (1, 1, 1, 2, 4, 8, 3, 6, 9)) -> tuple[list[int], list[int], int]:
+    """``n`` rows of holder bits over ``slots`` workers (each row a nibble from ``tier_sets`` per
+    holder; a worker leaves or comes back with chance 0.03 per row), their increasing starts from
+    0 and the run's end. No row is empty: callers end the run before one."""
+    starts = [0] + sorted(rng.sample(range(1, 5 * n), n - 1))
     end = starts[-1] + rng.randint(1, 5)
     masks = []
     holders = {s: rng.random() < 0.8 for s in range(slots)}
@@ -83,8 +82,16 @@ def test_random_rows_answer_as_the_python_walk(seed):
             if rng.random() < 0.03:
                 holders[s] = not holders[s]  # a worker leaves, or comes back
             if holders[s]:
-                m |= rng.choice((1, 1, 1, 2, 4, 8, 3, 6, 9)) << (4 * s)
-        masks.append(m or 1)  # no row is empty: the caller ends the run before one
+                m |= rng.choice(tier_sets) << (4 * s)
+        masks.append(m or 1)
+    return masks, starts, end
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_rows_answer_as_the_python_walk(seed):
+    rng = random.Random(seed)
+    slots = rng.choice((3, 16, 17, 70, 300))
+    masks, starts, end = random_rows(rng, slots, rng.randint(1, 120))
     assert _matrix(masks, starts, end, slots) == _walk(masks, starts, end, slots)
 
 

@@ -34,6 +34,20 @@ def _writer(path, **kw) -> HostIndex:
     return idx
 
 
+def store_tier_ladder(host: HostIndex, mem: MemoryIndex, clock: Clock, prompt: list[int], workers: int) -> None:
+    """Worker ``w`` holds ``prompt``'s first 2w + 3 blocks in gpu, the next w % 7 in cpu and the
+    next w % 3 in ssd; every tenth worker lost block 10 (a hole). The same writes to both indexes
+    (the clock moves a second per worker: freed holder sets come back after their quarantine)."""
+    for w in range(workers):
+        clock.now += 1.0
+        g, c, s = 2 * w + 3, w % 7, w % 3
+        for tier, keys in (("gpu", prompt[:g]), ("cpu", prompt[g:g + c]), ("ssd", prompt[g + c:g + c + s])):
+            host.store_sync(f"w{w}", tier, keys)
+            mem.store_sync(f"w{w}", tier, keys)
+        if w % 10 == 9:  # a hole: the block after the tenth is gone
+            assert host.remove_sync(f"w{w}", "gpu", [prompt[10]]) == mem.remove_sync(f"w{w}", "gpu", [prompt[10]])
+
+
 def _same(host: HostIndex, mem: MemoryIndex, prompts) -> None:
     for p in prompts:
         assert host.match_sync(p) == mem.match_sync(p), p
@@ -99,14 +113,7 @@ def test_a_prompt_that_changes_holders_at_every_block_answers_as_the_memory_inde
     host = _writer(tmp_path / "index", max_keys=20_000, max_workers=128, max_holder_sets=8192, clock=clock)
     mem = MemoryIndex(clock=clock)
     prompt = list(range(1, 301))
-    for w in range(100):
-        clock.now += 1.0
-        g, c, s = 2 * w + 3, w % 7, w % 3
-        for tier, keys in (("gpu", prompt[:g]), ("cpu", prompt[g:g + c]), ("ssd", prompt[g + c:g + c + s])):
-            host.store_sync(f"w{w}", tier, keys)
-            mem.store_sync(f"w{w}", tier, keys)
-        if w % 10 == 9:  # a hole: the block after the tenth is gone
-            assert host.remove_sync(f"w{w}", "gpu", [prompt[10]]) == mem.remove_sync(f"w{w}", "gpu", [prompt[10]])
+    store_tier_ladder(host, mem, clock, prompt, 100)
     assert host.counters()["dropped_keys"] == 0
     got = host.match_sync(prompt)
     assert got == mem.match_sync(prompt)
