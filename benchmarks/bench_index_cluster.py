@@ -222,7 +222,7 @@ async def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--timed", default=",".join(VARIANTS),
                     help=f"variants timed, comma-separated, of: {', '.join(VARIANTS)}")
-    ap.add_argument("--paths", type=lambda v: v.split(","), default=["native"] if chain_rows.native is not None else ["numpy"],
+    ap.add_argument("--paths", type=lambda v: v.split(","), default=chain_rows.lookup_paths()[:1],
                     help="lookup passes, comma-separated: native (the C extension, the default where built), numpy; "
                          "several are timed in turn within each repeat")
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
@@ -230,8 +230,8 @@ async def main() -> None:
     args.timed = [v.strip() for v in args.timed.split(",") if v.strip()]
     if not args.timed or set(args.timed) - set(VARIANTS):
         ap.error(f"--timed: variants of {', '.join(VARIANTS)}")
-    if set(args.paths) - {"native", "numpy"} or ("native" in args.paths and chain_rows.native is None):
-        ap.error("--paths: native (only where the C extension is built) and numpy")
+    if bad := [p for p in args.paths if p not in chain_rows.lookup_paths()]:
+        ap.error(f"--paths: {bad}: not available (this install has {', '.join(chain_rows.lookup_paths())})")
     if args.quick:
         args.blocks_per_worker, args.prompt_tokens, args.rounds, args.repeats = 512, 4096, 30, 1
         args.prefix_groups = "0"

@@ -202,17 +202,14 @@ def main() -> None:
     ap.add_argument("--write-rate", type=float, default=2000.0,
                     help="store+remove batches of 16 blocks per second during the second reader run (0: none)")
     ap.add_argument("--quick", action="store_true", help="16 and 64 workers, 512 blocks each, 50 lookups")
-    ap.add_argument("--paths", type=lambda v: v.split(","),
-                    default=["native", "numpy"] if chain_rows.native is not None else ["numpy"],
+    ap.add_argument("--paths", type=lambda v: v.split(","), default=chain_rows.lookup_paths(),
                     help="lookup passes to time, comma-separated: native (the C extension), numpy")
     ap.add_argument("--out", help="write the rows as JSON here")
     ap.add_argument("--reader", help=argparse.SUPPRESS)
     ap.add_argument("--reader-bounds", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    bad = [p for p in args.paths if p not in ("native", "numpy")]
-    if bad or ("native" in args.paths and chain_rows.native is None):
-        ap.error(f"--paths: {bad or 'native'}: not available (the C extension is "
-                 f"{'built' if chain_rows.native is not None else 'not built'})")
+    if bad := [p for p in args.paths if p not in chain_rows.lookup_paths()]:
+        ap.error(f"--paths: {bad}: not available (this install has {', '.join(chain_rows.lookup_paths())})")
     if args.reader:
         reader_main(args)
         return

@@ -43,7 +43,7 @@ def test_timed_picks_the_variants_and_an_unknown_one_is_refused(tmp_path: Path) 
     bad = subprocess.run([*bench, "--timed", "mirror"], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert bad.returncode == 2 and "--timed: variants of cluster (plain), cluster + mirror" in bad.stderr
     bad = subprocess.run([*bench, "--paths", "fortran"], capture_output=True, text=True, timeout=60, cwd=REPO)
-    assert bad.returncode == 2 and "--paths: native" in bad.stderr
+    assert bad.returncode == 2 and "--paths: ['fortran']: not available" in bad.stderr
 
 
 def test_paths_time_each_variant_once_per_lookup_path(tmp_path: Path) -> None:

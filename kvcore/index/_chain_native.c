@@ -195,16 +195,16 @@ done:
 /* The result dict from per-slot runs (gpu, gpu|cpu, any), slots in increasing order. */
 static PyObject *
 build_matches(const int64_t *run_g, const int64_t *run_gc, const int64_t *run_a, Py_ssize_t slots,
-              Py_ssize_t run_stride, PyObject *names, PyObject *cache, PyObject *make)
+              PyObject *names, PyObject *cache, PyObject *make)
 {
     PyObject *out = PyDict_New();
     if (out == NULL)
         return NULL;
     for (Py_ssize_t s = 0; s < slots; s++) {
-        int64_t a = run_a[s * run_stride];
+        int64_t a = run_a[s];
         if (a == 0)
             continue;
-        int64_t g = run_g[s * run_stride], gc = run_gc[s * run_stride];
+        int64_t g = run_g[s], gc = run_gc[s];
         if (gc < g)
             gc = g;
         if (a < 0 || a >= RUN_LIMIT || g < 0 || gc > a) {
@@ -359,7 +359,7 @@ row_matches(PyObject *self, PyObject *args)
             }
         }
     }
-    result = build_matches(run[0], run[1], run[2], slots, 1, names, cache, make);
+    result = build_matches(run[0], run[1], run[2], slots, names, cache, make);
 done:
     PyMem_Free(runs);
     PyMem_Free(active);
@@ -386,7 +386,7 @@ runs_matches(PyObject *self, PyObject *args)
     } else {
         Py_ssize_t row = (view.strides ? view.strides[0] : view.shape[1] * 8) / 8;
         const int64_t *runs = view.buf;
-        result = build_matches(runs, runs + row, runs + 2 * row, view.shape[1], 1, names, cache, make);
+        result = build_matches(runs, runs + row, runs + 2 * row, view.shape[1], names, cache, make);
     }
     PyBuffer_Release(&view);
     return result;

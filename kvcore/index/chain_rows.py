@@ -143,6 +143,12 @@ def _slots_set(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.nonzero(bits)
 
 
+def lookup_paths() -> list[str]:
+    """The lookup passes this install has: ``native`` (the C extension, when built) first, then
+    ``numpy``. For benchmarks that time them side by side."""
+    return ["native", "numpy"] if native is not None else ["numpy"]
+
+
 def use_native(on: bool) -> bool:
     """Use the C passes (when built) or the numpy ones; returns whether the C passes are now in
     use. For side-by-side benchmarks and tests."""
