@@ -128,10 +128,8 @@ async def run_agent(args: argparse.Namespace) -> int:
     ingestor = EventIngestor(args.worker_id, args.events, args.replay, index, args.model, args.block_size,
                              topic=args.topic.encode(), heartbeat_ttl_s=args.heartbeat_ttl_s,
                              extra_state=tiers.state if tiers is not None else None)
-    stop = asyncio.Event()
+    stop = _stop_event_on_signals()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     if tiers is not None:
         await tiers.start()
     await ingestor.start()
@@ -158,6 +156,7 @@ async def run_agent(args: argparse.Namespace) -> int:
         if tiers is not None:
             await tiers.stop()
         await index.close()
+        _ignore_stop_signals()
     return status
 
 
@@ -206,10 +205,8 @@ async def run_gateway_agent(args: argparse.Namespace) -> int:
     tiers = tier_service(args, index)
     assert tiers is not None  # check_args: --tier-socket is required with a gateway index
     publisher = StatePublisher(index, args.worker_id, tiers.state, args.heartbeat_ttl_s)
-    stop = asyncio.Event()
+    stop = _stop_event_on_signals()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     await tiers.start()
     log.info("agent for worker %s: owns its tiers; the gateway %s holds the index (it ingests the worker's "
              "KV events) and locates peers; model %s, block size %d", args.worker_id, args.index, args.model,
@@ -241,7 +238,32 @@ async def run_gateway_agent(args: argparse.Namespace) -> int:
                 log.info("could not withdraw the peer state (it expires in %g s): %s", args.heartbeat_ttl_s, exc)
         await tiers.stop()
         await index.close()
+        _ignore_stop_signals()
     return status
+
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _stop_event_on_signals() -> asyncio.Event:
+    """An event the running loop sets on SIGINT or SIGTERM (a second one while stopping is a
+    no-op: the stop is already under way)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in _STOP_SIGNALS:
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+def _ignore_stop_signals() -> None:
+    """Once the stop is done: ignore SIGINT/SIGTERM for the rest of the process. Closing the
+    loop would put back the default handlers, and a stop signal sent twice (``kill`` of the
+    process group under ``timeout``, which forwards it again) would then end the process by
+    the signal, exit status -15, after a clean stop."""
+    loop = asyncio.get_running_loop()
+    for sig in _STOP_SIGNALS:
+        loop.remove_signal_handler(sig)
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def run_from_args(args: argparse.Namespace) -> int:

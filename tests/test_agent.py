@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import subprocess
+import sys
 import uuid
 
 import pytest
@@ -116,6 +117,27 @@ async def test_stopped_agent_purges_its_entries(procs, redis_url, capture, publi
         assert worker not in await reader.stats()
     finally:
         await reader.close()
+
+
+def test_a_stop_signal_after_the_stop_does_not_end_the_process_by_the_signal():
+    """`kill` of a process group under `timeout` delivers SIGTERM twice (once direct, once
+    forwarded); the second can come after the agent's loop closed, which put back the default
+    handler: the agent then died by SIGTERM (-15) after a clean stop."""
+    code = (
+        "import asyncio, os, signal, sys\n"
+        "from offload_agent.agent import _ignore_stop_signals, _stop_event_on_signals\n"
+        "async def main():\n"
+        "    stop = _stop_event_on_signals()\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    await asyncio.wait_for(stop.wait(), 30)\n"
+        "    _ignore_stop_signals()\n"
+        "asyncio.run(main())\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"  # after the loop closed
+        "os.kill(os.getpid(), signal.SIGINT)\n"
+        "print('exited cleanly')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (r.returncode, r.stdout) == (0, "exited cleanly\n"), r.stderr
 
 
 async def _has(reader: RedisIndex, keys: list[int], worker: str) -> bool:
