@@ -269,6 +269,27 @@ def test_int_rows_refuses_a_mask_wider_than_a_row_and_empty_starts():
 
 
 @needs_native
+def test_int_rows_packs_every_bit_position_of_ints_of_every_width():
+    # the packing of CPython's 30-bit digits into 64-bit words: a single bit and a run of ones
+    # ending at every position of a 3-word row (digit and word boundaries, the row's top bit),
+    # one bit past the row, a negative int
+    rows, starts = np.zeros((2, 3), np.uint64), np.zeros(2, np.int64)
+    for bit in range(192):
+        for v in (1 << bit, (1 << (bit + 1)) - 1, (1 << bit) | 1):
+            assert native.int_rows({1: v}, [1], 0, rows, starts) == (1, 1)
+            assert int.from_bytes(rows[0].tobytes(), "little") == v, (bit, hex(v))
+            hidden = (1 << bit) | (1 << 191)
+            want = v & ~hidden
+            got = native.int_rows({1: v, 2: 1 << 191}, [1, 2], hidden, rows, starts)
+            assert got == ((1, 1) if want else (0, 0)), bit
+            if want:
+                assert int.from_bytes(rows[0].tobytes(), "little") == want
+    for v in (1 << 192, (1 << 200) - 1, -1, -(1 << 70)):
+        with pytest.raises(OverflowError):
+            native.int_rows({1: v}, [1], 0, rows, starts)
+
+
+@needs_native
 def test_a_key_list_emptied_under_the_walk_is_not_read_and_bad_views_are_refused():
     # review findings: Python code run during the walk (a hidden object's truth, a key's hash)
     # emptied the caller's list, which the walk still read; a view whose rows are 12 bytes apart

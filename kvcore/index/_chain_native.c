@@ -394,7 +394,32 @@ runs_matches(PyObject *self, PyObject *args)
 
 /* ---- int_rows ------------------------------------------------------------------------------ */
 
-/* `v` (a non-negative int) as `n` little-endian bytes; -1 with OverflowError when it needs more */
+/* The digits of int `v` (PyLong_SHIFT bits each, least significant first) where this CPython's
+   layout is known (3.11: ob_digit and the sign in Py_SIZE; 3.12-3.14: long_value, the digit
+   count and sign in lv_tag, Include/cpython/longintrepr.h); *ndigits < 0 for a negative int. */
+#if PY_VERSION_HEX < 0x030C0000
+#define DIGITS_OF_INTS 1
+static inline const digit *
+int_digits(PyObject *v, Py_ssize_t *ndigits)
+{
+    *ndigits = Py_SIZE(v);
+    return ((PyLongObject *)v)->ob_digit;
+}
+#elif PY_VERSION_HEX < 0x030F0000
+#define DIGITS_OF_INTS 1
+static inline const digit *
+int_digits(PyObject *v, Py_ssize_t *ndigits)
+{
+    uintptr_t tag = ((PyLongObject *)v)->long_value.lv_tag;
+    *ndigits = (tag & 3) == 2 ? -1 : (Py_ssize_t)(tag >> 3);
+    return ((PyLongObject *)v)->long_value.ob_digit;
+}
+#endif
+
+/* `v` (a non-negative int) as `n` little-endian bytes (`n` a multiple of 8, `out` aligned to
+   8); -1 with OverflowError when it needs more or is negative. Where the digit layout is known
+   the digits are packed into 64-bit words directly (CPython's byte-array conversion goes a byte
+   at a time: ~0.4 ms for a prompt's 1,024 masks of 4,096 bits). */
 static int
 int_to_row(PyObject *v, unsigned char *out, size_t n)
 {
@@ -402,7 +427,42 @@ int_to_row(PyObject *v, unsigned char *out, size_t n)
         PyErr_SetString(PyExc_TypeError, "int_rows: masks must hold ints");
         return -1;
     }
-#if PY_VERSION_HEX >= 0x030D0000
+#ifdef DIGITS_OF_INTS
+    Py_ssize_t nd;
+    const digit *d = int_digits(v, &nd);
+    if (nd < 0) {
+        PyErr_SetString(PyExc_OverflowError, "int_rows: a mask is negative");
+        return -1;
+    }
+    if (nd > 0) {  /* the top digit is non-zero: the int's bit length from it */
+        size_t top_bits = 0;
+        for (digit t = d[nd - 1]; t; t >>= 1)
+            top_bits++;
+        if ((size_t)(nd - 1) * PyLong_SHIFT + top_bits > n * 8) {
+            PyErr_SetString(PyExc_OverflowError, "int_rows: a mask is wider than a row");
+            return -1;
+        }
+    }
+    uint64_t *words = (uint64_t *)out;
+    size_t n_words = n / 8, w = 0;
+    uint64_t acc = 0;
+    unsigned fill = 0;  /* bits of acc in use */
+    for (Py_ssize_t i = 0; i < nd; i++) {
+        uint64_t dv = d[i];
+        acc |= dv << fill;
+        fill += PyLong_SHIFT;
+        if (fill >= 64) {
+            words[w++] = acc;
+            fill -= 64;
+            acc = fill ? dv >> (PyLong_SHIFT - fill) : 0;
+        }
+    }
+    if (w < n_words)
+        words[w++] = acc;
+    if (w < n_words)
+        memset(words + w, 0, (n_words - w) * 8);
+    return 0;
+#elif PY_VERSION_HEX >= 0x030D0000
     Py_ssize_t need = PyLong_AsNativeBytes(v, out, (Py_ssize_t)n, Py_ASNATIVEBYTES_LITTLE_ENDIAN
                                            | Py_ASNATIVEBYTES_UNSIGNED_BUFFER | Py_ASNATIVEBYTES_REJECT_NEGATIVE);
     if (need < 0)

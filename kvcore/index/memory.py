@@ -71,6 +71,7 @@ class MemoryIndex(KVIndex):
         self._slot_of = slot_of
         self._masks: dict[int, int] = {}
         self._slots: dict[str, int] = {}
+        self._names_of_slots: dict[int, str] | None = {}  # slot -> worker; None after a change
         self._free_slots: list[int] = []
         # slot -> [gpu keys, cpu keys, ssd keys, {speculative key: expiry}]
         self._owned: dict[int, list] = {}
@@ -92,6 +93,7 @@ class MemoryIndex(KVIndex):
             else:
                 slot = heapq.heappop(self._free_slots) if self._free_slots else len(self._slots)
             self._slots[worker] = slot
+            self._names_of_slots = None
             self._owned[slot] = [{} for _ in TIERS] + [{}]  # untracked by the cyclic GC (docstring)
             self._gpu_sel |= 1 << (_STRIDE * slot)
         return slot
@@ -208,6 +210,7 @@ class MemoryIndex(KVIndex):
                 del self._extra_refs[ref]
         if tier is None:
             del self._slots[worker]
+            self._names_of_slots = None
             del self._owned[slot]
             if self._slot_of is None:
                 heapq.heappush(self._free_slots, slot)
@@ -501,7 +504,11 @@ class MemoryIndex(KVIndex):
         return row_matches(rows, np.array(starts, np.int64), end, self._names())
 
     def _names(self) -> dict[int, str]:
-        return {slot: name for name, slot in self._slots.items()}
+        """Slot -> worker, rebuilt after a slot was handed out or freed (callers only read it)."""
+        names = self._names_of_slots
+        if names is None:
+            names = self._names_of_slots = {slot: name for name, slot in self._slots.items()}
+        return names
 
     async def gpu_holders(self, keys: Sequence[int]) -> dict[str, int]:
         return self.gpu_holders_sync(keys)
@@ -514,8 +521,7 @@ class MemoryIndex(KVIndex):
         if hidden:
             keep = ~hidden
             values = (None if v is None else v & keep for v in values)
-        names = {slot: name for name, slot in self._slots.items()}
-        return gpu_positions(values, self._gpu_sel, names, _STRIDE)
+        return gpu_positions(values, self._gpu_sel, self._names(), _STRIDE)
 
     async def stats(self) -> dict[str, WorkerIndexStats]:
         return self.stats_sync()
