@@ -124,6 +124,21 @@ def wait_until(check, timeout_s: float = 20.0, what: str = "condition", interval
         time.sleep(interval_s)
 
 
+def admin_get(url: str, timeout_s: float = 20.0) -> httpx.Response:
+    """``GET url`` with the admin token; an answer of 503 ``index_unavailable`` is asked again
+    for up to ``timeout_s``: a gateway on a Redis index answers so for a moment
+    (``retry_after_s``) after one Redis call passed its read timeout (0.5 s), which a loaded
+    machine makes happen (the parallel suite did, once per few CI runs). Other answers are
+    returned as they are."""
+    headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+    def answered() -> httpx.Response | None:
+        got = httpx.get(url, headers=headers, timeout=60)
+        unavailable = got.status_code == 503 and got.json()["error"]["code"] == "index_unavailable"
+        return None if unavailable else got
+    return wait_until(answered, timeout_s, what=f"GET {url} answered with the index available")
+
+
 class Proc:
     """A subprocess in its own session with a hard deadline; ``stop()`` kills the whole group."""
 

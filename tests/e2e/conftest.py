@@ -30,7 +30,7 @@ import psutil
 import pytest
 from openai import OpenAI
 
-from conftest import ADMIN_TOKEN, Proc, free_port, kvroute_argv, logs_excerpt, running_up, wait_workers_idle
+from conftest import ADMIN_TOKEN, Proc, admin_get, free_port, kvroute_argv, logs_excerpt, running_up, wait_workers_idle
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
@@ -149,7 +149,7 @@ class VllmCluster:
         for w in self.workers.values():
             reset_prefix_cache(w.url, MODEL_NAME, timeout_s)
         while time.monotonic() < end:
-            idx = self.admin("GET", "/admin/index").json()["workers"]
+            idx = admin_get(self.base + "/admin/index").json()["workers"]
             gw_blocks = sum(sum(e["blocks"].values()) + e.get("speculative_blocks", 0) for e in idx.values())
             held = redis_blocks(self.redis_url)
             if gw_blocks == 0 and not any(held.get(w, 0) for w in self.workers):

@@ -46,7 +46,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from e2e.conftest import vllm_python
 from e2e.test_peer_pull_vllm import Forwarder, start_gateway, start_peer_workers
 from e2e.tier_checks import cached_by_source, random_tokens, same_output
-from conftest import ADMIN_TOKEN, Proc, free_ports, wait_until
+from conftest import ADMIN_TOKEN, Proc, admin_get, free_ports, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
@@ -93,7 +93,7 @@ class Cluster:
         return "\n".join([ln for ln in self.log(name).splitlines() if "kvroute tiers" in ln][-15:])
 
     def admin(self, path: str) -> dict:
-        r = httpx.get(self.gateway + path, headers=AUTH, timeout=30)
+        r = admin_get(self.gateway + path)  # asked again while the Redis index is briefly unavailable
         assert r.status_code == 200, r.text
         return r.json()
 

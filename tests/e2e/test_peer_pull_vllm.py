@@ -38,7 +38,7 @@ import pytest
 
 from e2e.conftest import vllm_python
 from e2e.tier_checks import TINY_BLOCK_BYTES, cached_by_source, random_tokens, same_output
-from conftest import ADMIN_TOKEN, Proc, free_ports, kvroute_argv, wait_http, wait_until
+from conftest import ADMIN_TOKEN, Proc, admin_get, free_ports, kvroute_argv, wait_http, wait_until
 from offload_agent.connector.config import kv_transfer_config, vllm_env
 
 REPO = Path(__file__).resolve().parents[2]
@@ -206,17 +206,12 @@ class Pair:
         return r.json(), worker or r.headers["x-kvroute-worker"]
 
     def admin(self, path: str, body: dict | None = None) -> dict:
-        """A POST with ``body``, else a GET; a GET answered 503 ``index_unavailable`` is asked
-        again (up to 20 s): the Redis mirror is unavailable for a moment after one of its Redis
-        calls times out, which the parallel suite's load made happen once (a 0.5 s read)."""
+        """A POST with ``body``, else a GET (asked again while the index is unavailable for a
+        moment: :func:`conftest.admin_get`); the answer must be 200."""
         if body is not None:
             r = httpx.post(self.gateway + path, headers=AUTH, json=body, timeout=30)
         else:
-            def answered() -> httpx.Response | None:
-                got = httpx.get(self.gateway + path, headers=AUTH, timeout=30)
-                unavailable = got.status_code == 503 and got.json()["error"]["code"] == "index_unavailable"
-                return None if unavailable else got
-            r = wait_until(answered, what=f"GET {path} answered with the index available")
+            r = admin_get(self.gateway + path)
         assert r.status_code == 200, r.text
         return r.json()
 
