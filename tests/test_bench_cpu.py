@@ -11,11 +11,14 @@ import pytest
 
 from kvbench.cpu import CpuMeter, cpu_report, tree_cpu_s
 
-SPIN = "import time\nend = time.process_time() + {s}\nwhile time.process_time() < end: pass\nprint('done', flush=True)\ntime.sleep(30)"
+# spins once a line arrives on stdin (sent after the meter started: what it spends before the
+# meter's first reading would not count)
+SPIN = ("import sys, time\nsys.stdin.readline()\nend = time.process_time() + {s}\n"
+        "while time.process_time() < end: pass\nprint('done', flush=True)\ntime.sleep(30)")
 
 
 def _spawn(code: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
 
 def test_a_spinning_grandchild_is_charged_to_its_root_and_an_idle_one_is_not():
@@ -27,10 +30,12 @@ def test_a_spinning_grandchild_is_charged_to_its_root_and_an_idle_one_is_not():
     try:
         meter = CpuMeter({"busy": [busy.pid], "idle": [idle.pid]})
         meter.start()
+        busy.stdin.write("go\n")
+        busy.stdin.flush()
         assert busy.stdout.readline().strip() == "done"  # waits on the spin finishing, not on a timer
         assert idle.stdout.readline().strip() == "done"
         spent = meter.stop()
-        assert 0.5 <= spent["busy"] <= 1.5  # 0.6 s of process time, plus interpreter start-up
+        assert 0.55 <= spent["busy"] <= 1.5  # 0.6 s of process time (in 10 ms ticks), plus a little
         assert spent["idle"] < 0.3
     finally:
         for p in (busy, idle):

@@ -54,9 +54,15 @@ class Setup:
         return self.pub
 
     async def connected(self) -> None:
-        await until(lambda: self.ingestor.subscriber.connected, what="SUB connected")
+        """The SUB socket connected, its subscription reached the PUB side, and the subscriber's
+        start-up replay was answered (or failed): a batch published before that replay is
+        answered would come through it, not live, and no gap would be seen."""
+        sub = self.ingestor.subscriber
+        await until(lambda: sub.connected, what="SUB connected")
         if self.pub is not None:
             await self.pub.subscribed()  # the subscription reaches the PUB side shortly after the connect
+        if sub.replay_url:
+            await until(lambda: sub.replays + sub.replay_failures >= 1, timeout_s=30, what="start-up replay")
 
     async def applied(self, seq: int) -> None:
         await until(lambda: self.ingestor.subscriber.last_seq >= seq, what=f"seq {seq} applied")
