@@ -185,3 +185,43 @@ def test_vllm_accepts_the_worker_command(compose, vllm_snippets):
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen == {"block_size": 16, "served": ["qwen2.5-1.5b-instruct"], "events_enabled": True,
                     "connector": CONNECTOR_CLASS, "prefix_caching": True}
+
+
+def test_the_gateway_images_build_stage_makes_a_wheel_with_the_lookup_extension(tmp_path):
+    # the build stage of docker/gateway.Dockerfile without Docker: only what its COPY lines
+    # bring (less .dockerignore's patterns), `pip wheel` as its RUN line runs it; the wheel must
+    # carry the compiled lookups, and the kvcore it holds must import them
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    dockerfile = REPO / "docker" / "gateway.Dockerfile"
+    (stage,) = [st for st in dockerfile.read_text().split("\nFROM ") if st.split("\n")[0].endswith(" AS build")]
+    ignore = shutil.ignore_patterns("*.so", "__pycache__", "*.egg-info", "build")
+    src = tmp_path / "src"
+    src.mkdir()
+    for line in stage.splitlines():
+        if line.startswith("COPY "):
+            *names, dest = line.split()[1:]
+            for name in names:
+                path = REPO / name
+                target = src / (path.name if dest.endswith("/") else dest)
+                if path.is_dir():
+                    shutil.copytree(path, target, ignore=ignore)
+                else:
+                    shutil.copy(path, target)
+    assert "pip wheel --no-cache-dir --no-deps -w /wheels ." in stage
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path / "wheels"),
+                           "."], cwd=src, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (wheel,) = (tmp_path / "wheels").glob("kvroute-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert [n for n in names if n.startswith("kvcore/index/_chain_native.") and n.endswith(".so")], names
+    zipfile.ZipFile(wheel).extractall(tmp_path / "site")
+    probe = subprocess.run(
+        [sys.executable, "-c", "import kvcore, kvcore.index.chain_rows as c; print(kvcore.__file__, c.NATIVE)"],
+        cwd=tmp_path, env={"PYTHONPATH": str(tmp_path / "site"), "PATH": "/usr/bin:/bin"},
+        capture_output=True, text=True, timeout=120)
+    where, native = probe.stdout.split()
+    assert (where, native) == (str(tmp_path / "site" / "kvcore" / "__init__.py"), "True"), probe.stderr[-2000:]
