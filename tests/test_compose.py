@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -191,11 +195,6 @@ def test_the_gateway_images_build_stage_makes_a_wheel_with_the_lookup_extension(
     # the build stage of docker/gateway.Dockerfile without Docker: only what its COPY lines
     # bring (less .dockerignore's patterns), `pip wheel` as its RUN line runs it; the wheel must
     # carry the compiled lookups, and the kvcore it holds must import them
-    import shutil
-    import subprocess
-    import sys
-    import zipfile
-
     dockerfile = REPO / "docker" / "gateway.Dockerfile"
     (stage,) = [st for st in dockerfile.read_text().split("\nFROM ") if st.split("\n")[0].endswith(" AS build")]
     ignore = shutil.ignore_patterns("*.so", "__pycache__", "*.egg-info", "build")
