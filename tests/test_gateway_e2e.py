@@ -264,6 +264,25 @@ def test_predicted_cached_tokens_equal_worker_cached_tokens(cluster):
     assert metric_value(cluster, "kvroute_actual_cached_tokens_sum") - before_act == total_predicted
 
 
+def test_a_refused_request_leaves_no_speculative_entries(cluster):
+    """A worker that answers an error status computed none of the prompt: the keys the gateway
+    stored for it on the way are withdrawn (these workers have no KV events, so they would have
+    stood for ``approx_ttl_s``), and the same prompt then finds no holder; an accepted one does."""
+    refused = chat_body("refused-prompt", "q", max_tokens=20_000)  # prompt + max_tokens past 16,384
+    before = {w: e["speculative_blocks"] for w, e in workers_by_id(cluster).items()}
+    r = post(cluster, "/v1/chat/completions", refused)
+    assert_openai_error(r, 400)
+    worker = r.headers["x-kvroute-worker"]
+    assert workers_by_id(cluster)[worker]["speculative_blocks"] == before[worker]
+    plan = explain(cluster, chat_body("refused-prompt", "q"))
+    assert plan["blocks"] >= 8 and plan["predicted_cached_tokens"] == 0
+    assert all(c["matched_blocks"]["gpu"] == 0 for c in plan["candidates"])
+    accepted = post(cluster, "/v1/chat/completions", chat_body("refused-prompt", "q"))
+    assert accepted.status_code == 200
+    plan = explain(cluster, chat_body("refused-prompt", "q"))
+    assert plan["chosen"] == accepted.headers["x-kvroute-worker"] and plan["predicted_cached_tokens"] > 0
+
+
 def test_explain_agrees_with_real_decision(cluster):
     for i in range(6):
         body = chat_body(f"explain-{i % 3}", f"question {i}")
@@ -726,6 +745,9 @@ def test_connect_failure_retried_on_next_best_then_502(cluster):
     r = post(cluster, "/v1/chat/completions", body)
     assert r.status_code == 200 and r.headers["x-kvroute-worker"] in ("w0", "w1")
     assert metric_value(cluster, "kvroute_upstream_retries_total") == before + 1
+    # the prompt's keys were stored for w2 before the attempt and withdrawn after it failed
+    holders = {c["worker"]: c["matched_blocks"]["gpu"] for c in explain(cluster, body)["candidates"]}
+    assert holders["w2"] == 0 and holders[r.headers["x-kvroute-worker"]] > 0
     for wid in ("w0", "w1"):
         assert admin(cluster, "POST", f"/admin/workers/{wid}/drain").status_code == 200
     r = post(cluster, "/v1/chat/completions", body)

@@ -2,6 +2,7 @@
 writes, readers in other processes, a writer that dies (mid-change too), eviction, bounds."""
 from __future__ import annotations
 
+import asyncio
 import multiprocessing as mp
 import os
 import random
@@ -103,6 +104,17 @@ def test_a_block_held_by_many_workers_costs_one_entry(tmp_path):
     got = host.match_sync(prompt)
     assert got == {f"w{w}": TierMatch(gpu=(w + 1) * 40) for w in range(48)}
     assert host.counters()["holder_sets"] == 48  # one set per prefix length, not per key
+
+
+def test_dropping_speculative_entries_leaves_the_shared_entries(tmp_path):
+    host = _writer(tmp_path / "index", max_keys=1000, max_workers=8, max_holder_sets=64)
+    prompt = list(range(1, 9))
+    host.store_sync("a", "gpu", prompt[:2])
+    host.store_speculative_sync("a", prompt[:6], 5.0)
+    host.store_speculative_sync("b", prompt[:4], 5.0)
+    assert host.match_sync(prompt) == {"a": TierMatch(gpu=6), "b": TierMatch(gpu=4)}
+    asyncio.run(host.drop_speculative("a", prompt[:6]))
+    assert host.match_sync(prompt) == {"a": TierMatch(gpu=2), "b": TierMatch(gpu=4)}
 
 
 def test_a_prompt_that_changes_holders_at_every_block_answers_as_the_memory_index(tmp_path):

@@ -120,6 +120,19 @@ async def test_a_gpu_removal_drops_the_speculative_entry_too(index, clock):
     assert await index.match(K) == {"a": TierMatch(2, 0, 0)}
 
 
+async def test_dropping_speculative_entries_leaves_confirmed_ones_and_other_workers(index, clock):
+    await index.store("a", "cpu", K[:2])
+    await index.store("a", "gpu", K[:1])
+    await index.store_speculative("a", K[:4], ttl_s=5.0)  # routed there, then refused
+    await index.store_speculative("b", K[:3], ttl_s=5.0)
+    await index.drop_speculative("a", K[:4])
+    assert await index.match(K) == {"a": TierMatch(1, 1, 0), "b": TierMatch(3, 0, 0)}
+    assert (await index.stats())["a"].speculative_blocks == 0
+    await index.drop_speculative("nobody", K)  # a worker the index never saw: nothing to do
+    await index.drop_speculative("b", K[1:2])  # a hole: b's run ends at block 1
+    assert (await index.match(K))["b"] == TierMatch(1, 0, 0)
+
+
 async def test_many_workers_and_long_prompts(index):
     keys = list(range(10_000, 10_512))
     for w in range(70):  # more workers than one 64-bit word

@@ -481,6 +481,7 @@ def test_prefill_worker_down_falls_back_to_whole(pd):
 def test_prefill_4xx_reaches_the_client(pd):
     pd["p0"].mode = "400"
     before = counts(pd)
+    speculative = _speculative_blocks(pd, "p0")
     rid = new_id()
     r = httpx.post(pd.base + "/v1/chat/completions", json=long_chat("bad-input"), headers={"x-request-id": rid},
                    timeout=30)
@@ -492,7 +493,13 @@ def test_prefill_4xx_reaches_the_client(pd):
     assert after == {**before, "prefill_rejected": before["prefill_rejected"] + 1}
     entry = next(e for e in admin(pd, "GET", "/admin/decisions").json()["decisions"] if e["request_id"] == rid)
     assert entry["pd"]["prefill_outcome"] == "prefill_rejected" and entry["pd"]["prefill_cached_tokens"] is None
+    assert _speculative_blocks(pd, "p0") == speculative  # the refused prompt's keys were withdrawn
     idle(pd)
+
+
+def _speculative_blocks(pd: PD, worker: str) -> int:
+    workers = admin(pd, "GET", "/admin/workers").json()["workers"]
+    return next(w["speculative_blocks"] for w in workers if w["id"] == worker)
 
 
 def test_client_disconnect_cancels_the_prefill_leg(pd):

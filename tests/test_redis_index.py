@@ -130,6 +130,15 @@ async def test_a_gpu_removal_drops_the_speculative_entry_too(rindex):
     assert "a" not in await rindex.match(K)
 
 
+async def test_dropping_speculative_entries_keeps_what_redis_holds(rindex):
+    await rindex.store("a", "gpu", K[:2])
+    await rindex.store_speculative("a", K[:5], ttl_s=30)
+    await rindex.store_speculative("b", K[:3], ttl_s=30)
+    assert (await rindex.match(K))["a"] == TierMatch(5, 0, 0)
+    await rindex.drop_speculative("a", K[:5])  # refused there: the local guess goes, Redis keeps its own
+    assert await rindex.match(K) == {"a": TierMatch(2, 0, 0), "b": TierMatch(3, 0, 0)}
+
+
 async def test_removing_a_worker_purges_its_keys(rindex):
     await rindex.store("a", "gpu", K)
     await rindex.store("a", "gpu", K[:2])

@@ -86,6 +86,11 @@ class KVIndex(abc.ABC):
         """Mark ``keys`` as held on ``worker``'s gpu tier for ``ttl_s`` seconds (refreshes TTL)."""
 
     @abc.abstractmethod
+    async def drop_speculative(self, worker: str, keys: Sequence[int]) -> None:
+        """Withdraw ``worker``'s speculative entries for ``keys`` (the worker refused the request
+        they were stored for, so it computed none of its prompt); its confirmed entries stay."""
+
+    @abc.abstractmethod
     async def match(self, keys: Sequence[int]) -> dict[str, TierMatch]:
         """Per worker, the longest consecutive run of ``keys`` from block 0, split by tier."""
 

@@ -701,6 +701,10 @@ class HostIndex(KVIndex):
         """This process's speculative entries (module docstring)."""
         self.speculative.store_speculative_sync(worker, keys, ttl_s)
 
+    async def drop_speculative(self, worker: str, keys: Sequence[int]) -> None:
+        """From this process's speculative entries (module docstring)."""
+        self.speculative.drop_speculative_sync(worker, keys)
+
     # ---- reads -------------------------------------------------------------------------------
     def _find_many(self, keys: np.ndarray) -> np.ndarray:
         """Holder-set id of each key (uint32; 0 when absent). Vectorized rounds, one slot per

@@ -402,6 +402,9 @@ class MemoryIndex(KVIndex):
         ref = (key, slot, t)
         self._extra_refs[ref] = self._extra_refs.get(ref, 1) + extra
 
+    async def drop_speculative(self, worker: str, keys: Sequence[int]) -> None:
+        self.drop_speculative_sync(worker, keys)
+
     def drop_speculative_sync(self, worker: str, keys: Sequence[int] | None = None) -> None:
         """Drop ``worker``'s speculative entries for ``keys`` (all of them when None)."""
         slot = self._slots.get(worker)

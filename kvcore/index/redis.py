@@ -460,6 +460,10 @@ class RedisIndex(KVIndex):
         missing, seq = await self._script(self._apply_script, args)
         return int(missing), int(seq)
 
+    async def drop_speculative(self, worker: str, keys: Sequence[int]) -> None:
+        """Local to this process, as :meth:`store_speculative`; never touches Redis."""
+        self._drop_speculative(worker, keys)
+
     def _drop_speculative(self, worker: str, keys: Sequence[int]) -> None:
         """Forget ``worker``'s speculative entries for ``keys`` (their heap entries expire as stale)."""
         for key in keys:

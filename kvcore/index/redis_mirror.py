@@ -351,6 +351,15 @@ class RedisMirrorIndex(RedisIndex):
         if self._outbox_ready is not None:
             self._outbox_ready.set()
 
+    async def drop_speculative(self, worker: str, keys: Sequence[int]) -> None:
+        """From the local copy, and from the entries not yet appended to the log; replicas that
+        already have them keep them until their TTL (the log has no withdrawal)."""
+        if self.local is not None:
+            self.local.drop_speculative_sync(worker, keys)
+        packed = _pack(keys)
+        if packed and self._outbox:
+            self._outbox = [e for e in self._outbox if e[0] != worker or e[2] != packed]
+
     async def flush(self, timeout_s: float = 1.0) -> bool:
         """Wait until every speculative entry stored so far has been appended to the log (or
         dropped because Redis was down), at most ``timeout_s``. Returns whether it got there."""

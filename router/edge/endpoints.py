@@ -318,8 +318,9 @@ class ProxyEndpoint:
         booked the request's figures for the prefill worker, which computed the prompt): only the
         decision log gets them. Forwarded (no plan): nothing to learn."""
         gw, plan, logged = self.gw, ctx.plan, ctx.logged
+        on_refused = (lambda reg: gw.router.withdraw(plan, reg)) if plan is not None else None
         if split:
-            return RelayHooks(on_attempt=on_attempt,
+            return RelayHooks(on_attempt=on_attempt, on_refused=on_refused,
                               on_cached_tokens=lambda handle, n: DecisionLog.usage(logged, n),
                               on_first_token=lambda handle: DecisionLog.first_token(logged, handle.ttft_ms))
         if plan is None:
@@ -327,7 +328,7 @@ class ProxyEndpoint:
         return RelayHooks(
             uncached_tokens=plan.uncached_tokens, predicted_ttft_ms=plan.predicted_ttft_ms,
             presumed_ttft_ms=plan.predicted_ttft_ms if ctx.body.get("stream") is not True else None,
-            on_attempt=on_attempt,
+            on_attempt=on_attempt, on_refused=on_refused,
             on_answer=(lambda reg, first: gw.stored_responses.learn(reg.id, first)) if self.kind == "responses"
             else None,
             on_first_token=lambda handle: gw.feedback.first_token(plan, handle, logged),

@@ -15,7 +15,8 @@ Then:
 
 While the leg runs the prefill worker counts the request in flight with its predicted uncached
 tokens (released in every path); the prompt's keys are recorded there as speculative index
-entries (its KV events confirm them). Cancelling the task (the client went away) closes the
+entries (its KV events confirm them), withdrawn when it cannot be reached or answers an error
+status (:meth:`router.route.planner.Router.withdraw`). Cancelling the task (the client went away) closes the
 connection, which makes vLLM abort the request and free the blocks it holds for the decode side.
 """
 from __future__ import annotations
@@ -88,6 +89,7 @@ async def prefill_leg(gw: Gateway, send, state: ClientState, ctx: RequestContext
         except UpstreamConnectError as exc:
             health = gw.upstream.health
             reg.record_probe(False, health.fail_threshold, health.rise_threshold, str(exc))
+            await gw.router.withdraw(pplan, reg)
             return _failed(request_id, reg.id, f"{type(exc).__name__}: {exc}")
         except UpstreamError as exc:
             return _failed(request_id, reg.id, f"{type(exc).__name__}: {exc}")
@@ -95,6 +97,8 @@ async def prefill_leg(gw: Gateway, send, state: ClientState, ctx: RequestContext
         handle.first_byte()
         status = resp.status
         gw.metrics.record_response(reg.id, status, time.perf_counter() - ctx.t0)
+        if status >= 400:  # refused: it computed none of the prompt
+            await gw.router.withdraw(pplan, reg)
         if 400 <= status < 500:
             state.response_started = True
             await send({"type": "http.response.start", "status": status,

@@ -164,7 +164,10 @@ class RelayHooks:
     dispatch queue when the worker's prefill should end; ``presumed_ttft_ms(worker_id)``: for an
     answer that is not streamed, when to count its prefill as done (its first byte comes only
     with the whole answer); ``on_attempt(reg)``: awaited before each attempt (speculative index
-    insert); ``on_answer(reg, first)``: a 200 answer's first bytes (the whole body when not
+    insert); ``on_refused(reg)``: awaited after an attempt on ``reg`` that computed no prompt
+    there: it could not be sent or answered before its first byte (a retry or a 502 follows), or
+    the worker answered an error status (4xx/5xx; vLLM refuses a request before scheduling it);
+    ``on_answer(reg, first)``: a 200 answer's first bytes (the whole body when not
     streamed); ``on_first_token(handle)``: a 200 event stream's first token arrived (its TTFT is
     known), called once it has been passed on to the client; ``on_cached_tokens(handle, n)``: the
     worker's reported cached tokens, after the response is complete. ``handle`` is the request's
@@ -174,6 +177,7 @@ class RelayHooks:
     predicted_ttft_ms: Callable[[str], float | None] | None = None
     presumed_ttft_ms: Callable[[str], float | None] | None = None
     on_attempt: Callable[[WorkerRegistration], Awaitable[None]] | None = None
+    on_refused: Callable[[WorkerRegistration], Awaitable[None]] | None = None
     on_answer: Callable[[WorkerRegistration, bytes], None] | None = None
     on_first_token: Callable[[InFlight], None] | None = None
     on_cached_tokens: Callable[[InFlight, int], None] | None = None
@@ -263,6 +267,8 @@ class Upstream:
             except _Retryable as exc:
                 if exc.connect_failed:
                     reg.record_probe(False, self.health.fail_threshold, self.health.rise_threshold, str(exc))
+                if hooks.on_refused is not None:
+                    await hooks.on_refused(reg)
                 if i + 1 < len(attempts):
                     self.metrics.retries.inc()
                     log.warning("worker %s unreachable (%s); retrying on %s", reg.id, exc, attempts[i + 1].id)
@@ -304,6 +310,8 @@ class Upstream:
                 raise upstream_failed(reg.id, f"{type(exc).__name__}: {exc}") from None
             status = resp.status
             tracing.set_http_status(span, status)
+            if status >= 400 and hooks.on_refused is not None:
+                await hooks.on_refused(reg)
             handle.streamed = stream and status == 200
             opening = handle.streamed and opening_only(first)  # no token yet: the prefill runs on
             if not opening:

@@ -4,13 +4,15 @@ body -> model -> token ids -> block keys -> ``index.match`` -> candidates -> ``p
 -> :class:`~router.route.plan.RoutePlan`. Planning changes nothing but the tie-break draw counter (see
 :meth:`Router._draw`); :meth:`Router.commit` then records the routed
 prompt's keys in the index as speculative entries for the worker actually used (short TTL when
-the worker publishes KV events, which confirm or drop them; long TTL in approximate mode).
+the worker publishes KV events, which confirm or drop them; long TTL in approximate mode), and
+:meth:`Router.withdraw` takes them back when that worker refused the request or could not be
+reached.
 """
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from typing import Any, NamedTuple
 
@@ -400,16 +402,23 @@ class Router:
         # index): keep them only that long, so a worker whose agent died stops attracting prompts
         event_fed = reg.has_events or self.index.agent_fed(reg.id)
         ttl = self.routing.speculative_ttl_s if event_fed else self.routing.approx_ttl_s
-        window = plan.model.sliding_window_tokens
-        need = window_blocks(window, plan.model.block_size) if window is not None else 0
         try:
-            for keys in plan.blocks.keys:
-                if not keys:
-                    continue
+            for keys in _speculative_keys(plan):
                 await self.index.store_speculative(reg.id, keys, ttl)
-                if need:  # a hybrid model's window group caches the prompt's last full blocks
-                    await self.index.store_speculative(reg.id, window_keys(keys[-need:]), ttl)
         except IndexUnavailable:  # the next lookup falls back to load as well
+            self.metrics.index_write_failures.inc()
+
+    async def withdraw(self, plan: RoutePlan, reg: WorkerRegistration) -> None:
+        """Undo :meth:`commit`'s speculative entries on ``reg``: the worker refused the request
+        (an error status: vLLM validates a request before it schedules it) or could not be
+        reached, so it holds none of the prompt for it. Its uses stay counted (the prompt was
+        asked for)."""
+        if plan.blocks is None or not plan.blocks.keys:
+            return
+        try:
+            for keys in _speculative_keys(plan):
+                await self.index.drop_speculative(reg.id, keys)
+        except IndexUnavailable:
             self.metrics.index_write_failures.inc()
 
     def ranked_by_load(self, body: dict[str, Any]) -> list[WorkerRegistration]:
@@ -492,3 +501,17 @@ class Router:
 
 
 __all__ = ["PolicyHolder", "Router", "WorkerState"]
+
+
+def _speculative_keys(plan: RoutePlan) -> Iterator[list[int]]:
+    """The key lists :meth:`Router.commit` stores for ``plan`` (and :meth:`Router.withdraw`
+    drops): each prompt's keys, and for a hybrid model the window keys of its last full blocks
+    (the window group caches those, :mod:`kvcore.sliding_window`)."""
+    window = plan.model.sliding_window_tokens
+    need = window_blocks(window, plan.model.block_size) if window is not None else 0
+    for keys in plan.blocks.keys if plan.blocks is not None else ():
+        if not keys:
+            continue
+        yield keys
+        if need:
+            yield window_keys(keys[-need:])
