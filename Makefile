@@ -27,10 +27,11 @@ endif
 export KVR_VLLM_PYTHON
 
 # System packages the test suite needs, from apt (as root or through passwordless sudo; each one
-# skipped when its command is already on PATH): redis-server (the Redis index tests) and chromium
-# (the browser tests drive /usr/bin/chromium headless). tools/install_system.sh says which command
-# to run when it cannot install them itself.
-SYSTEM_PACKAGES ?= redis-server chromium
+# skipped when its command is already on PATH): redis-server (the Redis index tests), chromium
+# (the browser tests drive /usr/bin/chromium headless) and libxxhash-dev (xxhash.h, which the C
+# chain of block keys compiles in). tools/install_system.sh says which command to run when it
+# cannot install them itself.
+SYSTEM_PACKAGES ?= redis-server chromium libxxhash-dev
 # `python3 -m venv` needs ensurepip, which Debian and Ubuntu ship apart in python3-venv.
 VENV_TOOLS := python3 -c 'import ensurepip' 2>/dev/null || bash tools/install_system.sh python3 python3-venv
 
@@ -41,9 +42,9 @@ $(PY):
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 
-# The package with its test extras, installed again whenever pyproject.toml or the C extension of
-# the index's lookups (setup.py: optional, built in place where a C compiler is) changes.
-$(VENV_STAMP): pyproject.toml setup.py kvcore/index/_chain_native.c | $(PY)
+# The package with its test extras, installed again whenever pyproject.toml or a C extension (the
+# index's lookups, the block keys; setup.py: optional, built in place where they can be) changes.
+$(VENV_STAMP): pyproject.toml setup.py kvcore/index/_chain_native.c kvcore/_block_keys_native.c | $(PY)
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 

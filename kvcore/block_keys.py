@@ -33,6 +33,15 @@ from dataclasses import dataclass, field
 
 import xxhash
 
+try:  # the loop below in C (kvcore/_block_keys_native.c), where it was built
+    from kvcore._block_keys_native import chain as _native_chain
+except ImportError:  # pragma: no cover - built wherever xxhash.h is found
+    _native_chain = None
+
+NATIVE = _native_chain is not None
+"""Whether keys of blocks without extras come from the C chain (the same keys as the Python
+loop; ``tests/test_block_keys.py`` compares them)."""
+
 ENCODING_VERSION = 1
 """Version of the encoding above. Bump it with any change that alters a key (and the root prefix
 with it). The Redis index stores it per namespace and refuses a process on another version
@@ -109,6 +118,8 @@ def block_keys(
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     n_blocks = len(token_ids) // block_size
+    if n_blocks == 0:
+        return []
     key = root_key(model) if parent is None else parent
     try:
         packed = array.array(_U32, token_ids if len(token_ids) == n_blocks * block_size
@@ -117,8 +128,10 @@ def block_keys(
         raise ValueError(f"token id out of range for block keys: {exc}") from None
     if _SWAP:
         packed.byteswap()
-    raw = packed.tobytes()  # u32 little-endian, block after block
     step = 4 * block_size
+    if _native_chain is not None and extras.is_empty():  # the common case, in C
+        return _native_chain(packed, step, key)
+    raw = packed.tobytes()  # u32 little-endian, block after block
     keys: list[int] = []
     h, append = _h, keys.append
     if extras.is_empty():  # the common case, without the per-block extras call

@@ -1,10 +1,12 @@
 """Block keys are a wire format (stored in Redis, computed by gateway and agent): pin the encoding."""
+import os
+import random
 import struct
 
 import pytest
 import xxhash
 
-from kvcore.block_keys import BlockExtras, block_keys, root_key
+from kvcore.block_keys import NATIVE, BlockExtras, block_keys, root_key
 
 
 def _by_hand(tokens, bs, model, salt=None, lora=None):
@@ -82,3 +84,49 @@ def test_any_sequence_of_ints_gives_the_same_keys():
     assert block_keys(tuple(tokens), 16, "tiny") == want
     assert block_keys(np.array(tokens, dtype=np.uint32), 16, "tiny") == want
     assert block_keys(np.array(tokens, dtype=np.int64), 16, "tiny") == want
+
+
+def _python_loop(monkeypatch, *args, **kw):
+    import kvcore.block_keys as bk
+    monkeypatch.setattr(bk, "_native_chain", None)
+    try:
+        return block_keys(*args, **kw)
+    finally:
+        monkeypatch.undo()
+
+
+@pytest.mark.skipif(not os.path.exists("/usr/include/xxhash.h"), reason="xxhash.h (libxxhash-dev) not installed")
+def test_the_c_chain_is_built_where_xxhash_h_is():
+    import kvcore.block_keys as bk
+    assert bk.NATIVE  # make install-system installs libxxhash-dev; pip install -e . builds it
+
+
+@pytest.mark.skipif(not NATIVE, reason="the C chain is not built here")
+@pytest.mark.parametrize("block_size", [1, 3, 16, 32, 1025, 2048])  # 1,025 and up: past its stack buffer
+def test_the_c_chain_gives_the_python_loops_keys(monkeypatch, block_size):
+    rng = random.Random(block_size)
+    for n_tokens in (0, block_size - 1, block_size, 5 * block_size + 2, 40 * block_size):
+        tokens = [rng.choice((0, 1, 2**31, 2**32 - 1, rng.randrange(2**32))) for _ in range(n_tokens)]
+        for parent in (None, 0, 1, 2**63, 2**64 - 1):
+            got = block_keys(tokens, block_size, "tiny", parent=parent)
+            assert got == _python_loop(monkeypatch, tokens, block_size, "tiny", parent=parent)
+            assert len(got) == n_tokens // block_size
+    assert block_keys(list(range(64)), 32, "tiny") == [8144398330449934709, 2545983542052384394]
+
+
+@pytest.mark.skipif(not NATIVE, reason="the C chain is not built here")
+def test_the_c_chain_refuses_what_the_python_loop_refuses(monkeypatch):
+    from kvcore._block_keys_native import chain
+    for parent in (-1, 2**64):
+        with pytest.raises(OverflowError):
+            block_keys([1] * 32, 32, "m", parent=parent)
+        with pytest.raises(OverflowError):
+            _python_loop(monkeypatch, [1] * 32, 32, "m", parent=parent)
+    with pytest.raises(ValueError):
+        chain(b"\0" * 10, 4, 0)  # not a whole number of blocks
+    with pytest.raises(ValueError):
+        chain(b"", 0, 0)
+    with pytest.raises(TypeError):
+        chain("text", 4, 0)
+    assert chain(b"", 4, 7) == []
+    assert block_keys([1] * 31, 32, "m", parent=-1) == []  # no full block: the parent is never read

@@ -191,10 +191,10 @@ def test_vllm_accepts_the_worker_command(compose, vllm_snippets):
                     "connector": CONNECTOR_CLASS, "prefix_caching": True}
 
 
-def test_the_gateway_images_build_stage_makes_a_wheel_with_the_lookup_extension(tmp_path):
+def test_the_gateway_images_build_stage_makes_a_wheel_with_the_c_extensions(tmp_path):
     # the build stage of docker/gateway.Dockerfile without Docker: only what its COPY lines
     # bring (less .dockerignore's patterns), `pip wheel` as its RUN line runs it; the wheel must
-    # carry the compiled lookups, and the kvcore it holds must import them
+    # carry the compiled lookups and block keys, and the kvcore it holds must import them
     dockerfile = REPO / "docker" / "gateway.Dockerfile"
     (stage,) = [st for st in dockerfile.read_text().split("\nFROM ") if st.split("\n")[0].endswith(" AS build")]
     ignore = shutil.ignore_patterns("*.so", "__pycache__", "*.egg-info", "build")
@@ -217,10 +217,14 @@ def test_the_gateway_images_build_stage_makes_a_wheel_with_the_lookup_extension(
     (wheel,) = (tmp_path / "wheels").glob("kvroute-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert [n for n in names if n.startswith("kvcore/index/_chain_native.") and n.endswith(".so")], names
+    assert [n for n in names if n.startswith("kvcore/_block_keys_native.") and n.endswith(".so")], names
+    assert "libxxhash-dev" in stage  # the header the block keys' extension compiles the hash from
     zipfile.ZipFile(wheel).extractall(tmp_path / "site")
     probe = subprocess.run(
-        [sys.executable, "-c", "import kvcore, kvcore.index.chain_rows as c; print(kvcore.__file__, c.NATIVE)"],
+        [sys.executable, "-c", "import kvcore, kvcore.index.chain_rows as c, kvcore.block_keys as k; "
+                               "print(kvcore.__file__, c.NATIVE, k.NATIVE)"],
         cwd=tmp_path, env={"PYTHONPATH": str(tmp_path / "site"), "PATH": "/usr/bin:/bin"},
         capture_output=True, text=True, timeout=120)
-    where, native = probe.stdout.split()
-    assert (where, native) == (str(tmp_path / "site" / "kvcore" / "__init__.py"), "True"), probe.stderr[-2000:]
+    where, native, native_keys = probe.stdout.split()
+    assert (where, native, native_keys) == (str(tmp_path / "site" / "kvcore" / "__init__.py"), "True", "True"), \
+        probe.stderr[-2000:]
