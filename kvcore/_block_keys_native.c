@@ -22,6 +22,10 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+#if XXH_VERSION_NUMBER < 800
+#error "XXH3 is stable from xxHash 0.8.0 on (python-xxhash's own); an older xxhash.h may hash otherwise"
+#endif
+
 #define STACK_BYTES 4104 /* 8 + a block of up to 1,024 tokens */
 
 static void put_u64le(unsigned char *out, uint64_t v) {
@@ -50,14 +54,14 @@ static PyObject *chain(PyObject *self, PyObject *args) {
     if (key == (uint64_t)-1 && PyErr_Occurred()) {
         goto done;
     }
-    if ((size_t)step + 8 > sizeof(stack_buf)) {
+    Py_ssize_t n = raw.len / step;
+    if (n > 0 && (size_t)step + 8 > sizeof(stack_buf)) {
         buf = PyMem_Malloc((size_t)step + 8);
         if (buf == NULL) {
             PyErr_NoMemory();
             goto done;
         }
     }
-    Py_ssize_t n = raw.len / step;
     out = PyList_New(n);
     if (out == NULL) {
         goto done;

@@ -283,6 +283,22 @@ def test_a_refused_request_leaves_no_speculative_entries(cluster):
     assert plan["chosen"] == accepted.headers["x-kvroute-worker"] and plan["predicted_cached_tokens"] > 0
 
 
+def test_a_refused_turn_leaves_the_conversation_it_shares_a_prefix_with(cluster):
+    """Only what the refused request added is withdrawn: the conversation's history that an
+    accepted turn put on the worker (the only record of it here: no KV events) stays credited."""
+    first = post(cluster, "/v1/chat/completions", chat_body("kept-prefix", "q1"))
+    assert first.status_code == 200
+    worker = first.headers["x-kvroute-worker"]
+    plan = explain(cluster, chat_body("kept-prefix", "q2"))
+    assert plan["chosen"] == worker and plan["predicted_cached_tokens"] >= 8 * BLOCK
+    held = plan["predicted_cached_tokens"]
+    r = post(cluster, "/v1/chat/completions", chat_body("kept-prefix", "q2", max_tokens=20_000))
+    assert_openai_error(r, 400)
+    assert r.headers["x-kvroute-worker"] == worker
+    plan = explain(cluster, chat_body("kept-prefix", "q3"))
+    assert plan["chosen"] == worker and plan["predicted_cached_tokens"] == held
+
+
 def test_explain_agrees_with_real_decision(cluster):
     for i in range(6):
         body = chat_body(f"explain-{i % 3}", f"question {i}")

@@ -196,12 +196,16 @@ async def test_speculative_ttl_counts_from_the_append_in_every_replica(env):
 async def test_dropped_speculative_entries_leave_the_local_copy_and_the_unsent_outbox(env):
     a = await env.mirror()
     b = await env.mirror()
+    await a.store_speculative("u", K[:4], ttl_s=30)  # another request's entry of the same keys...
+    await a.store_speculative("u", K[:4], ttl_s=30)
+    await a.drop_speculative("u", K[:4])  # ...is not withdrawn with the last one
     await a.store_speculative("w", K[:3], ttl_s=30)
     await a.drop_speculative("w", K[:3])  # before the append: neither copy ever gets it
     await a.store_speculative("v", K[:2], ttl_s=30)
     assert await a.flush()
     await until(lambda: _has(b.match(K), "v", TierMatch(2, 0, 0)), what="v's speculative entry in b")
     assert "w" not in await a.match(K) and "w" not in await b.match(K)
+    assert (await b.match(K))["u"] == TierMatch(4, 0, 0)
     await a.drop_speculative("v", K[:2])  # after the append: gone here, b keeps it until its TTL
     assert "v" not in await a.match(K) and (await b.match(K))["v"] == TierMatch(2, 0, 0)
 

@@ -13,9 +13,10 @@ Contract (every backend):
   (gpu > cpu > ssd) as :class:`TierMatch`: ``gpu`` = length of the consecutive gpu run from block
   0 (what vLLM's own prefix cache can hit), ``cpu`` = blocks after that run that are in gpu or cpu,
   ``ssd`` = the rest of the run. Workers holding nothing are absent from the result.
-- Speculative entries (:meth:`KVIndex.store_speculative`) count as ``gpu`` until their TTL passes.
-  The gateway writes them for the prompt it just routed: the only knowledge in approximate mode
-  (workers without KV events) and a bridge until the worker's events confirm the blocks.
+- Speculative entries (:meth:`KVIndex.store_speculative`) count as ``gpu`` until their TTL passes
+  or they are withdrawn (:meth:`KVIndex.drop_speculative`). The gateway writes them for the prompt
+  it just routed: the only knowledge in approximate mode (workers without KV events) and a bridge
+  until the worker's events confirm the blocks.
 - All methods are coroutines; the in-memory backend never suspends. Safe for one event loop.
 """
 from __future__ import annotations
@@ -88,7 +89,9 @@ class KVIndex(abc.ABC):
     @abc.abstractmethod
     async def drop_speculative(self, worker: str, keys: Sequence[int]) -> None:
         """Withdraw ``worker``'s speculative entries for ``keys`` (the worker refused the request
-        they were stored for, so it computed none of its prompt); its confirmed entries stay."""
+        they were stored for, so it computed none of its prompt); its confirmed entries stay.
+        Local to this process where the backend keeps them so (every backend but the mirror's
+        log, :mod:`kvcore.index.redis_mirror`)."""
 
     @abc.abstractmethod
     async def match(self, keys: Sequence[int]) -> dict[str, TierMatch]:

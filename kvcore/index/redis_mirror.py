@@ -352,13 +352,17 @@ class RedisMirrorIndex(RedisIndex):
             self._outbox_ready.set()
 
     async def drop_speculative(self, worker: str, keys: Sequence[int]) -> None:
-        """From the local copy, and from the entries not yet appended to the log; replicas that
-        already have them keep them until their TTL (the log has no withdrawal)."""
+        """From the local copy, and the last entry of exactly these keys for ``worker`` not yet
+        appended to the log (an earlier one is another request's). Replicas that already have
+        them keep them until their TTL (the log has no withdrawal), and so does this copy when
+        the log's own record of the entry is read back after the withdrawal."""
         if self.local is not None:
             self.local.drop_speculative_sync(worker, keys)
         packed = _pack(keys)
-        if packed and self._outbox:
-            self._outbox = [e for e in self._outbox if e[0] != worker or e[2] != packed]
+        for i in range(len(self._outbox) - 1, -1, -1):
+            if self._outbox[i][0] == worker and self._outbox[i][2] == packed:
+                del self._outbox[i]
+                break
 
     async def flush(self, timeout_s: float = 1.0) -> bool:
         """Wait until every speculative entry stored so far has been appended to the log (or

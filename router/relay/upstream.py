@@ -165,8 +165,9 @@ class RelayHooks:
     answer that is not streamed, when to count its prefill as done (its first byte comes only
     with the whole answer); ``on_attempt(reg)``: awaited before each attempt (speculative index
     insert); ``on_refused(reg)``: awaited after an attempt on ``reg`` that computed no prompt
-    there: it could not be sent or answered before its first byte (a retry or a 502 follows), or
-    the worker answered an error status (4xx/5xx; vLLM refuses a request before scheduling it);
+    there: the connection failed (a retry or a 502 follows), or the worker answered a 4xx other
+    than 408 and 429 (vLLM refuses a request it cannot serve before it schedules it; a 5xx may
+    come after the prefill ran); an error it raises is logged, not passed on;
     ``on_answer(reg, first)``: a 200 answer's first bytes (the whole body when not
     streamed); ``on_first_token(handle)``: a 200 event stream's first token arrived (its TTFT is
     known), called once it has been passed on to the client; ``on_cached_tokens(handle, n)``: the
@@ -184,6 +185,18 @@ class RelayHooks:
 
 
 NO_HOOKS = RelayHooks()
+_NOT_REFUSED = frozenset({408, 429})  # a timeout or a rate limit: the request may have been taken
+
+
+async def _refused(hooks: RelayHooks, reg: WorkerRegistration) -> None:
+    """``hooks.on_refused(reg)``; an error it raises is logged (the relay goes on: a retry, or
+    the worker's answer to the client)."""
+    if hooks.on_refused is None:
+        return
+    try:
+        await hooks.on_refused(reg)
+    except Exception:
+        log.exception("on_refused for worker %s failed", reg.id)
 
 
 class Upstream:
@@ -267,8 +280,8 @@ class Upstream:
             except _Retryable as exc:
                 if exc.connect_failed:
                     reg.record_probe(False, self.health.fail_threshold, self.health.rise_threshold, str(exc))
-                if hooks.on_refused is not None:
-                    await hooks.on_refused(reg)
+                if exc.connect_failed:
+                    await _refused(hooks, reg)
                 if i + 1 < len(attempts):
                     self.metrics.retries.inc()
                     log.warning("worker %s unreachable (%s); retrying on %s", reg.id, exc, attempts[i + 1].id)
@@ -310,8 +323,8 @@ class Upstream:
                 raise upstream_failed(reg.id, f"{type(exc).__name__}: {exc}") from None
             status = resp.status
             tracing.set_http_status(span, status)
-            if status >= 400 and hooks.on_refused is not None:
-                await hooks.on_refused(reg)
+            if 400 <= status < 500 and status not in _NOT_REFUSED and hooks.on_refused is not None:
+                await _refused(hooks, reg)
             handle.streamed = stream and status == 200
             opening = handle.streamed and opening_only(first)  # no token yet: the prefill runs on
             if not opening:

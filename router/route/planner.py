@@ -5,8 +5,8 @@ body -> model -> token ids -> block keys -> ``index.match`` -> candidates -> ``p
 :meth:`Router._draw`); :meth:`Router.commit` then records the routed
 prompt's keys in the index as speculative entries for the worker actually used (short TTL when
 the worker publishes KV events, which confirm or drop them; long TTL in approximate mode), and
-:meth:`Router.withdraw` takes them back when that worker refused the request or could not be
-reached.
+:meth:`Router.withdraw` takes back the new ones when that worker refused the request or could not
+be connected to.
 """
 from __future__ import annotations
 
@@ -409,15 +409,25 @@ class Router:
             self.metrics.index_write_failures.inc()
 
     async def withdraw(self, plan: RoutePlan, reg: WorkerRegistration) -> None:
-        """Undo :meth:`commit`'s speculative entries on ``reg``: the worker refused the request
-        (an error status: vLLM validates a request before it schedules it) or could not be
-        reached, so it holds none of the prompt for it. Its uses stay counted (the prompt was
-        asked for)."""
-        if plan.blocks is None or not plan.blocks.keys:
+        """Take back what :meth:`commit` added on ``reg`` when the worker refused the request (a
+        4xx: vLLM validates a request before it schedules it) or could not be connected to, so
+        it computed none of the prompt: the first prompt's speculative entries past the run the
+        worker held at planning (that run stays: another request put it there, or the engine
+        did). Two requests planned at once that both add the same new keys on one worker, one
+        accepted and one refused, lose them both (an under-report until the next request or
+        event); other prompts of a batched completions body keep theirs (their TTL). Its uses
+        stay counted (the prompt was asked for)."""
+        keys = plan.blocks.first_keys if plan.blocks is not None else []
+        held = plan.matches.get(reg.id)
+        added = keys[held.total:] if held is not None else keys
+        if not added:
             return
+        window = plan.model.sliding_window_tokens
+        need = window_blocks(window, plan.model.block_size) if window is not None else 0
         try:
-            for keys in _speculative_keys(plan):
-                await self.index.drop_speculative(reg.id, keys)
+            await self.index.drop_speculative(reg.id, added)
+            if need and len(added) == len(keys):  # its window keys were new with the prompt
+                await self.index.drop_speculative(reg.id, window_keys(keys[-need:]))
         except IndexUnavailable:
             self.metrics.index_write_failures.inc()
 
@@ -504,9 +514,9 @@ __all__ = ["PolicyHolder", "Router", "WorkerState"]
 
 
 def _speculative_keys(plan: RoutePlan) -> Iterator[list[int]]:
-    """The key lists :meth:`Router.commit` stores for ``plan`` (and :meth:`Router.withdraw`
-    drops): each prompt's keys, and for a hybrid model the window keys of its last full blocks
-    (the window group caches those, :mod:`kvcore.sliding_window`)."""
+    """The key lists :meth:`Router.commit` stores for ``plan``: each prompt's keys, and for a
+    hybrid model the window keys of its last full blocks (the window group caches those,
+    :mod:`kvcore.sliding_window`)."""
     window = plan.model.sliding_window_tokens
     need = window_blocks(window, plan.model.block_size) if window is not None else 0
     for keys in plan.blocks.keys if plan.blocks is not None else ():
