@@ -16,8 +16,9 @@ Then:
 While the leg runs the prefill worker counts the request in flight with its predicted uncached
 tokens (released in every path); the prompt's keys are recorded there as speculative index
 entries (its KV events confirm them), the new ones withdrawn when it refuses the connection or
-answers a 4xx other than 408 and 429 (:meth:`router.route.planner.Router.withdraw`). Cancelling the task (the client went away) closes the
-connection, which makes vLLM abort the request and free the blocks it holds for the decode side.
+answers a 4xx other than 408 and 429 (:meth:`router.route.planner.Router.withdraw`). Cancelling
+the task (the client went away) closes the connection, which makes vLLM abort the request and
+free the blocks it holds for the decode side.
 """
 from __future__ import annotations
 

@@ -280,7 +280,6 @@ class Upstream:
             except _Retryable as exc:
                 if exc.connect_failed:
                     reg.record_probe(False, self.health.fail_threshold, self.health.rise_threshold, str(exc))
-                if exc.connect_failed:
                     await _refused(hooks, reg)
                 if i + 1 < len(attempts):
                     self.metrics.retries.inc()
@@ -323,7 +322,7 @@ class Upstream:
                 raise upstream_failed(reg.id, f"{type(exc).__name__}: {exc}") from None
             status = resp.status
             tracing.set_http_status(span, status)
-            if 400 <= status < 500 and status not in _NOT_REFUSED and hooks.on_refused is not None:
+            if 400 <= status < 500 and status not in _NOT_REFUSED:
                 await _refused(hooks, reg)
             handle.streamed = stream and status == 200
             opening = handle.streamed and opening_only(first)  # no token yet: the prefill runs on

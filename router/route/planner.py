@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any, NamedTuple
 
@@ -402,9 +402,15 @@ class Router:
         # index): keep them only that long, so a worker whose agent died stops attracting prompts
         event_fed = reg.has_events or self.index.agent_fed(reg.id)
         ttl = self.routing.speculative_ttl_s if event_fed else self.routing.approx_ttl_s
+        window = plan.model.sliding_window_tokens
+        need = window_blocks(window, plan.model.block_size) if window is not None else 0
         try:
-            for keys in _speculative_keys(plan):
+            for keys in plan.blocks.keys:
+                if not keys:
+                    continue
                 await self.index.store_speculative(reg.id, keys, ttl)
+                if need:  # a hybrid model's window group caches the prompt's last full blocks
+                    await self.index.store_speculative(reg.id, window_keys(keys[-need:]), ttl)
         except IndexUnavailable:  # the next lookup falls back to load as well
             self.metrics.index_write_failures.inc()
 
@@ -511,17 +517,3 @@ class Router:
 
 
 __all__ = ["PolicyHolder", "Router", "WorkerState"]
-
-
-def _speculative_keys(plan: RoutePlan) -> Iterator[list[int]]:
-    """The key lists :meth:`Router.commit` stores for ``plan``: each prompt's keys, and for a
-    hybrid model the window keys of its last full blocks (the window group caches those,
-    :mod:`kvcore.sliding_window`)."""
-    window = plan.model.sliding_window_tokens
-    need = window_blocks(window, plan.model.block_size) if window is not None else 0
-    for keys in plan.blocks.keys if plan.blocks is not None else ():
-        if not keys:
-            continue
-        yield keys
-        if need:
-            yield window_keys(keys[-need:])
