@@ -16,9 +16,9 @@ Then:
 While the leg runs the prefill worker counts the request in flight with its predicted uncached
 tokens (released in every path); the prompt's keys are recorded there as speculative index
 entries (its KV events confirm them), the new ones withdrawn when it refuses the connection or
-answers a 4xx other than 408 and 429 (:meth:`router.route.planner.Router.withdraw`). Cancelling
-the task (the client went away) closes the connection, which makes vLLM abort the request and
-free the blocks it holds for the decode side.
+the request (:func:`router.relay.upstream.refused_status`, :meth:`router.route.planner.Router.withdraw`).
+Cancelling the task (the client went away) closes the connection, which makes vLLM abort the
+request and free the blocks it holds for the decode side.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from router.relay.stream_usage import cached_tokens_of_body
-from router.relay.upstream import ClientState, client_headers, for_rank, upstream_headers
+from router.relay.upstream import ClientState, client_headers, for_rank, refused_status, upstream_headers
 from router.route.context import RequestContext
 from router.route.pd import prefill_body, transfer_params
 from router.upstream_http import UpstreamConnectError, UpstreamError, UpstreamResponse
@@ -90,7 +90,7 @@ async def prefill_leg(gw: Gateway, send, state: ClientState, ctx: RequestContext
         except UpstreamConnectError as exc:  # refused or unreachable (a connect timeout is above)
             health = gw.upstream.health
             reg.record_probe(False, health.fail_threshold, health.rise_threshold, str(exc))
-            await _withdraw(gw, pplan, reg)
+            await gw.router.withdraw(pplan, reg)
             return _failed(request_id, reg.id, f"{type(exc).__name__}: {exc}")
         except UpstreamError as exc:
             return _failed(request_id, reg.id, f"{type(exc).__name__}: {exc}")
@@ -98,8 +98,8 @@ async def prefill_leg(gw: Gateway, send, state: ClientState, ctx: RequestContext
         handle.first_byte()
         status = resp.status
         gw.metrics.record_response(reg.id, status, time.perf_counter() - ctx.t0)
-        if 400 <= status < 500 and status not in (408, 429):  # refused: it computed none of the prompt
-            await _withdraw(gw, pplan, reg)
+        if refused_status(status):  # it computed none of the prompt
+            await gw.router.withdraw(pplan, reg)
         if 400 <= status < 500:
             state.response_started = True
             await send({"type": "http.response.start", "status": status,
@@ -122,14 +122,6 @@ async def prefill_leg(gw: Gateway, send, state: ClientState, ctx: RequestContext
         handle.finish()
         if resp is not None:
             resp.release() if done else resp.close()
-
-
-async def _withdraw(gw, pplan, reg) -> None:
-    """:meth:`router.route.planner.Router.withdraw`; an error it raises is logged (the leg goes on)."""
-    try:
-        await gw.router.withdraw(pplan, reg)
-    except Exception:
-        log.exception("withdrawing the prefill leg's entries on %s failed", reg.id)
 
 
 def _failed(request_id: str, worker_id: str, detail: str) -> PrefillResult:

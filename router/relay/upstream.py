@@ -166,8 +166,8 @@ class RelayHooks:
     with the whole answer); ``on_attempt(reg)``: awaited before each attempt (speculative index
     insert); ``on_refused(reg)``: awaited after an attempt on ``reg`` that computed no prompt
     there: the connection failed (a retry or a 502 follows), or the worker answered a 4xx other
-    than 408 and 429 (vLLM refuses a request it cannot serve before it schedules it; a 5xx may
-    come after the prefill ran); an error it raises is logged, not passed on;
+    than 408 and 429 (:func:`refused_status`); it must not raise (the gateway's,
+    :meth:`router.route.planner.Router.withdraw`, logs its own errors);
     ``on_answer(reg, first)``: a 200 answer's first bytes (the whole body when not
     streamed); ``on_first_token(handle)``: a 200 event stream's first token arrived (its TTFT is
     known), called once it has been passed on to the client; ``on_cached_tokens(handle, n)``: the
@@ -185,18 +185,14 @@ class RelayHooks:
 
 
 NO_HOOKS = RelayHooks()
-_NOT_REFUSED = frozenset({408, 429})  # a timeout or a rate limit: the request may have been taken
 
 
-async def _refused(hooks: RelayHooks, reg: WorkerRegistration) -> None:
-    """``hooks.on_refused(reg)``; an error it raises is logged (the relay goes on: a retry, or
-    the worker's answer to the client)."""
-    if hooks.on_refused is None:
-        return
-    try:
-        await hooks.on_refused(reg)
-    except Exception:
-        log.exception("on_refused for worker %s failed", reg.id)
+def refused_status(status: int) -> bool:
+    """Whether a worker's answer ``status`` says it refused the request, computing none of its
+    prompt: a 4xx (vLLM refuses a request it cannot serve before it schedules it) other than 408
+    and 429 (a timeout or a rate limit: the request may have been taken). A 5xx may come after
+    the prefill ran."""
+    return 400 <= status < 500 and status not in (408, 429)
 
 
 class Upstream:
@@ -280,7 +276,8 @@ class Upstream:
             except _Retryable as exc:
                 if exc.connect_failed:
                     reg.record_probe(False, self.health.fail_threshold, self.health.rise_threshold, str(exc))
-                    await _refused(hooks, reg)
+                    if hooks.on_refused is not None:
+                        await hooks.on_refused(reg)
                 if i + 1 < len(attempts):
                     self.metrics.retries.inc()
                     log.warning("worker %s unreachable (%s); retrying on %s", reg.id, exc, attempts[i + 1].id)
@@ -322,8 +319,8 @@ class Upstream:
                 raise upstream_failed(reg.id, f"{type(exc).__name__}: {exc}") from None
             status = resp.status
             tracing.set_http_status(span, status)
-            if 400 <= status < 500 and status not in _NOT_REFUSED:
-                await _refused(hooks, reg)
+            if refused_status(status) and hooks.on_refused is not None:
+                await hooks.on_refused(reg)
             handle.streamed = stream and status == 200
             opening = handle.streamed and opening_only(first)  # no token yet: the prefill runs on
             if not opening:

@@ -422,7 +422,8 @@ class Router:
         did). Two requests planned at once that both add the same new keys on one worker, one
         accepted and one refused, lose them both (an under-report until the next request or
         event); other prompts of a batched completions body keep theirs (their TTL). Its uses
-        stay counted (the prompt was asked for)."""
+        stay counted (the prompt was asked for). Never raises: it runs on a request's error path
+        (before a retry or the worker's answer), so a failure is counted or logged."""
         keys = plan.blocks.first_keys if plan.blocks is not None else []
         held = plan.matches.get(reg.id)
         added = keys[held.total:] if held is not None else keys
@@ -436,6 +437,8 @@ class Router:
                 await self.index.drop_speculative(reg.id, window_keys(keys[-need:]))
         except IndexUnavailable:
             self.metrics.index_write_failures.inc()
+        except Exception:
+            log.exception("withdrawing speculative entries on %s failed", reg.id)
 
     def ranked_by_load(self, body: dict[str, Any]) -> list[WorkerRegistration]:
         """For endpoints forwarded without routing (embeddings, tokenize, ...): routable
