@@ -196,6 +196,35 @@ async def test_random_ops_answer_as_the_memory_index_plain_mirror_and_a_followin
             await idx.close()
 
 
+async def test_a_withdrawal_leaves_every_partition_of_the_mirrors_that_follow(cluster):
+    rnd = random.Random(11)
+    keys = [rnd.getrandbits(64) for _ in range(64)]  # spread over the partitions
+    name = ns()
+    opened = [RedisClusterMirrorIndex(cluster.url, namespace=name, socket_timeout_s=5) for _ in range(2)]
+    a, b = opened
+
+    async def holds(index, n: int) -> bool:
+        return (await index.match(keys)).get("w") == (TierMatch(n, 0, 0) if n else None)
+    try:
+        for idx in opened:
+            await idx.open()
+        await a.store_speculative("w", keys, ttl_s=600)
+        assert await a.flush()
+        await until(lambda: holds(b, 64), timeout_s=10, what="the speculative entry in every partition of b")
+        await a.drop_speculative("w", keys[16:])  # a refused request's keys past a held run of 16
+        assert await holds(a, 16)
+        assert await a.flush()
+        await until(lambda: holds(b, 16), timeout_s=10, what="the withdrawal applied by every partition of b")
+        c = RedisClusterMirrorIndex(cluster.url, namespace=name, socket_timeout_s=5)
+        opened.append(c)
+        await c.open()  # its bootstrap replays the logs' entries less the withdrawn keys
+        await until(lambda: holds(c, 16), timeout_s=10, what="a new mirror's replay without the withdrawn keys")
+        assert await holds(a, 16) and (await b.match(keys[16:])).get("w") is None
+    finally:
+        for idx in opened:
+            await idx.close()
+
+
 async def test_encoding_partitions_and_cluster_mode_mismatches_refuse(cluster, redis_url):
     name = ns()
     meta_port = cluster.owner(cluster.client(cluster.ports[0]).execute_command("CLUSTER KEYSLOT", f"{{{name}}}"))

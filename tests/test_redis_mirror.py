@@ -193,7 +193,7 @@ async def test_speculative_ttl_counts_from_the_append_in_every_replica(env):
     assert await b.match(K) == {}
 
 
-async def test_dropped_speculative_entries_leave_the_local_copy_and_the_unsent_outbox(env):
+async def test_dropped_speculative_entries_leave_the_local_copy_the_outbox_and_then_every_replica(env):
     a = await env.mirror()
     b = await env.mirror()
     await a.store_speculative("u", K[:4], ttl_s=30)  # another request's entry of the same keys...
@@ -206,8 +206,16 @@ async def test_dropped_speculative_entries_leave_the_local_copy_and_the_unsent_o
     await until(lambda: _has(b.match(K), "v", TierMatch(2, 0, 0)), what="v's speculative entry in b")
     assert "w" not in await a.match(K) and "w" not in await b.match(K)
     assert (await b.match(K))["u"] == TierMatch(4, 0, 0)
-    await a.drop_speculative("v", K[:2])  # after the append: gone here, b keeps it until its TTL
-    assert "v" not in await a.match(K) and (await b.match(K))["v"] == TierMatch(2, 0, 0)
+    await a.drop_speculative("v", K[:2])  # after the append: gone here at once...
+    assert "v" not in await a.match(K)
+    assert await a.flush()  # ...and from b once the withdrawal appended after it is read
+    await until(lambda: _lacks(b.match(K), "v"), what="v's speculative entry withdrawn from b")
+    await env.caught_up(a, b)  # the log's record of v, read back here, did not bring it back
+    assert "v" not in await a.match(K)
+    assert (await b.match(K))["u"] == TierMatch(4, 0, 0)  # u's entry is another key set's
+    c = await env.mirror()  # a new replica replays the log's entries less the withdrawn ones
+    await env.caught_up(c)
+    assert (await c.match(K)) == {"u": TierMatch(4, 0, 0)}
 
 
 async def test_a_large_entry_is_applied_in_steps_with_lookups_in_between(env):
@@ -467,3 +475,7 @@ async def _eq(coro, want) -> bool:
 
 async def _has(coro, worker: str, want: TierMatch) -> bool:
     return (await coro).get(worker) == want
+
+
+async def _lacks(coro, worker: str) -> bool:
+    return worker not in await coro

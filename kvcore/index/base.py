@@ -90,8 +90,9 @@ class KVIndex(abc.ABC):
     async def drop_speculative(self, worker: str, keys: Sequence[int]) -> None:
         """Withdraw ``worker``'s speculative entries for ``keys`` (the worker refused the request
         they were stored for, so it computed none of its prompt); its confirmed entries stay.
-        Local to this process where the backend keeps them so (every backend but the mirror's
-        log, :mod:`kvcore.index.redis_mirror`)."""
+        Local to this process where the backend keeps them so; the Redis mirror
+        (:mod:`kvcore.index.redis_mirror`) also appends the withdrawal to its change log, for
+        every replica that holds them."""
 
     @abc.abstractmethod
     async def match(self, keys: Sequence[int]) -> dict[str, TierMatch]:

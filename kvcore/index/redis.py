@@ -109,7 +109,7 @@ from kvcore.index.base import TIERS, KVIndex, TierMatch, WorkerIndexStats, check
 from kvcore.index.errors import IndexEncodingMismatch, IndexLayoutMismatch, IndexUnavailable
 from kvcore.index.chain_rows import row_matches
 from kvcore.index.memory import tier_matches
-from kvcore.index.redis_scripts import LOG, SLOT_OF, SPECULATIVE_LUA, apply_body, clear_body
+from kvcore.index.redis_scripts import LOG, SLOT_OF, SPECULATIVE_LUA, apply_body, clear_body, speculative_ttl_ms
 
 log = logging.getLogger("kvroute.index.redis")
 _T = TypeVar("_T")
@@ -505,17 +505,19 @@ class RedisIndex(KVIndex):
                     break
         return last
 
-    async def publish_speculative(self, entries: Sequence[tuple[str, float, Sequence[int] | bytes]]) -> int:
+    async def publish_speculative(self, entries: Sequence[tuple[str, float | None, Sequence[int] | bytes]]) -> int:
         """Append ``(worker, ttl_s, keys)`` speculative entries to the change log (one round trip),
         for the replicas that read it (:class:`kvcore.index.redis_mirror.RedisMirrorIndex`); the
-        Redis index state itself does not keep them. ``keys``: ints, or already packed as 8-byte
-        big-endian. Returns the log seq of the last entry (0 for none). Raises ValueError for keys
-        that are not unsigned 64-bit ints, IndexUnavailable."""
+        Redis index state itself does not keep them. ``ttl_s`` None withdraws ``worker``'s
+        speculative entries of ``keys`` (a log record of its own, in order with the others).
+        ``keys``: ints, or already packed as 8-byte big-endian. Returns the log seq of the last
+        entry (0 for none). Raises ValueError for keys that are not unsigned 64-bit ints,
+        IndexUnavailable."""
         args: list[str | int | bytes] = [self.prefix, self.stream_maxlen]
         for worker, ttl_s, keys in entries:
             packed = keys if isinstance(keys, (bytes, bytearray)) else _pack(keys)
             if packed:
-                args += [worker, max(1, int(ttl_s * 1000)), packed]
+                args += [worker, speculative_ttl_ms(ttl_s), packed]
         if len(args) == 2:
             return 0
         return int(await self._script(self._speculative_script, args))

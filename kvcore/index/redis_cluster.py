@@ -74,7 +74,7 @@ from kvcore.block_keys import ENCODING_VERSION
 from kvcore.index.base import TIERS, check_tier
 from kvcore.index.redis import (_CLEAR_BATCH, _CONNECTION_ERRORS, DEFAULT_STREAM_MAXLEN, ENCODING_KEY, RedisIndex,
                                 _command, _mget_fixed, _op_code, _pack, _unpack)
-from kvcore.index.redis_scripts import LOG, SLOT_OF, SPECULATIVE_LUA, apply_body, clear_body
+from kvcore.index.redis_scripts import LOG, SLOT_OF, SPECULATIVE_LUA, apply_body, clear_body, speculative_ttl_ms
 
 _T = TypeVar("_T")
 log = logging.getLogger("kvroute.index.redis_cluster")
@@ -525,15 +525,15 @@ class RedisClusterIndex(RedisIndex):
                         pending[part] = "0"
         return last
 
-    async def publish_speculative(self, entries: Sequence[tuple[str, float, Sequence[int] | bytes]]) -> Any:
-        """As :meth:`RedisIndex.publish_speculative`, each entry split over the partitions of its
-        keys (one log entry per partition). Returns ``{partition: log seq of its last entry}``.
-        Raises ValueError, IndexUnavailable."""
+    async def publish_speculative(self, entries: Sequence[tuple[str, float | None, Sequence[int] | bytes]]) -> Any:
+        """As :meth:`RedisIndex.publish_speculative` (``ttl_s`` None: a withdrawal), each entry
+        split over the partitions of its keys (one log entry per partition). Returns
+        ``{partition: log seq of its last entry}``. Raises ValueError, IndexUnavailable."""
         per_part: dict[int, list[Any]] = {}
         for worker, ttl_s, keys in entries:
             if isinstance(keys, (bytes, bytearray)):
                 keys = _unpack(keys)
-            ttl_ms = max(1, int(ttl_s * 1000))
+            ttl_ms = speculative_ttl_ms(ttl_s)
             for part, pk in self._split(keys).items():
                 per_part.setdefault(part, []).extend([worker, ttl_ms, _pack(pk)])
         if not per_part:

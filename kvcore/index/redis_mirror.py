@@ -30,7 +30,9 @@ How the copy is kept (the change log is described in :mod:`kvcore.index.redis`):
   ``speculative_lookback_s`` seconds at bootstrap. So replicas on one Redis see the same evidence
   and route one prompt alike, up to the log's lag (docs/tuning/redis_index.md). Unlike the plain backend, a
   gpu removal or a purge written by any process also drops the speculative entries it covers (the
-  contract of :mod:`kvcore.index.base`; the plain backend only drops this process's own);
+  contract of :mod:`kvcore.index.base`; the plain backend only drops this process's own), and so
+  does a withdrawal (:meth:`~RedisMirrorIndex.drop_speculative`: a refused request's entries),
+  appended to the log after the entries it withdraws;
 - liveness: a worker's confirmed entries count while its heartbeat key lives, as in the plain
   backend. Its expiry is known here from ``PTTL`` (polled every ``poll_interval_s`` with the
   epoch, seq and Redis's clock in one script call) and from the heartbeat every write carries;
@@ -92,7 +94,7 @@ _APPLY_CHUNK = 1024  # keys per step within one entry (an agent's republish carr
 _OUTBOX_MAX = 10_000  # speculative entries waiting to be appended; beyond, the oldest are dropped
 _LOOKBACK_PAGE = 256  # entries per XREVRANGE page when replaying speculative entries at bootstrap
 _LAG_SAMPLES = 8192
-_S, _R, _C, _RC, _F, _H, _P, _X = (ord(c) for c in "srcRFhpx")
+_S, _R, _C, _RC, _F, _H, _P, _X, _D = (ord(c) for c in "srcRFhpxd")
 
 
 def _id_ms(entry_id: bytes) -> int:
@@ -175,7 +177,7 @@ class RedisMirrorIndex(RedisIndex):
         self._applying = False  # an entry is being applied (in steps)
         self._verify_due = 0.0
         self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
-        self._outbox: list[tuple[str, float, bytes]] = []
+        self._outbox: list[tuple[str, float | None, bytes]] = []  # (worker, ttl_s or None: withdrawal, keys)
         self._outbox_ready: asyncio.Event | None = None
         self._publishing = False
         self._sync_attempt: asyncio.Event | None = None
@@ -343,8 +345,12 @@ class RedisMirrorIndex(RedisIndex):
             return
         if self.local is not None:
             self.local.store_speculative_sync(worker, keys, ttl_s)
+        self._queue((worker, ttl_s, packed))
+
+    def _queue(self, entry: tuple[str, float | None, bytes]) -> None:
+        """Queue a log append (``ttl_s`` None: a withdrawal) for the background publisher."""
         self._ensure_started()
-        self._outbox.append((worker, ttl_s, packed))
+        self._outbox.append(entry)
         if len(self._outbox) > _OUTBOX_MAX:
             del self._outbox[0]
             self.speculative_dropped += 1
@@ -352,17 +358,24 @@ class RedisMirrorIndex(RedisIndex):
             self._outbox_ready.set()
 
     async def drop_speculative(self, worker: str, keys: Sequence[int]) -> None:
-        """From the local copy, and the last entry of exactly these keys for ``worker`` not yet
-        appended to the log (an earlier one is another request's). Replicas that already have
-        them keep them until their TTL (the log has no withdrawal), and so does this copy when
-        the log's own record of the entry is read back after the withdrawal."""
+        """From the local copy at once. The last entry of exactly these keys for ``worker`` not
+        yet appended to the log (an earlier one is another request's) is taken out of the outbox;
+        when there is none (it was appended), a withdrawal is appended after it, in the
+        background as entries are, and every replica drops those keys' speculative entries of
+        ``worker`` when it reads it. Until then a replica keeps them, and this copy may get them
+        back for that long from the log's record of the entry. A replica of a kvroute release
+        that does not know withdrawals keeps them until their TTL."""
         if self.local is not None:
             self.local.drop_speculative_sync(worker, keys)
         packed = _pack(keys)
-        for i in range(len(self._outbox) - 1, -1, -1):
-            if self._outbox[i][0] == worker and self._outbox[i][2] == packed:
-                del self._outbox[i]
-                break
+        if not packed:
+            return
+        outbox = self._outbox
+        for i in range(len(outbox) - 1, -1, -1):
+            if outbox[i][0] == worker and outbox[i][2] == packed and outbox[i][1] is not None:
+                del outbox[i]
+                return
+        self._queue((worker, None, packed))
 
     async def flush(self, timeout_s: float = 1.0) -> bool:
         """Wait until every speculative entry stored so far has been appended to the log (or
@@ -530,7 +543,7 @@ class RedisMirrorIndex(RedisIndex):
         for i in range(4, len(fields), 2):
             f, v = fields[i], fields[i + 1]
             c = f[0]
-            if c in (_X, _S, _R, _C):
+            if c in (_X, _S, _R, _C, _D):
                 keys = _unpack(v)
                 self.keys_applied += len(keys)
                 left_s = ttl_ms / 1000.0 - age_s
@@ -539,6 +552,8 @@ class RedisMirrorIndex(RedisIndex):
                     if c == _X:
                         if left_s > 0:
                             idx.store_speculative_sync(worker, chunk, left_s)
+                    elif c == _D:  # a withdrawal (speculative entries are in no snapshot)
+                        idx.drop_speculative_sync(worker, chunk)
                     elif c == _S:
                         if state:
                             idx.store_sync(worker, TIERS[f[1] - 48], chunk)
@@ -643,7 +658,7 @@ class RedisMirrorIndex(RedisIndex):
     async def _replay_speculative(self, idx: MemoryIndex, end_id: bytes, log_key: bytes | None = None,
                                   atomic: Callable[[Sequence[bytes]], Any] | None = None) -> None:
         """Speculative entries appended up to ``end_id`` within the last ``speculative_lookback_s``
-        seconds (less those a later gpu removal or purge dropped) into ``idx``, with what is left
+        seconds (less those a later gpu removal, withdrawal or purge dropped) into ``idx``, with what is left
         of their TTL. ``log_key``/``atomic``: another change log and how to read it (a cluster
         partition's), instead of this index's own."""
         log_key = log_key or self._log_key
@@ -674,7 +689,7 @@ class RedisMirrorIndex(RedisIndex):
                     d = held.setdefault(worker, {})
                     for k in _unpack(v):
                         d[k] = expiry
-                elif f == b"r0" and worker in held:
+                elif (f == b"r0" or f == b"d") and worker in held:
                     d = held[worker]
                     for k in _unpack(v):
                         d.pop(k, None)

@@ -42,16 +42,29 @@ end
 """
 
 # ARGV: prefix, log maxlen, then (worker, ttl ms, packed 8-byte keys) triples: a gateway's
-# speculative entries, which live only in the log (and in the replicas that read it). Returns the
-# log seq of the last one. The cluster runs it per partition (KEYS[1] the partition's seq key).
+# speculative entries, which live only in the log (and in the replicas that read it), logged as
+# fields 'p' (ttl ms) and 'x' (keys); a ttl of 0 withdraws the worker's speculative entries of those
+# keys instead, logged as field 'd' (a reader that does not know 'd' skips it, keeping the entries
+# until their TTL). Returns the log seq of the last one. The cluster runs it per partition
+# (KEYS[1] the partition's seq key).
 SPECULATIVE_LUA = LOG + """
 local p = ARGV[1]
 local n = 0
 for j = 3, #ARGV, 3 do
-  n = log(p, ARGV[2], {'w', ARGV[j], 'p', ARGV[j + 1], 'x', ARGV[j + 2]})
+  if ARGV[j + 1] == '0' then
+    n = log(p, ARGV[2], {'w', ARGV[j], 'd', ARGV[j + 2]})
+  else
+    n = log(p, ARGV[2], {'w', ARGV[j], 'p', ARGV[j + 1], 'x', ARGV[j + 2]})
+  end
 end
 return n
 """
+
+
+def speculative_ttl_ms(ttl_s: float | None) -> int:
+    """:data:`SPECULATIVE_LUA`'s ttl argument: ``ttl_s`` in ms, at least 1; 0 (a withdrawal) for None."""
+    return 0 if ttl_s is None else max(1, int(ttl_s * 1000))
+
 
 _APPLY = Template("""local missing = 0
 local fields = {'w', ARGV[2], 'h', ARGV[$ttl]}
