@@ -201,21 +201,25 @@ async def test_dropped_speculative_entries_leave_the_local_copy_the_outbox_and_t
     await a.drop_speculative("u", K[:4])  # ...is not withdrawn with the last one
     await a.store_speculative("w", K[:3], ttl_s=30)
     await a.drop_speculative("w", K[:3])  # before the append: neither copy ever gets it
+    await a.store_speculative("s", K[:6], ttl_s=30)
+    await a.drop_speculative("s", K[3:6])  # past a held run of 3, before the append: the entry shrinks
     await a.store_speculative("v", K[:2], ttl_s=30)
-    assert await a.flush()
+    assert await a.flush(5)
     await until(lambda: _has(b.match(K), "v", TierMatch(2, 0, 0)), what="v's speculative entry in b")
+    assert (await b.match(K))["s"] == TierMatch(3, 0, 0) and "d" not in await _log_fields(env)
     assert "w" not in await a.match(K) and "w" not in await b.match(K)
     assert (await b.match(K))["u"] == TierMatch(4, 0, 0)
     await a.drop_speculative("v", K[:2])  # after the append: gone here at once...
     assert "v" not in await a.match(K)
-    assert await a.flush()  # ...and from b once the withdrawal appended after it is read
+    assert await a.flush(5)  # ...and from b once the withdrawal appended after it is read
     await until(lambda: _lacks(b.match(K), "v"), what="v's speculative entry withdrawn from b")
     await env.caught_up(a, b)  # the log's record of v, read back here, did not bring it back
     assert "v" not in await a.match(K)
     assert (await b.match(K))["u"] == TierMatch(4, 0, 0)  # u's entry is another key set's
+    assert (await _log_fields(env)).count("d") == 1
     c = await env.mirror()  # a new replica replays the log's entries less the withdrawn ones
     await env.caught_up(c)
-    assert (await c.match(K)) == {"u": TierMatch(4, 0, 0)}
+    assert (await c.match(K)) == {"u": TierMatch(4, 0, 0), "s": TierMatch(3, 0, 0)}
 
 
 async def test_a_large_entry_is_applied_in_steps_with_lookups_in_between(env):
@@ -479,3 +483,9 @@ async def _has(coro, worker: str, want: TierMatch) -> bool:
 
 async def _lacks(coro, worker: str) -> bool:
     return worker not in await coro
+
+
+async def _log_fields(env: Env) -> list[str]:
+    """Every field name of the namespace's change log, in order (``w`` with its worker: ``w=v``)."""
+    entries = await env.opened[0]._redis.xrange(f"{env.ns}:log")
+    return [f.decode() + ("=" + v.decode() if f == b"w" else "") for _, fields in entries for f, v in fields.items()]

@@ -45,7 +45,9 @@ big-endian, ``raw(k)``; a worker gets a permanent slot number ``s`` on first use
   (heartbeat, marker and state deleted; replicas drop its speculative entries); ``c<t>`` packed
   keys cleared from tier ``t`` whatever their copies (a batch of :meth:`RedisIndex.clear_worker`);
   ``p`` TTL ms then ``x`` packed keys: speculative entries of a gateway
-  (:meth:`RedisIndex.publish_speculative`; in the log only, not in the state). Replicas that have
+  (:meth:`RedisIndex.publish_speculative`; in the log only, not in the state); ``d`` packed keys:
+  the worker's speculative entries of those keys withdrawn (the same call with ``ttl_s`` None: a
+  request the worker refused; readers that predate it skip the field). Replicas that have
   applied entries 1..n hold exactly Redis's state after change n;
 - ``P meta:block_key_encoding`` STRING: the block-key encoding version
   (:data:`kvcore.block_keys.ENCODING_VERSION`, as decimal text) of the keys in this namespace,

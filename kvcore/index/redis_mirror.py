@@ -91,7 +91,8 @@ log = logging.getLogger("kvroute.index.redis_mirror")
 
 _YIELD_KEYS = 2048  # keys applied between two yields to the event loop: bounds what a lookup may wait
 _APPLY_CHUNK = 1024  # keys per step within one entry (an agent's republish carries a whole worker)
-_OUTBOX_MAX = 10_000  # speculative entries waiting to be appended; beyond, the oldest are dropped
+# speculative entries and withdrawals waiting to be appended; beyond, the oldest are dropped (counted)
+_OUTBOX_MAX = 10_000
 _LOOKBACK_PAGE = 256  # entries per XREVRANGE page when replaying speculative entries at bootstrap
 _LAG_SAMPLES = 8192
 _S, _R, _C, _RC, _F, _H, _P, _X, _D = (ord(c) for c in "srcRFhpxd")
@@ -358,13 +359,14 @@ class RedisMirrorIndex(RedisIndex):
             self._outbox_ready.set()
 
     async def drop_speculative(self, worker: str, keys: Sequence[int]) -> None:
-        """From the local copy at once. The last entry of exactly these keys for ``worker`` not
-        yet appended to the log (an earlier one is another request's) is taken out of the outbox;
-        when there is none (it was appended), a withdrawal is appended after it, in the
-        background as entries are, and every replica drops those keys' speculative entries of
-        ``worker`` when it reads it. Until then a replica keeps them, and this copy may get them
-        back for that long from the log's record of the entry. A replica of a kvroute release
-        that does not know withdrawals keeps them until their TTL."""
+        """From the local copy at once. The last entry of ``worker`` not yet appended to the log
+        whose keys end with these keys (``Router.withdraw`` takes back a prompt's keys past the
+        run the worker held) loses them in the outbox; when there is none (it was appended), a
+        withdrawal is appended after it, in the background as entries are, and every replica
+        drops those keys' speculative entries of ``worker`` when it reads it, whichever gateway
+        stored them. Until then a replica keeps them, and this copy may get them back for that
+        long from the log's record of the entry. A replica of a kvroute release that does not
+        know withdrawals keeps them until their TTL."""
         if self.local is not None:
             self.local.drop_speculative_sync(worker, keys)
         packed = _pack(keys)
@@ -372,8 +374,12 @@ class RedisMirrorIndex(RedisIndex):
             return
         outbox = self._outbox
         for i in range(len(outbox) - 1, -1, -1):
-            if outbox[i][0] == worker and outbox[i][2] == packed and outbox[i][1] is not None:
-                del outbox[i]
+            w, ttl_s, entry = outbox[i]
+            if w == worker and ttl_s is not None and entry.endswith(packed):
+                if len(entry) == len(packed):
+                    del outbox[i]
+                else:
+                    outbox[i] = (w, ttl_s, entry[:-len(packed)])
                 return
         self._queue((worker, None, packed))
 
