@@ -219,7 +219,8 @@ async def test_a_withdrawal_leaves_every_partition_of_the_mirrors_that_follow(cl
         opened.append(c)
         await c.open()  # its bootstrap replays the logs' entries less the withdrawn keys
         await until(lambda: holds(c, 16), timeout_s=10, what="a new mirror's replay without the withdrawn keys")
-        await until(lambda: holds(a, 16), timeout_s=10, what="a, having read the log back, without the withdrawn keys")
+        await until(lambda: holds(a, 16), timeout_s=10,
+                    what="a, having read the log back, without the withdrawn keys")
         assert (await b.match(keys[16:])).get("w") is None
     finally:
         for idx in opened:

@@ -664,8 +664,8 @@ class RedisMirrorIndex(RedisIndex):
     async def _replay_speculative(self, idx: MemoryIndex, end_id: bytes, log_key: bytes | None = None,
                                   atomic: Callable[[Sequence[bytes]], Any] | None = None) -> None:
         """Speculative entries appended up to ``end_id`` within the last ``speculative_lookback_s``
-        seconds (less those a later gpu removal, withdrawal or purge dropped) into ``idx``, with what is left
-        of their TTL. ``log_key``/``atomic``: another change log and how to read it (a cluster
+        seconds (less those a later gpu removal, withdrawal or purge dropped) into ``idx``, with
+        what is left of their TTL. ``log_key``/``atomic``: another change log and how to read it (a cluster
         partition's), instead of this index's own."""
         log_key = log_key or self._log_key
         atomic = atomic or self._atomic

@@ -421,9 +421,10 @@ class Router:
         worker held at planning (that run stays: another request put it there, or the engine
         did). Two requests planned at once that both add the same new keys on one worker, one
         accepted and one refused, lose them both (an under-report until the next request or
-        event; with the Redis mirror, in every gateway replica); other prompts of a batched completions body keep theirs (their TTL). Its uses
-        stay counted (the prompt was asked for). Never raises: it runs on a request's error path
-        (before a retry or the worker's answer), so a failure is counted or logged."""
+        event; with the Redis mirror, in every gateway replica); other prompts of a batched
+        completions body keep theirs (their TTL). Its uses stay counted (the prompt was asked
+        for). Never raises: it runs on a request's error path (before a retry or the worker's
+        answer), so a failure is counted or logged."""
         keys = plan.blocks.first_keys if plan.blocks is not None else []
         held = plan.matches.get(reg.id)
         added = keys[held.total:] if held is not None else keys
