@@ -795,28 +795,34 @@ def test_an_agent_api_request_waits_for_the_decode_pool_not_an_idle_prefill_work
     threads: list[threading.Thread] = []
 
     def post(key: str, path: str, body: dict) -> None:
-        results[key] = httpx.post(pd.base + path, json=body, timeout=30)
+        results[key] = httpx.post(pd.base + path, json=body, headers={"x-request-id": key}, timeout=30)
 
+    def seen(key: str) -> list[str]:
+        return [w for w in ("d0", "d1") if pd[w].of(key)]
+
+    a, b, agent = (new_id() for _ in range(3))
     try:
-        for key in ("a", "b"):
+        # each whole request must be on its decode worker (before its first byte) before the next
+        # starts: the stand-ins' `seen` lists hold the whole module's requests, so wait on ids
+        for key in (a, b):
             threads.append(threading.Thread(target=post, args=(key, "/v1/chat/completions", short)))
             threads[-1].start()
-            wait_until(lambda: metric_value(pd, "kvroute_dispatch_queue_queued") == 0
-                       and sum(len(pd[w].seen) for w in ("d0", "d1")) >= len(threads), what=f"request {key} sent")
+            wait_until(lambda: seen(key), what=f"request {key} on a decode worker")
+        assert sorted(seen(a) + seen(b)) == ["d0", "d1"]
         seen_p0 = len(pd["p0"].seen)
-        threads.append(threading.Thread(target=post, args=("agent", "/v1/messages", {
+        threads.append(threading.Thread(target=post, args=(agent, "/v1/messages", {
             "model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "hello"}]})))
         threads[-1].start()
         # on a loaded machine the request can take seconds to reach the queue; one answered
         # before it queued fails here with its answer, not after the wait
-        wait_until(lambda: metric_value(pd, "kvroute_dispatch_queue_queued") == 1 or "agent" in results,
+        wait_until(lambda: metric_value(pd, "kvroute_dispatch_queue_queued") == 1 or agent in results,
                    timeout_s=60, what="the Messages request queued")
-        assert "agent" not in results, (results["agent"].status_code, results["agent"].headers.get("x-kvroute-worker"),
-                                        results["agent"].text[:500])
+        assert agent not in results, (results[agent].status_code, results[agent].headers.get("x-kvroute-worker"),
+                                      results[agent].text[:500])
         pd.stand.loop.call_soon_threadsafe(gate.set)
         for t in threads:
             t.join(30)
-        assert results["agent"].headers["x-kvroute-worker"] in ("d0", "d1")  # the stand-ins have no such route
+        assert results[agent].headers["x-kvroute-worker"] in ("d0", "d1")  # the stand-ins have no such route
         assert len(pd["p0"].seen) == seen_p0
     finally:
         pd.stand.loop.call_soon_threadsafe(gate.set)
