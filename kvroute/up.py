@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import http.client
 import json
 import os
 import re
@@ -51,13 +52,31 @@ _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _LOWEST_PORT = 10000  # below it: the well-known ports and the registered ports services most often use
 
 
-def _chosen_port_range(path: Path = _EPHEMERAL_RANGE) -> range | None:
-    """Ports to choose from: ``_LOWEST_PORT`` up to the kernel's ephemeral range (Linux
-    ``net.ipv4.ip_local_port_range``, 32768-60999 by default), None where that range cannot be
-    read or leaves fewer than 1,000 ports below it. A port bound with port 0 (vLLM's engine and
-    executor sockets, ZMQ's wildcard binds, every outgoing connection) always comes from the
-    ephemeral range, so a port chosen below it is never taken by one of those between being
-    chosen and being bound."""
+PORT_RANGE_ENV = "KVROUTE_PORT_RANGE"
+
+
+def port_range_from_env(value: str | None) -> range | None:
+    """The ports of :data:`PORT_RANGE_ENV` (``LOW-HIGH``, both included), None when unset or empty.
+    Raises ValueError, naming the variable, on another shape or a range outside 1-65535."""
+    if not value or not value.strip():
+        return None
+    low_s, sep, high_s = value.strip().partition("-")
+    try:
+        low, high = int(low_s), int(high_s)
+    except ValueError:
+        low = high = 0
+    if not sep or not 1 <= low <= high <= 65535:
+        raise ValueError(f"{PORT_RANGE_ENV}={value!r}: expected LOW-HIGH, two ports with 1 <= LOW <= HIGH <= 65535 "
+                         f"(e.g. 20000-24999)")
+    return range(low, high + 1)
+
+
+def below_ephemeral_range(path: Path = _EPHEMERAL_RANGE) -> range | None:
+    """``_LOWEST_PORT`` up to the kernel's ephemeral range (Linux ``net.ipv4.ip_local_port_range``,
+    32768-60999 by default), None where that range cannot be read or leaves fewer than 1,000 ports
+    below it. A port bound with port 0 (vLLM's engine and executor sockets, ZMQ's wildcard binds,
+    every outgoing connection) always comes from the ephemeral range, so a port chosen below it is
+    never taken by one of those between being chosen and being bound."""
     try:
         low, _ = (int(v) for v in path.read_text().split())
     except (OSError, ValueError):
@@ -65,19 +84,30 @@ def _chosen_port_range(path: Path = _EPHEMERAL_RANGE) -> range | None:
     return range(_LOWEST_PORT, low) if low - _LOWEST_PORT >= 1000 else None
 
 
+def _chosen_port_range() -> range | None:
+    """Ports to choose from: those of :data:`PORT_RANGE_ENV` where it is set (launchers that run
+    side by side on one host, each given its own range, never choose the same port; a range that
+    reaches into the ephemeral one loses :func:`below_ephemeral_range`'s guarantee), else
+    :func:`below_ephemeral_range`. Raises ValueError on a malformed :data:`PORT_RANGE_ENV`."""
+    chosen = port_range_from_env(os.environ.get(PORT_RANGE_ENV))
+    return chosen if chosen is not None else below_ephemeral_range()
+
+
 def free_ports(n: int, host: str = "127.0.0.1", avoid: frozenset[int] | set[int] = frozenset()) -> list[int]:
     """``n`` distinct TCP ports free on ``host`` now and none in ``avoid`` (e.g. a port chosen for a
-    process that has not bound it yet), drawn at random below the kernel's ephemeral range
-    (:func:`_chosen_port_range`; from it, through port 0, where there is no room below). All are
+    process that has not bound it yet), drawn at random from :data:`PORT_RANGE_ENV`'s range where
+    it is set, else below the kernel's ephemeral range (:func:`_chosen_port_range`; from it,
+    through port 0, where there is no room below or none was free there). All are
     held open while choosing, so one call never returns the same port twice; another process
     choosing ports for itself may still take one before it is used. Raises RuntimeError when
-    ``n`` ports cannot be found."""
+    ``n`` ports cannot be found, ValueError on a malformed :data:`PORT_RANGE_ENV`."""
     socks: list[socket.socket] = []
     ports: list[int] = []
     chosen_from = _chosen_port_range()
+    only_chosen = port_range_from_env(os.environ.get(PORT_RANGE_ENV)) is not None  # never port 0
     draw = secrets.SystemRandom()
     try:
-        for attempt in range(50 * n + 1000):
+        for attempt in range(50 * n + (0 if only_chosen else 1000)):
             if len(ports) == n:
                 break
             port = draw.choice(chosen_from) if chosen_from is not None and attempt < 50 * n else 0
@@ -93,7 +123,8 @@ def free_ports(n: int, host: str = "127.0.0.1", avoid: frozenset[int] | set[int]
             if sock.getsockname()[1] not in avoid:
                 ports.append(sock.getsockname()[1])
         if len(ports) < n:
-            raise RuntimeError(f"no {n} free TCP ports on {host}")
+            within = f" in {PORT_RANGE_ENV}={os.environ[PORT_RANGE_ENV]}" if only_chosen else ""
+            raise RuntimeError(f"no {n} free TCP ports on {host}{within}")
         return ports
     finally:
         for sock in socks:
@@ -106,12 +137,13 @@ def free_port_runs(n: int, length: int, avoid: set[int], host: str = "127.0.0.1"
     port + rank). Raises RuntimeError when ``tries`` candidate runs were not enough."""
     starts: list[int] = []
     taken: set[int] = set(avoid)
+    bound = port_range_from_env(os.environ.get(PORT_RANGE_ENV))
     for _ in range(tries):
         if len(starts) == n:
             break
         start = free_ports(1, host)[0]
         run = range(start, start + length)
-        if run[-1] > 65535 or taken.intersection(run):
+        if run[-1] > 65535 or (bound is not None and run[-1] not in bound) or taken.intersection(run):
             continue
         socks = []
         try:
@@ -214,7 +246,9 @@ def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as r:
             return r.status == 200
-    except (OSError, urllib.error.URLError):
+    except (OSError, urllib.error.URLError, http.client.HTTPException):
+        # HTTPException: the port answers, but not in HTTP (another process bound it with
+        # SO_REUSEADDR before the worker's server listened; the worker then fails to listen)
         return False
 
 
@@ -244,7 +278,7 @@ def _gateway_sees_workers(base: str, n_workers: int) -> bool:
     try:
         with urllib.request.urlopen(req, timeout=2) as r:
             workers = json.loads(r.read()).get("workers", [])
-    except (OSError, urllib.error.URLError, ValueError):
+    except (OSError, urllib.error.URLError, http.client.HTTPException, ValueError):
         return False
     return len(workers) == n_workers and all(w.get("healthy") for w in workers)
 
@@ -647,6 +681,10 @@ def register(subparsers) -> None:
         if (is_pd(args) or args.cpu_tier_bytes) and model_window_tokens(args.model):
             p.error(f"{args.model} is a hybrid model (sliding-window layers): kvroute's KV connector, which the "
                     "CPU/SSD tiers and --prefill-workers/--decode-workers need, moves only single-group KV caches")
+        try:
+            port_range_from_env(os.environ.get(PORT_RANGE_ENV))
+        except ValueError as exc:
+            p.error(str(exc))
         if args.tier_option:
             if not args.cpu_tier_bytes:
                 p.error("--tier-option needs the tiers (--engine vllm --cpu-tier-bytes N)")

@@ -18,7 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvroute.up import free_ports  # the one free-ports helper (benchmarks and `kvroute up` use it too)
+# the one free-ports helper: the benchmarks, `kvroute up` and the tests use it
+from kvroute.up import PORT_RANGE_ENV, below_ephemeral_range, free_ports
 
 # benchmarks/lab/ (network namespaces, LRU replay, process CPU sampling, --json/--plot figures) is
 # the benchmarks' own library, not part of the installed package: tests import it as `lab`
@@ -54,6 +55,23 @@ def pytest_xdist_make_scheduler(config, log):
             return "tests/e2e" if module.startswith("tests/e2e/") else module
 
     return ModuleOrE2E(config, log)
+
+
+def pytest_configure(config) -> None:
+    """Under pytest-xdist each worker process chooses ports from its own slice of the range below
+    the ephemeral ports (``KVROUTE_PORT_RANGE``, inherited by every ``kvroute up`` a test starts):
+    a port chosen for a vLLM server still loading (it binds with SO_REUSEADDR but listens only
+    once its engine is up, tens of seconds later) is then never chosen and bound by a test on the
+    other worker meanwhile (a CI run once found a ZMQ publisher on a worker's HTTP port). Left
+    alone when the variable is set already."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    whole = below_ephemeral_range()
+    if count < 2 or not worker.startswith("gw") or os.environ.get(PORT_RANGE_ENV) or whole is None:
+        return
+    size = len(whole) // count
+    low = whole.start + int(worker[2:]) * size
+    os.environ[PORT_RANGE_ENV] = f"{low}-{low + size - 1}"
 
 
 def free_port() -> int:
