@@ -57,6 +57,7 @@ from kvcore.index.redis import RedisIndex
 from kvcore.kv_events.ingest import write_ops
 from kvcore.kv_events.translate import EventTranslator
 from kvcore.kv_events.wire import BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
+from kvroute.up import free_ports
 from lab.figures import add_chart, add_output_args, add_table, emit, new_figures
 
 MODEL = "bench-model"
@@ -185,9 +186,7 @@ def start_redis() -> tuple[subprocess.Popen, str]:
     exe = shutil.which("redis-server")
     if exe is None:
         raise SystemExit("redis-server not on PATH (or pass --redis-url)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_ports(1)[0]
     proc = subprocess.Popen(["timeout", "-s", "KILL", "1800", exe, "--port", str(port), "--bind", "127.0.0.1",
                              "--save", "", "--appendonly", "no", "--dir", tempfile.gettempdir()],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)

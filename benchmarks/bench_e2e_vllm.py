@@ -56,7 +56,6 @@ import argparse
 import os
 import random
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -77,6 +76,7 @@ from lab.figures import add_chart, add_output_args, add_table, emit, new_figures
 from kvbench.workers import metric_samples, reset_prefix_cache  # noqa: E402
 
 from kvcore.tokenization import PromptTokenizer  # noqa: E402
+from kvroute.up import free_ports  # noqa: E402
 
 MODEL = "small"
 BLOCK_SIZE = 32
@@ -140,9 +140,7 @@ class Cluster:
 
 def start_cluster(args: argparse.Namespace, model_dir: Path, blocks: int, log_dir: Path) -> Cluster:
     """``kvroute up --engine vllm`` with ``blocks`` KV blocks per worker; waits for its ready line."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_ports(1)[0]
     log = open(log_dir / f"up-{blocks}.log", "w")
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "KVROUTE_ADMIN_TOKEN": ADMIN_TOKEN}
     vllm_args = f"--dtype {args.dtype} --max-num-seqs 8" + ("" if args.compile else " --enforce-eager")

@@ -31,7 +31,6 @@ import json
 import os
 import random
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 from model_cache import ensure_model  # noqa: E402
 from kvbench.workers import samples_by_source  # noqa: E402
+from kvroute.up import free_ports  # noqa: E402
 
 BLOCK = 32
 TOKEN = "bench-pd-ttft"
@@ -53,9 +53,7 @@ PREFILL_LEG = {"do_remote_decode": True, "do_remote_prefill": False, "remote_eng
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def spawn(argv: list[str], log: Path, env: dict[str, str], deadline_s: int) -> subprocess.Popen:

@@ -95,9 +95,10 @@ def _chosen_port_range() -> range | None:
 
 def free_ports(n: int, host: str = "127.0.0.1", avoid: frozenset[int] | set[int] = frozenset()) -> list[int]:
     """``n`` distinct TCP ports free on ``host`` now and none in ``avoid`` (e.g. a port chosen for a
-    process that has not bound it yet), drawn at random from :data:`PORT_RANGE_ENV`'s range where
-    it is set, else below the kernel's ephemeral range (:func:`_chosen_port_range`; from it,
-    through port 0, where there is no room below or none was free there). All are
+    process that has not bound it yet), drawn at random, each port at most once, from
+    :data:`PORT_RANGE_ENV`'s range where it is set (never anything else), else from below the
+    kernel's ephemeral range (:func:`_chosen_port_range`; then from the ephemeral range through
+    port 0 where there is no room below or none was free there). All are
     held open while choosing, so one call never returns the same port twice; another process
     choosing ports for itself may still take one before it is used. Raises RuntimeError when
     ``n`` ports cannot be found, ValueError on a malformed :data:`PORT_RANGE_ENV`."""
@@ -106,11 +107,11 @@ def free_ports(n: int, host: str = "127.0.0.1", avoid: frozenset[int] | set[int]
     chosen_from = _chosen_port_range()
     only_chosen = port_range_from_env(os.environ.get(PORT_RANGE_ENV)) is not None  # never port 0
     draw = secrets.SystemRandom()
+    candidates = draw.sample(chosen_from, min(len(chosen_from), 50 * n)) if chosen_from is not None else []
     try:
-        for attempt in range(50 * n + (0 if only_chosen else 1000)):
+        for port in [*candidates, *([] if only_chosen else [0] * 1000)]:
             if len(ports) == n:
                 break
-            port = draw.choice(chosen_from) if chosen_from is not None and attempt < 50 * n else 0
             if port in avoid or port in ports:
                 continue
             sock = socket.socket()
@@ -134,16 +135,21 @@ def free_ports(n: int, host: str = "127.0.0.1", avoid: frozenset[int] | set[int]
 def free_port_runs(n: int, length: int, avoid: set[int], host: str = "127.0.0.1", tries: int = 200) -> list[int]:
     """The first ports of ``n`` runs of ``length`` consecutive TCP ports free on ``host`` now, no two
     runs overlapping and none in ``avoid`` (a data parallel worker's ranks publish on its event
-    port + rank). Raises RuntimeError when ``tries`` candidate runs were not enough."""
+    port + rank), each run inside :func:`free_ports`' range when it starts there. Raises
+    RuntimeError when ``tries`` candidate runs were not enough."""
     starts: list[int] = []
     taken: set[int] = set(avoid)
-    bound = port_range_from_env(os.environ.get(PORT_RANGE_ENV))
+    chosen_from = _chosen_port_range()
     for _ in range(tries):
         if len(starts) == n:
             break
-        start = free_ports(1, host)[0]
+        try:
+            start = free_ports(1, host)[0]
+        except RuntimeError:  # no free port left in the range: a failed try
+            continue
         run = range(start, start + length)
-        if run[-1] > 65535 or (bound is not None and run[-1] not in bound) or taken.intersection(run):
+        outside = chosen_from is not None and start in chosen_from and run[-1] not in chosen_from
+        if run[-1] > 65535 or outside or taken.intersection(run):
             continue
         socks = []
         try:
