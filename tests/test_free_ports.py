@@ -3,7 +3,10 @@ ephemeral range, so no port-0 bind (vLLM's engine sockets, ZMQ's wildcard binds,
 connections) can take one before its process binds it; ports in use are never returned."""
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -94,9 +97,6 @@ def test_a_malformed_port_range_is_refused_naming_the_variable(value: str) -> No
 
 
 def test_kvroute_up_refuses_a_malformed_port_range_at_start(tmp_path: Path) -> None:
-    import os
-    import subprocess
-    import sys
     env = {**os.environ, up.PORT_RANGE_ENV: "20000:21000"}
     r = subprocess.run([sys.executable, "-m", "kvroute", "up", "--workers", "1", "--model", "tests/fixtures/tiny-model",
                         "--port", "1", "--log-dir", str(tmp_path)], env=env, capture_output=True, text=True,
