@@ -244,10 +244,17 @@ def test_a_followers_worker_loop_waits_while_the_prober_is_live_and_calls_once_i
                 await until(lambda: p0.calls["health"] >= 6, what="the prober probing on")
                 assert p1.calls["health"] == 0 and p1.applied["health"] >= 1 and reg1.healthy is True
                 assert p1._turn is not None and not p1._turn.done()  # the follower's loop is waiting
+                # stop process 0 between two probes, once the worker has received every probe it
+                # counted: a probe cancelled before its request went out would be counted by p0
+                # and never reach the worker (nothing awaits between this check and the cancel)
+                await until(lambda: worker.calls["/health"] == p0.calls["health"], what="p0's probes received")
                 prober.cancel()  # process 0 stops probing (hung, not dead: it stays the prober)
                 stopped = time.monotonic()
                 await until(lambda: p1.calls["health"] >= 1, what="the follower probing itself")
                 assert time.monotonic() - stopped >= stale_after_s(health.interval_s, health.timeout_s) - 0.3
+                # the follower counts its probe as it sends it: wait for the worker to receive it
+                await until(lambda: worker.calls["/health"] >= p0.calls["health"] + p1.calls["health"],
+                            what="the follower's probe received")
                 assert worker.calls["/health"] == p0.calls["health"] + p1.calls["health"]
         finally:
             for task in tasks:
